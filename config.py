@@ -1,0 +1,413 @@
+"""
+Layered YAML configuration checked by JSON Schema.
+
+A run file `configs/<run>.yaml` names one file per layer under `include:` (paths relative to the folder
+of the run file, i.e. configs/) and may set values of its own:
+
+    include:
+      hardware: hardware/cpu.yaml
+      model: model/smoke.yaml
+      train: train/smoke.yaml
+      data: data/smoke.yaml
+    run_name: smoke-cpu
+    train:
+      max_steps: 300        # overrides the value from train/smoke.yaml
+
+A layer file holds one top-level key, its layer (`model:` ...), and may itself name a base file of the
+same layer with `include: model/smoke.yaml` to override only a few values. Composition order, later
+wins: included layer files, the run file, then command-line overrides `section.key=value` (values parsed
+as YAML scalars; `run_name=x` for keys of the run file itself).
+
+The composed config is validated against schema/<layer>.schema.json (the one place that says what a
+valid config is), then against the cross-field rules that JSON Schema cannot say well. Every problem is
+reported at once, one line each, naming the file the value came from, the key path, the value and what
+would be right.
+
+    python config.py configs/smoke-cpu.yaml [section.key=value ...] [--print]
+
+This module never imports torch: `make lint` validates every config in a second or so.
+"""
+
+import difflib
+import os
+import re
+import sys
+
+import jsonschema
+import yaml
+
+LAYERS = ("hardware", "model", "train", "data")
+SCHEMA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "schema")
+COMMAND_LINE = "command line"
+EXPONENT_NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+")
+
+
+class ConfigError(Exception):
+    """One or more problems with a config; str() gives one line per problem."""
+
+    def __init__(self, problems):
+        self.problems = list(problems)
+        super().__init__("\n".join(self.problems))
+
+
+# -----------------------------------------------------------------------------
+# Reading and composing
+
+
+def _read_yaml(path, included_from=None):
+    where = f" (included from {included_from})" if included_from else ""
+    if not os.path.isfile(path):
+        raise ConfigError([f"{path}: file not found{where}"])
+    try:
+        with open(path, encoding="utf-8") as f:
+            content = yaml.safe_load(f)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or str(e)
+        raise ConfigError([f"{path}: YAML syntax error{at}: {problem}"]) from None
+    if content is None:
+        content = {}
+    if not isinstance(content, dict):
+        raise ConfigError([f"{path}: expected a mapping at the top level, got {type(content).__name__}"])
+    return content
+
+
+def _merge(base, update, origins, source, prefix=()):
+    """Deep-merge `update` into `base` in place, recording which file set each leaf."""
+    for key, value in update.items():
+        path = prefix + (key,)
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            _merge(base[key], value, origins, source, path)
+        else:
+            base[key] = _copy(value)
+            for leaf in _leaf_paths(value, path):
+                origins[leaf] = source
+
+
+def _copy(value):
+    if isinstance(value, dict):
+        return {k: _copy(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_copy(v) for v in value]
+    return value
+
+
+def _leaf_paths(value, path):
+    if isinstance(value, dict) and value:
+        for k, v in value.items():
+            yield from _leaf_paths(v, path + (k,))
+    else:
+        yield path
+
+
+def _load_layer(layer, relpath, configs_root, included_from, stack):
+    path = os.path.normpath(os.path.join(configs_root, relpath))
+    if path in stack:
+        chain = " -> ".join(stack + [path])
+        raise ConfigError([f"{included_from}: include cycle: {chain}"])
+    content = _read_yaml(path, included_from)
+    base_relpath = content.pop("include", None)
+    unexpected = sorted(set(content) - {layer})
+    if unexpected:
+        raise ConfigError(
+            [
+                f"{path}: a {layer} layer file holds only the key '{layer}:' (and optionally "
+                f"'include: {layer}/<base>.yaml'); found {', '.join(map(repr, unexpected))}"
+            ]
+        )
+    section, origins = {}, {}
+    if base_relpath is not None:
+        if not isinstance(base_relpath, str):
+            raise ConfigError([f"{path}: include: expected a path like '{layer}/<base>.yaml'"])
+        section, origins = _load_layer(layer, base_relpath, configs_root, path, stack + [path])
+    body = content.get(layer) or {}
+    if not isinstance(body, dict):
+        raise ConfigError([f"{path}: {layer}: expected a mapping, got {type(body).__name__}"])
+    _merge(section, body, origins, path, (layer,))
+    return section, origins
+
+
+def parse_override(text):
+    """'train.lr=3e-4' -> (('train', 'lr'), 0.0003). Values are YAML scalars."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key or any(not part for part in key.split(".")):
+        raise ConfigError([f"{COMMAND_LINE}: {text!r}: expected section.key=value (e.g. train.seed=99)"])
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    return tuple(key.split(".")), _as_number(value)
+
+
+def _as_number(value):
+    """YAML 1.1 reads '3e-4' (no dot) as a string; on the command line it is clearly a number."""
+    if isinstance(value, str) and EXPONENT_NUMBER.fullmatch(value.strip()):
+        return float(value)
+    return value
+
+
+def compose(path, overrides=()):
+    """Compose a run file, its layers and the overrides. Returns (config, origins), unvalidated."""
+    configs_root = os.path.dirname(os.path.abspath(path)) or "."
+    run = _read_yaml(path)
+    includes = run.pop("include", None)
+    if not isinstance(includes, dict):
+        raise ConfigError(
+            [f"{path}: include: expected a mapping of layer to file, e.g. 'model: model/smoke.yaml'"]
+        )
+    problems = []
+    for layer in LAYERS:
+        if layer not in includes:
+            problems.append(f"{path}: include.{layer}: missing; name the {layer} layer file")
+    for layer in includes:
+        if layer not in LAYERS:
+            problems.append(f"{path}: include.{layer}: unknown layer; {_suggest(layer, LAYERS, 'include.')}")
+    if problems:
+        raise ConfigError(problems)
+
+    config, origins = {}, {}
+    for layer in LAYERS:
+        relpath = includes[layer]
+        if not isinstance(relpath, str):
+            raise ConfigError([f"{path}: include.{layer}: expected a file path, got {relpath!r}"])
+        section, section_origins = _load_layer(layer, relpath, configs_root, path, [os.path.abspath(path)])
+        config[layer] = section
+        origins.update(section_origins)
+    _merge(config, run, origins, path)
+
+    for text in overrides:
+        keys, value = parse_override(text)
+        node = config
+        for k in keys[:-1]:
+            if not isinstance(node.get(k), dict):
+                node[k] = {}
+            node = node[k]
+        node[keys[-1]] = value
+        for leaf in _leaf_paths(value, keys):
+            origins[leaf] = f"{COMMAND_LINE} ({text})"
+    return config, origins
+
+
+# -----------------------------------------------------------------------------
+# Validation
+
+
+def load_schema(name):
+    path = os.path.join(SCHEMA_DIR, f"{name}.schema.json")
+    with open(path, encoding="utf-8") as f:
+        return yaml.safe_load(f)  # JSON is YAML; avoids a second parser import
+
+
+def _suggest(word, candidates, prefix=""):
+    close = difflib.get_close_matches(str(word), [str(c) for c in candidates], n=1, cutoff=0.5)
+    if close:
+        return f"did you mean {prefix}{close[0]}?"
+    return "valid keys: " + ", ".join(sorted(str(c) for c in candidates))
+
+
+def _origin_of(path, origins, fallback):
+    """The file that set `path` (or, for a missing key, the file that set its parent)."""
+    path = tuple(path)
+    while path:
+        if path in origins:
+            return origins[path]
+        matches = [src for p, src in origins.items() if p[: len(path)] == path]
+        if matches:
+            return matches[-1]
+        path = path[:-1]
+    return fallback
+
+
+def _schema_at(schema, path):
+    node = schema
+    for key in path:
+        if isinstance(key, int):
+            node = node.get("items", {})
+        else:
+            node = node.get("properties", {}).get(key, {})
+    return node
+
+
+def _schema_problems(section_name, instance, schema, origins, fallback):
+    problems = []
+    validator = jsonschema.Draft202012Validator(schema)
+    for error in sorted(validator.iter_errors(instance), key=lambda e: [str(p) for p in e.absolute_path]):
+        path = (section_name,) + tuple(error.absolute_path) if section_name else tuple(error.absolute_path)
+        dotted = ".".join(str(p) for p in path)
+        if error.validator == "additionalProperties":
+            allowed = list(_schema_at(schema, error.absolute_path).get("properties", {}))
+            for key in sorted(set(error.instance) - set(allowed)):
+                key_path = path + (key,)
+                source = _origin_of(key_path, origins, fallback)
+                parent = dotted + "." if dotted else ""
+                hint = _suggest(key, allowed, parent)
+                problems.append(f"{source}: {parent}{key}: unknown key; {hint}")
+        elif error.validator == "required":
+            missing = error.message.split("'")[1] if "'" in error.message else error.message
+            source = _origin_of(path, origins, fallback)
+            parent = dotted + "." if dotted else ""
+            description = _schema_at(schema, tuple(error.absolute_path) + (missing,)).get("description", "")
+            detail = f" ({description})" if description else ""
+            problems.append(f"{source}: {parent}{missing}: required key missing{detail}")
+        else:
+            source = _origin_of(path, origins, fallback)
+            problems.append(f"{source}: {dotted}: {_describe(error)}")
+    return problems
+
+
+def _describe(error):
+    value = error.instance
+    schema = error.schema
+    kind = error.validator
+    if kind == "enum":
+        return f"{value!r} is not allowed; allowed: {', '.join(map(repr, schema['enum']))}"
+    if kind == "type":
+        hint = ""
+        if isinstance(value, str) and _as_number(value) is not value:
+            hint = f" (YAML reads {value} as text; write it with a dot, e.g. {float(value)!r})"
+        return f"{value!r} has the wrong type; expected {schema['type']}{hint}"
+    if kind in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"):
+        sign = {"minimum": ">=", "exclusiveMinimum": ">", "maximum": "<=", "exclusiveMaximum": "<"}[kind]
+        return f"{value!r} is out of range; expected {sign} {schema[kind]}"
+    if kind == "pattern":
+        return f"{value!r} does not match the pattern {schema['pattern']!r}"
+    return f"{value!r}: {error.message}"
+
+
+def _cross_field_problems(config, origins):
+    """Rules between keys that JSON Schema cannot say well. Runs only on a schema-valid config."""
+    problems = []
+
+    def problem(path, message):
+        dotted = ".".join(path)
+        problems.append(f"{_origin_of(path, origins, COMMAND_LINE)}: {dotted}: {message}")
+
+    hardware, model, train, data = (config[name] for name in LAYERS)
+    if model["d_model"] % model["n_heads"]:
+        problem(
+            ("model", "d_model"), f"{model['d_model']} must be divisible by model.n_heads={model['n_heads']}"
+        )
+    elif (model["d_model"] // model["n_heads"]) % 2:
+        problem(
+            ("model", "n_heads"),
+            f"head_dim = d_model/n_heads = {model['d_model'] // model['n_heads']} must be even "
+            "(RoPE rotates pairs)",
+        )
+    if model["n_heads"] % model["n_kv_heads"]:
+        problem(
+            ("model", "n_kv_heads"),
+            f"{model['n_kv_heads']} must divide model.n_heads={model['n_heads']} (grouped-query attention)",
+        )
+    if data["format"] == "shards" and model["vocab_size"] > 65536:
+        problem(
+            ("model", "vocab_size"),
+            f"{model['vocab_size']} does not fit the uint16 shards; expected <= 65536",
+        )
+    if data["format"] == "bytes" and model["vocab_size"] != 256:
+        problem(("model", "vocab_size"), f"{model['vocab_size']} but data.format is bytes; expected 256")
+
+    decay_steps = int(train["decay_fraction"] * train["max_steps"])
+    if train["warmup_steps"] + decay_steps > train["max_steps"]:
+        problem(
+            ("train", "warmup_steps"),
+            f"warmup_steps ({train['warmup_steps']}) + decay steps ({decay_steps} = decay_fraction "
+            f"{train['decay_fraction']} x max_steps) exceed train.max_steps={train['max_steps']}",
+        )
+
+    if hardware["dtype"] == "float16" and not hardware["grad_scaler"]:
+        problem(("hardware", "grad_scaler"), "false, but float16 needs a GradScaler; set grad_scaler: true")
+    if hardware["grad_scaler"] and hardware["dtype"] != "float16":
+        problem(("hardware", "grad_scaler"), f"true, but only float16 uses it (dtype is {hardware['dtype']})")
+    if hardware["device"] == "cpu":
+        if hardware["dtype"] == "float16":
+            problem(("hardware", "dtype"), "float16 on the CPU; expected float32 or bfloat16")
+        if hardware["attention_backend"] != "math":
+            problem(
+                ("hardware", "attention_backend"),
+                f"{hardware['attention_backend']!r} needs CUDA; the CPU profile uses 'math'",
+            )
+    return problems
+
+
+def validate(config, origins, run_path):
+    """Check a composed config; raise ConfigError listing every problem."""
+    run_view = {k: v for k, v in config.items() if k not in LAYERS}
+    problems = _schema_problems("", run_view, load_schema("run"), origins, run_path)
+    for layer in LAYERS:
+        if not isinstance(config.get(layer), dict):
+            problems.append(f"{run_path}: {layer}: expected a mapping")
+            continue
+        layer_problems = _schema_problems(layer, config[layer], load_schema(layer), origins, run_path)
+        problems.extend(layer_problems)
+    if not problems:
+        problems = _cross_field_problems(config, origins)
+    if problems:
+        raise ConfigError(problems)
+
+
+def load(path, overrides=()):
+    """Compose, validate and return the resolved config of a run file."""
+    config, origins = compose(path, overrides)
+    validate(config, origins, path)
+    return config
+
+
+def dump(config):
+    """The resolved config as YAML, in layer order (what a run saves as config.yaml)."""
+    ordered = {k: config[k] for k in config if k not in LAYERS}
+    ordered.update({layer: config[layer] for layer in LAYERS if layer in config})
+    return yaml.safe_dump(ordered, sort_keys=False, allow_unicode=True)
+
+
+def _report(path, problems):
+    count = len(problems)
+    print(f"{path}: {count} config problem{'s' if count != 1 else ''}:", file=sys.stderr)
+    for line in problems:
+        print(f"  {line}", file=sys.stderr)
+
+
+def check_all(folder):
+    """Validate every run file directly in `folder`; returns the number of invalid ones."""
+    run_files = sorted(os.path.join(folder, name) for name in os.listdir(folder) if name.endswith(".yaml"))
+    if not run_files:
+        print(f"{folder}: no run files (*.yaml) found", file=sys.stderr)
+        return 1
+    failures = 0
+    for path in run_files:
+        try:
+            load(path)
+        except ConfigError as e:
+            _report(path, e.problems)
+            failures += 1
+    print(f"{len(run_files) - failures}/{len(run_files)} run files valid in {folder}/")
+    return failures
+
+
+USAGE = (
+    "usage: python config.py CONFIG [section.key=value ...] [--print]\n       python config.py --all [FOLDER]"
+)
+
+
+def main(argv):
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE, file=sys.stderr)
+        return 2
+    if argv[0] == "--all":
+        return 2 if check_all(argv[1] if len(argv) > 1 else "configs") else 0
+    args = [a for a in argv if a != "--print"]
+    path, overrides = args[0], args[1:]
+    try:
+        config = load(path, overrides)
+    except ConfigError as e:
+        _report(path, e.problems)
+        return 2
+    if "--print" in argv:
+        print(dump(config), end="")
+    else:
+        print(f"{path}: ok")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
