@@ -1,0 +1,112 @@
+# ENLACE: the verbs a person types. Every target bootstraps .venv on first use (and again only when a
+# requirements file changes), so a fresh clone needs no separate setup step.
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.requirements.stamp
+
+CONFIG ?= configs/pretrain-2060.yaml
+NPROC ?= 1
+RUN ?= runs/smoke-cpu
+ARGS ?=
+RESUME_FLAG := $(if $(filter 1 yes true,$(RESUME)),--resume,)
+TRAIN := $(if $(filter 1,$(NPROC)),$(PY),$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC)) train.py
+
+.PHONY: setup lint check-configs test clean smoke smoke-2060 pretrain resume-check data-smoke \
+	corpus tokenizer encode corpus-smoke smoke-corpus sample chat eval bench search sync \
+	remote-smoke-2060 remote-pretrain logs status
+
+setup: $(STAMP)
+
+$(STAMP): requirements.txt requirements-dev.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -r requirements-dev.txt
+	touch $(STAMP)
+
+# --- checks ---------------------------------------------------------------------------------------
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/yamllint --strict .
+	$(PY) config.py --all configs
+
+check-configs: $(STAMP)
+	$(PY) config.py --all configs
+
+test: $(STAMP)
+	$(VENV)/bin/pytest -q
+
+bench: $(STAMP)
+	$(PY) bench.py $(ARGS)
+
+clean:
+	rm -rf .pytest_cache .ruff_cache
+	find . -name __pycache__ -not -path './$(VENV)/*' -prune -exec rm -rf {} +
+
+# --- data -----------------------------------------------------------------------------------------
+
+data-smoke: $(STAMP)
+	scripts/prepare_smoke_data.sh
+
+corpus: $(STAMP)
+	$(PY) data.py corpus $(CONFIG)
+
+tokenizer: $(STAMP)
+	$(PY) data.py tokenizer $(CONFIG)
+
+encode: $(STAMP)
+	$(PY) data.py encode $(CONFIG)
+
+corpus-smoke: $(STAMP)
+	$(PY) data.py all configs/smoke-corpus-cpu.yaml
+
+# --- training -------------------------------------------------------------------------------------
+
+smoke: data-smoke
+	$(PY) train.py configs/smoke-cpu.yaml $(ARGS)
+
+smoke-2060: data-smoke
+	$(PY) train.py configs/smoke-2060.yaml $(ARGS)
+
+smoke-corpus: corpus-smoke
+	$(PY) train.py configs/smoke-corpus-cpu.yaml $(ARGS)
+
+pretrain: $(STAMP)
+	$(TRAIN) $(CONFIG) $(ARGS) $(RESUME_FLAG)
+
+resume-check: $(STAMP)
+	$(PY) train.py $(CONFIG) --resume-check $(ARGS)
+
+# --- using a model --------------------------------------------------------------------------------
+
+sample: $(STAMP)
+	$(PY) sample.py $(RUN) $(ARGS)
+
+chat: $(STAMP)
+	$(PY) sample.py $(RUN) --chat $(ARGS)
+
+eval: $(STAMP)
+	$(PY) sample.py $(RUN) --eval val $(ARGS)
+
+search: $(STAMP)
+	$(PY) search.py "$(Q)" $(ARGS)
+
+# --- the GPU server over SSH (settings in .env, see .env.example) ---------------------------------
+
+sync:
+	scripts/remote.sh sync
+
+remote-smoke-2060: sync
+	scripts/remote.sh run configs/smoke-2060.yaml
+
+remote-pretrain: sync
+	scripts/remote.sh run $(CONFIG) $(RESUME_FLAG)
+
+logs:
+	scripts/remote.sh logs $(RUN_NAME)
+
+status:
+	scripts/remote.sh status
