@@ -28,10 +28,10 @@ $(STAMP): requirements.txt requirements-dev.txt
 # --- checks ---------------------------------------------------------------------------------------
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check .
-	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/yamllint --strict .
 	$(PY) config.py --all configs
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 check-configs: $(STAMP)
 	$(PY) config.py --all configs

@@ -304,6 +304,12 @@ def _cross_field_problems(config, origins):
             ("model", "vocab_size"),
             f"{model['vocab_size']} does not fit the uint16 shards; expected <= 65536",
         )
+    tokenizer_vocab = data.get("tokenizer", {}).get("vocab_size")
+    if data["format"] == "shards" and tokenizer_vocab is not None and tokenizer_vocab != model["vocab_size"]:
+        problem(
+            ("model", "vocab_size"),
+            f"{model['vocab_size']} but data.tokenizer.vocab_size is {tokenizer_vocab}; they must be equal",
+        )
     if data["format"] == "bytes" and model["vocab_size"] != 256:
         problem(("model", "vocab_size"), f"{model['vocab_size']} but data.format is bytes; expected 256")
 
