@@ -1,0 +1,413 @@
+"""The decoder in model.py: attention, RoPE, tying, losses, parameter count, KV cache, generation."""
+
+import json
+import math
+import os
+import re
+
+import jsonschema
+import pytest
+import torch
+import torch.nn.functional as F
+import yaml
+from torch.profiler import profile
+
+import model
+from model import Transformer, apply_rope, rope_tables, sample_token
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def shipped(name):
+    with open(os.path.join(ROOT, "configs", "model", f"{name}.yaml"), encoding="utf-8") as f:
+        return yaml.safe_load(f)["model"]
+
+
+def tiny(**changes):
+    """The smoke model shrunk to milliseconds: 2 layers, d_model 64, 4 query heads sharing 2 kv heads."""
+    cfg = shipped("smoke")
+    cfg.update(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=96, seq_len=32, init_std=0.02)
+    cfg.update(changes)
+    return cfg
+
+
+def build(cfg, backend="math", seed=0):
+    torch.manual_seed(seed)
+    return Transformer(cfg, backend).eval()
+
+
+def tokens(batch, length, vocab_size=256, seed=1):
+    return torch.randint(0, vocab_size, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def closed_form_num_params(cfg):
+    d, head_dim = cfg["d_model"], cfg["d_model"] // cfg["n_heads"]
+    q_width, kv_width = cfg["n_heads"] * head_dim, cfg["n_kv_heads"] * head_dim
+    attention = d * q_width + 2 * d * kv_width + q_width * d + 2 * head_dim  # q,k,v,o + q_norm,k_norm
+    mlp = 3 * d * cfg["ffn_hidden"]
+    per_layer = attention + mlp + 2 * d  # + input_layernorm, post_attention_layernorm
+    return cfg["vocab_size"] * d + cfg["n_layers"] * per_layer + d  # tied embedding once + final norm
+
+
+def written_out_attention(attn, x, rope_base, eps):
+    """Multi-head attention spelled out from the module's weights, independently of model.py's code path:
+    per-head RMSNorm on q and k, RoPE pairing dimension i with i + head_dim/2, causal softmax."""
+    B, T, C = x.shape
+    H, KV, D = attn.n_heads, attn.n_kv_heads, attn.head_dim
+
+    def heads(weight):
+        return (x @ weight.T).view(B, T, -1, D)
+
+    def norm(t, weight):
+        return t / torch.sqrt(t.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+    angle = torch.arange(T)[:, None] * rope_base ** (-2 * torch.arange(D // 2) / D)  # (T, D/2)
+    cos, sin = torch.cos(angle)[:, None, :], torch.sin(angle)[:, None, :]
+
+    def rotate(t):
+        first, second = t[..., : D // 2], t[..., D // 2 :]
+        return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
+
+    q = rotate(norm(heads(attn.q_proj.weight), attn.q_norm.weight))
+    k = rotate(norm(heads(attn.k_proj.weight), attn.k_norm.weight))
+    v = heads(attn.v_proj.weight)
+    kv_head_of = torch.arange(H) // (H // KV)  # query head h reads key/value head h // group
+    k, v = k[:, :, kv_head_of], v[:, :, kv_head_of]
+    scores = torch.einsum("bthd,bshd->bhts", q, k) / math.sqrt(D)
+    scores = scores.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+    y = torch.einsum("bhts,bshd->bthd", scores.softmax(-1), v)
+    return y.reshape(B, T, C) @ attn.o_proj.weight.T
+
+
+# ---- architecture ----
+
+
+def test_changing_a_token_changes_no_logit_before_it():
+    net = build(tiny())
+    idx = tokens(2, 20)
+    changed = idx.clone()
+    changed[:, 12] = (changed[:, 12] + 1) % 256
+    with torch.no_grad():
+        before, _ = net(idx)
+        after, _ = net(changed)
+    torch.testing.assert_close(after[:, :12], before[:, :12], rtol=0, atol=0)
+    assert not torch.allclose(after[:, 12], before[:, 12])
+
+
+@pytest.mark.parametrize("n_kv_heads", [4, 2, 1])
+def test_attention_equals_written_out_multi_head_attention_with_kv_heads_shared_by_groups(n_kv_heads):
+    cfg = tiny(n_heads=4, n_kv_heads=n_kv_heads)
+    net = build(cfg)
+    attn = net.layers[0].self_attn
+    for norm in (attn.q_norm, attn.k_norm):  # non-trivial norm weights, so a skipped norm would show
+        norm.weight.data.uniform_(0.5, 1.5)
+    x = torch.randn(2, 10, cfg["d_model"])
+    with torch.no_grad():
+        got = attn(x, net.rope_cos[:10], net.rope_sin[:10])
+        want = written_out_attention(attn, x, cfg["rope_base"], cfg["norm_eps"])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_grouped_query_attention_equals_multi_head_attention_with_each_kv_head_copied_to_its_group():
+    gqa = build(tiny(n_heads=4, n_kv_heads=2))
+    mha = build(tiny(n_heads=4, n_kv_heads=4))
+    head_dim = 16
+    state = gqa.state_dict()
+    for name, tensor in list(state.items()):
+        # (kv_heads * head_dim, d) -> (heads * head_dim, d), kv head j copied to query heads 2j and 2j+1
+        if name.endswith(("k_proj.weight", "v_proj.weight")):
+            state[name] = tensor.view(2, head_dim, -1).repeat_interleave(2, dim=0).reshape(4 * head_dim, -1)
+    mha.load_state_dict(state)
+    idx = tokens(2, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(mha(idx)[0], gqa(idx)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_rope_makes_query_key_products_depend_only_on_their_relative_offset():
+    head_dim = 16
+    cos, sin = rope_tables(64, head_dim, 10000.0)
+    q, k = torch.randn(head_dim), torch.randn(head_dim)
+
+    def at(vector, pos):
+        return apply_rope(vector.view(1, 1, 1, -1), cos[pos : pos + 1], sin[pos : pos + 1])
+
+    def score(query_pos, key_pos):
+        return float((at(q, query_pos) * at(k, key_pos)).sum())
+
+    for offset in (0, 1, 7):
+        same_offset = [score(key_pos + offset, key_pos) for key_pos in (0, 5, 30, 50)]
+        assert max(same_offset) - min(same_offset) < 1e-4, (offset, same_offset)
+    assert abs(score(8, 1) - score(3, 1)) > 1e-3  # a different offset gives a different product
+
+
+def test_rope_rotates_dimension_i_with_dimension_i_plus_half_head_dim():
+    head_dim, base, position = 8, 10000.0, 3
+    cos, sin = rope_tables(position + 1, head_dim, base)
+    for i in range(head_dim // 2):
+        x = torch.zeros(1, 1, 1, head_dim)
+        x[..., i] = 1.0
+        rotated = apply_rope(x, cos[position : position + 1], sin[position : position + 1]).flatten()
+        angle = position * base ** (-2 * i / head_dim)
+        want = torch.zeros(head_dim)
+        want[i], want[i + head_dim // 2] = math.cos(angle), math.sin(angle)
+        torch.testing.assert_close(rotated, want, rtol=0, atol=1e-6)
+
+
+def test_lm_head_and_embedding_are_one_tensor():
+    net = Transformer(tiny())
+    assert net.lm_head.weight is net.embed_tokens.weight
+    names = [name for name, _ in net.named_parameters()]
+    assert "embed_tokens.weight" in names and "lm_head.weight" not in names  # one parameter, listed once
+    _, losses = net(tokens(2, 8), tokens(2, 8, seed=2))
+    losses["loss"].backward()
+    assert net.embed_tokens.weight.grad is net.lm_head.weight.grad
+
+
+def test_parameter_names_follow_the_hugging_face_qwen3_decoder():
+    net = Transformer(tiny(n_layers=1))
+    layer = [
+        "self_attn.q_proj.weight",
+        "self_attn.k_proj.weight",
+        "self_attn.v_proj.weight",
+        "self_attn.o_proj.weight",
+        "self_attn.q_norm.weight",
+        "self_attn.k_norm.weight",
+        "mlp.gate_proj.weight",
+        "mlp.up_proj.weight",
+        "mlp.down_proj.weight",
+        "input_layernorm.weight",
+        "post_attention_layernorm.weight",
+    ]
+    want = {"embed_tokens.weight", "norm.weight", "lm_head.weight"} | {f"layers.0.{n}" for n in layer}
+    assert set(net.state_dict()) == want  # RoPE tables are not persistent: checkpoints hold weights only
+    assert all(name.endswith("weight") for name, _ in net.named_parameters())  # no biases
+
+
+# ---- losses and initialization ----
+
+
+def test_loss_is_cross_entropy_plus_z_loss_matching_its_formula():
+    cfg = tiny(z_loss_coef=0.01)
+    net = Transformer(cfg)
+    idx, targets = tokens(2, 12), tokens(2, 12, seed=2)
+    logits, losses = net(idx, targets)
+    flat = logits.float().view(-1, cfg["vocab_size"])
+    ce = F.cross_entropy(flat, targets.view(-1))
+    z_loss = 0.01 * torch.logsumexp(flat, dim=-1).pow(2).mean()
+    torch.testing.assert_close(losses["ce"], ce)
+    torch.testing.assert_close(losses["z_loss"], z_loss)
+    torch.testing.assert_close(losses["loss"], ce + z_loss)
+    assert all(value.dim() == 0 and value.dtype == torch.float32 for value in losses.values())
+
+
+def test_targets_equal_to_minus_one_are_left_out_of_both_losses():
+    net = Transformer(tiny(z_loss_coef=0.01))
+    idx, targets = tokens(1, 12), tokens(1, 12, seed=2)
+    masked = targets.clone()
+    masked[0, 5:] = -1
+    logits, losses = net(idx, masked)
+    _, kept = net(idx[:, :5], targets[:, :5])  # causal: the first 5 logits do not see the rest
+    torch.testing.assert_close(losses["ce"], kept["ce"])
+    torch.testing.assert_close(losses["z_loss"], kept["z_loss"])
+    reference = F.cross_entropy(logits.view(-1, 256), masked.view(-1), ignore_index=-1)
+    torch.testing.assert_close(losses["ce"], reference)
+
+
+@pytest.mark.parametrize("name", ["smoke", "tiny-50m"])
+def test_loss_at_init_is_within_a_tenth_of_ln_vocab_size_for_shipped_models(name):
+    cfg = shipped(name)
+    net = build(cfg)
+    idx = tokens(2, 64, cfg["vocab_size"])
+    targets = tokens(2, 64, cfg["vocab_size"], seed=2)
+    with torch.no_grad():
+        _, losses = net(idx, targets)
+    assert abs(losses["ce"].item() - math.log(cfg["vocab_size"])) < 0.1, losses["ce"].item()
+
+
+def test_residual_output_projections_start_smaller_by_sqrt_of_twice_the_depth():
+    cfg = tiny(d_model=256, n_heads=4, n_kv_heads=4, ffn_hidden=512, n_layers=8, init_std=0.02)
+    net = build(cfg)
+    layer = net.layers[3]
+    assert abs(layer.self_attn.q_proj.weight.std().item() - 0.02) < 0.001
+    assert abs(layer.mlp.down_proj.weight.std().item() - 0.02 / 4) < 0.0003
+    assert abs(layer.self_attn.o_proj.weight.std().item() - 0.02 / 4) < 0.0003
+    assert torch.equal(layer.input_layernorm.weight, torch.ones(256))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_autocast_forward_is_finite_at_init(dtype):
+    net = build(tiny())
+    with torch.no_grad(), torch.autocast("cpu", dtype=dtype):
+        logits, losses = net(tokens(2, 32), tokens(2, 32, seed=2))
+    assert logits.dtype == dtype  # autocast really ran the matmuls in half precision
+    assert torch.isfinite(logits).all()
+    assert all(torch.isfinite(value) and value.dtype == torch.float32 for value in losses.values())
+
+
+# ---- sizes ----
+
+
+@pytest.mark.parametrize("name", ["smoke", "tiny-50m"])
+def test_num_params_matches_the_closed_form_count_and_the_config_comment(name):
+    cfg = shipped(name)
+    with torch.device("meta"):  # shapes only: no memory, no init
+        net = Transformer(cfg)
+    assert net.num_params() == closed_form_num_params(cfg)
+    with open(os.path.join(ROOT, "configs", "model", f"{name}.yaml"), encoding="utf-8") as f:
+        written = re.search(r"([\d,]+) parameters", f.read()).group(1)
+    assert int(written.replace(",", "")) == net.num_params()
+
+
+def test_num_params_counts_grouped_query_heads_and_the_tied_embedding_once():
+    for n_kv_heads in (1, 2, 4):
+        cfg = tiny(n_kv_heads=n_kv_heads)
+        assert Transformer(cfg).num_params() == closed_form_num_params(cfg)
+
+
+def test_flops_per_token_adds_the_attention_term_to_six_per_parameter():
+    cfg = tiny()
+    net = Transformer(cfg)
+    assert net.flops_per_token(0) == 6 * net.num_params()
+    assert net.flops_per_token(32) - net.flops_per_token(16) == 12 * cfg["n_layers"] * cfg["d_model"] * 16
+
+
+# ---- configuration ----
+
+
+def test_shipped_model_configs_validate_against_the_schema_that_lists_exactly_the_model_keys():
+    with open(os.path.join(ROOT, "schema", "model.schema.json"), encoding="utf-8") as f:
+        schema = json.load(f)
+    jsonschema.Draft202012Validator.check_schema(schema)
+    assert set(schema["required"]) == set(schema["properties"]) == set(model.MODEL_KEYS)
+    for name in ("smoke", "tiny-50m"):
+        jsonschema.validate(shipped(name), schema)
+
+
+@pytest.mark.parametrize(
+    "changes, named",
+    [
+        ({"d_model": 62}, "model.d_model=62 must be a multiple of model.n_heads=4"),
+        ({"d_model": 12, "n_heads": 4, "n_kv_heads": 4}, "head_dim) must be even"),
+        ({"n_kv_heads": 3}, "model.n_kv_heads=3"),
+        ({"n_kv_heads": 8}, "model.n_kv_heads=8"),
+        ({"dropout": 0.1}, "unknown keys ['dropout']"),
+    ],
+)
+def test_a_model_config_that_cannot_be_built_is_rejected_naming_the_key(changes, named):
+    with pytest.raises(ValueError, match=re.escape(named)):
+        Transformer(tiny(**changes))
+
+
+def test_a_missing_key_and_an_unknown_backend_are_named():
+    cfg = tiny()
+    del cfg["rope_base"]
+    with pytest.raises(ValueError, match=re.escape("missing keys ['rope_base']")):
+        Transformer(cfg)
+    with pytest.raises(ValueError, match="attention_backend='fast'"):
+        Transformer(tiny(), "fast")
+
+
+def test_forward_refuses_a_sequence_longer_than_seq_len():
+    with pytest.raises(ValueError, match="longer than model.seq_len=32"):
+        Transformer(tiny())(tokens(1, 33))
+
+
+# ---- attention backends ----
+
+
+def test_attention_backend_argument_selects_the_kernel():
+    idx = tokens(2, 24)
+    outputs = {}
+    for backend, kernel in (
+        ("math", "aten::_scaled_dot_product_attention_math"),
+        ("flash", "aten::_scaled_dot_product_flash_attention_for_cpu"),
+    ):
+        net = build(tiny(), backend)
+        with torch.no_grad(), profile() as prof:
+            outputs[backend], _ = net(idx)
+        ran = {event.key for event in prof.key_averages()}
+        assert kernel in ran, (backend, sorted(k for k in ran if "attention" in k))
+    torch.testing.assert_close(outputs["flash"], outputs["math"], rtol=1e-4, atol=1e-4)
+    # The CPU build has no memory-efficient kernel: restricting SDPA to it must fail rather than fall back.
+    with pytest.raises(RuntimeError, match="No viable backend"):
+        build(tiny(), "mem_efficient")(idx)
+
+
+# ---- KV cache and generation ----
+
+
+def test_incremental_decoding_with_the_kv_cache_gives_the_full_forward_logits():
+    net = build(tiny())
+    idx = tokens(2, 24)
+    with torch.no_grad():
+        full, _ = net(idx)
+        cache = net.new_kv_cache()
+        pieces = [net.forward_with_cache(idx[:, :10], cache)]  # prefill
+        pieces += [net.forward_with_cache(idx[:, t : t + 1], cache) for t in range(10, 16)]  # one at a time
+        pieces.append(net.forward_with_cache(idx[:, 16:], cache))  # a chunk after cached positions
+    assert cache.length == 24
+    torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=0, atol=1e-5)
+
+
+def test_the_cache_refuses_to_grow_past_seq_len():
+    net = build(tiny())
+    cache = net.new_kv_cache()
+    with torch.no_grad():
+        net.forward_with_cache(tokens(1, 30), cache)
+        with pytest.raises(ValueError, match="30 cached \\+ 3 new tokens exceed model.seq_len=32"):
+            net.forward_with_cache(tokens(1, 3), cache)
+
+
+def greedy_by_full_forward(net, prompt, steps):
+    """nanoGPT-style decoding without a cache: the window is the last seq_len tokens."""
+    sequence = prompt.tolist()
+    for _ in range(steps):
+        window = torch.tensor([sequence[-net.seq_len :]])
+        with torch.no_grad():
+            logits, _ = net(window)
+        sequence.append(int(logits[0, -1].argmax()))
+    return sequence[len(prompt) :]
+
+
+def test_greedy_generation_with_the_cache_equals_full_forward_decoding_also_past_seq_len():
+    net = build(tiny(seq_len=16))
+    prompt = tokens(1, 10)[0]
+    want = greedy_by_full_forward(net, prompt, 20)  # 10 + 20 tokens: the window slides past 16
+    assert list(net.generate(prompt, 20, temperature=0)) == want
+    assert list(net.generate(prompt[None], 20, top_k=1)) == want  # top_k 1 is greedy too; (1, T) accepted
+
+
+def test_generate_streams_one_int_per_step_and_stops_after_the_stop_token():
+    net = build(tiny())
+    prompt = tokens(1, 5)[0]
+    stream = net.generate(prompt, 10, temperature=0)
+    first = next(stream)
+    assert isinstance(first, int)
+    greedy = [first, *stream]
+    assert len(greedy) == 10
+    stop = greedy[3]
+    stopped = list(net.generate(prompt, 10, temperature=0, stop_token=stop))
+    assert stopped == greedy[: greedy.index(stop) + 1]
+
+
+def test_sampling_with_the_same_seed_repeats_and_another_seed_differs():
+    net = build(tiny())
+    prompt = tokens(1, 5)[0]
+
+    def draw(seed):
+        return list(net.generate(prompt, 24, temperature=1.5, generator=torch.Generator().manual_seed(seed)))
+
+    assert draw(7) == draw(7)
+    assert draw(7) != draw(8)
+
+
+def test_top_k_and_top_p_only_draw_from_the_kept_tokens():
+    logits = torch.tensor([3.0, 2.0, 1.0, 0.0, -1.0])  # probabilities ~ .64 .23 .09 .03 .01
+    generator = torch.Generator().manual_seed(0)
+    top_k = {sample_token(logits, 1.0, top_k=2, generator=generator) for _ in range(300)}
+    assert top_k == {0, 1}
+    top_p = {sample_token(logits, 1.0, top_p=0.8, generator=generator) for _ in range(300)}
+    assert top_p == {0, 1}  # .64 < .8, so the second token is needed, the third is not
+    assert {sample_token(logits, 1.0, top_p=0.5, generator=generator) for _ in range(50)} == {0}
+    with pytest.raises(ValueError, match="top_p=1.5"):
+        sample_token(logits, 1.0, top_p=1.5)
