@@ -1,0 +1,1108 @@
+"""
+Everything between raw text and (x, y) batches: tokenizers, the shard format, loaders with exact state,
+and the corpus pipeline that turns text files into shards.
+
+    python data.py corpus CONFIG [section.key=value ...]     clean, dedup, split  -> DIR/docs_*.jsonl
+    python data.py tokenizer CONFIG [...]                     sentencepiece BPE    -> DIR/tokenizer.model
+    python data.py encode CONFIG [...]                        tokens               -> DIR/{train,val}*.bin
+    python data.py all CONFIG [...]                           the three in order
+
+CONFIG is a run file (config.py composes it); only its `data:` section is used. DIR is `data.dir`. Every
+step records what it did in DIR/manifest.json and does nothing when its inputs have not changed.
+
+Files in DIR
+    docs_train.jsonl, docs_val.jsonl   cleaned documents, one {"text": ...} per line, in input order
+    manifest.json                      corpus statistics, fingerprints, shards with token counts + sha256
+    format bytes:  train.bin, val.bin  the UTF-8 bytes of the documents, separated by a blank line
+    format shards: tokenizer.model, tokenizer.json (its settings and the hash of the corpus it saw),
+                   train_000000.bin ..., val_000000.bin ...
+
+Shard format (version 1, the layout of llm.c's token files): a header of 256 little-endian int32
+    [0] magic 20240520   [1] version 1   [2] number of tokens   [3] vocabulary size   [4:] zero
+followed by the tokens as little-endian uint16. Every document is stored as <|bos|> ids <|eos|>, and
+documents follow each other across shard boundaries.
+
+Loaders yield windows of seq_len + 1 tokens as (x, y) = (window[:-1], window[1:]), int64 CPU tensors.
+    bytes:  window starts drawn by a seeded torch.Generator inside this rank's 1/world_size slice.
+    shards: a shard's windows start every seq_len tokens (each token is a target exactly once); each epoch
+            visits the shards in an order drawn from (seed, epoch) and a shard's windows in an order
+            drawn from (seed, epoch, shard); rank r takes windows r, r + world_size, ... of that order.
+Their state_dict() holds only tensors, ints and strings, so checkpoints load with weights_only=True, and
+a restored loader continues with exactly the batches the uninterrupted one would have produced. A state
+from another rank count, batch geometry or data is refused with the differences listed.
+
+Known limit of the sentencepiece round trip: the character U+2581 (the piece separator) comes back as a
+space. Everything else, including runs of spaces, tabs and newlines, comes back exactly.
+"""
+
+import collections
+import glob
+import gzip
+import hashlib
+import io
+import json
+import multiprocessing
+import os
+import re
+import sys
+import unicodedata
+import zlib
+
+import numpy as np
+import sentencepiece as spm
+import torch
+from tqdm import tqdm
+
+SHARD_MAGIC = 20240520
+SHARD_VERSION = 1
+HEADER_INTS = 256
+HEADER_BYTES = HEADER_INTS * 4
+PIPELINE_VERSION = 1  # bump when cleaning or encoding changes what the same input produces
+SPLITS = ("train", "val")
+DOCUMENT_SEPARATOR = "\n\n"  # between documents in the byte format
+SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
+UNK_PIECE = "<unk>"
+NEWLINE = "\n"
+
+
+class DataError(Exception):
+    """Bad data or a bad data config; the message names the file, key or value."""
+
+
+def cpu_count():
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def processes_of(data_cfg):
+    return data_cfg["processes"] or cpu_count()
+
+
+# -----------------------------------------------------------------------------
+# Small file helpers
+
+
+def write_atomic(path, write):
+    """Call write(f) on a temp file beside `path`, fsync it, then rename it over `path`."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    dir_fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def write_json(path, obj):
+    text = json.dumps(obj, indent=1, ensure_ascii=False) + "\n"
+    write_atomic(path, lambda f: f.write(text.encode("utf-8")))
+
+
+def sha256_of_file(path):
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def fingerprint(obj):
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode("utf-8")).hexdigest()
+
+
+def manifest_path(data_cfg):
+    return os.path.join(data_cfg["dir"], "manifest.json")
+
+
+def read_manifest(data_cfg):
+    path = manifest_path(data_cfg)
+    if not os.path.exists(path):
+        return {"version": PIPELINE_VERSION}
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise DataError(
+            f"{path}: unreadable manifest ({e}); delete it to rebuild {data_cfg['dir']}/"
+        ) from None
+
+
+def docs_path(data_cfg, split):
+    return os.path.join(data_cfg["dir"], f"docs_{split}.jsonl")
+
+
+def check_split(split):
+    if split not in SPLITS:
+        raise DataError(f"unknown split {split!r}; expected one of {', '.join(SPLITS)}")
+
+
+# -----------------------------------------------------------------------------
+# Tokenizers
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens: 256 ids, no special tokens."""
+
+    name = "bytes"
+    vocab_size = 256
+    bos_id = None
+    eos_id = None
+    special_ids = {}
+    token_bytes = [1] * 256
+
+    def encode(self, text):
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids):
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+class SentencePieceTokenizer:
+    """A sentencepiece BPE model trained by `python data.py tokenizer` (see train_tokenizer)."""
+
+    name = "sentencepiece"
+
+    def __init__(self, model_path):
+        if not os.path.exists(model_path):
+            raise DataError(
+                f"{model_path}: tokenizer not found; build it with `python data.py tokenizer CONFIG`"
+            )
+        try:
+            self.processor = spm.SentencePieceProcessor(model_file=model_path)
+        except (OSError, RuntimeError) as e:
+            raise DataError(f"{model_path}: not a sentencepiece model ({e})") from None
+        processor = self.processor
+        self.path = model_path
+        self.vocab_size = processor.get_piece_size()
+        expected = {piece: index + 1 for index, piece in enumerate(SPECIAL_TOKENS)}
+        expected[NEWLINE] = len(SPECIAL_TOKENS) + 1
+        found = {piece: processor.piece_to_id(piece) for piece in expected}
+        if found != expected or processor.id_to_piece(0) != UNK_PIECE:
+            raise DataError(
+                f"{model_path}: special pieces {found} are not at the ids {expected} data.py expects"
+            )
+        self.special_ids = {piece: found[piece] for piece in SPECIAL_TOKENS}
+        self.bos_id = self.special_ids["<|bos|>"]
+        self.eos_id = self.special_ids["<|eos|>"]
+        self.newline_id = found[NEWLINE]
+        self.token_bytes = [self._piece_bytes(i) for i in range(self.vocab_size)]
+
+    def _piece_bytes(self, index):
+        """UTF-8 bytes a piece decodes to; 0 for special pieces (so bits per byte compares tokenizers)."""
+        processor = self.processor
+        if processor.is_control(index) or processor.is_unknown(index):
+            return 0
+        if processor.is_byte(index):
+            return 1
+        return len(processor.id_to_piece(index).replace("\u2581", " ").encode("utf-8"))
+
+    def encode(self, text):
+        # Lines are encoded one by one: pieces never cross "\n" (a piece of its own), and sentencepiece is
+        # several times slower on one long string than on the same text cut into lines.
+        lines = text.split(NEWLINE)
+        encoded = self.processor.encode(lines, num_threads=1)
+        ids = encoded[0]
+        for line_ids in encoded[1:]:
+            ids.append(self.newline_id)
+            ids.extend(line_ids)
+        return ids
+
+    def decode(self, ids):
+        return self.processor.decode([int(i) for i in ids])
+
+
+def load_tokenizer(data_cfg):
+    if data_cfg["format"] == "bytes":
+        return ByteTokenizer()
+    tokenizer = SentencePieceTokenizer(tokenizer_path(data_cfg))
+    configured = data_cfg["tokenizer"]["vocab_size"]
+    if tokenizer.vocab_size != configured:
+        raise DataError(
+            f"{tokenizer.path}: has {tokenizer.vocab_size} tokens but data.tokenizer.vocab_size is {configured}; "
+            "retrain it with `python data.py tokenizer CONFIG`"
+        )
+    return tokenizer
+
+
+def tokenizer_path(data_cfg):
+    return os.path.join(data_cfg["dir"], "tokenizer.model")
+
+
+# -----------------------------------------------------------------------------
+# Shard files
+
+
+def write_shard(path, tokens, vocab_size):
+    """Write a uint16 token shard atomically; returns its sha256."""
+    if not 0 < vocab_size <= 65536:
+        raise DataError(f"{path}: vocab size {vocab_size} does not fit uint16 tokens (1..65536)")
+    header = np.zeros(HEADER_INTS, dtype="<i4")
+    header[:4] = (SHARD_MAGIC, SHARD_VERSION, len(tokens), vocab_size)
+    body = np.ascontiguousarray(tokens, dtype="<u2")
+    digest = hashlib.sha256()
+
+    def write(f):
+        for part in (header.tobytes(), body.tobytes()):
+            digest.update(part)
+            f.write(part)
+
+    write_atomic(path, write)
+    return digest.hexdigest()
+
+
+def read_shard_header(path):
+    """Check a shard's header against its size; returns (num_tokens, vocab_size)."""
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            raw = f.read(HEADER_BYTES)
+    except OSError as e:
+        raise DataError(f"{path}: cannot read shard ({e.strerror})") from None
+    if size < HEADER_BYTES:
+        raise DataError(f"{path}: truncated shard: {size} bytes, shorter than the {HEADER_BYTES}-byte header")
+    header = np.frombuffer(raw, dtype="<i4")
+    magic, version, num_tokens, vocab_size = (int(v) for v in header[:4])
+    if magic != SHARD_MAGIC:
+        raise DataError(f"{path}: not a token shard: magic number {magic}, expected {SHARD_MAGIC}")
+    if version != SHARD_VERSION:
+        raise DataError(f"{path}: shard version {version}, this data.py reads version {SHARD_VERSION}")
+    if not 0 < vocab_size <= 65536:
+        raise DataError(f"{path}: header vocab size {vocab_size}, expected 1..65536")
+    expected = HEADER_BYTES + 2 * num_tokens
+    if num_tokens < 0 or size != expected:
+        raise DataError(
+            f"{path}: truncated or corrupt shard: {size} bytes, but the header says {num_tokens} tokens "
+            f"({expected} bytes)"
+        )
+    return num_tokens, vocab_size
+
+
+def read_shard(path):
+    """Memory-map a checked shard's tokens (uint16)."""
+    num_tokens, _ = read_shard_header(path)
+    return np.memmap(path, dtype="<u2", mode="r", offset=HEADER_BYTES, shape=(num_tokens,))
+
+
+def shard_name(split, index):
+    return f"{split}_{index:06d}.bin"
+
+
+def shard_paths(data_cfg, split):
+    return sorted(glob.glob(os.path.join(glob.escape(data_cfg["dir"]), f"{split}_[0-9]*.bin")))
+
+
+def byte_path(data_cfg, split):
+    return os.path.join(data_cfg["dir"], f"{split}.bin")
+
+
+def load_split_tokens(data_cfg, split):
+    """All tokens of a split as one array (uint8 for bytes, uint16 for shards), e.g. for evaluation."""
+    check_split(split)
+    if data_cfg["format"] == "bytes":
+        return np.asarray(ByteLoader.open(byte_path(data_cfg, split)))
+    paths = ShardLoader.find(data_cfg, split)
+    return np.concatenate([read_shard(path) for path in paths])
+
+
+# -----------------------------------------------------------------------------
+# Loaders
+
+
+def build_loader(data_cfg, split, batch_size, seq_len, seed, rank=0, world_size=1):
+    """The loader of `split` for one rank. next_batch() -> (x, y), int64 tensors (batch_size, seq_len)."""
+    check_split(split)
+    if not 0 <= rank < world_size:
+        raise DataError(f"rank {rank} is outside world size {world_size}")
+    if data_cfg["format"] == "bytes":
+        return ByteLoader(byte_path(data_cfg, split), split, batch_size, seq_len, seed, rank, world_size)
+    return ShardLoader(data_cfg, split, batch_size, seq_len, seed, rank, world_size)
+
+
+def check_state(state, expected, what):
+    differences = [
+        f"{key}: state has {state.get(key)!r}, this loader has {value!r}"
+        for key, value in expected.items()
+        if state.get(key) != value
+    ]
+    if differences:
+        raise DataError(f"cannot restore the {what} loader state:\n  " + "\n  ".join(differences))
+
+
+class ByteLoader:
+    """Random windows of a uint8 file; each rank draws inside its own contiguous slice."""
+
+    def __init__(self, path, split, batch_size, seq_len, seed, rank, world_size):
+        self.tokens = self.open(path)
+        self.path, self.split = path, split
+        self.batch_size, self.seq_len, self.seed = batch_size, seq_len, seed
+        self.rank, self.world_size = rank, world_size
+        slice_len = len(self.tokens) // world_size
+        if slice_len < seq_len + 1:
+            raise DataError(
+                f"{path}: {len(self.tokens)} bytes give each of {world_size} ranks {slice_len}, fewer than "
+                f"one window of seq_len + 1 = {seq_len + 1}"
+            )
+        self.slice_start = rank * slice_len
+        self.num_starts = slice_len - seq_len  # window starts that fit inside the slice
+        self.generator = torch.Generator().manual_seed(seed)
+        self.offsets = np.arange(seq_len + 1)
+
+    @staticmethod
+    def open(path):
+        if not os.path.exists(path):
+            raise DataError(
+                f"{path}: not found; build it with `make data-smoke` (scripts/prepare_smoke_data.sh)"
+            )
+        if os.path.getsize(path) == 0:
+            raise DataError(f"{path}: empty file")
+        return np.memmap(path, dtype=np.uint8, mode="r")
+
+    def next_batch(self):
+        starts = torch.randint(self.num_starts, (self.batch_size,), generator=self.generator).numpy()
+        windows = torch.from_numpy(
+            self.tokens[self.slice_start + starts[:, None] + self.offsets].astype(np.int64)
+        )
+        return windows[:, :-1], windows[:, 1:]
+
+    def identity(self):
+        return {
+            "format": "bytes",
+            "split": self.split,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "batch_size": self.batch_size,
+            "seq_len": self.seq_len,
+            "num_tokens": len(self.tokens),
+        }
+
+    def state_dict(self):
+        return self.identity() | {"seed": self.seed, "generator": self.generator.get_state()}
+
+    def load_state_dict(self, state):
+        check_state(state, self.identity(), f"{self.split} byte")
+        self.seed = state["seed"]
+        self.generator.set_state(state["generator"].to(device="cpu", dtype=torch.uint8))
+
+
+class ShardLoader:
+    """Windows of seq_len + 1 tokens over the uint16 shards of a split, in a seeded order per epoch."""
+
+    def __init__(self, data_cfg, split, batch_size, seq_len, seed, rank, world_size):
+        self.split = split
+        self.batch_size, self.seq_len, self.seed = batch_size, seq_len, seed
+        self.rank, self.world_size = rank, world_size
+        self.paths = self.find(data_cfg, split)
+        vocab_size = data_cfg["tokenizer"]["vocab_size"]
+        self.shard_tokens = []
+        for path in self.paths:
+            num_tokens, shard_vocab = read_shard_header(path)
+            if shard_vocab != vocab_size:
+                raise DataError(
+                    f"{path}: encoded with a {shard_vocab}-token vocabulary, data.tokenizer.vocab_size is "
+                    f"{vocab_size}; re-encode with `python data.py encode CONFIG`"
+                )
+            self.shard_tokens.append(num_tokens)
+        if sum(self.windows_per_rank(n) for n in self.shard_tokens) == 0:
+            raise DataError(
+                f"{data_cfg['dir']}/{split}_*.bin: {sum(self.shard_tokens)} tokens are not one window of "
+                f"seq_len + 1 = {seq_len + 1} tokens per rank ({world_size} ranks)"
+            )
+        self.epoch, self.shard_position, self.window_position = 0, 0, 0
+        self.offsets = np.arange(seq_len + 1)
+        self.current = None  # (epoch, shard_position) whose tokens and windows are loaded
+
+    @staticmethod
+    def find(data_cfg, split):
+        paths = shard_paths(data_cfg, split)
+        if not paths:
+            raise DataError(
+                f"{data_cfg['dir']}/{split}_*.bin: no shards; build them with `python data.py all CONFIG`"
+            )
+        manifest = read_manifest(data_cfg)
+        encoded = manifest.get("encode", {}).get(split)
+        if encoded is not None and not encoded.get("complete"):
+            raise DataError(
+                f"{manifest_path(data_cfg)}: encoding of the {split} split is unfinished; "
+                "finish it with `python data.py encode CONFIG`"
+            )
+        return paths
+
+    def windows_per_rank(self, num_tokens):
+        return (num_tokens - 1) // self.seq_len // self.world_size
+
+    def shard_order(self, epoch):
+        return np.random.default_rng([self.seed, epoch]).permutation(len(self.paths))
+
+    def load_current(self):
+        shard = int(self.shard_order(self.epoch)[self.shard_position])
+        num_tokens = self.shard_tokens[shard]
+        num_windows = (num_tokens - 1) // self.seq_len
+        usable = self.windows_per_rank(num_tokens) * self.world_size  # every rank gets as many
+        order = np.random.default_rng([self.seed, self.epoch, shard]).permutation(num_windows)[:usable]
+        self.tokens = read_shard(self.paths[shard])
+        self.window_starts = order[self.rank :: self.world_size] * self.seq_len
+        self.current = (self.epoch, self.shard_position)
+
+    def next_batch(self):
+        parts, count = [], 0
+        while count < self.batch_size:
+            if self.current != (self.epoch, self.shard_position):
+                self.load_current()
+            take = min(self.batch_size - count, len(self.window_starts) - self.window_position)
+            chosen = self.window_starts[self.window_position : self.window_position + take]
+            parts.append(self.tokens[chosen[:, None] + self.offsets])
+            count += take
+            self.window_position += take
+            if self.window_position == len(self.window_starts):
+                self.window_position = 0
+                self.shard_position += 1
+                if self.shard_position == len(self.paths):
+                    self.shard_position, self.epoch = 0, self.epoch + 1
+        windows = torch.from_numpy(np.concatenate(parts).astype(np.int64))
+        return windows[:, :-1], windows[:, 1:]
+
+    def identity(self):
+        return {
+            "format": "shards",
+            "split": self.split,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "batch_size": self.batch_size,
+            "seq_len": self.seq_len,
+            "shards": [os.path.basename(p) for p in self.paths],
+            "shard_tokens": list(self.shard_tokens),
+        }
+
+    def state_dict(self):
+        return self.identity() | {
+            "seed": self.seed,
+            "epoch": self.epoch,
+            "shard_position": self.shard_position,
+            "window_position": self.window_position,
+        }
+
+    def load_state_dict(self, state):
+        check_state(state, self.identity(), f"{self.split} shard")
+        self.seed = state["seed"]
+        self.epoch, self.shard_position = state["epoch"], state["shard_position"]
+        self.window_position = state["window_position"]
+        self.current = None
+
+
+# -----------------------------------------------------------------------------
+# Corpus pipeline: read inputs, clean, dedup, split
+
+
+SURROGATES = re.compile("[\ud800-\udfff]")
+ODD_CHARACTERS = re.compile(
+    "[\x00-\x08\x0b-\x1f\x7f-\x9f\ufeff\u00a0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000]"
+)
+REPLACEMENTS = {chr(c): " " for c in (0xA0, 0x1680, 0x202F, 0x205F, 0x3000, *range(0x2000, 0x200B))}
+REPLACEMENTS |= {"\u2028": NEWLINE, "\u2029": NEWLINE}  # other odd characters (controls, BOM) go
+
+
+def clean_text(text):
+    """NFC; controls (but \\t, \\n) and BOMs dropped; unicode spaces -> ' '; \\r\\n -> \\n; trailing spaces
+    of lines and runs of blank lines tidied; leading blank lines and trailing whitespace removed."""
+    if "\r" in text:
+        text = text.replace("\r\n", NEWLINE).replace("\r", NEWLINE)
+    if not unicodedata.is_normalized("NFC", text):
+        text = unicodedata.normalize("NFC", text)
+    if ODD_CHARACTERS.search(text):
+        text = ODD_CHARACTERS.sub(lambda m: REPLACEMENTS.get(m.group(), ""), text)
+    text = NEWLINE.join([line.rstrip(" \t") for line in text.split(NEWLINE)])
+    while "\n\n\n" in text:  # str.replace runs at memory speed, a regex at a tenth of it
+        text = text.replace("\n\n\n", "\n\n")
+    return text.lstrip(NEWLINE).rstrip()
+
+
+def replace_undecodable(text):
+    """Lone surrogates (from undecodable bytes or bad JSON escapes) -> U+FFFD; returns (text, count)."""
+    count = len(SURROGATES.findall(text))
+    return (SURROGATES.sub("\ufffd", text), count) if count else (text, 0)
+
+
+def expand_inputs(corpus_cfg):
+    """[(input index, file path)] in config order, sorted within each glob; errors name the input."""
+    files = []
+    for index, item in enumerate(corpus_cfg["inputs"]):
+        pattern, where = item["path"], f"data.corpus.inputs[{index}].path"
+        if glob.has_magic(pattern):
+            matches = [path for path in sorted(glob.glob(pattern, recursive=True)) if os.path.isfile(path)]
+            if not matches:
+                raise DataError(f"{where}: no file matches {pattern!r}")
+        elif not os.path.exists(pattern):
+            raise DataError(f"{where}: {pattern}: file not found")
+        elif os.path.isdir(pattern):
+            raise DataError(
+                f"{where}: {pattern} is a directory; name files or a glob such as {pattern}/*.txt"
+            )
+        else:
+            matches = [pattern]
+        files.extend((index, path) for path in matches)
+    return files
+
+
+def open_input(path):
+    return gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")
+
+
+def read_documents(path, item, stats):
+    """Yield the raw documents (str) of one input file. Undecodable bytes arrive as lone surrogates
+    (surrogateescape); clean_batch replaces and counts them. Bad JSON lines are counted in `stats`."""
+    mode = item["documents"]
+    with open_input(path) as f:
+        if mode == "file":
+            content = f.read()
+            stats["bytes_in"] += len(content)
+            yield content.decode("utf-8", "surrogateescape")
+            return
+        lines = []
+        for raw_line in f:
+            stats["bytes_in"] += len(raw_line)
+            line = raw_line.decode("utf-8", "surrogateescape")
+            if mode == "jsonl":
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    stats["rejects"]["bad_json"] += 1
+                    continue
+                text = record.get(item["text_field"]) if isinstance(record, dict) else None
+                if not isinstance(text, str):
+                    stats["rejects"]["missing_text_field"] += 1
+                    continue
+                yield text
+            elif line.strip():
+                lines.append(line)
+            elif lines:
+                yield "".join(lines)
+                lines = []
+        if lines:
+            yield "".join(lines)
+
+
+def raw_documents(corpus_cfg, stats):
+    """All raw documents of the corpus in config order, at most max_documents_per_file per file."""
+    limit = corpus_cfg["max_documents_per_file"]
+    for index, path in expand_inputs(corpus_cfg):
+        documents = read_documents(path, corpus_cfg["inputs"][index], stats)
+        try:
+            for count, text in enumerate(documents):
+                if limit is not None and count >= limit:
+                    break
+                yield text
+        except (OSError, EOFError, zlib.error) as e:
+            reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e) or type(e).__name__
+            raise DataError(f"{path}: cannot read ({reason}) [data.corpus.inputs[{index}]]") from None
+        finally:
+            documents.close()
+
+
+def ordered_map(function, items, processes, initializer=None, initargs=()):
+    """function(item) for every item, results in input order, on `processes` worker processes with a
+    bounded number of items in flight (the input may be far larger than memory). Inline for 1 process."""
+    if processes == 1:
+        if initializer:
+            initializer(*initargs)
+        yield from map(function, items)
+        return
+    with multiprocessing.Pool(processes, initializer, initargs) as pool:
+        pending = collections.deque()
+        for item in items:
+            pending.append(pool.apply_async(function, (item,)))
+            if len(pending) > 2 * processes:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
+
+
+def clean_batch(batch, min_chars, val_fraction):
+    """Worker: clean a batch of raw documents -> [(split | reject reason, digest, json line, text bytes,
+    undecodable bytes replaced)]."""
+    results = []
+    for raw in batch:
+        text = clean_text(raw)
+        try:
+            encoded, undecodable = text.encode("utf-8"), 0
+        except UnicodeEncodeError:  # lone surrogates: undecodable input bytes or bad JSON escapes
+            text, undecodable = replace_undecodable(text)
+            encoded = text.encode("utf-8")
+        if not text:
+            results.append(("empty", None, None, 0, undecodable))
+        elif len(text) < min_chars:
+            results.append(("too_short", None, None, 0, undecodable))
+        else:
+            digest = hashlib.blake2b(encoded, digest_size=16).digest()
+            split = "val" if int.from_bytes(digest[:8], "little") < val_fraction * 2**64 else "train"
+            line = json.dumps({"text": text}, ensure_ascii=False).encode("utf-8") + b"\n"
+            results.append((split, digest, line, len(encoded), undecodable))
+    return results
+
+
+def batched(items, max_bytes):
+    """Group strings (or bytes) into lists of about `max_bytes` characters."""
+    batch, size = [], 0
+    for item in items:
+        batch.append(item)
+        size += len(item)
+        if size >= max_bytes:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+def corpus_fingerprint(data_cfg):
+    corpus_cfg = data_cfg["corpus"]
+    files = [
+        [path, os.path.getsize(path), os.stat(path).st_mtime_ns] for _, path in expand_inputs(corpus_cfg)
+    ]
+    return fingerprint({"pipeline": PIPELINE_VERSION, "corpus": corpus_cfg, "files": files})
+
+
+def outputs_intact(records):
+    """True when every recorded output file exists with its recorded size."""
+    return all(os.path.exists(r["path"]) and os.path.getsize(r["path"]) == r["size"] for r in records)
+
+
+def build_corpus(data_cfg, log=print):
+    """Clean, dedup and split the inputs into DIR/docs_{train,val}.jsonl; returns the statistics."""
+    corpus_cfg = data_cfg["corpus"]
+    key = corpus_fingerprint(data_cfg)
+    done = read_manifest(data_cfg).get("corpus")
+    if done and done["fingerprint"] == key and outputs_intact(done["outputs"].values()):
+        log(f"corpus: up to date ({data_cfg['dir']}/docs_*.jsonl)")
+        return done["stats"]
+
+    stats = {"bytes_in": 0, "undecodable": 0}
+    stats["rejects"] = {"bad_json": 0, "missing_text_field": 0, "empty": 0, "too_short": 0}
+    documents_in, duplicates, seen = 0, 0, set()
+    outputs = {
+        split: {"path": docs_path(data_cfg, split), "documents": 0, "text_bytes": 0} for split in SPLITS
+    }
+    hashes = {split: hashlib.sha256() for split in SPLITS}
+    os.makedirs(data_cfg["dir"], exist_ok=True)
+    temps = {split: f"{outputs[split]['path']}.{os.getpid()}.tmp" for split in SPLITS}
+    files = {}
+    progress = tqdm(desc="corpus", unit="B", unit_scale=True, mininterval=1.0, file=sys.stderr)
+    settings = (corpus_cfg["min_chars"], corpus_cfg["val_fraction"])
+    jobs = ((batch, *settings) for batch in batched(raw_documents(corpus_cfg, stats), 1 << 20))
+    try:
+        files = {split: open(temps[split], "wb") for split in SPLITS}
+        for results in ordered_map(clean_job, jobs, processes_of(data_cfg)):
+            for verdict, digest, line, text_bytes, undecodable in results:  # verdict: a split or a reject
+                documents_in += 1
+                stats["undecodable"] += undecodable
+                if digest is None:
+                    stats["rejects"][verdict] += 1
+                elif digest in seen:
+                    duplicates += 1
+                else:
+                    seen.add(digest)
+                    files[verdict].write(line)
+                    hashes[verdict].update(line)
+                    outputs[verdict]["documents"] += 1
+                    outputs[verdict]["text_bytes"] += text_bytes
+            progress.update(stats["bytes_in"] - progress.n)
+            progress.set_postfix(docs=documents_in, refresh=False)
+        progress.close()
+        documents_out = sum(o["documents"] for o in outputs.values())
+        if documents_out == 0:
+            raise DataError(
+                f"data.corpus.inputs: no document survived ({documents_in} read, rejects {stats['rejects']}, "
+                f"{duplicates} duplicates); check the inputs and data.corpus.min_chars"
+            )
+        for split in SPLITS:
+            if outputs[split]["documents"] == 0:
+                raise DataError(
+                    f"data.corpus.val_fraction: the {split} split is empty ({documents_out} documents in all); "
+                    "add documents or change val_fraction"
+                )
+        for split in SPLITS:
+            files[split].flush()
+            os.fsync(files[split].fileno())
+            files[split].close()
+            os.replace(temps[split], outputs[split]["path"])
+    finally:
+        progress.close()
+        for split in SPLITS:
+            if split in files:
+                files[split].close()
+            if os.path.exists(temps[split]):
+                os.remove(temps[split])
+
+    for split in SPLITS:
+        outputs[split].update(size=os.path.getsize(outputs[split]["path"]), sha256=hashes[split].hexdigest())
+    documents_in += stats["rejects"]["bad_json"] + stats["rejects"]["missing_text_field"]
+    stats.update(documents_in=documents_in, documents_out=documents_out, duplicates=duplicates)
+    stats["bytes_out"] = sum(o["text_bytes"] for o in outputs.values())
+    manifest = read_manifest(data_cfg)
+    manifest["corpus"] = {"fingerprint": key, "stats": stats, "outputs": outputs}
+    write_json(manifest_path(data_cfg), manifest)
+    rejected = ", ".join(f"{reason} {count:,}" for reason, count in stats["rejects"].items() if count)
+    log(
+        f"corpus: {documents_in:,} documents in -> {documents_out:,} out (train {outputs['train']['documents']:,}, "
+        f"val {outputs['val']['documents']:,}); {duplicates:,} duplicates; rejected: {rejected or 'none'}; "
+        f"{stats['undecodable']:,} undecodable bytes replaced; {stats['bytes_in'] / 1e6:.2f} MB in, "
+        f"{stats['bytes_out'] / 1e6:.2f} MB out -> {data_cfg['dir']}/docs_*.jsonl"
+    )
+    return stats
+
+
+def clean_job(args):
+    return clean_batch(*args)
+
+
+def corpus_record(data_cfg):
+    """The manifest's record of a finished corpus step, or an error saying to run it."""
+    done = read_manifest(data_cfg).get("corpus")
+    if not done or not outputs_intact(done["outputs"].values()):
+        raise DataError(f"{data_cfg['dir']}/docs_*.jsonl: missing; run `python data.py corpus CONFIG` first")
+    return done
+
+
+def iter_documents(path):
+    with open(path, "rb") as f:
+        for line in f:
+            yield json.loads(line)["text"]
+
+
+# -----------------------------------------------------------------------------
+# Tokenizer training
+
+
+def sentences_for_training(path, sample_fraction, max_sentence_bytes):
+    """Lines of the sampled documents, long ones cut at a space, each shorter than max_sentence_bytes."""
+    for text in iter_documents(path):
+        digest = hashlib.blake2b(text.encode("utf-8"), digest_size=8, person=b"tok-sample").digest()
+        if int.from_bytes(digest, "little") >= sample_fraction * 2**64:
+            continue
+        for line in text.split(NEWLINE):
+            while len(line.encode("utf-8")) > max_sentence_bytes:
+                head = line.encode("utf-8")[:max_sentence_bytes].decode("utf-8", "ignore")
+                cut = head.rfind(" ", 1)
+                cut = cut if cut > 0 else len(head)
+                yield line[:cut]
+                line = line[cut:]
+            if line.strip():
+                yield line
+
+
+def trainer_settings(data_cfg):
+    """Every sentencepiece trainer option we set (recorded in tokenizer.json)."""
+    tokenizer_cfg = data_cfg["tokenizer"]
+    return {
+        "model_type": "bpe",
+        "vocab_size": tokenizer_cfg["vocab_size"],
+        "character_coverage": tokenizer_cfg["character_coverage"],
+        "max_sentence_length": tokenizer_cfg["max_sentence_bytes"],
+        "byte_fallback": True,
+        "split_digits": True,
+        "normalization_rule_name": "identity",
+        "remove_extra_whitespaces": False,
+        "add_dummy_prefix": False,  # so a text encodes the same whole or line by line
+        "allow_whitespace_only_pieces": True,
+        "unk_id": 0,
+        "unk_piece": UNK_PIECE,
+        "bos_id": 1,
+        "bos_piece": SPECIAL_TOKENS[0],
+        "eos_id": 2,
+        "eos_piece": SPECIAL_TOKENS[1],
+        "pad_id": -1,
+        "control_symbols": list(SPECIAL_TOKENS[2:]),
+        "user_defined_symbols": [NEWLINE],
+        "hard_vocab_limit": True,
+    }
+
+
+def train_tokenizer(data_cfg, log=print):
+    """Train the sentencepiece BPE on a sample of the train split -> DIR/tokenizer.model + tokenizer.json."""
+    if data_cfg["format"] != "shards":
+        log("tokenizer: data.format is bytes; the byte tokenizer needs no training")
+        return None
+    corpus = corpus_record(data_cfg)
+    tokenizer_cfg = data_cfg["tokenizer"]
+    settings = trainer_settings(data_cfg)
+    train_docs = corpus["outputs"]["train"]
+    key = fingerprint(
+        {"settings": settings, "sample_bytes": tokenizer_cfg["sample_bytes"], "corpus": train_docs}
+    )
+    model_path = tokenizer_path(data_cfg)
+    info_path = os.path.join(data_cfg["dir"], "tokenizer.json")
+    if os.path.exists(info_path) and os.path.exists(model_path):
+        with open(info_path, encoding="utf-8") as f:
+            info = json.load(f)
+        if info.get("fingerprint") == key and info.get("sha256") == sha256_of_file(model_path):
+            log(f"tokenizer: up to date ({model_path})")
+            return info
+
+    sample_fraction = min(1.0, tokenizer_cfg["sample_bytes"] / train_docs["text_bytes"])
+    sentences = sentences_for_training(
+        train_docs["path"], sample_fraction, tokenizer_cfg["max_sentence_bytes"]
+    )
+    counted = {"sentences": 0, "bytes": 0}
+
+    def counting(items):
+        for sentence in items:
+            counted["sentences"] += 1
+            counted["bytes"] += len(sentence.encode("utf-8"))
+            yield sentence
+
+    model = io.BytesIO()
+    threads = processes_of(data_cfg)
+    log(f"tokenizer: training a {settings['vocab_size']}-token BPE on {threads} threads ...")
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=counting(sentences),
+            model_writer=model,
+            num_threads=threads,
+            input_sentence_size=0,
+            minloglevel=2,
+            **settings,
+        )
+    except RuntimeError as e:
+        raise DataError(f"data.tokenizer: sentencepiece training failed: {e}") from None
+    write_atomic(model_path, lambda f: f.write(model.getvalue()))
+    info = {
+        "fingerprint": key,
+        "sha256": hashlib.sha256(model.getvalue()).hexdigest(),
+        "sentencepiece_version": spm.__version__,
+        "corpus_sha256": train_docs["sha256"],
+        "sample_fraction": sample_fraction,
+        "sample_sentences": counted["sentences"],
+        "sample_bytes": counted["bytes"],
+        "num_threads": threads,
+        "special_ids": SentencePieceTokenizer(model_path).special_ids,
+        "settings": settings,
+    }
+    write_json(info_path, info)
+    log(
+        f"tokenizer: {settings['vocab_size']} tokens from {counted['bytes'] / 1e6:.1f} MB "
+        f"({counted['sentences']:,} lines) -> {model_path}"
+    )
+    return info
+
+
+# -----------------------------------------------------------------------------
+# Encoding: documents -> shards (or the raw byte files of the byte format)
+
+
+WORKER_TOKENIZER = None
+
+
+def start_encode_worker(model_path):
+    global WORKER_TOKENIZER
+    WORKER_TOKENIZER = SentencePieceTokenizer(model_path)
+
+
+def encode_batch(lines):
+    """Worker: jsonl lines -> (tokens uint16, tokens per document, bytes of the lines)."""
+    tokenizer = WORKER_TOKENIZER
+    tokens, counts = [], []
+    for line in lines:
+        start = len(tokens)
+        tokens.append(tokenizer.bos_id)
+        tokens.extend(tokenizer.encode(json.loads(line)["text"]))
+        tokens.append(tokenizer.eos_id)
+        counts.append(len(tokens) - start)
+    return np.array(tokens, dtype=np.uint16), np.array(counts, dtype=np.int64), sum(map(len, lines))
+
+
+def encode_fingerprint(data_cfg, split, corpus):
+    if data_cfg["format"] == "bytes":
+        return fingerprint({"pipeline": PIPELINE_VERSION, "docs": corpus["outputs"][split]["sha256"]})
+    return fingerprint(
+        {
+            "pipeline": PIPELINE_VERSION,
+            "docs": corpus["outputs"][split]["sha256"],
+            "tokenizer": sha256_of_file(tokenizer_path(data_cfg)),
+            "encode": data_cfg["encode"],
+        }
+    )
+
+
+def encode(data_cfg, log=print):
+    """Encode both splits; a rerun keeps the shards the manifest lists as finished."""
+    corpus = corpus_record(data_cfg)
+    if data_cfg["format"] == "shards":
+        tokenizer = load_tokenizer(data_cfg)
+        info_path = os.path.join(data_cfg["dir"], "tokenizer.json")
+        if not os.path.exists(info_path):
+            raise DataError(f"{info_path}: missing; run `python data.py tokenizer CONFIG` first")
+    for split in SPLITS:
+        key = encode_fingerprint(data_cfg, split, corpus)
+        if data_cfg["format"] == "bytes":
+            encode_bytes(data_cfg, split, key, log)
+        else:
+            encode_shards(data_cfg, split, key, tokenizer, corpus["outputs"][split], log)
+
+
+def encode_bytes(data_cfg, split, key, log):
+    path = byte_path(data_cfg, split)
+    manifest = read_manifest(data_cfg)
+    done = manifest.get("encode", {}).get(split)
+    if done and done["fingerprint"] == key and outputs_intact([done]):
+        log(f"encode: {split} up to date ({path})")
+        return
+    digest, documents = hashlib.sha256(), 0
+
+    def write(f):
+        nonlocal documents
+        for text in iter_documents(docs_path(data_cfg, split)):
+            chunk = ((DOCUMENT_SEPARATOR if documents else "") + text).encode("utf-8")
+            digest.update(chunk)
+            f.write(chunk)
+            documents += 1
+
+    write_atomic(path, write)
+    record = {"fingerprint": key, "path": path, "size": os.path.getsize(path), "sha256": digest.hexdigest()}
+    record |= {"documents": documents, "tokens": os.path.getsize(path), "complete": True}
+    manifest = read_manifest(data_cfg)
+    manifest.setdefault("encode", {})[split] = record
+    write_json(manifest_path(data_cfg), manifest)
+    log(f"encode: {split} {documents:,} documents, {record['size']:,} bytes -> {path}")
+
+
+def finished_shards(data_cfg, split, key, log):
+    """Shards of an earlier run with the same inputs that are still intact (a prefix of the list)."""
+    done = read_manifest(data_cfg).get("encode", {}).get(split)
+    if not done or done.get("fingerprint") != key:
+        return [], False
+    kept = []
+    for shard in done["shards"]:
+        path = os.path.join(data_cfg["dir"], shard["name"])
+        if not os.path.exists(path) or sha256_of_file(path) != shard["sha256"]:
+            log(f"encode: {path} is missing or changed; re-encoding from there")
+            return kept, False
+        kept.append(shard)
+    return kept, done["complete"]
+
+
+def encode_shards(data_cfg, split, key, tokenizer, docs_record, log):
+    """Documents -> shards of tokens_per_shard tokens. Each shard's manifest entry says where the next one
+    starts (document, token within it), so a rerun continues after the last finished shard."""
+    directory = data_cfg["dir"]
+    shards, complete = finished_shards(data_cfg, split, key, log)
+    keep = {shard["name"] for shard in shards}
+    for path in shard_paths(data_cfg, split):  # stale shards of an older run must not be read
+        if os.path.basename(path) not in keep:
+            os.remove(path)
+    if complete:
+        log(f"encode: {split} up to date ({len(shards)} shard(s) in {directory}/)")
+        return
+
+    def save_manifest(complete):
+        manifest = read_manifest(data_cfg)
+        manifest.setdefault("encode", {})[split] = {
+            "fingerprint": key,
+            "complete": complete,
+            "documents": docs_record["documents"],
+            "tokens": sum(s["tokens"] for s in shards),
+            "shards": shards,
+        }
+        write_json(manifest_path(data_cfg), manifest)
+
+    capacity = data_cfg["encode"]["tokens_per_shard"]
+    buffer = np.empty(capacity, dtype=np.uint16)
+    filled = 0
+
+    def flush(next_document, next_token):
+        name = shard_name(split, len(shards))
+        sha256 = write_shard(os.path.join(directory, name), buffer[:filled], tokenizer.vocab_size)
+        entry = {"name": name, "tokens": filled, "sha256": sha256}
+        shards.append(entry | {"next_document": next_document, "next_token": next_token})
+        save_manifest(complete=False)
+
+    document, skip = (shards[-1]["next_document"], shards[-1]["next_token"]) if shards else (0, 0)
+    if shards:
+        log(f"encode: {split} resuming after {len(shards)} finished shards, at document {document:,}")
+    progress = tqdm(
+        desc=f"encode {split}",
+        total=docs_record["size"],
+        unit="B",
+        unit_scale=True,
+        mininterval=1.0,
+        file=sys.stderr,
+    )
+
+    def unread_lines():
+        with open(docs_record["path"], "rb") as f:
+            for index, line in enumerate(f):
+                if index >= document:
+                    yield line
+                else:
+                    progress.update(len(line))
+
+    batches = batched(unread_lines(), 1 << 18)
+    for tokens, counts, size in ordered_map(
+        encode_batch, batches, processes_of(data_cfg), start_encode_worker, (tokenizer.path,)
+    ):
+        # `document` is the batch's first document; its first `skip` tokens are in finished shards.
+        ends = np.cumsum(counts)
+        taken = skip
+        while taken < len(tokens):
+            take = min(len(tokens) - taken, capacity - filled)
+            buffer[filled : filled + take] = tokens[taken : taken + take]
+            filled += take
+            taken += take
+            if filled == capacity:
+                within = int(np.searchsorted(ends, taken, side="right"))  # documents fully taken
+                flush(document + within, taken - (int(ends[within - 1]) if within else 0))
+                filled = 0
+        document += len(counts)
+        skip = 0
+        progress.update(size)
+        progress.set_postfix(docs=document, refresh=False)
+    if filled:
+        flush(document, 0)
+    progress.close()
+    save_manifest(complete=True)
+    total = sum(s["tokens"] for s in shards)
+    log(f"encode: {split} {docs_record['documents']:,} documents, {total:,} tokens in {len(shards)} shard(s)")
+
+
+# -----------------------------------------------------------------------------
+# Command line
+
+
+STEPS = {
+    "corpus": [build_corpus],
+    "tokenizer": [train_tokenizer],
+    "encode": [encode],
+    "all": [build_corpus, train_tokenizer, encode],
+}
+USAGE = "usage: python data.py {corpus,tokenizer,encode,all} CONFIG [section.key=value ...]"
+
+
+def main(argv):
+    if len(argv) < 2 or argv[0] not in STEPS:
+        print(USAGE, file=sys.stderr)
+        return 2
+    import config
+
+    try:
+        data_cfg = config.load(argv[1], argv[2:])["data"]
+        for step in STEPS[argv[0]]:
+            step(data_cfg)
+    except config.ConfigError as e:
+        print(f"{argv[1]}: config problems:\n  " + str(e).replace("\n", "\n  "), file=sys.stderr)
+        return 2
+    except DataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
