@@ -1,0 +1,117 @@
+"""Checkpoints: atomic on disk, loadable with weights_only, RNG states handed back as CPU bytes."""
+
+import io
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+import train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def fake_training_state(step):
+    """The shape of a real checkpoint: tensors and plain containers only."""
+    return {
+        "step": step,
+        "model": {"w": torch.full((4, 4), float(step))},
+        "optimizer": {"state": {}, "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.95)}]},
+        "ranks": [{"rng": train.rng_state(), "loader": {"position": step}}],
+        "config": {"run_name": "t", "model": {}},
+    }
+
+
+def test_a_checkpoint_round_trips_through_weights_only_loading(tmp_path):
+    path = train.save_checkpoint(str(tmp_path), 3, fake_training_state(3), keep_last=2)
+    state = train.load_checkpoint(path)  # torch.load(..., weights_only=True) inside
+    assert state["step"] == 3 and torch.equal(state["model"]["w"], torch.full((4, 4), 3.0))
+
+
+def test_only_the_newest_keep_last_checkpoints_stay(tmp_path):
+    for step in (10, 20, 30, 40):
+        train.save_checkpoint(str(tmp_path), step, fake_training_state(step), keep_last=2)
+    assert [os.path.basename(p) for p in train.list_checkpoints(str(tmp_path))] == [
+        "ckpt_0000040.pt",
+        "ckpt_0000030.pt",
+    ]
+
+
+def test_a_writer_killed_mid_write_leaves_nothing_a_resume_would_trust(tmp_path):
+    train.save_checkpoint(str(tmp_path), 10, fake_training_state(10), keep_last=3)
+    # A real writer process goes through atomic_write, writes half the checkpoint and is SIGKILLed.
+    writer = textwrap.dedent(f"""
+        import io, sys, time, torch
+        sys.path.insert(0, {ROOT!r})
+        import train
+        buffer = io.BytesIO()
+        torch.save({{"step": 20, "model": {{"w": torch.zeros(256, 1024)}}}}, buffer)
+        payload = buffer.getvalue()
+
+        def write_half_then_hang(f):
+            f.write(payload[: len(payload) // 2])
+            f.flush()
+            print("half written", flush=True)
+            time.sleep(60)
+
+        train.atomic_write(train.checkpoint_path({str(tmp_path)!r}, 20), write_half_then_hang)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", writer], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "half written"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=10)
+    leftovers = [n for n in os.listdir(tmp_path) if n.endswith(".tmp")]
+    assert leftovers, "the killed writer should have left its temp file behind"
+    assert [os.path.basename(p) for p in train.list_checkpoints(str(tmp_path))] == ["ckpt_0000010.pt"]
+    path, state = train.load_newest_checkpoint(str(tmp_path))
+    assert state["step"] == 10
+    train.save_checkpoint(str(tmp_path), 30, fake_training_state(30), keep_last=3)
+    assert not [n for n in os.listdir(tmp_path) if n.endswith(".tmp")], "stale temp files are cleaned up"
+
+
+def test_a_truncated_newest_checkpoint_is_reported_and_the_previous_one_used(tmp_path):
+    train.save_checkpoint(str(tmp_path), 10, fake_training_state(10), keep_last=3)
+    newest = train.save_checkpoint(str(tmp_path), 20, fake_training_state(20), keep_last=3)
+    with open(newest, "r+b") as f:
+        f.truncate(os.path.getsize(newest) // 3)
+    messages = []
+    path, state = train.load_newest_checkpoint(str(tmp_path), log=messages.append)
+    assert state["step"] == 10
+    assert len(messages) == 1 and "skipping unreadable checkpoint" in messages[0] and newest in messages[0]
+
+
+def test_resume_without_any_checkpoint_is_a_clear_error(tmp_path):
+    with pytest.raises(train.TrainError, match="no usable checkpoint"):
+        train.load_newest_checkpoint(str(tmp_path))
+
+
+def test_rng_states_reach_the_setters_as_cpu_uint8(tmp_path, monkeypatch):
+    # The GPU-server failure: a checkpoint loaded onto the GPU hands set_rng_state a CUDA tensor and torch
+    # raises "RNG state must be a torch.ByteTensor". Whatever the stored form, the setters get CPU bytes.
+    state = train.rng_state()
+    state["torch_cpu"] = state["torch_cpu"].to(torch.int64)  # a state that lost its dtype on the way
+    path = train.save_checkpoint(str(tmp_path), 1, fake_training_state(1) | {"ranks": [{"rng": state}]}, 2)
+    loaded = train.load_checkpoint(path)["ranks"][0]["rng"]
+    received = []
+    real_setter = torch.set_rng_state
+    monkeypatch.setattr(torch, "set_rng_state", lambda s: (received.append(s), real_setter(s)))
+    train.set_rng_state(loaded)
+    assert len(received) == 1
+    assert received[0].device.type == "cpu" and received[0].dtype == torch.uint8
+
+
+def test_restored_rng_states_replay_the_same_random_numbers():
+    state = train.rng_state()
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    expected = (random.random(), np.random.rand(), torch.rand(3))
+    buffer.seek(0)
+    train.set_rng_state(torch.load(buffer, weights_only=True))
+    replay = (random.random(), np.random.rand(), torch.rand(3))
+    assert replay[:2] == expected[:2] and torch.equal(replay[2], expected[2])

@@ -1,0 +1,80 @@
+"""Hardware validation: each profile is checked against the device before anything is built."""
+
+import os
+
+import pytest
+import torch
+import yaml
+
+import train
+from train import DeviceCaps, check_hardware
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RTX_2060 = DeviceCaps(
+    cuda_available=True, name="NVIDIA GeForce RTX 2060", capability=(7, 5), bf16_native=False
+)
+RTX_5090 = DeviceCaps(
+    cuda_available=True, name="NVIDIA GeForce RTX 5090", capability=(12, 0), bf16_native=True
+)
+NO_CUDA = DeviceCaps(cuda_available=False)
+
+
+def profile(name):
+    """A shipped hardware profile, as the config layer resolves it."""
+    with open(os.path.join(ROOT, "configs", "hardware", f"{name}.yaml")) as f:
+        return yaml.safe_load(f)["hardware"]
+
+
+def test_each_shipped_profile_fits_the_board_it_is_named_after():
+    assert check_hardware(profile("turing-2060"), RTX_2060) == []
+    assert check_hardware(profile("blackwell-5090"), RTX_5090) == []
+    assert check_hardware(profile("cpu"), NO_CUDA) == []
+
+
+def test_bf16_on_a_board_that_only_emulates_it_is_refused():
+    (problem,) = check_hardware(profile("blackwell-5090") | {"attention_backend": "mem_efficient"}, RTX_2060)
+    assert "asks for bfloat16" in problem and "RTX 2060 (sm75) has no native bf16" in problem
+    assert "float16 with grad_scaler: true" in problem
+
+
+def test_flash_attention_before_sm80_is_refused():
+    problems = check_hardware(profile("turing-2060") | {"attention_backend": "flash"}, RTX_2060)
+    assert problems == [
+        "hardware profile 'turing-2060' asks for flash attention, which needs sm80 or newer; "
+        "NVIDIA GeForce RTX 2060 is sm75: use attention_backend: mem_efficient"
+    ]
+
+
+def test_float16_without_grad_scaler_is_refused_on_the_gpu_too():
+    problems = check_hardware(profile("turing-2060") | {"grad_scaler": False}, RTX_2060)
+    assert any("float16 without a GradScaler" in p for p in problems)
+
+
+def test_a_cuda_profile_on_a_machine_without_cuda_names_the_profile_and_the_device_found():
+    (problem,) = check_hardware(profile("turing-2060"), NO_CUDA)
+    assert "hardware profile 'turing-2060' needs CUDA" in problem and "found: cpu" in problem
+    with pytest.raises(train.TrainError, match="turing-2060"):
+        train.setup_hardware(profile("turing-2060"), caps=NO_CUDA)
+
+
+def test_native_bf16_is_asked_without_emulation(monkeypatch):
+    # What torch reports on an RTX 2060: bf16 "supported" only when emulation counts.
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
+    assert train.bf16_is_native() is False
+
+
+def test_native_bf16_falls_back_to_compute_capability_on_older_torch(monkeypatch):
+    def old_signature():  # no including_emulation argument
+        return True
+
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", old_signature)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=0: (7, 5))
+    assert train.bf16_is_native() is False
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=0: (8, 0))
+    assert train.bf16_is_native() is True
+
+
+def test_the_cpu_profile_measures_its_own_peak_for_mfu():
+    hardware = train.setup_hardware(profile("cpu"), caps=NO_CUDA)
+    assert hardware.device.type == "cpu" and hardware.peak_tflops > 0
+    assert not hardware.scaler.is_enabled()

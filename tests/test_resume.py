@@ -1,0 +1,145 @@
+"""The owner's acceptance criterion: resuming from a checkpoint reproduces an uninterrupted run, every
+parameter and every optimizer tensor bit for bit, for both loaders, with gradient accumulation."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from conftest import ROOT, tiny_args, tiny_config
+
+import train
+
+STEPS = 8
+quiet = lambda *a, **k: None  # noqa: E731
+
+
+@pytest.fixture(params=["bytes", "shards"])
+def dataset(request, byte_data_dir, shard_data_dir):
+    return request.param, byte_data_dir if request.param == "bytes" else shard_data_dir
+
+
+def final_checkpoint(cfg):
+    return train.load_checkpoint(train.list_checkpoints(train.run_dir_of(cfg))[0])
+
+
+def assert_bit_identical(a, b):
+    count, differing, largest = train.compare_states(a, b)
+    assert a["step"] == b["step"] == STEPS
+    assert count > 0 and not differing, (
+        f"{len(differing)} tensors differ (largest {largest}): {differing[:5]}"
+    )
+
+
+def test_resume_after_a_max_steps_stop_is_bit_exact_with_accumulation(tmp_path, dataset):
+    # decay_fraction 0: the schedule of a run that will be extended does not depend on max_steps.
+    kind, data_dir = dataset
+    full = tiny_config(tmp_path, kind, data_dir, "run_name=full", "train.decay_fraction=0")
+    train.train(full, log=quiet)
+
+    half = tiny_config(
+        tmp_path, kind, data_dir, "run_name=split", "train.decay_fraction=0", f"train.max_steps={STEPS // 2}"
+    )
+    assert train.train(half, log=quiet) == STEPS // 2
+    rest = tiny_config(tmp_path, kind, data_dir, "run_name=split", "train.decay_fraction=0")
+    assert rest["train"]["grad_accum_steps"] > 1
+    assert train.train(rest, resume=True, log=quiet) == STEPS
+
+    assert_bit_identical(final_checkpoint(full), final_checkpoint(rest))
+
+
+def wait_for_step(metrics_path, step, proc, timeout=60):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"training ended before step {step}: {proc.communicate()}"
+        if os.path.exists(metrics_path):
+            with open(metrics_path) as f:
+                if any(json.loads(line).get("step", 0) >= step for line in f if line.strip()):
+                    return
+        time.sleep(0.01)
+    raise AssertionError(f"no step {step} in {metrics_path} after {timeout}s")
+
+
+def test_resume_after_sigterm_is_bit_exact_with_accumulation(tmp_path, dataset):
+    kind, data_dir = dataset
+    steps = 150  # long enough that SIGTERM lands mid-run; the schedule is the same for both runs
+    common = [
+        f"train.max_steps={steps}",
+        "train.warmup_steps=20",
+        "train.ckpt_interval=1000",
+        "train.eval_interval=0",
+    ]
+    full = tiny_config(tmp_path, kind, data_dir, "run_name=full", *common)
+    train.train(full, log=quiet)
+
+    args = tiny_args(tmp_path, kind, data_dir, "run_name=split", *common)
+    proc = subprocess.Popen(
+        [sys.executable, "train.py", *args],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    wait_for_step(os.path.join(tmp_path, "split", "metrics.jsonl"), 5, proc)
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, output
+    assert "(SIGTERM); continue with --resume" in output
+    stopped_at = train.load_checkpoint(train.list_checkpoints(os.path.join(tmp_path, "split"))[0])["step"]
+    assert 5 <= stopped_at < steps
+
+    rest = tiny_config(tmp_path, kind, data_dir, "run_name=split", *common)
+    assert train.train(rest, resume=True, log=quiet) == steps
+    a, b = final_checkpoint(full), final_checkpoint(rest)
+    count, differing, largest = train.compare_states(a, b)
+    assert a["step"] == b["step"] == steps
+    assert not differing, f"{len(differing)}/{count} tensors differ (largest {largest})"
+
+
+def test_resume_check_command_prints_pass(tmp_path, byte_data_dir):
+    args = tiny_args(tmp_path, "bytes", byte_data_dir, "run_name=check")
+    result = subprocess.run(
+        [sys.executable, "train.py", *args, "--resume-check"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr
+    last_line = result.stdout.strip().splitlines()[-1]
+    assert last_line.startswith("PASS resume-check:") and "bit-identical" in last_line
+    assert os.listdir(tmp_path) == [], "the check cleans up its scratch runs"
+
+
+def test_resume_check_reports_fail_with_the_largest_difference(tmp_path):
+    a = {"step": 2, "model": {"w": torch.zeros(3)}, "optimizer": {"state": {0: {"exp_avg": torch.ones(3)}}}}
+    b = {"step": 2, "model": {"w": torch.tensor([0.0, 0.5, 0.0])}, "optimizer": a["optimizer"]}
+    count, differing, largest = train.compare_states(a, b)
+    assert (count, differing, largest) == (2, ["model.w"], 0.5)
+
+
+def test_resume_with_a_changed_shape_is_refused_listing_the_differences(tmp_path, byte_data_dir):
+    cfg = tiny_config(tmp_path, "bytes", byte_data_dir, "run_name=shape", "train.max_steps=2")
+    train.train(cfg, log=quiet)
+    changed = tiny_config(
+        tmp_path, "bytes", byte_data_dir, "run_name=shape", "model.d_model=64", "train.micro_batch_size=2"
+    )
+    with pytest.raises(train.TrainError) as excinfo:
+        train.train(changed, resume=True, log=quiet)
+    message = str(excinfo.value)
+    assert "shape-defining settings changed" in message
+    assert "model.d_model: checkpoint has 32, config has 64" in message
+    assert "train.micro_batch_size: checkpoint has 4, config has 2" in message
+
+
+def test_resume_without_a_checkpoint_is_a_clear_error(tmp_path, byte_data_dir):
+    cfg = tiny_config(tmp_path, "bytes", byte_data_dir, "run_name=nothing")
+    with pytest.raises(train.TrainError, match="no usable checkpoint"):
+        train.train(cfg, resume=True, log=quiet)
+
+
+def test_a_fresh_run_never_overwrites_a_run_with_checkpoints(tmp_path, byte_data_dir):
+    cfg = tiny_config(tmp_path, "bytes", byte_data_dir, "run_name=taken", "train.max_steps=2")
+    train.train(cfg, log=quiet)
+    with pytest.raises(train.TrainError, match="already holds checkpoints; pass --resume"):
+        train.train(cfg, log=quiet)

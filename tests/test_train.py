@@ -1,0 +1,127 @@
+"""The training loop: what a run writes, how it logs, how it stops."""
+
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+import yaml
+from conftest import ROOT, tiny_args, tiny_config
+from test_resume import wait_for_step
+
+import train
+
+quiet = lambda *a, **k: None  # noqa: E731
+
+
+def test_a_run_writes_its_resolved_config_metrics_and_checkpoints(tmp_path, byte_data_dir):
+    cfg = tiny_config(tmp_path, "bytes", byte_data_dir, "run_name=outputs")
+    lines = []
+    train.train(cfg, log=lines.append)
+    run_dir = tmp_path / "outputs"
+    assert yaml.safe_load((run_dir / "config.yaml").read_text()) == cfg
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "loss" in r]
+    evals = [r for r in records if "val_loss" in r]
+    assert [r["step"] for r in steps] == list(range(1, 9))
+    assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "elapsed_s", "eta_s"} <= set(steps[0])
+    assert [r["step"] for r in evals] == [4, 8]
+    assert all(
+        r["val_bpb"] == pytest.approx(r["val_loss"] / math.log(2)) for r in evals
+    )  # bytes: 1 token = 1 byte
+    assert sorted(os.listdir(run_dir)) == [
+        "ckpt_0000006.pt",
+        "ckpt_0000008.pt",
+        "config.yaml",
+        "metrics.jsonl",
+    ]
+    step_line = re.compile(
+        r"^step 3/8 \| loss \d+\.\d{4} \| lr \d\.\de-\d\d \| gnorm \d+\.\d\d \| [\d.]+[kM]? tok/s \| "
+        r"mfu \d+% \| \d+s \| eta \d+s$"
+    )
+    assert any(step_line.match(line) for line in lines), lines
+
+
+def test_the_loss_starts_near_ln_vocab_and_falls(tmp_path, byte_data_dir):
+    cfg = tiny_config(
+        tmp_path, "bytes", byte_data_dir, "run_name=learns", "train.max_steps=30", "train.lr=1e-2"
+    )
+    train.train(cfg, log=quiet)
+    losses = [json.loads(line).get("loss") for line in open(tmp_path / "learns" / "metrics.jsonl")]
+    losses = [x for x in losses if x is not None]
+    assert abs(losses[0] - math.log(256)) < 0.3
+    assert losses[-1] < losses[0] - 1.5
+
+
+def test_sigint_finishes_the_step_writes_a_checkpoint_and_exits_0(tmp_path, byte_data_dir):
+    args = tiny_args(tmp_path, "bytes", byte_data_dir, "run_name=interrupted", "train.max_steps=2000")
+    proc = subprocess.Popen(
+        [sys.executable, "train.py", *args],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    wait_for_step(os.path.join(tmp_path, "interrupted", "metrics.jsonl"), 3, proc)
+    proc.send_signal(signal.SIGINT)
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, output
+    stopped = re.search(r"stopped at step (\d+) \(SIGINT\)", output)
+    assert stopped, output
+    newest = train.list_checkpoints(os.path.join(tmp_path, "interrupted"))[0]
+    assert train.load_checkpoint(newest)["step"] == int(stopped.group(1))
+
+
+def test_consecutive_nonfinite_losses_stop_the_run_and_keep_the_last_good_checkpoint(tmp_path, byte_data_dir):
+    cfg = tiny_config(
+        tmp_path, "bytes", byte_data_dir, "run_name=nan", "train.max_nonfinite=3", "train.max_steps=20"
+    )
+    calls = {"train_forward": 0}
+
+    def poison_lm_head_from_step_3(module, args, output):
+        # A fault injected into torch's forward pass (not into our code): from the 3rd optimizer step on
+        # (2 micro-batches a step), the LM head outputs NaN.
+        if module.training and isinstance(module, torch.nn.Linear) and module.out_features == 256:
+            calls["train_forward"] += 1
+            if calls["train_forward"] > 4:
+                return output * float("nan")
+        return output
+
+    handle = torch.nn.modules.module.register_module_forward_hook(poison_lm_head_from_step_3)
+    try:
+        with pytest.raises(
+            train.TrainError, match=r"step 5: 3 consecutive non-finite.*train.max_nonfinite=3"
+        ):
+            train.train(cfg, log=quiet)
+    finally:
+        handle.remove()
+    records = [json.loads(line) for line in open(tmp_path / "nan" / "metrics.jsonl")]
+    assert [r["skipped_steps"] for r in records if "loss" in r] == [0, 0, 1, 2]
+    path, state = train.load_newest_checkpoint(str(tmp_path / "nan"))
+    assert state["step"] == 4
+    assert all(torch.isfinite(t).all() for t in state["model"].values())
+
+
+def test_a_tokenizer_that_does_not_match_the_model_vocab_is_refused(tmp_path, shard_data_dir):
+    cfg = tiny_config(tmp_path, "shards", shard_data_dir, "run_name=vocab")
+    cfg["model"]["vocab_size"] = cfg["data"]["tokenizer"]["vocab_size"] = (
+        600  # consistent config, wrong tokenizer
+    )
+    with pytest.raises(Exception, match="600"):
+        train.train(cfg, log=quiet)
+
+
+def test_the_command_line_reports_config_errors_without_a_traceback(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "train.py", "configs/smoke-cpu.yaml", "train.sede=1"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 2
+    assert "did you mean train.seed?" in result.stderr and "Traceback" not in result.stderr

@@ -1,0 +1,821 @@
+"""
+Train ENLACE from a run file.
+
+    python train.py configs/smoke-cpu.yaml                      # single process
+    python train.py configs/pretrain-2060.yaml train.seed=99    # overrides: section.key=value
+    python train.py configs/pretrain-2060.yaml --resume         # continue from the newest checkpoint
+    python train.py configs/smoke-cpu.yaml --resume-check train.max_steps=20
+    torchrun --nproc_per_node=2 train.py configs/pretrain-2060.yaml
+
+Everything a run writes lives in <train.runs_dir>/<run_name>/: config.yaml (resolved), metrics.jsonl
+and ckpt_<step>.pt (atomic, the last `keep_last` kept). This file is the only code that knows how
+boards differ; the hardware profile (configs/hardware/) is the only config layer that does.
+"""
+
+import contextlib
+import datetime
+import json
+import math
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import config
+import data
+from model import Transformer
+
+# Keys that fix tensor shapes or the meaning of a step: a resume that changes one of them cannot
+# continue the same run. Schedule lengths and intervals may change.
+SHAPE_KEYS = [
+    ("model", k) for k in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden")
+]
+SHAPE_KEYS += [("model", "seq_len"), ("train", "micro_batch_size"), ("train", "grad_accum_steps")]
+SHAPE_KEYS += [("data", "format")]
+
+
+UMASK = os.umask(0)
+os.umask(UMASK)
+
+
+class TrainError(Exception):
+    """A problem the user can fix; main() prints it without a traceback and exits 2."""
+
+
+# -----------------------------------------------------------------------------
+# Hardware: the only code that knows how boards differ
+
+
+@dataclass
+class DeviceCaps:
+    """What the machine offers, probed once (or passed in by tests)."""
+
+    cuda_available: bool
+    name: str = "cpu"
+    capability: tuple = (0, 0)  # CUDA compute capability
+    bf16_native: bool = False  # False on Turing, where bf16 only runs emulated
+
+
+def bf16_is_native(device_index=0):
+    """True only where bf16 runs in hardware. The default is_bf16_supported() also says True on an
+    RTX 2060, where bf16 is emulated ~2.6x slower than fp16: that is exactly the case to refuse."""
+    try:
+        return bool(torch.cuda.is_bf16_supported(including_emulation=False))
+    except TypeError:  # older torch without the argument
+        return torch.cuda.get_device_capability(device_index) >= (8, 0)
+
+
+def probe_device(local_rank=0):
+    if not torch.cuda.is_available():
+        return DeviceCaps(cuda_available=False)
+    return DeviceCaps(
+        cuda_available=True,
+        name=torch.cuda.get_device_name(local_rank),
+        capability=torch.cuda.get_device_capability(local_rank),
+        bf16_native=bf16_is_native(local_rank),
+    )
+
+
+def check_hardware(profile, caps):
+    """Problems of running `profile` on a device with `caps`; empty when it fits."""
+    name = f"hardware profile '{profile['name']}'"
+    if profile["device"] == "cpu":
+        return []
+    if not caps.cuda_available:
+        return [
+            f"{name} needs CUDA, but this machine has no CUDA device (found: cpu); "
+            "use configs/hardware/cpu.yaml"
+        ]
+    problems = []
+    sm = f"sm{caps.capability[0]}{caps.capability[1]}"
+    if profile["dtype"] == "bfloat16" and not caps.bf16_native:
+        problems.append(
+            f"{name} asks for bfloat16, but {caps.name} ({sm}) has no native bf16 (only emulated, ~2.6x "
+            "slower than float16); use dtype: float16 with grad_scaler: true "
+            "(configs/hardware/turing-2060.yaml)"
+        )
+    if profile["attention_backend"] == "flash" and caps.capability < (8, 0):
+        problems.append(
+            f"{name} asks for flash attention, which needs sm80 or newer; {caps.name} is {sm}: "
+            "use attention_backend: mem_efficient"
+        )
+    if profile["dtype"] == "float16" and not profile["grad_scaler"]:
+        problems.append(f"{name}: float16 without a GradScaler underflows; set grad_scaler: true")
+    return problems
+
+
+def measure_peak_tflops(device, dtype=torch.float32, size=1024, seconds=0.3):
+    """Dense matmul throughput actually reached on this device: the reference for MFU on the CPU."""
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    best = 0.0
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline or best == 0.0:
+        start = time.perf_counter()
+        for _ in range(4):
+            a @ b
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        best = max(best, 4 * 2 * size**3 / (time.perf_counter() - start))
+    return best / 1e12
+
+
+@dataclass
+class Hardware:
+    device: torch.device
+    autocast: object  # a callable returning a context manager
+    scaler: torch.amp.GradScaler
+    attention_backend: str
+    peak_tflops: float
+    description: str
+
+
+def setup_hardware(profile, local_rank=0, caps=None):
+    caps = caps or probe_device(local_rank)
+    problems = check_hardware(profile, caps)
+    if problems:
+        raise TrainError("\n".join(problems))
+    if profile["device"] == "cuda":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+        description = f"{caps.name} (sm{caps.capability[0]}{caps.capability[1]})"
+    else:
+        device = torch.device("cpu")
+        description = f"cpu ({torch.get_num_threads()} threads)"
+    dtype = getattr(torch, profile["dtype"])
+    if dtype == torch.float32:
+        autocast = contextlib.nullcontext
+    else:
+        autocast = lambda: torch.autocast(device_type=device.type, dtype=dtype)
+    scaler = torch.amp.GradScaler(device.type, enabled=profile["grad_scaler"])
+    peak = profile["peak_tflops"] or measure_peak_tflops(
+        device, dtype if device.type == "cuda" else torch.float32
+    )
+    return Hardware(device, autocast, scaler, profile["attention_backend"], peak, description)
+
+
+# -----------------------------------------------------------------------------
+# Distributed: torchrun sets RANK, LOCAL_RANK and WORLD_SIZE; without them we are one process
+
+
+@dataclass
+class Dist:
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+
+    @property
+    def enabled(self):
+        return self.world_size > 1
+
+    @property
+    def is_main(self):
+        return self.rank == 0
+
+
+def init_distributed(device_kind, timeout_s):
+    if "RANK" not in os.environ:
+        return Dist()
+    ctx = Dist(int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"]))
+    # A collective that waits longer than the timeout raises instead of hanging, so a crashed rank ends
+    # the whole job (torchrun then stops the rest).
+    dist.init_process_group(
+        backend="nccl" if device_kind == "cuda" else "gloo",
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    return ctx
+
+
+def all_ranks_true(flag, ctx, device):
+    if not ctx.enabled:
+        return flag
+    t = torch.tensor([1.0 if flag else 0.0], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return bool(t.item())
+
+
+# -----------------------------------------------------------------------------
+# Schedule and optimizer
+
+
+def lr_at(step, train):
+    """Warmup-stable-decay learning rate of optimizer step `step` (0-based), from the step alone."""
+    peak, total = train["lr"], train["max_steps"]
+    decay_steps = int(train["decay_fraction"] * total)
+    decay_start = total - decay_steps
+    if step < train["warmup_steps"]:
+        return peak * (step + 1) / train["warmup_steps"]
+    if step < decay_start:
+        return peak
+    progress = min(1.0, (step - decay_start + 1) / decay_steps)
+    remaining = 1.0 - progress if train["decay_shape"] == "linear" else 1.0 - math.sqrt(progress)
+    return peak * (train["min_lr_ratio"] + (1.0 - train["min_lr_ratio"]) * remaining)
+
+
+def build_optimizer(model, train, device):
+    # Decay matrices (projections, embedding) only; norm weights are scales and stay undecayed.
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": train["weight_decay"]},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(
+        groups,
+        lr=train["lr"],
+        betas=(train["beta1"], train["beta2"]),
+        eps=train["adam_eps"],
+        fused=device.type == "cuda",
+    )
+
+
+# -----------------------------------------------------------------------------
+# RNG state and checkpoints
+
+
+def rng_state():
+    np_state = np.random.get_state()
+    state = {
+        "python": random.getstate(),
+        # numpy's state holds an ndarray; stored as plain values so weights_only=True can load it.
+        "numpy": {
+            "keys": np_state[1].tolist(),
+            "pos": int(np_state[2]),
+            "gauss": [int(np_state[3]), np_state[4]],
+        },
+        "torch_cpu": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["torch_cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _cpu_bytes(tensor):
+    # torch's RNG setters want a CPU ByteTensor; a state that travelled to the GPU (map_location="cuda")
+    # makes set_rng_state raise "RNG state must be a torch.ByteTensor". Always hand them CPU uint8.
+    return tensor.detach().to(device="cpu", dtype=torch.uint8)
+
+
+def set_rng_state(state):
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    np_keys = np.array(state["numpy"]["keys"], dtype=np.uint32)
+    np.random.set_state(("MT19937", np_keys, state["numpy"]["pos"], *state["numpy"]["gauss"]))
+    torch.set_rng_state(_cpu_bytes(state["torch_cpu"]))
+    if "torch_cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([_cpu_bytes(s) for s in state["torch_cuda"]])
+
+
+def checkpoint_path(run_dir, step):
+    return os.path.join(run_dir, f"ckpt_{step:07d}.pt")
+
+
+def list_checkpoints(run_dir):
+    """Complete checkpoints, newest first. Temp files of an interrupted write never match."""
+    if not os.path.isdir(run_dir):
+        return []
+    names = [n for n in os.listdir(run_dir) if n.startswith("ckpt_") and n.endswith(".pt")]
+    return sorted((os.path.join(run_dir, n) for n in names), reverse=True)
+
+
+def fsync_dir(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path, write):
+    """write(f) into a temp file beside `path`, fsync, rename over `path`, fsync the folder. A crash at
+    any point leaves either the old file or the new one, never a partial file under the real name."""
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+    try:
+        os.fchmod(fd, 0o666 & ~UMASK)  # mkstemp makes 0600; keep the permissions open() would give
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    fsync_dir(folder)
+
+
+def save_checkpoint(run_dir, step, state, keep_last):
+    path = checkpoint_path(run_dir, step)
+    atomic_write(path, lambda f: torch.save(state, f))
+    for old in list_checkpoints(run_dir)[keep_last:]:
+        os.unlink(old)
+    # Temp files of writes that were killed (never trusted, since they never got the real name).
+    for name in os.listdir(run_dir):
+        if name.startswith(".ckpt_") and name.endswith(".tmp"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(run_dir, name))
+    return path
+
+
+def load_checkpoint(path):
+    # map_location="cpu": RNG states must stay CPU tensors, and any rank can read any checkpoint.
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    missing = {"step", "model", "optimizer", "ranks", "config"} - set(state)
+    if missing:
+        raise ValueError(f"not a training checkpoint (missing {', '.join(sorted(missing))})")
+    return state
+
+
+def load_newest_checkpoint(run_dir, log=print):
+    """The newest checkpoint that loads; a truncated or corrupt one is reported and skipped."""
+    for path in list_checkpoints(run_dir):
+        try:
+            return path, load_checkpoint(path)
+        except Exception as e:  # noqa: BLE001 - any unreadable file is skipped, and said so
+            log(f"warning: skipping unreadable checkpoint {path}: {type(e).__name__}: {e}")
+    raise TrainError(f"--resume: no usable checkpoint in {run_dir}/ (expected ckpt_<step>.pt files)")
+
+
+def shape_differences(saved, current):
+    differences = []
+    for section, key in SHAPE_KEYS:
+        before, now = saved.get(section, {}).get(key), current[section][key]
+        if before != now:
+            differences.append(f"{section}.{key}: checkpoint has {before!r}, config has {now!r}")
+    return differences
+
+
+def code_version():
+    try:
+        root = os.path.dirname(os.path.abspath(__file__))
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True, text=True
+        ).stdout.strip()
+        return (commit + ("-dirty" if dirty else "")) or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+# -----------------------------------------------------------------------------
+# Logging helpers
+
+
+def format_duration(seconds):
+    seconds = int(seconds)
+    if seconds >= 3600:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    if seconds >= 60:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds}s"
+
+
+def format_rate(tokens_per_second):
+    if tokens_per_second >= 1e6:
+        return f"{tokens_per_second / 1e6:.2f}M"
+    if tokens_per_second >= 1e3:
+        return f"{tokens_per_second / 1e3:.1f}k"
+    return f"{tokens_per_second:.0f}"
+
+
+class StopRequest:
+    """SIGINT/SIGTERM: finish the optimizer step in flight, write a checkpoint, exit 0."""
+
+    def __init__(self):
+        self.signal_name = None
+        self.previous = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():  # signals only reach the main thread
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self.previous[sig] = signal.signal(sig, self.handle)
+        return self
+
+    def handle(self, signum, frame):
+        self.signal_name = signal.Signals(signum).name
+        signal.signal(signum, self.previous[signum])  # a second signal acts at once
+
+    def __exit__(self, *exc):
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
+# -----------------------------------------------------------------------------
+# The run
+
+
+def run_dir_of(cfg):
+    return os.path.join(cfg["train"]["runs_dir"], cfg["run_name"])
+
+
+def evaluate(model, cfg, hardware, ctx, token_bytes):
+    """Mean loss and bits per byte over the same `eval_batches` val batches every time."""
+    train = cfg["train"]
+    loader = data.build_loader(
+        cfg["data"],
+        "val",
+        train["micro_batch_size"],
+        cfg["model"]["seq_len"],
+        train["seed"],
+        ctx.rank,
+        ctx.world_size,
+    )
+    model.eval()
+    totals = torch.zeros(3, dtype=torch.float64, device=hardware.device)  # nats, tokens, bytes
+    with torch.no_grad():
+        for _ in range(train["eval_batches"]):
+            x, y = (t.to(hardware.device) for t in loader.next_batch())
+            with hardware.autocast():
+                logits, _ = model(x)
+            nats = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum")
+            totals += torch.stack(
+                [
+                    nats.double(),
+                    torch.tensor(y.numel(), device=hardware.device).double(),
+                    token_bytes[y].sum().double(),
+                ]
+            )
+    if ctx.enabled:
+        dist.all_reduce(totals)
+    model.train()
+    nats, tokens, num_bytes = totals.tolist()
+    return {"val_loss": nats / tokens, "val_bpb": nats / (math.log(2) * max(num_bytes, 1.0))}
+
+
+def train(cfg, resume=False, stop_after=None, log=print):
+    """Train `cfg` (a resolved config). Returns the final step. `stop_after` ends the run as an
+    interruption would (checkpoint, no final eval): used by --resume-check."""
+    train_cfg, profile = cfg["train"], cfg["hardware"]
+    ctx = init_distributed(profile["device"], train_cfg["dist_timeout_s"])
+    try:
+        return _train(cfg, ctx, resume, stop_after, log if ctx.is_main else (lambda *a, **k: None))
+    finally:
+        if ctx.enabled:
+            dist.destroy_process_group()
+
+
+def _train(cfg, ctx, resume, stop_after, log):
+    model_cfg, train_cfg, profile = cfg["model"], cfg["train"], cfg["hardware"]
+    hardware = setup_hardware(profile, ctx.local_rank)
+    run_dir = run_dir_of(cfg)
+    os.makedirs(run_dir, exist_ok=True)
+
+    checkpoint = None
+    if resume:
+        ckpt_path, checkpoint = load_newest_checkpoint(run_dir, log)
+        differences = shape_differences(checkpoint["config"], cfg)
+        if checkpoint.get("world_size", 1) != ctx.world_size:
+            differences.append(
+                f"world size: checkpoint was written by {checkpoint['world_size']} processes, this run has "
+                f"{ctx.world_size} (loader and RNG states are per rank; resume with the same count)"
+            )
+        if differences:
+            raise TrainError(
+                f"cannot resume {ckpt_path}: shape-defining settings changed:\n  " + "\n  ".join(differences)
+            )
+    elif list_checkpoints(run_dir):
+        raise TrainError(
+            f"{run_dir}/ already holds checkpoints; pass --resume to continue it, or choose another run "
+            f"name (run_name=...)"
+        )
+
+    # Seed everything, then build: identical initial weights on every rank.
+    random.seed(train_cfg["seed"])
+    np.random.seed(train_cfg["seed"])
+    torch.manual_seed(train_cfg["seed"])
+
+    tokenizer = data.load_tokenizer(cfg["data"])
+    if tokenizer.vocab_size != model_cfg["vocab_size"]:
+        raise TrainError(
+            f"model.vocab_size is {model_cfg['vocab_size']} but the {tokenizer.name} tokenizer has "
+            f"{tokenizer.vocab_size} tokens; set model.vocab_size={tokenizer.vocab_size}"
+        )
+    token_bytes = torch.as_tensor(tokenizer.token_bytes, dtype=torch.float64, device=hardware.device)
+    model = Transformer(model_cfg, attention_backend=hardware.attention_backend).to(hardware.device)
+    optimizer = build_optimizer(model, train_cfg, hardware.device)
+    batch, seq_len, accum = train_cfg["micro_batch_size"], model_cfg["seq_len"], train_cfg["grad_accum_steps"]
+    loader = data.build_loader(
+        cfg["data"], "train", batch, seq_len, train_cfg["seed"], ctx.rank, ctx.world_size
+    )
+
+    step = 0
+    skipped_steps = 0
+    if checkpoint is not None:
+        model.load_state_dict(checkpoint["model"])
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        if checkpoint.get("scaler"):
+            hardware.scaler.load_state_dict(checkpoint["scaler"])
+        own = checkpoint["ranks"][ctx.rank]
+        loader.load_state_dict(own["loader"])
+        set_rng_state(own["rng"])
+        step = checkpoint["step"]
+        skipped_steps = checkpoint.get("skipped_steps", 0)
+        log(f"resumed from {ckpt_path} at step {step}")
+
+    raw_model = model
+    if profile["compile"]:
+        model = torch.compile(model)
+    if ctx.enabled:
+        model = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[ctx.local_rank] if hardware.device.type == "cuda" else None
+        )
+
+    tokens_per_step = batch * seq_len * accum * ctx.world_size
+    flops_per_token = raw_model.flops_per_token(seq_len)
+    metrics_path = os.path.join(run_dir, "metrics.jsonl")
+    if ctx.is_main:
+        atomic_write(os.path.join(run_dir, "config.yaml"), lambda f: f.write(config.dump(cfg).encode()))
+        _truncate_metrics(metrics_path, step)
+        log(
+            f"run {cfg['run_name']}: {raw_model.num_params() / 1e6:.2f}M parameters on "
+            f"{hardware.description}, {profile['dtype']}, attention {hardware.attention_backend}, "
+            f"peak {hardware.peak_tflops:.2f} TFLOP/s"
+        )
+        log(
+            f"global batch {tokens_per_step} tokens = {ctx.world_size} ranks x {batch} sequences x "
+            f"{seq_len} tokens x {accum} accumulation; {train_cfg['max_steps']} steps"
+        )
+    metrics_file = open(metrics_path, "a", encoding="utf-8") if ctx.is_main else None
+
+    def write_metrics(record):
+        if metrics_file:
+            metrics_file.write(json.dumps(record) + "\n")
+            metrics_file.flush()
+
+    def make_checkpoint(at_step):
+        rank_state = {"rng": rng_state(), "loader": loader.state_dict()}
+        ranks = [None] * ctx.world_size
+        if ctx.enabled:
+            dist.all_gather_object(ranks, rank_state)
+        else:
+            ranks = [rank_state]
+        if ctx.is_main:
+            state = {
+                "step": at_step,
+                "model": raw_model.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "scaler": hardware.scaler.state_dict() if hardware.scaler.is_enabled() else {},
+                "ranks": ranks,
+                "skipped_steps": skipped_steps,
+                "world_size": ctx.world_size,
+                "tokenizer": tokenizer.name,
+                "config": cfg,
+                "code_version": code_version(),
+            }
+            path = save_checkpoint(run_dir, at_step, state, train_cfg["keep_last"])
+            log(f"checkpoint {path}")
+        if ctx.enabled:
+            dist.barrier()
+
+    nonfinite_streak = 0
+    start_step = step
+    window_start, window_steps = time.perf_counter(), 0
+    run_start = time.perf_counter()
+    stopped_by = None
+    with StopRequest() as stop:
+        while step < train_cfg["max_steps"]:
+            lr = lr_at(step, train_cfg)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+
+            # Micro-steps: DDP syncs gradients only on the last one (no_sync on the others).
+            loss_sum = torch.zeros((), device=hardware.device)
+            for micro in range(accum):
+                x, y = (t.to(hardware.device, non_blocking=True) for t in loader.next_batch())
+                sync = micro == accum - 1
+                with model.no_sync() if ctx.enabled and not sync else contextlib.nullcontext():
+                    with hardware.autocast():
+                        _, losses = model(x, y)
+                    loss = losses["loss"] / accum
+                    hardware.scaler.scale(loss).backward()
+                loss_sum += loss.detach()
+
+            hardware.scaler.unscale_(optimizer)
+            max_norm = train_cfg["grad_clip"] if train_cfg["grad_clip"] > 0 else float("inf")
+            grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), max_norm)
+            # Every rank must agree whether to apply this step (with float16 the GradScaler decides per
+            # rank from its own gradients; DDP makes them equal, the all-reduce makes it certain).
+            finite = all_ranks_true(
+                bool(torch.isfinite(grad_norm)) and bool(torch.isfinite(loss_sum)), ctx, hardware.device
+            )
+            if finite:
+                hardware.scaler.step(optimizer)
+                nonfinite_streak = 0
+            else:
+                skipped_steps += 1
+                nonfinite_streak += 1
+            if hardware.scaler.is_enabled():
+                scale_before = hardware.scaler.get_scale()
+                hardware.scaler.update(
+                    None if finite else scale_before * hardware.scaler.get_backoff_factor()
+                )
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            window_steps += 1
+
+            if not finite and nonfinite_streak >= train_cfg["max_nonfinite"]:
+                raise TrainError(
+                    f"step {step}: {nonfinite_streak} consecutive non-finite losses/gradients "
+                    f"(train.max_nonfinite={train_cfg['max_nonfinite']}); stopping. The last good checkpoint "
+                    f"in {run_dir}/ is intact; lower train.lr or check the data."
+                )
+
+            if step % train_cfg["log_interval"] == 0 or step == train_cfg["max_steps"]:
+                if ctx.enabled:
+                    dist.all_reduce(loss_sum)  # gloo has no AVG
+                    loss_sum /= ctx.world_size
+                if hardware.device.type == "cuda":
+                    torch.cuda.synchronize()
+                now = time.perf_counter()
+                tokens_per_second = tokens_per_step * window_steps / (now - window_start)
+                mfu = flops_per_token * tokens_per_second / (hardware.peak_tflops * 1e12 * ctx.world_size)
+                elapsed = now - run_start
+                eta = elapsed / (step - start_step) * (train_cfg["max_steps"] - step)
+                record = {
+                    "step": step,
+                    "loss": loss_sum.item(),
+                    "lr": lr,
+                    "grad_norm": grad_norm.item(),
+                    "tokens_per_s": tokens_per_second,
+                    "mfu": mfu,
+                    "elapsed_s": elapsed,
+                    "eta_s": eta,
+                    "skipped_steps": skipped_steps,
+                }
+                if hardware.scaler.is_enabled():
+                    record["loss_scale"] = hardware.scaler.get_scale()
+                write_metrics(record)
+                log(
+                    f"step {step}/{train_cfg['max_steps']} | loss {record['loss']:.4f} | lr {lr:.1e} | "
+                    f"gnorm {record['grad_norm']:.2f} | {format_rate(tokens_per_second)} tok/s | "
+                    f"mfu {100 * mfu:.0f}% | {format_duration(elapsed)} | eta {format_duration(eta)}"
+                    + (f" | skipped {skipped_steps}" if skipped_steps else "")
+                )
+                window_start, window_steps = time.perf_counter(), 0
+
+            stop_now = stop.signal_name is not None or (stop_after is not None and step >= stop_after)
+            if ctx.enabled:  # a signal may reach one rank first; stop together
+                stop_now = not all_ranks_true(not stop_now, ctx, hardware.device)
+            at_end = step == train_cfg["max_steps"]
+            eval_due = train_cfg["eval_interval"] and step % train_cfg["eval_interval"] == 0
+            if (eval_due or at_end) and not stop_now:
+                result = evaluate(model, cfg, hardware, ctx, token_bytes)
+                write_metrics({"step": step, **result})
+                log(f"eval step {step} | val_loss {result['val_loss']:.4f} | val_bpb {result['val_bpb']:.4f}")
+            if step % train_cfg["ckpt_interval"] == 0 or at_end or stop_now:
+                make_checkpoint(step)
+            if eval_due or at_end or step % train_cfg["ckpt_interval"] == 0:
+                window_start, window_steps = time.perf_counter(), 0  # tokens/s counts training only
+            if stop_now:
+                stopped_by = stop.signal_name or f"stop after step {stop_after}"
+                break
+
+    if metrics_file:
+        metrics_file.close()
+    if stopped_by:
+        log(f"stopped at step {step} ({stopped_by}); continue with --resume")
+    elif ctx.is_main and train_cfg["sample_tokens"] > 0:
+        log(f"sample: {sample_text(raw_model, tokenizer, train_cfg, hardware)}")
+    return step
+
+
+def _truncate_metrics(path, step):
+    """On resume, drop metric lines from beyond the checkpoint (logged, then lost in an interruption)."""
+    if not os.path.exists(path):
+        return
+    with open(path, encoding="utf-8") as f:
+        lines = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= step]
+    atomic_write(path, lambda f: f.write("".join(lines).encode()))
+
+
+def sample_text(model, tokenizer, train_cfg, hardware):
+    prompt_ids = tokenizer.encode(train_cfg["sample_prompt"])
+    idx = torch.tensor([prompt_ids], dtype=torch.long, device=hardware.device)
+    generator = torch.Generator().manual_seed(train_cfg["seed"])  # CPU: the same text on any device
+    model.eval()
+    with hardware.autocast():
+        new_ids = list(
+            model.generate(
+                idx,
+                train_cfg["sample_tokens"],
+                temperature=0.8,
+                top_k=50,
+                stop_token=tokenizer.eos_id,
+                generator=generator,
+            )
+        )
+    model.train()
+    return tokenizer.decode(prompt_ids + new_ids)
+
+
+# -----------------------------------------------------------------------------
+# Resume check: the owner's acceptance test, runnable on any config and machine
+
+
+def tensors_of(state, prefix=""):
+    """Flatten a state dict into {name: tensor}."""
+    if isinstance(state, torch.Tensor):
+        return {prefix: state}
+    items = (
+        state.items()
+        if isinstance(state, dict)
+        else enumerate(state)
+        if isinstance(state, list | tuple)
+        else []
+    )
+    flat = {}
+    for key, value in items:
+        flat.update(tensors_of(value, f"{prefix}.{key}" if prefix else str(key)))
+    return flat
+
+
+def compare_states(a, b):
+    """(number of tensors, names that differ, largest absolute difference) of two checkpoints."""
+    ta = tensors_of({"model": a["model"], "optimizer": a["optimizer"]["state"]})
+    tb = tensors_of({"model": b["model"], "optimizer": b["optimizer"]["state"]})
+    differing, largest = [], 0.0
+    for name in sorted(set(ta) | set(tb)):
+        if name not in ta or name not in tb or ta[name].shape != tb[name].shape:
+            differing.append(name)
+            largest = float("inf")
+        elif not torch.equal(ta[name], tb[name]):
+            differing.append(name)
+            largest = max(largest, (ta[name].double() - tb[name].double()).abs().max().item())
+    return len(ta), differing, largest
+
+
+def resume_check(cfg, log=print):
+    """Uninterrupted N steps vs N/2 + resume to N: every parameter and optimizer tensor must be equal."""
+    total = cfg["train"]["max_steps"]
+    if total < 2:
+        raise TrainError("--resume-check needs train.max_steps >= 2")
+    quiet = lambda *a, **k: None
+    with tempfile.TemporaryDirectory(prefix="resume-check-", dir=cfg["train"]["runs_dir"]) as scratch:
+        runs = {}
+        for name in ("uninterrupted", "resumed"):
+            run_cfg = json.loads(json.dumps(cfg))
+            run_cfg["run_name"] = name
+            run_cfg["train"]["runs_dir"] = scratch
+            run_cfg["train"]["sample_tokens"] = 0
+            run_cfg["train"]["keep_last"] = max(run_cfg["train"]["keep_last"], 2)
+            runs[name] = run_cfg
+        log(f"resume-check: {total} steps uninterrupted ...")
+        train(runs["uninterrupted"], log=quiet)
+        log(f"resume-check: {total // 2} steps, stop, resume to {total} ...")
+        train(runs["resumed"], stop_after=total // 2, log=quiet)
+        train(runs["resumed"], resume=True, log=quiet)
+        a = load_checkpoint(list_checkpoints(run_dir_of(runs["uninterrupted"]))[0])
+        b = load_checkpoint(list_checkpoints(run_dir_of(runs["resumed"]))[0])
+    count, differing, largest = compare_states(a, b)
+    if differing or a["step"] != b["step"]:
+        log(
+            f"FAIL resume-check: {len(differing)}/{count} tensors differ after {total} steps "
+            f"(largest abs diff {largest:.3e}); first: {', '.join(differing[:5])}"
+        )
+        return False
+    log(f"PASS resume-check: {count} tensors bit-identical after {total} steps (largest abs diff 0)")
+    return True
+
+
+# -----------------------------------------------------------------------------
+
+USAGE = "usage: python train.py CONFIG [section.key=value ...] [--resume | --resume-check]"
+
+
+def main(argv):
+    flags = [a for a in argv if a.startswith("--")]
+    args = [a for a in argv if not a.startswith("--")]
+    unknown = set(flags) - {"--resume", "--resume-check"}
+    if not args or unknown or "-h" in args:
+        print(USAGE + (f"\nunknown option: {', '.join(sorted(unknown))}" if unknown else ""), file=sys.stderr)
+        return 2
+    try:
+        cfg = config.load(args[0], args[1:])
+        if "--resume-check" in flags:
+            return 0 if resume_check(cfg) else 1
+        train(cfg, resume="--resume" in flags)
+    except config.ConfigError as e:
+        print(f"{args[0]}: config problems:\n  " + "\n  ".join(e.problems), file=sys.stderr)
+        return 2
+    except (TrainError, data.DataError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
