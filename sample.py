@@ -1,0 +1,386 @@
+"""
+Use a trained run: generate text, chat, or measure bits per byte.
+
+    python sample.py runs/smoke-cpu --prompt "Había una vez" --max-new-tokens 200 --seed 1
+    python sample.py runs/smoke-cpu/ckpt_0000300.pt --prompt-file prompt.txt --num-samples 3
+    python sample.py runs/smoke-cpu --chat --system "Eres un asistente amable."
+    python sample.py runs/smoke-cpu --eval val            # the run's validation split
+    python sample.py runs/smoke-cpu --eval texto.txt      # any UTF-8 text file
+
+A run directory means its newest checkpoint. The checkpoint carries the resolved config it was trained
+with (model shape, tokenizer), so nothing here depends on the training code's state. Inference runs in
+float32 on the CPU, or on CUDA with --device cuda.
+"""
+
+import argparse
+import math
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+import data
+from model import Transformer
+from train import load_checkpoint, load_newest_checkpoint
+
+
+class SampleError(Exception):
+    """A problem the user can fix; printed without a traceback, exit status 2."""
+
+
+# -----------------------------------------------------------------------------
+# Loading a run
+
+
+def load_run(path, device="cpu"):
+    """(model in eval mode, resolved config, tokenizer, checkpoint path) of a run directory or file."""
+    if os.path.isdir(path):
+        try:
+            ckpt_path, checkpoint = load_newest_checkpoint(path, log=lambda m: print(m, file=sys.stderr))
+        except Exception as e:
+            raise SampleError(f"{path}: {e}") from None
+    elif os.path.isfile(path):
+        ckpt_path = path
+        try:
+            checkpoint = load_checkpoint(path)
+        except Exception as e:
+            raise SampleError(f"{path}: not a loadable ENLACE checkpoint ({type(e).__name__}: {e})") from None
+    else:
+        raise SampleError(f"{path}: no such run directory or checkpoint file")
+
+    cfg = checkpoint["config"]
+    try:
+        model = Transformer(cfg["model"])
+        model.load_state_dict(checkpoint["model"])
+    except (KeyError, ValueError, RuntimeError) as e:
+        first_lines = "\n  ".join(str(e).strip().splitlines()[:6])
+        raise SampleError(
+            f"{ckpt_path}: the weights do not fit the model config stored with them:\n  {first_lines}"
+        ) from None
+    tokenizer = data.load_tokenizer(cfg["data"])
+    trained_with = checkpoint.get("tokenizer", tokenizer.name)
+    if tokenizer.name != trained_with or tokenizer.vocab_size != cfg["model"]["vocab_size"]:
+        raise SampleError(
+            f"{ckpt_path}: trained with the {trained_with} tokenizer of {cfg['model']['vocab_size']} tokens, "
+            f"but data config gives the {tokenizer.name} tokenizer of {tokenizer.vocab_size}"
+        )
+    model.to(device).eval()
+    return model, cfg, tokenizer, ckpt_path
+
+
+# -----------------------------------------------------------------------------
+# Generation
+
+
+class StreamDecoder:
+    """Turns token ids into text as they arrive, holding back an incomplete UTF-8 sequence (a byte
+    token or a byte-fallback piece can end in the middle of a character)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.ids = []
+        self.emitted = 0
+
+    def push(self, token):
+        self.ids.append(token)
+        text = self.tokenizer.decode(self.ids)
+        stable = len(text) - 1 if text.endswith("\ufffd") else len(text)
+        new, self.emitted = text[self.emitted : stable], max(self.emitted, stable)
+        return new
+
+    def flush(self):
+        text = self.tokenizer.decode(self.ids)
+        new, self.emitted = text[self.emitted :], len(text)
+        return new
+
+
+def stream_text(model, tokenizer, prompt_ids, args, generator, write, stop_token=None):
+    """Generate from prompt_ids, handing decoded text to write(piece) as it comes; write returns True to
+    end the reply early. Stops at stop_token or the end-of-text token (neither is written)."""
+    device = model.embed_tokens.weight.device
+    stop_tokens = {stop_token, tokenizer.eos_id} - {None}
+    decoder = StreamDecoder(tokenizer)
+    for token in model.generate(
+        torch.tensor(prompt_ids, device=device),
+        args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        generator=generator,
+    ):  # stop tokens are checked here: a chat has two (end of turn, end of text)
+        if token in stop_tokens:
+            break
+        if write(decoder.push(token)):
+            return
+    write(decoder.flush())
+
+
+def write_to(out):
+    def write(piece):
+        out.write(piece)
+        out.flush()
+        return False
+
+    return write
+
+
+def prompt_ids_of(tokenizer, text):
+    ids = tokenizer.encode(text)
+    if tokenizer.bos_id is not None:
+        ids = [tokenizer.bos_id] + ids
+    if not ids:
+        raise SampleError("the prompt is empty and this tokenizer has no <|bos|> token to start from")
+    return ids
+
+
+def run_generation(model, tokenizer, args):
+    if args.prompt_file:
+        with open(args.prompt_file, encoding="utf-8") as f:
+            prompt = f.read()
+    else:
+        prompt = args.prompt
+    prompt_ids = prompt_ids_of(tokenizer, prompt)
+    generator = torch.Generator().manual_seed(args.seed)  # CPU: same text on any device
+    for index in range(args.num_samples):
+        if args.num_samples > 1:
+            print(f"--- sample {index + 1}/{args.num_samples}")
+        sys.stdout.write(prompt)
+        stream_text(model, tokenizer, prompt_ids, args, generator, write_to(sys.stdout))
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+
+
+# -----------------------------------------------------------------------------
+# Chat REPL
+
+
+class ChatFormat:
+    """How turns become tokens: the tokenizer's control tokens where it has them, plain-text markers for
+    a byte-level model (which has none)."""
+
+    ROLES = ("system", "user", "assistant")
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        special = tokenizer.special_ids
+        self.with_control_tokens = (
+            all(f"<|{role}|>" in special for role in self.ROLES) and "<|end|>" in special
+        )
+        if self.with_control_tokens:
+            self.end_id = special["<|end|>"]
+            self.start = [tokenizer.bos_id] if tokenizer.bos_id is not None else []
+        else:
+            self.end_id = None
+            self.start = []
+        self.labels = {"system": "Sistema", "user": "Usuario", "assistant": "Asistente"}
+
+    def turn(self, role, text):
+        if self.with_control_tokens:
+            return [self.tokenizer.special_ids[f"<|{role}|>"]] + self.tokenizer.encode(text) + [self.end_id]
+        return self.tokenizer.encode(f"{self.labels[role]}: {text}\n")
+
+    def assistant_prefix(self):
+        if self.with_control_tokens:
+            return [self.tokenizer.special_ids["<|assistant|>"]]
+        return self.tokenizer.encode(f"{self.labels['assistant']}:")
+
+    def cut_reply(self, text):
+        """A byte-level model has no end token: its reply ends where it starts the next turn."""
+        if self.with_control_tokens:
+            return text, False
+        marker = f"\n{self.labels['user']}:"
+        if marker in text:
+            return text[: text.index(marker)], True
+        return text, False
+
+
+def run_chat(model, tokenizer, cfg, args, stdin=sys.stdin, out=sys.stdout):
+    chat = ChatFormat(tokenizer)
+    context = cfg["model"]["seq_len"]
+    budget = context - args.max_new_tokens
+    if budget < 16:
+        raise SampleError(
+            f"--max-new-tokens {args.max_new_tokens} leaves no room in a {context}-token context"
+        )
+    system = chat.turn("system", args.system) if args.system else []
+    history = []  # list of token lists, one per turn
+    told_about_trimming = False
+    generator = torch.Generator().manual_seed(args.seed)
+    mode = "control tokens" if chat.with_control_tokens else "plain-text turn markers: byte-level model"
+    out.write(f"chat with {args.run} ({mode}); /reset clears the history, /exit quits\n")
+    while True:
+        out.write("> ")
+        out.flush()
+        try:
+            line = stdin.readline()
+        except KeyboardInterrupt:  # Ctrl-C at the prompt drops the line; /exit or Ctrl-D quit
+            out.write("\n")
+            continue
+        if not line:  # end of input
+            out.write("\n")
+            return
+        line = line.strip()
+        if line == "/exit":
+            return
+        if line == "/reset":
+            history = []
+            out.write("(history cleared)\n")
+            continue
+        if not line:
+            continue
+        history.append(chat.turn("user", line))
+        while len(chat.start) + len(system) + sum(map(len, history)) + len(chat.assistant_prefix()) > budget:
+            if len(history) == 1:  # a single message longer than the window: keep its end
+                history[0] = history[0][-(budget - len(chat.start) - len(system) - 8) :]
+                break
+            history.pop(0)
+            if not told_about_trimming:
+                out.write("(oldest turns dropped to fit the context window)\n")
+                told_about_trimming = True
+        prompt = chat.start + system + [t for turn in history for t in turn] + chat.assistant_prefix()
+        reply = StreamingReply(chat, out)
+        try:
+            stream_text(model, tokenizer, prompt, args, generator, reply.add, stop_token=chat.end_id)
+        except KeyboardInterrupt:  # Ctrl-C ends this answer, not the session
+            out.write(" [interrupted]")
+        out.write("\n")
+        history.append(chat.turn("assistant", reply.text.strip()))
+
+
+class StreamingReply:
+    """Writes a reply as it comes, stopping at the byte-level turn marker."""
+
+    def __init__(self, chat, out):
+        self.chat, self.out, self.text, self.done = chat, out, "", False
+
+    def add(self, piece):
+        """Write the piece; True once the reply has ended."""
+        if not self.done:
+            reply, self.done = self.chat.cut_reply(self.text + piece)
+            self.out.write(reply[len(self.text) :])
+            self.out.flush()
+            self.text = reply
+        return self.done
+
+
+# -----------------------------------------------------------------------------
+# Bits per byte
+
+
+@torch.no_grad()
+def evaluate_tokens(model, tokens, token_bytes, stride, batch_size=8):
+    """Score every token of `tokens` (a 1-D LongTensor) once, each with as much context as fits: windows
+    of seq_len positions moving by `stride`, only the tokens new to a window scored. The first token has
+    no context and is not scored (a run with a <|bos|> token puts it there).
+    Returns (total nats, scored tokens, UTF-8 bytes of the scored tokens)."""
+    seq_len = model.seq_len
+    token_bytes = torch.as_tensor(token_bytes, dtype=torch.long)
+    if not 0 < stride <= seq_len:
+        raise SampleError(f"stride {stride} must be in 1..{seq_len} (the model's context)")
+    device = model.embed_tokens.weight.device
+    windows = []  # (inputs, targets with unscored positions at -1)
+    scored_until = 1  # tokens[1:scored_until] are scored (as targets)
+    begin = 0
+    while scored_until < len(tokens):
+        end = min(begin + seq_len + 1, len(tokens))
+        inputs, targets = tokens[begin : end - 1], tokens[begin + 1 : end].clone()
+        already = scored_until - (begin + 1)  # targets before this were scored by an earlier window
+        targets[:already] = -1
+        windows.append((inputs, targets))
+        scored_until = end
+        begin += stride
+    nats = 0.0
+    count = 0
+    num_bytes = 0
+    for first in range(0, len(windows), batch_size):
+        group = windows[first : first + batch_size]
+        width = max(len(w[0]) for w in group)
+        x = torch.zeros(len(group), width, dtype=torch.long)
+        y = torch.full((len(group), width), -1, dtype=torch.long)
+        for row, (inputs, targets) in enumerate(group):
+            x[row, : len(inputs)] = inputs
+            y[row, : len(targets)] = targets
+        logits, _ = model(x.to(device))
+        y = y.to(device)
+        nats += F.cross_entropy(
+            logits.float().flatten(0, 1), y.flatten(), ignore_index=-1, reduction="sum"
+        ).item()
+        scored = y[y != -1]
+        count += scored.numel()
+        num_bytes += int(token_bytes[scored.cpu()].sum())
+    return nats, count, num_bytes
+
+
+def run_eval(model, cfg, tokenizer, args):
+    if args.eval in ("val", "train"):
+        tokens = torch.as_tensor(data.load_split_tokens(cfg["data"], args.eval).astype("int64"))
+        source = f"the run's {args.eval} split"
+    else:
+        if not os.path.isfile(args.eval):
+            raise SampleError(f"--eval {args.eval}: no such file (or use 'val' for the run's val split)")
+        with open(args.eval, "rb") as f:
+            raw = f.read()
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise SampleError(f"--eval {args.eval}: not UTF-8 text ({e})") from None
+        tokens = torch.tensor(prompt_ids_of(tokenizer, text), dtype=torch.long)
+        source = args.eval
+    if args.max_tokens:
+        tokens = tokens[: args.max_tokens]
+    if len(tokens) < 2:
+        raise SampleError(f"{source}: fewer than 2 tokens, nothing to score")
+    stride = args.stride or max(1, model.seq_len // 2)
+    nats, count, num_bytes = evaluate_tokens(model, tokens, tokenizer.token_bytes, stride)
+    loss = nats / count
+    bpb = nats / (math.log(2) * max(num_bytes, 1))
+    print(f"{source}: {count} tokens, {num_bytes} bytes | loss {loss:.4f} | bpb {bpb:.4f}")
+    return loss, bpb
+
+
+# -----------------------------------------------------------------------------
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description="Generate, chat or evaluate with a trained ENLACE run.")
+    parser.add_argument("run", help="run directory (newest checkpoint) or a checkpoint file")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--prompt", default="", help="text to continue")
+    mode.add_argument("--prompt-file", help="read the prompt from this UTF-8 file")
+    mode.add_argument("--chat", action="store_true", help="interactive conversation")
+    mode.add_argument("--eval", metavar="FILE_OR_SPLIT", help="loss and bits per byte on a file or 'val'")
+    parser.add_argument("--max-new-tokens", type=int, default=200)
+    parser.add_argument("--temperature", type=float, default=0.8)
+    parser.add_argument("--top-k", type=int, default=50)
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--seed", type=int, default=1337)
+    parser.add_argument("--num-samples", type=int, default=1)
+    parser.add_argument("--system", default="", help="system prompt for --chat")
+    parser.add_argument("--stride", type=int, default=0, help="--eval window stride (default seq_len/2)")
+    parser.add_argument("--max-tokens", type=int, default=0, help="--eval only the first N tokens")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    args = parser.parse_args(argv)
+    if args.max_new_tokens < 1 or args.num_samples < 1:
+        parser.error("--max-new-tokens and --num-samples must be >= 1")
+    return args
+
+
+def main(argv):
+    args = parse_args(argv)
+    try:
+        model, cfg, tokenizer, ckpt_path = load_run(args.run, args.device)
+        if args.eval:
+            run_eval(model, cfg, tokenizer, args)
+        elif args.chat:
+            run_chat(model, tokenizer, cfg, args)
+        else:
+            run_generation(model, tokenizer, args)
+    except (SampleError, data.DataError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
