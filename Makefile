@@ -15,7 +15,7 @@ TRAIN := $(if $(filter 1,$(NPROC)),$(PY),$(VENV)/bin/torchrun --standalone --npr
 
 .PHONY: setup lint check-configs test clean smoke smoke-2060 pretrain resume-check data-smoke \
 	corpus tokenizer encode corpus-smoke smoke-corpus sample chat eval bench search sync \
-	remote-smoke-2060 remote-pretrain logs status
+	remote-setup remote-smoke-2060 remote-pretrain logs fetch status
 
 setup: $(STAMP)
 
@@ -99,14 +99,21 @@ search: $(STAMP)
 sync:
 	scripts/remote.sh sync
 
+remote-setup: sync
+	scripts/remote.sh exec make setup
+
 remote-smoke-2060: sync
-	scripts/remote.sh run configs/smoke-2060.yaml
+	scripts/remote.sh exec make data-smoke
+	scripts/remote.sh run configs/smoke-2060.yaml $(ARGS)
 
 remote-pretrain: sync
-	scripts/remote.sh run $(CONFIG) $(RESUME_FLAG)
+	scripts/remote.sh run $(CONFIG) $(ARGS) $(RESUME_FLAG)
 
 logs:
 	scripts/remote.sh logs $(RUN_NAME)
+
+fetch:
+	scripts/remote.sh fetch $(RUN_NAME)
 
 status:
 	scripts/remote.sh status
