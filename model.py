@@ -132,8 +132,10 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, head_dim)
-        mask, is_causal = None, True
+        mask, is_causal, backends = None, True, self.backend
         if cache is not None:
+            # Flash kernels take no explicit mask: decoding may fall back to the math kernel.
+            backends = [self.backend, SDPBackend.MATH]
             start = cache.length
             k, v = cache.store(layer_index, k, v)
             if start > 0:
@@ -144,7 +146,7 @@ class Attention(nn.Module):
                     key_pos = torch.arange(start + T, device=x.device)
                     query_pos = torch.arange(start, start + T, device=x.device)
                     mask = key_pos[None, :] <= query_pos[:, None]
-        with sdpa_kernel(self.backend):
+        with sdpa_kernel(backends):
             y = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=self.n_kv_heads != self.n_heads
             )
@@ -271,10 +273,14 @@ class Transformer(nn.Module):
         logits = logits.float().flatten(0, -2)
         targets = targets.flatten()
         keep = targets != -1
-        log_normalizer = torch.logsumexp(logits, dim=-1)
-        target_logit = logits.gather(1, targets.clamp(min=0)[:, None]).squeeze(1)
+        rows = targets.clamp(min=0)[:, None]  # ignored rows pick column 0, then count for nothing
+        log_probs = F.log_softmax(logits, dim=-1)
+        target_log_prob = log_probs.gather(1, rows).squeeze(1)
+        # log_softmax = logits - logsumexp(logits): the normalizer comes from the same column for free,
+        # one pass over the logits fewer than calling logsumexp.
+        log_normalizer = logits.gather(1, rows).squeeze(1) - target_log_prob
         count = keep.sum().clamp(min=1)
-        ce = torch.where(keep, log_normalizer - target_logit, 0.0).sum() / count
+        ce = -torch.where(keep, target_log_prob, 0.0).sum() / count
         z_loss = self.z_loss_coef * torch.where(keep, log_normalizer.square(), 0.0).sum() / count
         return {"loss": ce + z_loss, "ce": ce, "z_loss": z_loss}
 
