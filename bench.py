@@ -1,0 +1,309 @@
+"""
+Benchmarks: `python bench.py [SECTION ...]` (`make bench`) runs the named sections, or all of them.
+Each section is a top-level bench_<name>() that prints its figures; timing lives here, never in tests.
+"""
+
+import os
+import resource
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import torch
+import yaml
+from torch.profiler import profile
+
+import data
+import model
+import search
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+# -----------------------------------------------------------------------------
+# model: matmul peak and training-step throughput
+
+
+def matmul_peak_flops(sizes=(2048, 4096), repeats=8):
+    """Best float32 FLOP/s of a large square matmul on the default device and thread count."""
+    best = 0.0
+    for n in sizes:
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        a @ b  # warm-up: thread pool, caches, MKL kernel selection
+        for _ in range(repeats):
+            start = time.perf_counter()
+            a @ b
+            best = max(best, 2 * n**3 / (time.perf_counter() - start))
+    return best
+
+
+def training_step_times(model_cfg, batch_size, attention_backend="math", warmup=2, steps=5):
+    """Seconds per optimizer step (forward + backward + AdamW) on random tokens, after warm-up steps."""
+    torch.manual_seed(0)
+    net = model.Transformer(model_cfg, attention_backend)
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3, weight_decay=0.1)
+    idx = torch.randint(0, model_cfg["vocab_size"], (batch_size, model_cfg["seq_len"]))
+    targets = torch.randint(0, model_cfg["vocab_size"], (batch_size, model_cfg["seq_len"]))
+
+    def step():
+        _, losses = net(idx, targets)
+        losses["loss"].backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return net, step, times
+
+
+def where_time_goes(step, top=6):
+    """Share of one step's CPU time per aten op, largest first."""
+    with profile() as prof:
+        step()
+    events = [e for e in prof.key_averages() if e.key.startswith("aten::")]
+    total = sum(e.self_cpu_time_total for e in events)
+    events.sort(key=lambda e: e.self_cpu_time_total, reverse=True)
+    return ", ".join(f"{e.key[6:]} {100 * e.self_cpu_time_total / total:.0f}%" for e in events[:top])
+
+
+def bench_model():
+    def load(name):
+        with open(os.path.join(ROOT, "configs", "model", f"{name}.yaml"), encoding="utf-8") as f:
+            return yaml.safe_load(f)["model"]
+
+    # Measured before and after the steps and the higher one kept: a neighbour process that slows one
+    # measurement must not shrink the peak and so flatter the MFU.
+    peak = matmul_peak_flops()
+    results = []
+    # The CPU profile's math kernel, and the CPU flash kernel (which skips the masked half of the scores).
+    shapes = [
+        ("smoke", 16, "math"),
+        ("smoke", 16, "flash"),
+        ("tiny-50m", 1, "math"),
+        ("tiny-50m", 1, "flash"),
+    ]
+    print(
+        f"model: timing {len(shapes)} training shapes between two matmul peaks (about a minute)", flush=True
+    )
+    for name, batch_size, backend in shapes:
+        cfg = load(name)
+        warmup, steps = (2, 5) if name == "smoke" else (1, 3)
+        net, step, times = training_step_times(cfg, batch_size, backend, warmup, steps)
+        seconds = statistics.median(times)
+        tokens_per_second = batch_size * cfg["seq_len"] / seconds
+        flops = net.flops_per_token(cfg["seq_len"]) * tokens_per_second
+        label = f"{name} B={batch_size} T={cfg['seq_len']} {backend}"
+        breakdown = where_time_goes(step) if backend == "math" else None
+        results.append((label, net.num_params(), seconds, len(times), tokens_per_second, flops, breakdown))
+    peak = max(peak, matmul_peak_flops())
+    print(f"model: float32 matmul peak {peak / 1e9:.1f} GFLOP/s ({torch.get_num_threads()} threads)")
+    for label, params, seconds, steps, tokens_per_second, flops, breakdown in results:
+        print(
+            f"model: {label:24s} | {params / 1e6:.1f}M params | step {seconds:.3f}s (median of {steps})"
+            f" | {tokens_per_second:,.0f} tok/s | {flops / 1e9:.1f} GFLOP/s | MFU {100 * flops / peak:.0f}%"
+        )
+        if breakdown:
+            print(f"model:   time per op: {breakdown}")
+
+
+# -----------------------------------------------------------------------------
+# data: corpus pipeline throughput against raw sentencepiece, tokenizer quality
+
+
+def cpu_seconds():
+    """CPU time of this process and of its finished children (the pool workers), user + system."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+def timed(function, *args, **kwargs):
+    """(result, wall seconds, CPU seconds) of one call."""
+    wall, cpu = time.perf_counter(), cpu_seconds()
+    result = function(*args, **kwargs)
+    return result, time.perf_counter() - wall, cpu_seconds() - cpu
+
+
+def bench_data():
+    """The stage-1 pipeline on novelas-cligs (beside the repo) with a 32k BPE, or on the embedded corpus
+    with a 4k BPE when it is absent. Rates are MB of UTF-8 text per second of wall time, and per CPU-second
+    (this process and its workers), which other load on the machine disturbs far less."""
+    novelas = os.path.join(ROOT, "..", "shared", "corpus", "novelas-cligs.jsonl.gz")
+    quiet = lambda *args: None  # noqa: E731
+    with tempfile.TemporaryDirectory(prefix="bench-data-") as folder:
+        if os.path.exists(novelas):
+            data_cfg = data_layer("corpus")
+            data_cfg["corpus"]["inputs"] = [{"path": novelas, "documents": "jsonl", "text_field": "text"}]
+        else:
+            print(
+                "data: ../shared/corpus/novelas-cligs.jsonl.gz not found; using the embedded corpus (4k BPE)"
+            )
+            data_cfg = data_layer("corpus-smoke")
+            data_cfg["corpus"]["inputs"][0]["path"] = os.path.join(ROOT, "corpus", "*.txt.gz")
+        data_cfg["dir"] = folder
+        processes = data.processes_of(data_cfg)
+
+        stats, corpus_wall, corpus_cpu = timed(data.build_corpus, data_cfg, log=quiet)
+        _, tokenizer_wall, _ = timed(data.train_tokenizer, data_cfg, log=quiet)
+        _, encode_wall, encode_cpu = timed(data.encode, data_cfg, log=quiet)
+
+        megabytes = stats["bytes_out"] / 1e6  # UTF-8 text of the kept documents, both splits
+        tokenizer = data.load_tokenizer(data_cfg)
+        texts = [t for split in data.SPLITS for t in data.iter_documents(data.docs_path(data_cfg, split))]
+        lines = [line for text in texts for line in text.split("\n")]
+        _, raw_wall, raw_cpu = timed(tokenizer.processor.encode, lines, num_threads=1)
+
+        val = list(data.iter_documents(data.docs_path(data_cfg, "val")))
+        val_tokens = [tokenizer.encode(text) for text in val]
+        chars_per_token = sum(map(len, val)) / sum(map(len, val_tokens))
+        bytes_per_token = sum(len(t.encode("utf-8")) for t in val) / sum(map(len, val_tokens))
+        exact = sum(tokenizer.decode(ids) == text for ids, text in zip(val_tokens, val, strict=True))
+
+    raw_rate, raw_rate_cpu = megabytes / raw_wall, megabytes / raw_cpu
+    pipeline_rate = megabytes / (corpus_wall + encode_wall)
+    pipeline_rate_cpu = megabytes / (corpus_cpu + encode_cpu)
+    encode_rate_cpu = megabytes / encode_cpu
+    print(
+        f"data: {stats['documents_out']:,} documents, {megabytes:.1f} MB of text, {processes} processes, "
+        f"{tokenizer.vocab_size:,}-token BPE, load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
+    )
+    print(
+        f"data: corpus step {megabytes / corpus_wall:.1f} MB/s ({megabytes / corpus_cpu:.1f} MB per CPU-s) | "
+        f"tokenizer training {tokenizer_wall:.1f}s | encode step {megabytes / encode_wall:.1f} MB/s "
+        f"({encode_rate_cpu:.1f} MB per CPU-s)"
+    )
+    print(
+        f"data: pipeline end to end (corpus + encode) {pipeline_rate:.1f} MB/s, {pipeline_rate / processes:.1f} "
+        f"MB/s per process | raw sentencepiece encode on one core {raw_rate:.1f} MB/s ({raw_rate_cpu:.1f} MB per "
+        f"CPU-s)"
+    )
+    print(
+        f"data: per core the pipeline keeps {100 * pipeline_rate_cpu / raw_rate_cpu:.0f}% of raw sentencepiece "
+        f"(CPU time; the encode step alone {100 * encode_rate_cpu / raw_rate_cpu:.0f}%), "
+        f"{100 * pipeline_rate / processes / raw_rate:.0f}% by wall time per process"
+    )
+    print(
+        f"data: val split {len(val):,} documents: {chars_per_token:.2f} characters/token, {bytes_per_token:.2f} "
+        f"bytes/token; decode(encode(x)) == x for {exact}/{len(val)} documents"
+    )
+
+
+def data_layer(name):
+    with open(os.path.join(ROOT, "configs", "data", f"{name}.yaml"), encoding="utf-8") as f:
+        return yaml.safe_load(f)["data"]
+
+
+# -----------------------------------------------------------------------------
+# search: parse time per page, and what the provider chain costs when the primary answers
+
+
+def serve_fixture(body, content_type):
+    """A keep-alive HTTP server on 127.0.0.1 answering every GET and POST with one body; returns it."""
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # keep-alive, as the PoolManager would get from the real services
+        disable_nagle_algorithm = True  # headers and body go out as two writes: no 40 ms delayed-ACK stall
+
+        def answer(self):
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            self.send_response(200)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        do_GET = do_POST = answer
+
+        def log_message(self, format, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def per_call_seconds(function, repeats):
+    """Median seconds of one call over `repeats` calls, after one warm-up call."""
+    function()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        function()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def bench_search():
+    fixtures = os.path.join(ROOT, "tests", "fixtures", "search")
+    with open(os.path.join(fixtures, "ddg_lite_results.html"), "rb") as f:
+        lite_page = f.read()
+    with open(os.path.join(fixtures, "brave_web_results.json"), "rb") as f:
+        brave_body = f.read()
+    lite_text = lite_page.decode("utf-8")
+
+    lite_s = per_call_seconds(lambda: search.parse_ddg_lite(lite_text), 300)
+    brave_s = per_call_seconds(lambda: search.parse_brave(brave_body), 300)
+    print(
+        f"search: parse DuckDuckGo lite page ({len(lite_page) / 1024:.1f} KiB, 10 results) "
+        f"{1e3 * lite_s:.2f} ms/page | Brave JSON ({len(brave_body) / 1024:.1f} KiB, 19 results) "
+        f"{1e3 * brave_s:.2f} ms/answer (median of 300)"
+    )
+
+    # The chain is the auto chain (DuckDuckGo, then Brave); DuckDuckGo answers, so Brave is never asked.
+    # Both paths share one pool and one server, and alternate, so drift on a busy machine hits both alike.
+    server = serve_fixture(lite_page, "text/html; charset=UTF-8")
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/lite/"
+        env = {"ENLACE_DDG_URL": url, "ENLACE_BRAVE_URL": url, "BRAVE_API_KEY": "bench-not-a-key"}
+        chain = search.SearchChain.from_env("auto", env=env)
+        ddg = chain.providers[0]
+        region = search.parse_region("es-es")
+        via_chain = lambda: chain.search("weather san francisco", 10, "es-es")  # noqa: E731
+        direct = lambda: ddg.search("weather san francisco", 10, region)  # noqa: E731
+        chain_times, direct_times = [], []
+        for _ in range(5):
+            chain_times.append(per_call_seconds(via_chain, 40))
+            direct_times.append(per_call_seconds(direct, 40))
+        chain_s, direct_s = statistics.median(chain_times), statistics.median(direct_times)
+        answer = via_chain()
+    finally:
+        server.shutdown()
+        server.server_close()
+    print(
+        f"search: query against a local server: via the chain {1e3 * chain_s:.2f} ms, DuckDuckGo provider "
+        f"directly {1e3 * direct_s:.2f} ms -> chain/direct {chain_s / direct_s:.3f} "
+        f"({1e6 * (chain_s - direct_s):+.0f} us; answered by {answer.provider}, {len(answer.results)} results, "
+        f"{len(answer.attempts)} failed attempts)"
+    )
+
+
+# -----------------------------------------------------------------------------
+
+SECTIONS = {
+    "model": bench_model,
+    "data": bench_data,
+    "search": bench_search,
+}
+
+
+def main(argv):
+    names = argv or list(SECTIONS)
+    unknown = [name for name in names if name not in SECTIONS]
+    if unknown:
+        print(f"unknown bench section(s) {unknown}; sections: {', '.join(SECTIONS)}", file=sys.stderr)
+        return 2
+    for name in names:
+        SECTIONS[name]()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
