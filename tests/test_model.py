@@ -336,8 +336,9 @@ def test_attention_backend_argument_selects_the_kernel():
 # ---- KV cache and generation ----
 
 
-def test_incremental_decoding_with_the_kv_cache_gives_the_full_forward_logits():
-    net = build(tiny())
+@pytest.mark.parametrize("backend", ["math", "flash"])
+def test_incremental_decoding_with_the_kv_cache_gives_the_full_forward_logits(backend):
+    net = build(tiny(), backend)
     idx = tokens(2, 24)
     with torch.no_grad():
         full, _ = net(idx)
