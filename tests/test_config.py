@@ -193,7 +193,7 @@ def test_a_run_file_must_name_every_layer(configs):
         (["model.d_model=36", "model.n_heads=4", "model.n_kv_heads=2"], "head_dim = d_model/n_heads = 9"),
         (["train.warmup_steps=250", "train.decay_fraction=0.3"], "exceed train.max_steps=300"),
         (["hardware.grad_scaler=true"], "hardware.grad_scaler: true, but only float16 uses it"),
-        (["hardware.attention_backend=flash"], "'flash' needs CUDA"),
+        (["hardware.attention_backend=mem_efficient"], "'mem_efficient' exists only on CUDA"),
         (["model.vocab_size=512"], "model.vocab_size: 512 but data.format is bytes; expected 256"),
     ],
 )
