@@ -44,10 +44,6 @@ SHAPE_KEYS += [("model", "seq_len"), ("train", "micro_batch_size"), ("train", "g
 SHAPE_KEYS += [("data", "format")]
 
 
-UMASK = os.umask(0)
-os.umask(UMASK)
-
-
 class TrainError(Exception):
     """A problem the user can fix; main() prints it without a traceback and exits 2."""
 
@@ -289,36 +285,9 @@ def list_checkpoints(run_dir):
     return sorted((os.path.join(run_dir, n) for n in names), reverse=True)
 
 
-def fsync_dir(path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write(path, write):
-    """write(f) into a temp file beside `path`, fsync, rename over `path`, fsync the folder. A crash at
-    any point leaves either the old file or the new one, never a partial file under the real name."""
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
-    try:
-        os.fchmod(fd, 0o666 & ~UMASK)  # mkstemp makes 0600; keep the permissions open() would give
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    fsync_dir(folder)
-
-
 def save_checkpoint(run_dir, step, state, keep_last):
     path = checkpoint_path(run_dir, step)
-    atomic_write(path, lambda f: torch.save(state, f))
+    data.write_atomic(path, lambda f: torch.save(state, f))
     for old in list_checkpoints(run_dir)[keep_last:]:
         os.unlink(old)
     # Temp files of writes that were killed (never trusted, since they never got the real name).
@@ -538,7 +507,7 @@ def _train(cfg, ctx, resume, stop_after, log):
     flops_per_token = raw_model.flops_per_token(seq_len)
     metrics_path = os.path.join(run_dir, "metrics.jsonl")
     if ctx.is_main:
-        atomic_write(os.path.join(run_dir, "config.yaml"), lambda f: f.write(config.dump(cfg).encode()))
+        data.write_atomic(os.path.join(run_dir, "config.yaml"), lambda f: f.write(config.dump(cfg).encode()))
         _truncate_metrics(metrics_path, step)
         log(
             f"run {cfg['run_name']}: {raw_model.num_params() / 1e6:.2f}M parameters on "
@@ -699,7 +668,7 @@ def _truncate_metrics(path, step):
         return
     with open(path, encoding="utf-8") as f:
         lines = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= step]
-    atomic_write(path, lambda f: f.write("".join(lines).encode()))
+    data.write_atomic(path, lambda f: f.write("".join(lines).encode()))
 
 
 def sample_text(model, tokenizer, train_cfg, hardware):

@@ -45,11 +45,11 @@ def test_only_the_newest_keep_last_checkpoints_stay(tmp_path):
 
 def test_a_writer_killed_mid_write_leaves_nothing_a_resume_would_trust(tmp_path):
     train.save_checkpoint(str(tmp_path), 10, fake_training_state(10), keep_last=3)
-    # A real writer process goes through atomic_write, writes half the checkpoint and is SIGKILLed.
+    # A real writer process goes through data.write_atomic (what checkpoints use), writes half the checkpoint and is SIGKILLed.
     writer = textwrap.dedent(f"""
         import io, sys, time, torch
         sys.path.insert(0, {ROOT!r})
-        import train
+        import data, train
         buffer = io.BytesIO()
         torch.save({{"step": 20, "model": {{"w": torch.zeros(256, 1024)}}}}, buffer)
         payload = buffer.getvalue()
@@ -60,7 +60,7 @@ def test_a_writer_killed_mid_write_leaves_nothing_a_resume_would_trust(tmp_path)
             print("half written", flush=True)
             time.sleep(60)
 
-        train.atomic_write(train.checkpoint_path({str(tmp_path)!r}, 20), write_half_then_hang)
+        data.write_atomic(train.checkpoint_path({str(tmp_path)!r}, 20), write_half_then_hang)
     """)
     proc = subprocess.Popen([sys.executable, "-c", writer], stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "half written"
