@@ -1,7 +1,11 @@
 """Shared fixtures: tiny runs built from the shipped run files plus overrides (a config is data)."""
 
 import gzip
+import json
 import os
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -84,3 +88,21 @@ def tiny_config(runs_dir, data_kind, data_dir, *overrides):
     """The resolved config of tiny_args(...)."""
     run_file, *rest = tiny_args(runs_dir, data_kind, data_dir, *overrides)
     return config.load(os.path.join(ROOT, run_file), rest)
+
+
+def start_training(args):
+    """train.py in a subprocess, its output captured: for tests that signal a real training process."""
+    command = [sys.executable, "train.py", *args]
+    return subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def wait_for_step(metrics_path, step, proc, timeout=60):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"training ended before step {step}: {proc.communicate()}"
+        if os.path.exists(metrics_path):
+            with open(metrics_path) as f:
+                if any(json.loads(line).get("step", 0) >= step for line in f if line.strip()):
+                    return
+        time.sleep(0.01)
+    raise AssertionError(f"no step {step} in {metrics_path} after {timeout}s")

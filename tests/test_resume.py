@@ -1,16 +1,14 @@
 """The owner's acceptance criterion: resuming from a checkpoint reproduces an uninterrupted run, every
 parameter and every optimizer tensor bit for bit, for both loaders, with gradient accumulation."""
 
-import json
 import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
-from conftest import ROOT, tiny_args, tiny_config
+from conftest import ROOT, start_training, tiny_args, tiny_config, wait_for_step
 
 import train
 
@@ -52,18 +50,6 @@ def test_resume_after_a_max_steps_stop_is_bit_exact_with_accumulation(tmp_path, 
     assert_bit_identical(final_checkpoint(full), final_checkpoint(rest))
 
 
-def wait_for_step(metrics_path, step, proc, timeout=60):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"training ended before step {step}: {proc.communicate()}"
-        if os.path.exists(metrics_path):
-            with open(metrics_path) as f:
-                if any(json.loads(line).get("step", 0) >= step for line in f if line.strip()):
-                    return
-        time.sleep(0.01)
-    raise AssertionError(f"no step {step} in {metrics_path} after {timeout}s")
-
-
 def test_resume_after_sigterm_is_bit_exact_with_accumulation(tmp_path, dataset):
     kind, data_dir = dataset
     steps = 150  # long enough that SIGTERM lands mid-run; the schedule is the same for both runs
@@ -77,13 +63,7 @@ def test_resume_after_sigterm_is_bit_exact_with_accumulation(tmp_path, dataset):
     train.train(full, log=quiet)
 
     args = tiny_args(tmp_path, kind, data_dir, "run_name=split", *common)
-    proc = subprocess.Popen(
-        [sys.executable, "train.py", *args],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    proc = start_training(args)
     wait_for_step(os.path.join(tmp_path, "split", "metrics.jsonl"), 5, proc)
     proc.send_signal(signal.SIGTERM)
     output, _ = proc.communicate(timeout=60)

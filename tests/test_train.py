@@ -11,8 +11,7 @@ import sys
 import pytest
 import torch
 import yaml
-from conftest import ROOT, tiny_args, tiny_config
-from test_resume import wait_for_step
+from conftest import ROOT, start_training, tiny_args, tiny_config, wait_for_step
 
 import train
 
@@ -60,13 +59,7 @@ def test_the_loss_starts_near_ln_vocab_and_falls(tmp_path, byte_data_dir):
 
 def test_sigint_finishes_the_step_writes_a_checkpoint_and_exits_0(tmp_path, byte_data_dir):
     args = tiny_args(tmp_path, "bytes", byte_data_dir, "run_name=interrupted", "train.max_steps=2000")
-    proc = subprocess.Popen(
-        [sys.executable, "train.py", *args],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    proc = start_training(args)
     wait_for_step(os.path.join(tmp_path, "interrupted", "metrics.jsonl"), 3, proc)
     proc.send_signal(signal.SIGINT)
     output, _ = proc.communicate(timeout=60)
