@@ -733,6 +733,7 @@ def resume_check(cfg, log=print):
     if total < 2:
         raise TrainError("--resume-check needs train.max_steps >= 2")
     quiet = lambda *a, **k: None
+    os.makedirs(cfg["train"]["runs_dir"], exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="resume-check-", dir=cfg["train"]["runs_dir"]) as scratch:
         runs = {}
         for name in ("uninterrupted", "resumed"):
