@@ -29,6 +29,7 @@ This module never imports torch: `make lint` validates every config in a second 
 """
 
 import difflib
+import functools
 import os
 import re
 import sys
@@ -193,6 +194,7 @@ def compose(path, overrides=()):
 # Validation
 
 
+@functools.cache
 def load_schema(name):
     path = os.path.join(SCHEMA_DIR, f"{name}.schema.json")
     with open(path, encoding="utf-8") as f:
@@ -275,6 +277,23 @@ def _describe(error):
     return f"{value!r}: {error.message}"
 
 
+def _model_problems(model):
+    """(key, message) for each reason a schema-valid model section cannot be built."""
+    found = []
+    d_model, heads, kv_heads = model["d_model"], model["n_heads"], model["n_kv_heads"]
+    if d_model % heads:
+        found.append(("d_model", f"{d_model} must be divisible by model.n_heads={heads}"))
+    elif (d_model // heads) % 2:
+        found.append(
+            ("n_heads", f"head_dim = d_model/n_heads = {d_model // heads} must be even (RoPE rotates pairs)")
+        )
+    if heads % kv_heads:
+        found.append(
+            ("n_kv_heads", f"{kv_heads} must divide model.n_heads={heads} (grouped-query attention)")
+        )
+    return found
+
+
 def _cross_field_problems(config, origins):
     """Rules between keys that JSON Schema cannot say well. Runs only on a schema-valid config."""
     problems = []
@@ -284,21 +303,8 @@ def _cross_field_problems(config, origins):
         problems.append(f"{_origin_of(path, origins, COMMAND_LINE)}: {dotted}: {message}")
 
     hardware, model, train, data = (config[name] for name in LAYERS)
-    if model["d_model"] % model["n_heads"]:
-        problem(
-            ("model", "d_model"), f"{model['d_model']} must be divisible by model.n_heads={model['n_heads']}"
-        )
-    elif (model["d_model"] // model["n_heads"]) % 2:
-        problem(
-            ("model", "n_heads"),
-            f"head_dim = d_model/n_heads = {model['d_model'] // model['n_heads']} must be even "
-            "(RoPE rotates pairs)",
-        )
-    if model["n_heads"] % model["n_kv_heads"]:
-        problem(
-            ("model", "n_kv_heads"),
-            f"{model['n_kv_heads']} must divide model.n_heads={model['n_heads']} (grouped-query attention)",
-        )
+    for key, message in _model_problems(model):
+        problem(("model", key), message)
     if data["format"] == "shards" and model["vocab_size"] > 65536:
         problem(
             ("model", "vocab_size"),
@@ -334,6 +340,15 @@ def _cross_field_problems(config, origins):
                 "'mem_efficient' exists only on CUDA; on the CPU use 'math' or 'flash'",
             )
     return problems
+
+
+def check_section(layer, section, source="config"):
+    """Validate one layer's section on its own (a model built from a dict, say); raise ConfigError."""
+    problems = _schema_problems(layer, section, load_schema(layer), {}, source)
+    if not problems and layer == "model":
+        problems = [f"{source}: model.{key}: {message}" for key, message in _model_problems(section)]
+    if problems:
+        raise ConfigError(problems)
 
 
 def validate(config, origins, run_path):

@@ -25,53 +25,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-MODEL_KEYS = (
-    "vocab_size",
-    "d_model",
-    "n_layers",
-    "n_heads",
-    "n_kv_heads",
-    "ffn_hidden",
-    "seq_len",
-    "rope_base",
-    "norm_eps",
-    "init_std",
-    "z_loss_coef",
-)
+import config
 
 ATTENTION_BACKENDS = {
     "math": SDPBackend.MATH,
     "mem_efficient": SDPBackend.EFFICIENT_ATTENTION,
     "flash": SDPBackend.FLASH_ATTENTION,
 }
-
-
-def check_model_config(cfg):
-    """Raise ValueError listing every problem that would stop the model from being built."""
-    problems = []
-    missing = [key for key in MODEL_KEYS if key not in cfg]
-    unknown = sorted(key for key in cfg if key not in MODEL_KEYS)
-    if missing:
-        problems.append(f"model: missing keys {missing}")
-    if unknown:
-        problems.append(f"model: unknown keys {unknown} (valid keys: {list(MODEL_KEYS)})")
-    if not missing:
-        if cfg["d_model"] % cfg["n_heads"] != 0:
-            problems.append(
-                f"model.d_model={cfg['d_model']} must be a multiple of model.n_heads={cfg['n_heads']}"
-            )
-        elif (cfg["d_model"] // cfg["n_heads"]) % 2 != 0:
-            problems.append(
-                f"model.d_model / model.n_heads = {cfg['d_model'] // cfg['n_heads']} (head_dim) must be "
-                "even: RoPE rotates pairs of dimensions"
-            )
-        if cfg["n_kv_heads"] > cfg["n_heads"] or cfg["n_heads"] % cfg["n_kv_heads"] != 0:
-            problems.append(
-                f"model.n_heads={cfg['n_heads']} must be a multiple of model.n_kv_heads={cfg['n_kv_heads']} "
-                "(each key/value head serves a whole group of query heads)"
-            )
-    if problems:
-        raise ValueError("\n".join(problems))
 
 
 def rms_norm(x, weight, eps):
@@ -203,7 +163,7 @@ class KVCache:
 class Transformer(nn.Module):
     def __init__(self, model_cfg, attention_backend="math"):
         super().__init__()
-        check_model_config(model_cfg)
+        config.check_section("model", model_cfg)  # the schema and config.py's rules, nowhere else
         if attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"attention_backend={attention_backend!r} is not one of {sorted(ATTENTION_BACKENDS)}"
