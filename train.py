@@ -441,8 +441,6 @@ def _train(cfg, ctx, resume, stop_after, log):
     model_cfg, train_cfg, profile = cfg["model"], cfg["train"], cfg["hardware"]
     hardware = setup_hardware(profile, ctx.local_rank)
     run_dir = run_dir_of(cfg)
-    os.makedirs(run_dir, exist_ok=True)
-
     checkpoint = None
     if resume:
         ckpt_path, checkpoint = load_newest_checkpoint(run_dir, log)
@@ -461,6 +459,8 @@ def _train(cfg, ctx, resume, stop_after, log):
             f"{run_dir}/ already holds checkpoints; pass --resume to continue it, or choose another run "
             f"name (run_name=...)"
         )
+
+    os.makedirs(run_dir, exist_ok=True)
 
     # Seed everything, then build: identical initial weights on every rank.
     random.seed(train_cfg["seed"])
