@@ -36,12 +36,14 @@ space. Everything else, including runs of spaces, tabs and newlines, comes back 
 """
 
 import collections
+import functools
 import glob
 import gzip
 import hashlib
 import io
 import json
 import multiprocessing
+import multiprocessing.pool
 import os
 import re
 import sys
@@ -609,19 +611,19 @@ def raw_documents(corpus_cfg, stats):
             documents.close()
 
 
-def ordered_map(function, items, processes, initializer=None, initargs=()):
-    """function(item) for every item, results in input order, on `processes` worker processes with a
-    bounded number of items in flight (the input may be far larger than memory). Inline for 1 process."""
-    if processes == 1:
-        if initializer:
-            initializer(*initargs)
+def ordered_map(function, items, workers, threads=False):
+    """function(item) for every item, results in input order, on `workers` worker processes (threads for
+    a function that spends its time outside the GIL) with a bounded number of items in flight (the input
+    may be far larger than memory). Inline for 1 worker."""
+    if workers == 1:
         yield from map(function, items)
         return
-    with multiprocessing.Pool(processes, initializer, initargs) as pool:
+    pool_class = multiprocessing.pool.ThreadPool if threads else multiprocessing.Pool
+    with pool_class(workers) as pool:
         pending = collections.deque()
         for item in items:
             pending.append(pool.apply_async(function, (item,)))
-            if len(pending) > 2 * processes:
+            if len(pending) > 2 * workers:
                 yield pending.popleft().get()
         while pending:
             yield pending.popleft().get()
@@ -898,17 +900,8 @@ def train_tokenizer(data_cfg, log=print):
 # Encoding: documents -> shards (or the raw byte files of the byte format)
 
 
-WORKER_TOKENIZER = None
-
-
-def start_encode_worker(model_path):
-    global WORKER_TOKENIZER
-    WORKER_TOKENIZER = SentencePieceTokenizer(model_path)
-
-
-def encode_batch(lines):
-    """Worker: jsonl lines -> (tokens uint16, tokens per document, bytes of the lines)."""
-    tokenizer = WORKER_TOKENIZER
+def encode_batch(tokenizer, lines):
+    """jsonl lines -> (tokens uint16, tokens per document, bytes of the lines)."""
     tokens, counts = [], []
     for line in lines:
         start = len(tokens)
@@ -1044,10 +1037,11 @@ def encode_shards(data_cfg, split, key, tokenizer, docs_record, log):
                 else:
                     progress.update(len(line))
 
+    # Threads, not processes: sentencepiece releases the GIL while it encodes, the threads share one copy
+    # of the model (less CPU time per byte than a process per core) and nothing is pickled between them.
     batches = batched(unread_lines(), 1 << 18)
-    for tokens, counts, size in ordered_map(
-        encode_batch, batches, processes_of(data_cfg), start_encode_worker, (tokenizer.path,)
-    ):
+    encode_lines = functools.partial(encode_batch, tokenizer)
+    for tokens, counts, size in ordered_map(encode_lines, batches, processes_of(data_cfg), threads=True):
         # `document` is the batch's first document; its first `skip` tokens are in finished shards.
         ends = np.cumsum(counts)
         taken = skip
