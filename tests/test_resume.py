@@ -123,3 +123,24 @@ def test_a_fresh_run_never_overwrites_a_run_with_checkpoints(tmp_path, byte_data
     train.train(cfg, log=quiet)
     with pytest.raises(train.TrainError, match="already holds checkpoints; pass --resume"):
         train.train(cfg, log=quiet)
+
+
+def test_the_float16_grad_scaler_path_resumes_bit_exact(tmp_path, byte_data_dir):
+    # The RTX 2060 path (float16 autocast + GradScaler) run on the CPU's float16 autocast; config.py keeps
+    # real CPU runs in float32, so the profile is switched on the resolved dict. The scaler's state
+    # travels in the checkpoint.
+    def fp16(cfg):
+        cfg["hardware"] |= {"dtype": "float16", "grad_scaler": True}
+        return cfg
+
+    common = ["train.decay_fraction=0"]
+    full = fp16(tiny_config(tmp_path, "bytes", byte_data_dir, "run_name=full", *common))
+    train.train(full, log=quiet)
+    half = fp16(tiny_config(tmp_path, "bytes", byte_data_dir, "run_name=split", *common, "train.max_steps=4"))
+    train.train(half, log=quiet)
+    assert final_checkpoint(half)["scaler"]["_growth_tracker"] == 4
+    rest = fp16(tiny_config(tmp_path, "bytes", byte_data_dir, "run_name=split", *common))
+    train.train(rest, resume=True, log=quiet)
+    a, b = final_checkpoint(full), final_checkpoint(rest)
+    assert_bit_identical(a, b)
+    assert a["scaler"] == b["scaler"]

@@ -100,6 +100,37 @@ def test_consecutive_nonfinite_losses_stop_the_run_and_keep_the_last_good_checkp
     assert all(torch.isfinite(t).all() for t in state["model"].values())
 
 
+def test_the_grad_scaler_skips_overflowing_float16_steps_and_backs_off(tmp_path, byte_data_dir):
+    # The RTX 2060 path on the CPU's float16 autocast (config.py keeps real CPU runs in float32).
+    cfg = tiny_config(
+        tmp_path, "bytes", byte_data_dir, "run_name=fp16", "train.max_nonfinite=3", "train.max_steps=20"
+    )
+    cfg["hardware"] |= {"dtype": "float16", "grad_scaler": True}
+    calls = {"train_forward": 0}
+
+    def overflow_lm_head_from_step_3(module, args, output):
+        if module.training and isinstance(module, torch.nn.Linear) and module.out_features == 256:
+            calls["train_forward"] += 1
+            if calls["train_forward"] > 4:
+                return output * float("inf")
+        return output
+
+    handle = torch.nn.modules.module.register_module_forward_hook(overflow_lm_head_from_step_3)
+    try:
+        with pytest.raises(train.TrainError, match="step 5: 3 consecutive non-finite"):
+            train.train(cfg, log=quiet)
+    finally:
+        handle.remove()
+    records = [json.loads(line) for line in open(tmp_path / "fp16" / "metrics.jsonl")]
+    records = [r for r in records if "grad_norm" in r]
+    assert [r["skipped_steps"] for r in records] == [0, 0, 1, 2]
+    scales = [r["loss_scale"] for r in records]
+    assert scales[2] == scales[1] / 2 and scales[3] == scales[1] / 4, "each skipped step halves the scale"
+    path, state = train.load_newest_checkpoint(str(tmp_path / "fp16"))
+    assert state["step"] == 4 and state["scaler"]["scale"] == scales[3]
+    assert all(torch.isfinite(t).all() for t in state["model"].values())
+
+
 def test_a_tokenizer_that_does_not_match_the_model_vocab_is_refused(tmp_path, shard_data_dir):
     cfg = tiny_config(tmp_path, "shards", shard_data_dir, "run_name=vocab")
     cfg["model"]["vocab_size"] = cfg["data"]["tokenizer"]["vocab_size"] = (
