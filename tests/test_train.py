@@ -1,5 +1,6 @@
 """The training loop: what a run writes, how it logs, how it stops."""
 
+import contextlib
 import json
 import math
 import os
@@ -70,29 +71,36 @@ def test_sigint_finishes_the_step_writes_a_checkpoint_and_exits_0(tmp_path, byte
     assert train.load_checkpoint(newest)["step"] == int(stopped.group(1))
 
 
+@contextlib.contextmanager
+def lm_head_outputs_times(factor, from_step):
+    """A fault injected into torch's forward pass (not into our code): from optimizer step `from_step` on
+    (2 micro-batches a step in the tiny config), the byte-level LM head's output is multiplied by
+    `factor` (nan, or inf to overflow)."""
+    calls = {"train_forward": 0}
+
+    def hook(module, args, output):
+        if module.training and isinstance(module, torch.nn.Linear) and module.out_features == 256:
+            calls["train_forward"] += 1
+            if calls["train_forward"] > 2 * (from_step - 1):
+                return output * factor
+        return output
+
+    handle = torch.nn.modules.module.register_module_forward_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
 def test_consecutive_nonfinite_losses_stop_the_run_and_keep_the_last_good_checkpoint(tmp_path, byte_data_dir):
     cfg = tiny_config(
         tmp_path, "bytes", byte_data_dir, "run_name=nan", "train.max_nonfinite=3", "train.max_steps=20"
     )
-    calls = {"train_forward": 0}
-
-    def poison_lm_head_from_step_3(module, args, output):
-        # A fault injected into torch's forward pass (not into our code): from the 3rd optimizer step on
-        # (2 micro-batches a step), the LM head outputs NaN.
-        if module.training and isinstance(module, torch.nn.Linear) and module.out_features == 256:
-            calls["train_forward"] += 1
-            if calls["train_forward"] > 4:
-                return output * float("nan")
-        return output
-
-    handle = torch.nn.modules.module.register_module_forward_hook(poison_lm_head_from_step_3)
-    try:
+    with lm_head_outputs_times(float("nan"), from_step=3):
         with pytest.raises(
             train.TrainError, match=r"step 5: 3 consecutive non-finite.*train.max_nonfinite=3"
         ):
             train.train(cfg, log=quiet)
-    finally:
-        handle.remove()
     records = [json.loads(line) for line in open(tmp_path / "nan" / "metrics.jsonl")]
     assert [r["skipped_steps"] for r in records if "loss" in r] == [0, 0, 1, 2]
     path, state = train.load_newest_checkpoint(str(tmp_path / "nan"))
@@ -106,21 +114,9 @@ def test_the_grad_scaler_skips_overflowing_float16_steps_and_backs_off(tmp_path,
         tmp_path, "bytes", byte_data_dir, "run_name=fp16", "train.max_nonfinite=3", "train.max_steps=20"
     )
     cfg["hardware"] |= {"dtype": "float16", "grad_scaler": True}
-    calls = {"train_forward": 0}
-
-    def overflow_lm_head_from_step_3(module, args, output):
-        if module.training and isinstance(module, torch.nn.Linear) and module.out_features == 256:
-            calls["train_forward"] += 1
-            if calls["train_forward"] > 4:
-                return output * float("inf")
-        return output
-
-    handle = torch.nn.modules.module.register_module_forward_hook(overflow_lm_head_from_step_3)
-    try:
+    with lm_head_outputs_times(float("inf"), from_step=3):
         with pytest.raises(train.TrainError, match="step 5: 3 consecutive non-finite"):
             train.train(cfg, log=quiet)
-    finally:
-        handle.remove()
     records = [json.loads(line) for line in open(tmp_path / "fp16" / "metrics.jsonl")]
     records = [r for r in records if "grad_norm" in r]
     assert [r["skipped_steps"] for r in records] == [0, 0, 1, 2]
