@@ -19,6 +19,7 @@ from torch.profiler import profile
 import data
 import model
 import search
+import train
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -27,17 +28,9 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 # model: matmul peak and training-step throughput
 
 
-def matmul_peak_flops(sizes=(2048, 4096), repeats=8):
-    """Best float32 FLOP/s of a large square matmul on the default device and thread count."""
-    best = 0.0
-    for n in sizes:
-        a, b = torch.randn(n, n), torch.randn(n, n)
-        a @ b  # warm-up: thread pool, caches, MKL kernel selection
-        for _ in range(repeats):
-            start = time.perf_counter()
-            a @ b
-            best = max(best, 2 * n**3 / (time.perf_counter() - start))
-    return best
+def matmul_peak_flops():
+    """The trainer's own MFU reference (train.measure_peak_tflops), measured longer for a steadier figure."""
+    return train.measure_peak_tflops(torch.device("cpu"), size=2048, seconds=2.0) * 1e12
 
 
 def training_step_times(model_cfg, batch_size, attention_backend="math", warmup=2, steps=5):
