@@ -673,6 +673,8 @@ def _truncate_metrics(path, step):
 
 def sample_text(model, tokenizer, train_cfg, hardware):
     prompt_ids = tokenizer.encode(train_cfg["sample_prompt"])
+    if tokenizer.bos_id is not None:  # documents are trained as <|bos|> text <|eos|>
+        prompt_ids = [tokenizer.bos_id] + prompt_ids
     idx = torch.tensor([prompt_ids], dtype=torch.long, device=hardware.device)
     generator = torch.Generator().manual_seed(train_cfg["seed"])  # CPU: the same text on any device
     model.eval()
