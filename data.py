@@ -14,7 +14,7 @@ Files in DIR
     docs_train.jsonl, docs_val.jsonl   cleaned documents, one {"text": ...} per line, in input order
     manifest.json                      corpus statistics, fingerprints, shards with token counts + sha256
     format bytes:  train.bin, val.bin  the UTF-8 bytes of the documents, separated by a blank line
-    format shards: tokenizer.model, tokenizer.json (its settings and the hash of the corpus it saw),
+    format shards: tokenizer.model, tokenizer_info.json (its settings and the hash of the corpus it saw),
                    train_000000.bin ..., val_000000.bin ...
 
 Shard format (version 1, the layout of llm.c's token files): a header of 256 little-endian int32
@@ -62,9 +62,34 @@ HEADER_BYTES = HEADER_INTS * 4
 PIPELINE_VERSION = 1  # bump when cleaning or encoding changes what the same input produces
 SPLITS = ("train", "val")
 DOCUMENT_SEPARATOR = "\n\n"  # between documents in the byte format
-SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
 UNK_PIECE = "<unk>"
 NEWLINE = "\n"
+
+# The token table of every sentencepiece tokenizer ENLACE trains, checked each time one loads:
+#   0 <unk> | 1 <|bos|> | 2 <|eos|> | 3 <|system|> | 4 <|user|> | 5 <|assistant|> | 6 <|end|> | 7 <|tool|>
+#   8..15 <|reserved_0|> .. <|reserved_7|>   (spare control tokens for later stages)
+#   16 "\n" | 17 <tool_call> | 18 </tool_call> | 19 <tool_response> | 20 </tool_response> | 21 <tools> | 22 </tools>
+# Control tokens (1..15) are never produced by encode(): text that looks like one ("<|user|>") is encoded
+# as plain text, so a prompt's control tokens only ever come from chat.render()'s ids. The newline and the
+# tool-call tags are user-defined pieces: always one piece, also inside text (Hermes/Qwen style, which is
+# what vLLM's hermes parser and llama.cpp's template detection look for).
+CONTROL_TOKENS = (
+    "<|bos|>",
+    "<|eos|>",
+    "<|system|>",
+    "<|user|>",
+    "<|assistant|>",
+    "<|end|>",
+    "<|tool|>",
+    *(f"<|reserved_{i}|>" for i in range(8)),
+)
+TOOL_TAGS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<tools>", "</tools>")
+USER_DEFINED_PIECES = (NEWLINE, *TOOL_TAGS)
+TOKEN_TABLE = {
+    UNK_PIECE: 0,
+    **{piece: i + 1 for i, piece in enumerate(CONTROL_TOKENS)},
+    **{piece: i + 1 + len(CONTROL_TOKENS) for i, piece in enumerate(USER_DEFINED_PIECES)},
+}
 
 
 class DataError(Exception):
@@ -159,6 +184,7 @@ class ByteTokenizer:
     bos_id = None
     eos_id = None
     special_ids = {}
+    tag_ids = {}
     token_bytes = [1] * 256
 
     def encode(self, text):
@@ -185,17 +211,23 @@ class SentencePieceTokenizer:
         processor = self.processor
         self.path = model_path
         self.vocab_size = processor.get_piece_size()
-        expected = {piece: index + 1 for index, piece in enumerate(SPECIAL_TOKENS)}
-        expected[NEWLINE] = len(SPECIAL_TOKENS) + 1
-        found = {piece: processor.piece_to_id(piece) for piece in expected}
-        if found != expected or processor.id_to_piece(0) != UNK_PIECE:
+        found = {
+            piece: processor.id_to_piece(index) if index < self.vocab_size else None
+            for piece, index in TOKEN_TABLE.items()
+        }
+        wrong = {piece: at for piece, at in found.items() if at != piece}
+        if wrong:
             raise DataError(
-                f"{model_path}: special pieces {found} are not at the ids {expected} data.py expects"
+                f"{model_path}: its reserved ids do not hold data.py's token table "
+                f"(id: expected piece, found piece: "
+                + ", ".join(f"{TOKEN_TABLE[p]}: {p!r}, {at!r}" for p, at in wrong.items())
+                + "); retrain it with `python data.py tokenizer CONFIG`"
             )
-        self.special_ids = {piece: found[piece] for piece in SPECIAL_TOKENS}
+        self.special_ids = {piece: TOKEN_TABLE[piece] for piece in CONTROL_TOKENS}
+        self.tag_ids = {piece: TOKEN_TABLE[piece] for piece in TOOL_TAGS}
         self.bos_id = self.special_ids["<|bos|>"]
         self.eos_id = self.special_ids["<|eos|>"]
-        self.newline_id = found[NEWLINE]
+        self.newline_id = TOKEN_TABLE[NEWLINE]
         self.token_bytes = [self._piece_bytes(i) for i in range(self.vocab_size)]
 
     def _piece_bytes(self, index):
@@ -804,7 +836,7 @@ def sentences_for_training(path, sample_fraction, max_sentence_bytes):
 
 
 def trainer_settings(data_cfg):
-    """Every sentencepiece trainer option we set (recorded in tokenizer.json)."""
+    """Every sentencepiece trainer option we set (recorded in tokenizer_info.json)."""
     tokenizer_cfg = data_cfg["tokenizer"]
     return {
         "model_type": "bpe",
@@ -820,18 +852,18 @@ def trainer_settings(data_cfg):
         "unk_id": 0,
         "unk_piece": UNK_PIECE,
         "bos_id": 1,
-        "bos_piece": SPECIAL_TOKENS[0],
+        "bos_piece": CONTROL_TOKENS[0],
         "eos_id": 2,
-        "eos_piece": SPECIAL_TOKENS[1],
+        "eos_piece": CONTROL_TOKENS[1],
         "pad_id": -1,
-        "control_symbols": list(SPECIAL_TOKENS[2:]),
-        "user_defined_symbols": [NEWLINE],
+        "control_symbols": list(CONTROL_TOKENS[2:]),
+        "user_defined_symbols": list(USER_DEFINED_PIECES),
         "hard_vocab_limit": True,
     }
 
 
 def train_tokenizer(data_cfg, log=print):
-    """Train the sentencepiece BPE on a sample of the train split -> DIR/tokenizer.model + tokenizer.json."""
+    """Train the sentencepiece BPE on a sample of the train split -> DIR/tokenizer.model + tokenizer_info.json."""
     if data_cfg["format"] != "shards":
         log("tokenizer: data.format is bytes; the byte tokenizer needs no training")
         return None
@@ -843,7 +875,7 @@ def train_tokenizer(data_cfg, log=print):
         {"settings": settings, "sample_bytes": tokenizer_cfg["sample_bytes"], "corpus": train_docs}
     )
     model_path = tokenizer_path(data_cfg)
-    info_path = os.path.join(data_cfg["dir"], "tokenizer.json")
+    info_path = os.path.join(data_cfg["dir"], "tokenizer_info.json")
     if os.path.exists(info_path) and os.path.exists(model_path):
         with open(info_path, encoding="utf-8") as f:
             info = json.load(f)
@@ -932,7 +964,7 @@ def encode(data_cfg, log=print):
     corpus = corpus_record(data_cfg)
     if data_cfg["format"] == "shards":
         tokenizer = load_tokenizer(data_cfg)
-        info_path = os.path.join(data_cfg["dir"], "tokenizer.json")
+        info_path = os.path.join(data_cfg["dir"], "tokenizer_info.json")
         if not os.path.exists(info_path):
             raise DataError(f"{info_path}: missing; run `python data.py tokenizer CONFIG` first")
     for split in SPLITS:

@@ -373,7 +373,7 @@ def test_line_by_line_encoding_equals_sentencepiece_on_the_whole_text(pipeline):
         assert tokenizer.encode(text) == tokenizer.processor.encode(text)
 
 
-def test_special_tokens_have_reserved_ids_and_never_come_from_plain_text(pipeline):
+def test_control_tokens_have_reserved_ids_and_never_come_from_plain_text(pipeline):
     tokenizer = data.load_tokenizer(pipeline)
     assert tokenizer.special_ids == {
         "<|bos|>": 1,
@@ -382,13 +382,47 @@ def test_special_tokens_have_reserved_ids_and_never_come_from_plain_text(pipelin
         "<|user|>": 4,
         "<|assistant|>": 5,
         "<|end|>": 6,
+        "<|tool|>": 7,
+        **{f"<|reserved_{i}|>": 8 + i for i in range(8)},
     }
-    assert (tokenizer.bos_id, tokenizer.eos_id) == (1, 2)
-    text = "<|bos|><|user|> hola <|assistant|> adiós <|end|><|eos|><|system|>"
+    assert (tokenizer.bos_id, tokenizer.eos_id, tokenizer.newline_id) == (1, 2, 16)
+    text = "<|bos|><|user|> hola <|assistant|> adiós <|end|><|eos|><|system|><|tool|><|reserved_3|>"
     ids = tokenizer.encode(text)
     assert not set(ids) & set(tokenizer.special_ids.values())
     assert tokenizer.decode(ids) == text
     assert tokenizer.decode([1, *tokenizer.encode("hola"), 4, 2]) == "hola"
+
+
+def test_tool_tags_are_single_pieces_at_fixed_ids(pipeline):
+    tokenizer = data.load_tokenizer(pipeline)
+    assert tokenizer.tag_ids == {
+        "<tool_call>": 17,
+        "</tool_call>": 18,
+        "<tool_response>": 19,
+        "</tool_response>": 20,
+        "<tools>": 21,
+        "</tools>": 22,
+    }
+    for tag, tag_id in tokenizer.tag_ids.items():
+        ids = tokenizer.encode(f"antes{tag}después")
+        assert tag_id in ids and tokenizer.decode(ids) == f"antes{tag}después"
+
+
+def test_a_tokenizer_without_the_token_table_is_refused(pipeline, tmp_path):
+    import sentencepiece as spm
+
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(read_docs(pipeline, "train")[:200]),
+        model_writer=model,
+        model_type="bpe",
+        vocab_size=300,
+        minloglevel=2,
+    )
+    path = tmp_path / "tokenizer.model"
+    path.write_bytes(model.getvalue())
+    with pytest.raises(data.DataError, match=r"tokenizer\.model: its reserved ids do not hold"):
+        data.SentencePieceTokenizer(str(path))
 
 
 def test_token_bytes_add_up_to_the_utf8_length_of_the_text(pipeline):
@@ -398,8 +432,8 @@ def test_token_bytes_add_up_to_the_utf8_length_of_the_text(pipeline):
         assert sum(tokenizer.token_bytes[i] for i in ids) == len(text.encode("utf-8"))
 
 
-def test_the_tokenizer_json_records_settings_and_the_corpus_hash(pipeline):
-    info = json.load(open(os.path.join(pipeline["dir"], "tokenizer.json")))
+def test_the_tokenizer_info_records_settings_and_the_corpus_hash(pipeline):
+    info = json.load(open(os.path.join(pipeline["dir"], "tokenizer_info.json")))
     corpus = json.load(open(data.manifest_path(pipeline)))["corpus"]
     assert info["corpus_sha256"] == corpus["outputs"]["train"]["sha256"]
     assert info["sha256"] == data.sha256_of_file(data.tokenizer_path(pipeline))
@@ -528,7 +562,13 @@ def test_make_corpus_smoke_path_builds_shards_a_loader_can_train_on(tmp_path):
     result = run_data_cli("all", CORPUS_SMOKE_RUN, *overrides, "model.vocab_size=400")
     assert result.returncode == 0, result.stderr
     assert "tokenizer: 400 tokens" in result.stdout
-    for name in ("tokenizer.model", "tokenizer.json", "manifest.json", "train_000000.bin", "val_000000.bin"):
+    for name in (
+        "tokenizer.model",
+        "tokenizer_info.json",
+        "manifest.json",
+        "train_000000.bin",
+        "val_000000.bin",
+    ):
         assert (out / name).exists(), name
     cfg = config.load(CORPUS_SMOKE_RUN, overrides + ["model.vocab_size=400"])["data"]
     assert data.load_tokenizer(cfg).vocab_size == 400
