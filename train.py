@@ -31,8 +31,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+import checkpoint as ckpt
 import config
 import data
+from checkpoint import list_checkpoints, load_checkpoint, load_newest_checkpoint, save_checkpoint
 from model import Transformer
 
 # Keys that fix tensor shapes or the meaning of a step: a resume that changes one of them cannot
@@ -237,7 +239,7 @@ def build_optimizer(model, train, device):
 
 
 # -----------------------------------------------------------------------------
-# RNG state and checkpoints
+# RNG state (the checkpoint files themselves: checkpoint.py)
 
 
 def rng_state():
@@ -271,50 +273,6 @@ def set_rng_state(state):
     torch.set_rng_state(_cpu_bytes(state["torch_cpu"]))
     if "torch_cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all([_cpu_bytes(s) for s in state["torch_cuda"]])
-
-
-def checkpoint_path(run_dir, step):
-    return os.path.join(run_dir, f"ckpt_{step:07d}.pt")
-
-
-def list_checkpoints(run_dir):
-    """Complete checkpoints, newest first. Temp files of an interrupted write never match."""
-    if not os.path.isdir(run_dir):
-        return []
-    names = [n for n in os.listdir(run_dir) if n.startswith("ckpt_") and n.endswith(".pt")]
-    return sorted((os.path.join(run_dir, n) for n in names), reverse=True)
-
-
-def save_checkpoint(run_dir, step, state, keep_last):
-    path = checkpoint_path(run_dir, step)
-    data.write_atomic(path, lambda f: torch.save(state, f))
-    for old in list_checkpoints(run_dir)[keep_last:]:
-        os.unlink(old)
-    # Temp files of writes that were killed (never trusted, since they never got the real name).
-    for name in os.listdir(run_dir):
-        if name.startswith(".ckpt_") and name.endswith(".tmp"):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(run_dir, name))
-    return path
-
-
-def load_checkpoint(path):
-    # map_location="cpu": RNG states must stay CPU tensors, and any rank can read any checkpoint.
-    state = torch.load(path, map_location="cpu", weights_only=True)
-    missing = {"step", "model", "optimizer", "ranks", "config"} - set(state)
-    if missing:
-        raise ValueError(f"not a training checkpoint (missing {', '.join(sorted(missing))})")
-    return state
-
-
-def load_newest_checkpoint(run_dir, log=print):
-    """The newest checkpoint that loads; a truncated or corrupt one is reported and skipped."""
-    for path in list_checkpoints(run_dir):
-        try:
-            return path, load_checkpoint(path)
-        except Exception as e:  # noqa: BLE001 - any unreadable file is skipped, and said so
-            log(f"warning: skipping unreadable checkpoint {path}: {type(e).__name__}: {e}")
-    raise TrainError(f"--resume: no usable checkpoint in {run_dir}/ (expected ckpt_<step>.pt files)")
 
 
 def shape_differences(saved, current):
@@ -443,7 +401,10 @@ def _train(cfg, ctx, resume, stop_after, log):
     run_dir = run_dir_of(cfg)
     checkpoint = None
     if resume:
-        ckpt_path, checkpoint = load_newest_checkpoint(run_dir, log)
+        try:
+            ckpt_path, checkpoint = load_newest_checkpoint(run_dir, log)
+        except ckpt.CheckpointError as e:
+            raise TrainError(f"--resume: {e}") from None
         differences = shape_differences(checkpoint["config"], cfg)
         if checkpoint.get("world_size", 1) != ctx.world_size:
             differences.append(
@@ -472,6 +433,14 @@ def _train(cfg, ctx, resume, stop_after, log):
         raise TrainError(
             f"model.vocab_size is {model_cfg['vocab_size']} but the {tokenizer.name} tokenizer has "
             f"{tokenizer.vocab_size} tokens; set model.vocab_size={tokenizer.vocab_size}"
+        )
+    tokenizer_record = ckpt.tokenizer_record(tokenizer)
+    trained_with = ckpt.stored_tokenizer_sha256(checkpoint) if checkpoint is not None else None
+    if trained_with and trained_with != tokenizer_record.get("sha256"):
+        raise TrainError(
+            f"cannot resume {ckpt_path}: it was trained with the tokenizer of sha256 {trained_with}, but "
+            f"{tokenizer.path} has sha256 {tokenizer_record['sha256']}; point data.dir at the data it was "
+            "trained on (or start a new run)"
         )
     token_bytes = torch.as_tensor(tokenizer.token_bytes, dtype=torch.float64, device=hardware.device)
     model = Transformer(model_cfg, attention_backend=hardware.attention_backend).to(hardware.device)
@@ -541,7 +510,7 @@ def _train(cfg, ctx, resume, stop_after, log):
                 "ranks": ranks,
                 "skipped_steps": skipped_steps,
                 "world_size": ctx.world_size,
-                "tokenizer": tokenizer.name,
+                "tokenizer": tokenizer_record,
                 "config": cfg,
                 "code_version": code_version(),
             }

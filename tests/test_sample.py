@@ -9,6 +9,7 @@ import pytest
 import torch
 from conftest import ROOT, tiny_config
 
+import checkpoint
 import sample
 import train
 
@@ -119,8 +120,8 @@ def test_a_checkpoint_whose_config_does_not_fit_its_weights_is_refused(byte_run,
     state["config"]["model"]["d_model"] = 64
     broken = tmp_path / "ckpt_0000006.pt"
     torch.save(state, broken)
-    with pytest.raises(sample.SampleError, match="do not fit the model config stored with them"):
-        sample.load_run(str(broken))
+    with pytest.raises(checkpoint.CheckpointError, match="do not fit the model config stored with them"):
+        checkpoint.load_run(str(broken))
 
 
 def test_the_chat_repl_runs_through_a_pipe_and_exits_cleanly(byte_run):
