@@ -322,12 +322,14 @@ def format_rate(tokens_per_second):
 class StopRequest:
     """SIGINT/SIGTERM: finish the optimizer step in flight, write a checkpoint, exit 0."""
 
-    def __init__(self):
+    def __init__(self, enabled=True):
+        self.enabled = enabled  # False: leave signals to the caller's handlers (--resume-check)
         self.signal_name = None
         self.previous = {}
 
     def __enter__(self):
-        if threading.current_thread() is threading.main_thread():  # signals only reach the main thread
+        # Signals only reach the main thread.
+        if self.enabled and threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 self.previous[sig] = signal.signal(sig, self.handle)
         return self
@@ -383,19 +385,21 @@ def evaluate(model, cfg, hardware, ctx, token_bytes):
     return {"val_loss": nats / tokens, "val_bpb": nats / (math.log(2) * max(num_bytes, 1.0))}
 
 
-def train(cfg, resume=False, stop_after=None, log=print):
+def train(cfg, resume=False, stop_after=None, log=print, handle_signals=True):
     """Train `cfg` (a resolved config). Returns the final step. `stop_after` ends the run as an
-    interruption would (checkpoint, no final eval): used by --resume-check."""
+    interruption would (checkpoint, no final eval): used by --resume-check, which also passes
+    handle_signals=False so that SIGINT/SIGTERM reach its own handler instead of ending one phase."""
     train_cfg, profile = cfg["train"], cfg["hardware"]
     ctx = init_distributed(profile["device"], train_cfg["dist_timeout_s"])
     try:
-        return _train(cfg, ctx, resume, stop_after, log if ctx.is_main else (lambda *a, **k: None))
+        quiet = lambda *a, **k: None
+        return _train(cfg, ctx, resume, stop_after, log if ctx.is_main else quiet, handle_signals)
     finally:
         if ctx.enabled:
             dist.destroy_process_group()
 
 
-def _train(cfg, ctx, resume, stop_after, log):
+def _train(cfg, ctx, resume, stop_after, log, handle_signals):
     model_cfg, train_cfg, profile = cfg["model"], cfg["train"], cfg["hardware"]
     hardware = setup_hardware(profile, ctx.local_rank)
     run_dir = run_dir_of(cfg)
@@ -524,7 +528,7 @@ def _train(cfg, ctx, resume, stop_after, log):
     window_start, window_steps = time.perf_counter(), 0
     run_start = time.perf_counter()
     stopped_by = None
-    with StopRequest() as stop:
+    with StopRequest(enabled=handle_signals) as stop:
         while step < train_cfg["max_steps"]:
             lr = lr_at(step, train_cfg)
             for group in optimizer.param_groups:
@@ -698,14 +702,51 @@ def compare_states(a, b):
     return len(ta), differing, largest
 
 
+class CheckInterrupted(BaseException):
+    """SIGINT/SIGTERM during --resume-check: the check ends with no verdict. A BaseException, like
+    KeyboardInterrupt, so that no `except Exception` on the way (a skipped unreadable checkpoint) eats it."""
+
+    def __init__(self, signum):
+        self.signum = signum
+        super().__init__(signal.Signals(signum).name)
+
+
+class InterruptCheck:
+    """While the check runs, SIGINT/SIGTERM raise CheckInterrupted at once (the phases run with
+    handle_signals=False, so no phase turns the signal into a graceful stop and lets the next phase
+    start). Further signals are ignored while the scratch runs are removed."""
+
+    def __init__(self):
+        self.previous = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self.previous[sig] = signal.signal(sig, self.handle)
+        return self
+
+    def handle(self, signum, frame):
+        for sig in self.previous:
+            signal.signal(sig, signal.SIG_IGN)
+        raise CheckInterrupted(signum)
+
+    def __exit__(self, *exc):
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
 def resume_check(cfg, log=print):
     """Uninterrupted N steps vs N/2 + resume to N: every parameter and optimizer tensor must be equal."""
     total = cfg["train"]["max_steps"]
     if total < 2:
         raise TrainError("--resume-check needs train.max_steps >= 2")
     quiet = lambda *a, **k: None
+    train_phase = lambda run_cfg, **kwargs: train(run_cfg, log=quiet, handle_signals=False, **kwargs)
     os.makedirs(cfg["train"]["runs_dir"], exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="resume-check-", dir=cfg["train"]["runs_dir"]) as scratch:
+    with (
+        InterruptCheck(),
+        tempfile.TemporaryDirectory(prefix="resume-check-", dir=cfg["train"]["runs_dir"]) as scratch,
+    ):
         runs = {}
         for name in ("uninterrupted", "resumed"):
             run_cfg = json.loads(json.dumps(cfg))
@@ -715,10 +756,10 @@ def resume_check(cfg, log=print):
             run_cfg["train"]["keep_last"] = max(run_cfg["train"]["keep_last"], 2)
             runs[name] = run_cfg
         log(f"resume-check: {total} steps uninterrupted ...")
-        train(runs["uninterrupted"], log=quiet)
+        train_phase(runs["uninterrupted"])
         log(f"resume-check: {total // 2} steps, stop, resume to {total} ...")
-        train(runs["resumed"], stop_after=total // 2, log=quiet)
-        train(runs["resumed"], resume=True, log=quiet)
+        train_phase(runs["resumed"], stop_after=total // 2)
+        train_phase(runs["resumed"], resume=True)
         a = load_checkpoint(list_checkpoints(run_dir_of(runs["uninterrupted"]))[0])
         b = load_checkpoint(list_checkpoints(run_dir_of(runs["resumed"]))[0])
     count, differing, largest = compare_states(a, b)
@@ -755,6 +796,9 @@ def main(argv):
     except (TrainError, data.DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except CheckInterrupted as e:
+        print(f"resume-check interrupted by {e}: no verdict; its scratch runs were removed", file=sys.stderr)
+        return 128 + e.signum
     return 0
 
 
