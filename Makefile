@@ -77,7 +77,10 @@ smoke-corpus: corpus-smoke
 pretrain: $(STAMP)
 	$(TRAIN) $(CONFIG) $(ARGS) $(RESUME_FLAG)
 
+# The data a check or an evaluation reads is built first (idempotent: a no-op when up to date), so both
+# work on a fresh clone as `make smoke` does.
 resume-check: $(STAMP)
+	$(PY) data.py all $(CONFIG) $(filter-out --%,$(ARGS))
 	$(PY) train.py $(CONFIG) --resume-check $(ARGS)
 
 # --- using a model --------------------------------------------------------------------------------
@@ -88,7 +91,10 @@ sample: $(STAMP)
 chat: $(STAMP)
 	$(PY) sample.py $(RUN) --chat $(ARGS)
 
+RUN_DIR = $(if $(filter %.pt,$(RUN)),$(patsubst %/,%,$(dir $(RUN))),$(RUN))
+
 eval: $(STAMP)
+	test ! -f $(RUN_DIR)/config.yaml || $(PY) data.py all $(RUN_DIR)/config.yaml
 	$(PY) sample.py $(RUN) --eval val $(ARGS)
 
 search: $(STAMP)

@@ -152,14 +152,16 @@ def compose(path, overrides=()):
     """Compose a run file, its layers and the overrides. Returns (config, origins), unvalidated."""
     configs_root = os.path.dirname(os.path.abspath(path)) or "."
     run = _read_yaml(path)
-    includes = run.pop("include", None)
+    # A run's saved config.yaml is a run file too: every layer written out, nothing to include.
+    resolved = "include" not in run and all(isinstance(run.get(layer), dict) for layer in LAYERS)
+    includes = run.pop("include", {} if resolved else None)
     if not isinstance(includes, dict):
         raise ConfigError(
             [f"{path}: include: expected a mapping of layer to file, e.g. 'model: model/smoke.yaml'"]
         )
     problems = []
     for layer in LAYERS:
-        if layer not in includes:
+        if layer not in includes and not resolved:
             problems.append(f"{path}: include.{layer}: missing; name the {layer} layer file")
     for layer in includes:
         if layer not in LAYERS:
@@ -168,7 +170,7 @@ def compose(path, overrides=()):
         raise ConfigError(problems)
 
     config, origins = {}, {}
-    for layer in LAYERS:
+    for layer in () if resolved else LAYERS:
         relpath = includes[layer]
         if not isinstance(relpath, str):
             raise ConfigError([f"{path}: include.{layer}: expected a file path, got {relpath!r}"])
