@@ -14,7 +14,7 @@ RESUME_FLAG := $(if $(filter 1 yes true,$(RESUME)),--resume,)
 TRAIN := $(if $(filter 1,$(NPROC)),$(PY),$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC)) train.py
 
 .PHONY: setup lint check-configs test clean smoke smoke-2060 pretrain resume-check data-smoke \
-	corpus tokenizer encode corpus-smoke smoke-corpus sample chat eval bench search sync \
+	corpus tokenizer encode corpus-smoke smoke-corpus sample chat eval export gguf-check bench search sync \
 	remote-setup remote-smoke-2060 remote-pretrain logs fetch status
 
 setup: $(STAMP)
@@ -96,6 +96,19 @@ RUN_DIR = $(if $(filter %.pt,$(RUN)),$(patsubst %/,%,$(dir $(RUN))),$(RUN))
 eval: $(STAMP)
 	test ! -f $(RUN_DIR)/config.yaml || $(PY) data.py all $(RUN_DIR)/config.yaml
 	$(PY) sample.py $(RUN) --eval val $(ARGS)
+
+# make export RUN=runs/sft TO=gguf ARGS="--dtype q8_0"   (TO: hf, gguf or ollama; OUT defaults to out/)
+TO ?= hf
+OUT ?= out/$(notdir $(RUN_DIR))-$(TO)
+export: $(STAMP)
+	$(PY) export.py $(RUN) $(OUT) --to $(TO) $(ARGS)
+
+# llama.cpp parity of the GGUF export (tests/test_export.py -k llama). The first run builds
+# llama-cpp-python from source for the CPU: about half an hour, which is why CI does not run it.
+gguf-check: $(STAMP)
+	CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_BLAS=OFF" \
+		$(PY) -m pip install --quiet -r requirements-gguf-check.txt
+	$(VENV)/bin/pytest -q -s tests/test_export.py -k llama
 
 search: $(STAMP)
 	$(PY) search.py "$(Q)" $(ARGS)
