@@ -8,6 +8,7 @@ import pytest
 import agent
 import agent_data
 import chat
+import config
 
 
 @pytest.fixture(scope="module")
@@ -131,3 +132,25 @@ def test_generate_writes_both_files(tmp_path):
     held_out = agent_data.read_jsonl(tmp_path / "out" / "eval.jsonl")
     assert 0 < len(held_out) < len(train) and len(train) + len(held_out) <= 40
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["eval.jsonl", "train.jsonl"]
+
+
+def test_a_model_is_evaluated_through_chat_render_and_greedy_generation(generated, shard_data_dir):
+    import torch
+
+    import data
+    from model import Transformer
+
+    tokenizer = data.SentencePieceTokenizer(f"{shard_data_dir}/tokenizer.model")
+    torch.manual_seed(0)
+    cfg = config.load_layer("model", f"{agent.ROOT}/configs/model/smoke.yaml")
+    cfg.update(
+        vocab_size=tokenizer.vocab_size, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_hidden=64
+    )
+    model = Transformer(cfg).eval()
+    _, held_out = generated
+    reply = agent_data.model_reply(model, tokenizer, max_new_tokens=4)
+    first = reply({"messages": held_out[0]["messages"][:2], "tools": held_out[0]["tools"]})
+    assert first == reply({"messages": held_out[0]["messages"][:2], "tools": held_out[0]["tools"]})  # greedy
+    assert len(tokenizer.encode(first)) <= 4 + 1
+    report = agent_data.evaluate(held_out[:3], reply, log=lambda *a: None)
+    assert report["conversations"] == 3 and 0.0 <= report["right_tool_rate"] <= 1.0
