@@ -143,10 +143,41 @@ def open_input(path):
     if path.endswith(".bz2"):
         return bz2.open(path, "rb")
     if path.endswith(".zst"):
+        return io.BufferedReader(ZstdReader(path))
+    return open(path, "rb")
+
+
+class ZstdReader(io.RawIOBase):
+    """A .zst file's decompressed bytes, frame after frame; a file that ends inside a frame is an error
+    (zstandard's stream reader would end quietly there)."""
+
+    def __init__(self, path):
         import zstandard
 
-        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True))
-    return open(path, "rb")
+        self.zstandard = zstandard
+        self.file, self.path = open(path, "rb"), path
+        self.decompressor, self.pending = zstandard.ZstdDecompressor().decompressobj(), b""
+
+    def readable(self):
+        return True
+
+    def readinto(self, buffer):
+        while not self.pending:
+            compressed = self.file.read(1 << 16)
+            if not compressed:
+                if not self.decompressor.eof:
+                    raise EOFError("the file ends inside a zstd frame (truncated)")
+                return 0
+            if self.decompressor.eof:  # a new frame follows
+                self.decompressor = self.zstandard.ZstdDecompressor().decompressobj()
+            self.pending = self.decompressor.decompress(compressed)
+        size = min(len(buffer), len(self.pending))
+        buffer[:size], self.pending = self.pending[:size], self.pending[size:]
+        return size
+
+    def close(self):
+        self.file.close()
+        super().close()
 
 
 def read_text_like(path, source, stats):
@@ -276,7 +307,7 @@ def wikitext_to_text(title, wikitext):
             code.remove(node)
     lines = [title, ""]
     for line in code.strip_code(normalize=True, collapse=True).split(NEWLINE):
-        lines.append(line.strip().strip("=").strip() if line.startswith("=") else line)
+        lines.append(line.strip())  # heading titles come back as " Historia "
     return NEWLINE.join(lines)
 
 
@@ -343,6 +374,15 @@ def new_source_stats():
     }
 
 
+def split_of_digest(digest, val_fraction):
+    return "val" if int.from_bytes(digest[:8], "little") < val_fraction * 2**64 else "train"
+
+
+def split_of(text, val_fraction):
+    """The split a cleaned document goes to: a hash of its text, so the same text always lands alike."""
+    return split_of_digest(hashlib.blake2b(text.encode("utf-8"), digest_size=16).digest(), val_fraction)
+
+
 def count_stage(stats, stage, chars, kept):
     entry = stats["stages"].setdefault(
         stage, {"documents_in": 0, "chars_in": 0, "documents_out": 0, "chars_out": 0}
@@ -400,6 +440,8 @@ class FilterTask:
             if len(examples[reason]) < EXAMPLES:
                 examples[reason].append({"source": name, "text": text[:EXAMPLE_CHARS]})
 
+        progress = tqdm(desc=f"filter task {rank}", unit=" docs", mininterval=2.0, file=sys.stderr)
+
         def kept_lines():
             # Reader counts (bytes in, bad lines) come from task 0 only: every task reads every file.
             scratch = new_source_stats()
@@ -410,6 +452,7 @@ class FilterTask:
                 name, source = names[index], cfg["sources"][index]
                 s = stats[name]
                 s["documents_in"] += 1
+                progress.update()
                 text = clean_text(raw)
                 try:
                     text.encode("utf-8")
@@ -439,9 +482,7 @@ class FilterTask:
                     s["pii"].update(found)
                 encoded = text.encode("utf-8")
                 digest = hashlib.blake2b(encoded, digest_size=16).digest()
-                split = (
-                    "val" if int.from_bytes(digest[:8], "little") < cfg["val_fraction"] * 2**64 else "train"
-                )
+                split = split_of_digest(digest, cfg["val_fraction"])
                 signature = hasher.bucket_keys(text) if hasher else None
                 keys.append(signature if signature is not None else np.zeros(width, np.uint64))
                 if "language_score" in doc.metadata:
@@ -461,6 +502,7 @@ class FilterTask:
                 f.write(line)
 
         write_atomic(paths["kept"], write_kept)
+        progress.close()
         array = np.array(keys, dtype=np.uint64).reshape(len(keys), width)
         write_atomic(paths["keys"], lambda f: np.save(f, array))
         write_json(paths["stats"], {"sources": stats, "examples": examples})
@@ -501,7 +543,11 @@ def run_tasks(task, data_cfg, workdir, log):
         executor = RayPipelineExecutor(
             pipeline=[task], tasks=tasks, logging_dir=logging_dir, skip_completed=False
         )
-    log(f"corpus: {tasks} filter task(s) on the {executor_cfg['kind']} executor (logs in {logging_dir})")
+    finished = sum(os.path.exists(task.paths(rank)["stats"]) for rank in range(tasks))
+    log(
+        f"corpus: {tasks} filter task(s) on the {executor_cfg['kind']} executor, {finished} already finished "
+        f"(logs in {logging_dir})"
+    )
     try:
         executor.run()
     except DataError:
@@ -630,13 +676,14 @@ def build_corpus(data_cfg, log=print):
 
     # Pass 2: the val documents (one per cluster) are protected n-grams, with the evaluation files.
     decon_cfg = corpus_cfg["decontamination"]
-    guard = corpus_filters.Decontaminator(decon_cfg["ngram"])
+    guard = corpus_filters.Decontaminator(decon_cfg["ngram"], decon_cfg["common_in"])
     for path in eval_files(corpus_cfg):
         with open(path, encoding="utf-8", errors="replace") as f:
             guard.protect(path, f.read())
     for (record, _), row in zip(merged_records(workdir, tasks), rows, strict=True):
         if row is not None and clusters[row] == row and record["split"] == "val":
             guard.protect("val", record["text"])
+    stats["common_ngrams_ignored"] = guard.drop_common()
 
     # Pass 3: write the survivors.
     outputs = {

@@ -16,6 +16,7 @@ The document stages of corpus.py's corpus step, each a small object built from t
 Every verdict is (keep, reason); reasons are the names the report and the manifest count.
 """
 
+import collections
 import hashlib
 import ipaddress
 import os
@@ -320,13 +321,27 @@ class Decontaminator:
     a document shares an n-gram with (None when clean). Hashes live in one process (Python's str hash is
     salted per process), which is where corpus.py builds and probes them."""
 
-    def __init__(self, n):
-        self.n = n
-        self.owner = {}
+    def __init__(self, n, common_in):
+        self.n, self.common_in = n, common_in
+        self.owner, self.documents = {}, collections.Counter()
 
     def protect(self, name, text):
-        for h in ngram_hashes(text, self.n):
+        hashes = ngram_hashes(text, self.n)
+        self.documents.update(hashes)
+        for h in hashes:
             self.owner.setdefault(h, name)
+
+    def drop_common(self):
+        """Forget n-grams found in common_in or more protected documents: procedural formulas ("se levanta
+        la sesión ...") that every document of a register shares say nothing about contamination. Returns
+        how many were forgotten."""
+        if not self.common_in:
+            return 0
+        common = [h for h, count in self.documents.items() if count >= self.common_in]
+        for h in common:
+            del self.owner[h]
+        self.documents.clear()
+        return len(common)
 
     def hit(self, text):
         words = NON_WORD.sub(" ", text.lower()).split()
