@@ -5,6 +5,7 @@ Stage 1: the corpus pipeline that turns text files into the shards data.py's loa
     python corpus.py tokenizer CONFIG [...]                     sentencepiece BPE    -> DIR/tokenizer.model
     python corpus.py encode CONFIG [...]                        tokens               -> DIR/{train,val}*.bin
     python corpus.py all CONFIG [...]                           the three in order
+    python corpus.py report CONFIG [...]                        DIR/report.md + DIR/report/*.png
 
 CONFIG is a run file (config.py composes it); only its `data:` section is used. DIR is `data.dir`. Every
 step records what it did in DIR/manifest.json and does nothing when its inputs have not changed.
@@ -323,13 +324,18 @@ def raw_documents(corpus_cfg, stats_of):
     """(source index, raw text, metadata) of every document in config order, at most
     max_documents_per_file per file; stats_of(source index) is that source's counters."""
     limit = corpus_cfg["max_documents_per_file"]
+    taken = collections.Counter()  # documents per source, for a source's max_documents
     for index, path in expand_sources(corpus_cfg):
         source = corpus_cfg["sources"][index]
+        source_limit = source.get("max_documents")
         documents = READERS[source["kind"]](path, source, stats_of(index))
         try:
             for count, (text, meta) in enumerate(documents):
-                if limit is not None and count >= limit:
+                if (limit is not None and count >= limit) or (
+                    source_limit is not None and taken[index] >= source_limit
+                ):
                     break
+                taken[index] += 1
                 yield index, text, meta
         except (OSError, EOFError, zlib.error, ValueError) as e:
             import zstandard
@@ -715,6 +721,10 @@ def build_corpus(data_cfg, log=print):
             if hit is not None:
                 hits[hit] += 1
                 s["drops"]["contaminated"] = s["drops"].get("contaminated", 0) + 1
+                if len(examples.setdefault("contaminated", [])) < EXAMPLES:
+                    examples["contaminated"].append(
+                        {"source": record["source"], "text": f"[{hit}] {text[:EXAMPLE_CHARS]}"}
+                    )
                 continue
             entry = {
                 "text": text,
@@ -1271,13 +1281,20 @@ def encode_shards(data_cfg, split, key, tokenizer, docs_record, log):
 # Command line
 
 
+def report(data_cfg, log=print):
+    import corpus_report  # matplotlib only when a report is asked for
+
+    return corpus_report.write_report(data_cfg, log)
+
+
 STEPS = {
     "corpus": [build_corpus],
     "tokenizer": [train_tokenizer],
     "encode": [encode],
     "all": [build_corpus, train_tokenizer, encode],
+    "report": [report],
 }
-USAGE = "usage: python corpus.py {corpus,tokenizer,encode,all} CONFIG [section.key=value ...]"
+USAGE = "usage: python corpus.py {corpus,tokenizer,encode,all,report} CONFIG [section.key=value ...]"
 
 
 def main(argv):

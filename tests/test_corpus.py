@@ -603,3 +603,16 @@ def test_a_killed_corpus_step_resumes_with_its_finished_tasks(tmp_path):
     assert resumed and int(resumed.group(1)) >= 2  # the finished tasks are not redone
     for split in data.SPLITS:
         assert read_docs(cfg, split) == read_docs(reference, split)
+
+
+def test_the_report_shows_sources_drops_and_plots_of_a_built_corpus(pipeline, tmp_path):
+    cfg = copy.deepcopy(pipeline) | {"dir": str(tmp_path / "report")}
+    shutil.copytree(pipeline["dir"], cfg["dir"])
+    path = corpus.report(cfg, log=quiet)
+    text = open(path, encoding="utf-8").read()
+    for heading in ("## Sources", "## Drop reasons", "## Personal data replaced", "## Decontamination"):
+        assert heading in text
+    assert "| sample | text | test data |" in text  # the source with its licence
+    assert re.search(r"\| all \| [\d,]+ \| [\d,]+ \| \d\.\d\d \|", text)  # characters per token on val
+    for png in ("funnel", "drops", "lengths", "clusters", "language"):
+        assert open(os.path.join(cfg["dir"], "report", f"{png}.png"), "rb").read(8) == b"\x89PNG\r\n\x1a\n"
