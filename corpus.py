@@ -380,6 +380,12 @@ def new_source_stats():
     }
 
 
+def runs(source, stage_name):
+    """Whether a filter stage runs on a source (its `filters`: true, false or a list of stage names)."""
+    chosen = source["filters"]
+    return chosen if isinstance(chosen, bool) else stage_name in chosen
+
+
 def split_of_digest(digest, val_fraction):
     return "val" if int.from_bytes(digest[:8], "little") < val_fraction * 2**64 else "train"
 
@@ -472,7 +478,9 @@ class FilterTask:
                     drop(s, name, "empty" if not text else "too_short", text)
                     continue
                 doc = corpus_filters.document(text, name)
-                stages = ([language] if language else []) + quality if source["filters"] else []
+                stages = [
+                    stage for stage in ([language] if language else []) + quality if runs(source, stage.name)
+                ]
                 for stage in stages:
                     ok, reason = stage(doc)
                     count_stage(s, stage.name, len(text), ok)
@@ -1274,7 +1282,8 @@ def encode_shards(data_cfg, split, key, tokenizer, docs_record, log):
     progress.close()
     save_manifest(complete=True)
     total = sum(s["tokens"] for s in shards)
-    log(f"encode: {split} {docs_record['documents']:,} documents, {total:,} tokens in {len(shards)} shard(s)")
+    documents = docs_record["documents"] if plan is None else len(plan)
+    log(f"encode: {split} {documents:,} documents, {total:,} tokens in {len(shards)} shard(s)")
 
 
 # -----------------------------------------------------------------------------

@@ -110,7 +110,8 @@ def plot_language(sources, path):
     axis.set_xlabel("py3langid probability of the detected language")
     axis.set_ylabel("documents")
     axis.set_title("language-ID scores (sources with filters on)")
-    axis.legend(fontsize=8)
+    if axis.get_legend_handles_labels()[0]:
+        axis.legend(fontsize=8)
     save(figure, path)
 
 

@@ -498,11 +498,16 @@ def test_near_duplicates_are_removed_and_counted_unrelated_documents_kept(tmp_pa
     assert edited not in read_docs(cfg, "train") + read_docs(cfg, "val")
 
 
-def test_train_documents_sharing_a_13_gram_with_an_eval_file_or_val_are_dropped(tmp_path):
+def proverb_documents(count):
+    """Documents of 6 proverbs each: Spanish, distinct, sharing few 13-grams."""
     fortunes = (
         gzip.open(os.path.join(ROOT, "corpus", "fortunes-es.txt.gz")).read().decode("utf-8").split("\n\n")
     )
-    chapters = [" ".join(fortunes[i : i + 6]) for i in range(0, 240, 6)]  # 40 documents of 6 proverbs
+    return [" ".join(fortunes[i : i + 6]) for i in range(0, 6 * count, 6)]
+
+
+def test_train_documents_sharing_a_13_gram_with_an_eval_file_or_val_are_dropped(tmp_path):
+    chapters = proverb_documents(40)
     cfg = corpus_cfg(tmp_path, [text_source("biblia", str(tmp_path / "a.txt"))], val_fraction=0.2)
     val_chapter = next(c for c in chapters if corpus.split_of(c, 0.2) == "val")
     train_chapters = [c for c in chapters if corpus.split_of(c, 0.2) == "train"]
@@ -616,3 +621,19 @@ def test_the_report_shows_sources_drops_and_plots_of_a_built_corpus(pipeline, tm
     assert re.search(r"\| all \| [\d,]+ \| [\d,]+ \| \d\.\d\d \|", text)  # characters per token on val
     for png in ("funnel", "drops", "lengths", "clusters", "language"):
         assert open(os.path.join(cfg["dir"], "report", f"{png}.png"), "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_source_runs_only_the_filter_stages_it_lists(tmp_path):
+    repeated = "\n".join(["¡Oferta especial en zapatillas de deporte!"] * 6 + [SPANISH])
+    (tmp_path / "a.txt").write_text("\n\n".join([*proverb_documents(20), repeated, OTHER_LANGUAGES["pt"]]))
+    only_language = text_source("a", str(tmp_path / "a.txt"), filters=["language"])
+    cfg = corpus_cfg(tmp_path, [only_language], val_fraction=0.2)
+    stats = corpus.build_corpus(cfg, log=quiet)
+    assert drops(stats, "a") == {"language_pt": 1}  # the repetition filter did not run
+    assert set(stats["sources"]["a"]["stages"]) == {
+        "min_chars",
+        "language",
+        "exact_dedup",
+        "near_dedup",
+        "decontamination",
+    }
