@@ -14,7 +14,7 @@ RESUME_FLAG := $(if $(filter 1 yes true,$(RESUME)),--resume,)
 TRAIN := $(if $(filter 1,$(NPROC)),$(PY),$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC)) train.py
 
 .PHONY: setup lint check-configs test clean smoke smoke-2060 pretrain resume-check data-smoke \
-	corpus tokenizer encode corpus-smoke smoke-corpus sample chat eval bench search agent-data agent-eval sync \
+	corpus tokenizer encode corpus-smoke corpus-report smoke-corpus sample chat eval bench search agent-data agent-eval sync \
 	remote-setup remote-smoke-2060 remote-pretrain logs fetch status
 
 setup: $(STAMP)
@@ -62,6 +62,10 @@ encode: $(STAMP)
 
 corpus-smoke: $(STAMP)
 	$(PY) corpus.py all configs/smoke-corpus-cpu.yaml
+	$(PY) corpus.py report configs/smoke-corpus-cpu.yaml
+
+corpus-report: $(STAMP)
+	$(PY) corpus.py report $(CONFIG)
 
 # --- training -------------------------------------------------------------------------------------
 

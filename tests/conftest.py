@@ -10,7 +10,6 @@ import time
 
 import jsonschema
 import pytest
-import yaml
 
 import config
 import corpus
@@ -68,9 +67,9 @@ def shard_data_dir(tmp_path_factory):
 
 
 def data_layer(name, **changes):
-    """The `data:` section of a shipped configs/data/<name>.yaml, deep-updated and schema-checked."""
-    with open(os.path.join(ROOT, "configs", "data", f"{name}.yaml"), encoding="utf-8") as f:
-        section = yaml.safe_load(f)["data"]
+    """The `data:` section of a shipped configs/data/<name>.yaml (with the base it includes), deep-updated
+    and schema-checked."""
+    section, _ = config._load_layer("data", f"data/{name}.yaml", os.path.join(ROOT, "configs"), None, [])
 
     def update(node, new):
         for key, value in new.items():
@@ -92,6 +91,12 @@ def sample_corpus(path):
     return str(path)
 
 
+def text_source(name, path, **settings):
+    """A blank-line text source without the language and quality filters, read once."""
+    source = {"name": name, "kind": "text", "path": path, "documents": "blank_line", "licence": "test data"}
+    return source | {"filters": False, "epochs": 1} | settings
+
+
 def quiet(*args, **kwargs):
     pass
 
@@ -104,7 +109,7 @@ def pipeline(tmp_path_factory):
         "corpus-smoke",
         dir=str(directory),
         processes=1,
-        corpus={"inputs": [{"path": sample_corpus(directory / "sample.txt"), "documents": "blank_line"}]},
+        corpus={"sources": [text_source("sample", sample_corpus(directory / "sample.txt"))]},
         tokenizer={"vocab_size": 512},
         encode={"tokens_per_shard": 5_000},
     )
