@@ -52,16 +52,16 @@ data-smoke: $(STAMP)
 	scripts/prepare_smoke_data.sh
 
 corpus: $(STAMP)
-	$(PY) data.py corpus $(CONFIG)
+	$(PY) corpus.py corpus $(CONFIG)
 
 tokenizer: $(STAMP)
-	$(PY) data.py tokenizer $(CONFIG)
+	$(PY) corpus.py tokenizer $(CONFIG)
 
 encode: $(STAMP)
-	$(PY) data.py encode $(CONFIG)
+	$(PY) corpus.py encode $(CONFIG)
 
 corpus-smoke: $(STAMP)
-	$(PY) data.py all configs/smoke-corpus-cpu.yaml
+	$(PY) corpus.py all configs/smoke-corpus-cpu.yaml
 
 # --- training -------------------------------------------------------------------------------------
 
