@@ -758,6 +758,8 @@ def sample_text(model, tokenizer, train_cfg, hardware, chat_run=False):
             )
         )
     model.train()
+    if chat_run:
+        return f"{train_cfg['sample_prompt']} -> {tokenizer.decode(new_ids)}"
     return tokenizer.decode(prompt_ids + new_ids)
 
 
