@@ -656,14 +656,17 @@ def show(path, tokenizer_path=None, color=False, limit=None, out=sys.stdout):
                 if color:
                     style = STYLES["trained"] if trained else STYLES["control"] if is_control else ""
                     pieces.append(style + part + (STYLES["reset"] if style else ""))
-                    continue
-                if trained != open_span:
-                    pieces.append("{+" if trained else "+}")
-                    open_span = trained
-                pieces.append(part)
-        if open_span:
-            pieces.append("+}")
-        out.write("".join(pieces).replace("<|end|>", "<|end|>\n") + "\n")
+                else:
+                    if trained and not open_span:
+                        pieces.append("{+")
+                        open_span = True
+                    pieces.append(part)
+                if part == "<|end|>":  # a trained span always ends with its turn
+                    if open_span:
+                        pieces.append("+}")
+                        open_span = False
+                    pieces.append("\n")
+        out.write("".join(pieces) + "\n")
 
 
 # -----------------------------------------------------------------------------

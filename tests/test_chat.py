@@ -276,7 +276,7 @@ def test_show_marks_trained_tokens_apart_from_masked_ones(tmp_path, shard_data_d
     path = write_jsonl(tmp_path / "c.jsonl", [conversation])
     plain = run_chat("show", path, "--color", "never", "--tokenizer", f"{shard_data_dir}/tokenizer.model")
     assert plain.returncode == 0, plain.stderr
-    assert "<|bos|><|user|>hola<|end|>\n<|assistant|>{+buenas<|end|>\n+}" in plain.stdout
+    assert "<|bos|><|user|>hola<|end|>\n<|assistant|>{+buenas<|end|>+}\n" in plain.stdout
     assert f"== {path}:1 | " in plain.stdout and " trained" in plain.stdout
     coloured = run_chat("show", path, "--color", "always")
     assert "\033[1;32mbuenas\033[0m" in coloured.stdout and "\033[36m<|user|>\033[0m" in coloured.stdout
