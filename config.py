@@ -38,6 +38,9 @@ import jsonschema
 import yaml
 
 LAYERS = ("hardware", "model", "train", "data")
+# Layers a program loads on its own (a deployment's settings, not part of what a run was trained with):
+# configs/<layer>/*.yaml, checked by schema/<layer>.schema.json, loaded with load_layer().
+SERVICE_LAYERS = ("serve",)
 SCHEMA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "schema")
 COMMAND_LINE = "command line"
 EXPONENT_NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+")
@@ -374,6 +377,32 @@ def load(path, overrides=()):
     return config
 
 
+def load_layer(layer, path, overrides=()):
+    """Compose and validate one service layer file (e.g. configs/serve/default.yaml, which may include a
+    base file of the same layer) plus `layer.key=value` overrides; returns the layer's section."""
+    configs_root = os.path.dirname(os.path.dirname(os.path.abspath(path)))
+    section, origins = _load_layer(
+        layer, os.path.relpath(os.path.abspath(path), configs_root), configs_root, COMMAND_LINE, []
+    )
+    config = {layer: section}
+    for text in overrides:
+        keys, value = parse_override(text)
+        if keys[0] != layer:
+            raise ConfigError([f"{COMMAND_LINE}: {text!r}: expected {layer}.key=value"])
+        node = config
+        for k in keys[:-1]:
+            if not isinstance(node.get(k), dict):
+                node[k] = {}
+            node = node[k]
+        node[keys[-1]] = value
+        for leaf in _leaf_paths(value, keys):
+            origins[leaf] = f"{COMMAND_LINE} ({text})"
+    problems = _schema_problems(layer, config[layer], load_schema(layer), origins, path)
+    if problems:
+        raise ConfigError(problems)
+    return config[layer]
+
+
 def dump(config):
     """The resolved config as YAML, in layer order (what a run saves as config.yaml)."""
     ordered = {k: config[k] for k in config if k not in LAYERS}
@@ -402,6 +431,21 @@ def check_all(folder):
             _report(path, e.problems)
             failures += 1
     print(f"{len(run_files) - failures}/{len(run_files)} run files valid in {folder}/")
+    for layer in SERVICE_LAYERS:
+        layer_dir = os.path.join(folder, layer)
+        names = (
+            sorted(n for n in os.listdir(layer_dir) if n.endswith(".yaml"))
+            if os.path.isdir(layer_dir)
+            else []
+        )
+        for name in names:
+            try:
+                load_layer(layer, os.path.join(layer_dir, name))
+            except ConfigError as e:
+                _report(os.path.join(layer_dir, name), e.problems)
+                failures += 1
+        if names:
+            print(f"{len(names)} {layer} layer files checked in {layer_dir}/")
     return failures
 
 
