@@ -71,6 +71,8 @@ $("logout").addEventListener("click", async () => {
 
 async function loadConversations() {
   const { data } = await api("GET", "/api/conversations");
+  const current = data.find((conversation) => conversation.id === state.current);
+  if (current) $("title").textContent = current.title;
   const list = $("conversations");
   list.replaceChildren(...data.map((conversation) => {
     const item = document.createElement("li");
