@@ -53,6 +53,7 @@ from starlette.responses import FileResponse, JSONResponse, Response, StreamingR
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
+import agent
 import config
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -479,31 +480,18 @@ def sampling_of(body, limits, member):
     return min(max_tokens, cap), float(temperature), float(top_p), seed, stop
 
 
-# Tool calls: TEMPORARY small parser until agent.py's strict parser lands; then call that one instead.
-TOOL_CALL = re.compile(r"<tool_call>\n(.*?)\n</tool_call>", re.DOTALL)
-
-
-def parse_tool_calls(text, tools):
-    """The calls in text after its first <tool_call>, or None unless every one is a JSON object naming an
-    offered tool with object arguments."""
+def tool_calls_of(text, tools):
+    """OpenAI tool_calls of a reply (agent.py's strict parser), or None unless every call is well formed
+    and names a tool the client offered."""
     names = {tool["function"]["name"] for tool in tools}
-    bodies = TOOL_CALL.findall(text)
-    if not bodies or TOOL_CALL.sub("", text).strip():
+    calls = agent.parse_reply(text).calls
+    if not calls or any(call.error or call.name not in names for call in calls):
         return None
-    calls = []
-    for body in bodies:
-        try:
-            call = json.loads(body)
-        except ValueError:
-            return None
-        if not (
-            isinstance(call, dict) and call.get("name") in names and isinstance(call.get("arguments"), dict)
-        ):
-            return None
-        arguments = json.dumps(call["arguments"], ensure_ascii=False)
-        calls.append({"id": "call_" + secrets.token_hex(12), "type": "function",
-                      "function": {"name": call["name"], "arguments": arguments}})  # fmt: skip
-    return calls
+    return [
+        {"id": "call_" + secrets.token_hex(12), "type": "function",
+         "function": {"name": call.name, "arguments": json.dumps(call.arguments, ensure_ascii=False)}}
+        for call in calls
+    ]  # fmt: skip
 
 
 class Reply:
@@ -542,7 +530,7 @@ class Reply:
         """(remaining text, tool calls or None) once generation ended."""
         if self.tools and self.TAG in self.text:
             at = self.text.index(self.TAG)
-            calls = parse_tool_calls(self.text[at:], self.tools)
+            calls = tool_calls_of(self.text[at:], self.tools)
             if calls:
                 return self.take(len(self.text[:at].removesuffix("\n"))), calls
         return self.take(len(self.text)), None
