@@ -98,7 +98,7 @@ search: $(STAMP)
 # RUN= it serves runs/smoke-corpus-cpu, training it first on a fresh clone. Accounts: python serve.py member.
 SERVE_RUN = $(if $(filter command line environment,$(origin RUN)),$(RUN),runs/smoke-corpus-cpu)
 serve: $(STAMP)
-	@test -e $(SERVE_RUN) || test "$(SERVE_RUN)" != runs/smoke-corpus-cpu || $(MAKE) smoke-corpus
+	@test -e $(SERVE_RUN) || test "$(SERVE_RUN)" != runs/smoke-corpus-cpu || $(MAKE) smoke-corpus ARGS=
 	$(PY) serve.py $(SERVE_RUN) $(ARGS)
 
 # --- tools (agent.py) -----------------------------------------------------------------------------
