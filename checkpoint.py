@@ -103,9 +103,13 @@ def tokenizer_record(tokenizer):
 
 
 def stored_tokenizer_sha256(checkpoint):
-    """The sha256 of the sentencepiece model a checkpoint carries; None for old or byte-level ones."""
+    """The sha256 of the sentencepiece model a checkpoint was trained with; None for old or byte-level
+    ones. (Checkpoints written between the SFT stage and self-contained checkpoints kept only the hash,
+    under "tokenizer_sha256".)"""
     record = checkpoint.get("tokenizer")
-    return record.get("sha256") if isinstance(record, dict) else None
+    if isinstance(record, dict):
+        return record.get("sha256")
+    return checkpoint.get("tokenizer_sha256")
 
 
 def tokenizer_of(checkpoint, ckpt_path, log=print):

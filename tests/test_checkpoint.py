@@ -19,6 +19,7 @@ from conftest import shard_overrides, tiny_config
 import chat
 import checkpoint
 import config
+import corpus
 import data
 import train
 
@@ -145,7 +146,7 @@ def retrained_data(tmp_path_factory, shard_data_dir):
         os.path.join(ROOT, "configs", "smoke-corpus-cpu.yaml"),
         shard_overrides(str(data_dir)) + ["data.tokenizer.character_coverage=0.98"],
     )
-    data.train_tokenizer(other["data"], log=lambda *a, **k: None)
+    corpus.train_tokenizer(other["data"], log=lambda *a, **k: None)
     after = data.sha256_of_file(data_dir / "tokenizer.model")
     assert before != after, "the retrained tokenizer should differ"
     return cfg, before, after
