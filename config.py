@@ -37,7 +37,8 @@ import sys
 import jsonschema
 import yaml
 
-LAYERS = ("hardware", "model", "train", "data")
+LAYERS = ("hardware", "model", "train", "data", "agent")
+OPTIONAL_LAYERS = ("agent",)  # a run file may leave these out; their users then read a default layer file
 SCHEMA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "schema")
 COMMAND_LINE = "command line"
 EXPONENT_NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+")
@@ -159,7 +160,7 @@ def compose(path, overrides=()):
         )
     problems = []
     for layer in LAYERS:
-        if layer not in includes:
+        if layer not in includes and layer not in OPTIONAL_LAYERS:
             problems.append(f"{path}: include.{layer}: missing; name the {layer} layer file")
     for layer in includes:
         if layer not in LAYERS:
@@ -168,7 +169,7 @@ def compose(path, overrides=()):
         raise ConfigError(problems)
 
     config, origins = {}, {}
-    for layer in LAYERS:
+    for layer in (layer for layer in LAYERS if layer in includes):
         relpath = includes[layer]
         if not isinstance(relpath, str):
             raise ConfigError([f"{path}: include.{layer}: expected a file path, got {relpath!r}"])
@@ -302,7 +303,7 @@ def _cross_field_problems(config, origins):
         dotted = ".".join(path)
         problems.append(f"{_origin_of(path, origins, COMMAND_LINE)}: {dotted}: {message}")
 
-    hardware, model, train, data = (config[name] for name in LAYERS)
+    hardware, model, train, data = (config[name] for name in ("hardware", "model", "train", "data"))
     for key, message in _model_problems(model):
         problem(("model", key), message)
     if data["format"] == "shards" and model["vocab_size"] > 65536:
@@ -351,11 +352,25 @@ def check_section(layer, section, source="config"):
         raise ConfigError(problems)
 
 
+def load_layer(layer, path):
+    """One layer file on its own (and the base files it includes), validated against its schema: what a
+    tool reads when the run it serves names no such layer (agent.py's defaults, say)."""
+    configs_root = os.path.dirname(os.path.dirname(os.path.abspath(path)))
+    relpath = os.path.relpath(os.path.abspath(path), configs_root)
+    section, origins = _load_layer(layer, relpath, configs_root, None, [])
+    problems = _schema_problems(layer, section, load_schema(layer), origins, path)
+    if problems:
+        raise ConfigError(problems)
+    return section
+
+
 def validate(config, origins, run_path):
     """Check a composed config; raise ConfigError listing every problem."""
     run_view = {k: v for k, v in config.items() if k not in LAYERS}
     problems = _schema_problems("", run_view, load_schema("run"), origins, run_path)
     for layer in LAYERS:
+        if layer in OPTIONAL_LAYERS and layer not in config:
+            continue
         if not isinstance(config.get(layer), dict):
             problems.append(f"{run_path}: {layer}: expected a mapping")
             continue
