@@ -37,8 +37,11 @@ import sys
 import jsonschema
 import yaml
 
-LAYERS = ("hardware", "model", "train", "data", "agent")
-OPTIONAL_LAYERS = ("agent",)  # a run file may leave these out; their users then read a default layer file
+LAYERS = ("hardware", "model", "train", "data", "agent", "memory")
+OPTIONAL_LAYERS = (
+    "agent",
+    "memory",
+)  # a run file may leave these out; their users then read a default layer file
 SCHEMA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "schema")
 COMMAND_LINE = "command line"
 EXPONENT_NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+")
