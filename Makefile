@@ -9,12 +9,14 @@ STAMP := $(VENV)/.requirements.stamp
 CONFIG ?= configs/pretrain-2060.yaml
 NPROC ?= 1
 RUN ?= runs/smoke-cpu
+DB ?= var/enlace.sqlite
+SNAPSHOT ?=
 ARGS ?=
 RESUME_FLAG := $(if $(filter 1 yes true,$(RESUME)),--resume,)
 TRAIN := $(if $(filter 1,$(NPROC)),$(PY),$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC)) train.py
 
 .PHONY: setup lint check-configs test clean smoke smoke-2060 pretrain resume-check data-smoke \
-	corpus tokenizer encode corpus-smoke smoke-corpus sample chat eval bench search sync \
+	corpus tokenizer encode corpus-smoke smoke-corpus sample chat eval bench search snapshot restore sync \
 	remote-setup remote-smoke-2060 remote-pretrain logs fetch status
 
 setup: $(STAMP)
@@ -93,6 +95,15 @@ eval: $(STAMP)
 
 search: $(STAMP)
 	$(PY) search.py "$(Q)" $(ARGS)
+
+# --- the family's database ------------------------------------------------------------------------
+
+snapshot: $(STAMP)
+	$(PY) memory.py --db $(DB) snapshot
+
+restore: $(STAMP)
+	@test -n "$(SNAPSHOT)" || { echo "usage: make restore SNAPSHOT=var/snapshots/<time>" >&2; exit 2; }
+	$(PY) memory.py --db $(DB) restore $(SNAPSHOT)
 
 # --- the GPU server over SSH (settings in .env, see .env.example) ---------------------------------
 
