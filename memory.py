@@ -58,7 +58,7 @@ WORD = re.compile(r"\w+")
 SCHEMA_SQL = """
 CREATE TABLE IF NOT EXISTS memories (
     id INTEGER PRIMARY KEY,
-    member TEXT NOT NULL,
+    member TEXT NOT NULL COLLATE NOCASE,  -- as the names of serve.py's members
     scope TEXT NOT NULL CHECK (scope IN ('private', 'family')),
     text TEXT NOT NULL,
     pinned INTEGER NOT NULL DEFAULT 0 CHECK (pinned IN (0, 1)),
