@@ -16,7 +16,8 @@ RESUME_FLAG := $(if $(filter 1 yes true,$(RESUME)),--resume,)
 TRAIN := $(if $(filter 1,$(NPROC)),$(PY),$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC)) train.py
 
 .PHONY: setup lint check-configs test clean smoke smoke-2060 pretrain resume-check data-smoke \
-	corpus tokenizer encode corpus-smoke smoke-corpus sample chat eval bench search snapshot restore sync \
+	corpus tokenizer encode corpus-smoke smoke-corpus sample chat eval bench search agent-data agent-eval \
+	snapshot restore sync \
 	remote-setup remote-smoke-2060 remote-pretrain logs fetch status
 
 setup: $(STAMP)
@@ -54,16 +55,16 @@ data-smoke: $(STAMP)
 	scripts/prepare_smoke_data.sh
 
 corpus: $(STAMP)
-	$(PY) data.py corpus $(CONFIG)
+	$(PY) corpus.py corpus $(CONFIG)
 
 tokenizer: $(STAMP)
-	$(PY) data.py tokenizer $(CONFIG)
+	$(PY) corpus.py tokenizer $(CONFIG)
 
 encode: $(STAMP)
-	$(PY) data.py encode $(CONFIG)
+	$(PY) corpus.py encode $(CONFIG)
 
 corpus-smoke: $(STAMP)
-	$(PY) data.py all configs/smoke-corpus-cpu.yaml
+	$(PY) corpus.py all configs/smoke-corpus-cpu.yaml
 
 # --- training -------------------------------------------------------------------------------------
 
@@ -95,6 +96,18 @@ eval: $(STAMP)
 
 search: $(STAMP)
 	$(PY) search.py "$(Q)" $(ARGS)
+
+# --- tools (agent.py) -----------------------------------------------------------------------------
+
+AGENT_DATA ?= data/agent
+
+agent-data: $(AGENT_DATA)/eval.jsonl
+
+$(AGENT_DATA)/eval.jsonl: $(STAMP) agent.py agent_data.py configs/agent/default.yaml
+	$(PY) agent_data.py generate $(AGENT_DATA)
+
+agent-eval: agent-data
+	$(PY) agent_data.py eval $(RUN) $(AGENT_DATA)/eval.jsonl $(ARGS)
 
 # --- the family's database ------------------------------------------------------------------------
 

@@ -16,6 +16,7 @@ import torch
 import yaml
 from torch.profiler import profile
 
+import corpus
 import data
 import model
 import search
@@ -141,19 +142,19 @@ def bench_data():
             data_cfg = data_layer("corpus-smoke")
             data_cfg["corpus"]["inputs"][0]["path"] = os.path.join(ROOT, "corpus", "*.txt.gz")
         data_cfg["dir"] = folder
-        processes = data.processes_of(data_cfg)
+        processes = corpus.processes_of(data_cfg)
 
-        stats, corpus_wall, corpus_cpu = timed(data.build_corpus, data_cfg, log=quiet)
-        _, tokenizer_wall, _ = timed(data.train_tokenizer, data_cfg, log=quiet)
-        _, encode_wall, encode_cpu = timed(data.encode, data_cfg, log=quiet)
+        stats, corpus_wall, corpus_cpu = timed(corpus.build_corpus, data_cfg, log=quiet)
+        _, tokenizer_wall, _ = timed(corpus.train_tokenizer, data_cfg, log=quiet)
+        _, encode_wall, encode_cpu = timed(corpus.encode, data_cfg, log=quiet)
 
         megabytes = stats["bytes_out"] / 1e6  # UTF-8 text of the kept documents, both splits
         tokenizer = data.load_tokenizer(data_cfg)
-        texts = [t for split in data.SPLITS for t in data.iter_documents(data.docs_path(data_cfg, split))]
+        texts = [t for split in data.SPLITS for t in corpus.iter_documents(corpus.docs_path(data_cfg, split))]
         lines = [line for text in texts for line in text.split("\n")]
         _, raw_wall, raw_cpu = timed(tokenizer.processor.encode, lines, num_threads=1)
 
-        val = list(data.iter_documents(data.docs_path(data_cfg, "val")))
+        val = list(corpus.iter_documents(corpus.docs_path(data_cfg, "val")))
         val_tokens = [tokenizer.encode(text) for text in val]
         chars_per_token = sum(map(len, val)) / sum(map(len, val_tokens))
         bytes_per_token = sum(len(t.encode("utf-8")) for t in val) / sum(map(len, val_tokens))

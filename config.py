@@ -38,10 +38,7 @@ import jsonschema
 import yaml
 
 LAYERS = ("hardware", "model", "train", "data", "agent", "memory")
-OPTIONAL_LAYERS = (
-    "agent",
-    "memory",
-)  # a run file may leave these out; their users then read a default layer file
+OPTIONAL_LAYERS = ("agent", "memory")  # a run file may leave these out; their users read a default file
 SCHEMA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "schema")
 COMMAND_LINE = "command line"
 EXPONENT_NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+")

@@ -1,5 +1,6 @@
 """Shared fixtures: tiny runs built from the shipped run files plus overrides (a config is data)."""
 
+import copy
 import gzip
 import json
 import os
@@ -7,9 +8,12 @@ import subprocess
 import sys
 import time
 
+import jsonschema
 import pytest
+import yaml
 
 import config
+import corpus
 import data
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -57,10 +61,65 @@ def shard_data_dir(tmp_path_factory):
     folder = tmp_path_factory.mktemp("shards")
     cfg = config.load(os.path.join(ROOT, "configs", "smoke-corpus-cpu.yaml"), shard_overrides(str(folder)))
     data_cfg = cfg["data"]
-    data.build_corpus(data_cfg, log=lambda *a: None)
-    data.train_tokenizer(data_cfg, log=lambda *a: None)
-    data.encode(data_cfg, log=lambda *a: None)
+    corpus.build_corpus(data_cfg, log=lambda *a: None)
+    corpus.train_tokenizer(data_cfg, log=lambda *a: None)
+    corpus.encode(data_cfg, log=lambda *a: None)
     return str(folder)
+
+
+def data_layer(name, **changes):
+    """The `data:` section of a shipped configs/data/<name>.yaml, deep-updated and schema-checked."""
+    with open(os.path.join(ROOT, "configs", "data", f"{name}.yaml"), encoding="utf-8") as f:
+        section = yaml.safe_load(f)["data"]
+
+    def update(node, new):
+        for key, value in new.items():
+            if isinstance(value, dict) and isinstance(node.get(key), dict):
+                update(node[key], value)
+            else:
+                node[key] = value
+
+    update(section, copy.deepcopy(changes))
+    jsonschema.validate(section, config.load_schema("data"))
+    return section
+
+
+def sample_corpus(path):
+    """About 130 KB of the embedded corpus: 400 fortunes and the first chapters of Genesis."""
+    fortunes = gzip.open(os.path.join(ROOT, "corpus", "fortunes-es.txt.gz")).read().decode("utf-8")
+    bible = gzip.open(os.path.join(ROOT, "corpus", "rv1909.txt.gz")).read().decode("utf-8")
+    path.write_text("\n\n".join(fortunes.split("\n\n")[:400] + bible[:80_000].split("\n")), encoding="utf-8")
+    return str(path)
+
+
+def quiet(*args, **kwargs):
+    pass
+
+
+@pytest.fixture(scope="session")
+def pipeline(tmp_path_factory):
+    """One small corpus -> tokenizer -> shards run shared by the tests that only read its results."""
+    directory = tmp_path_factory.mktemp("corpus-smoke")
+    cfg = data_layer(
+        "corpus-smoke",
+        dir=str(directory),
+        processes=1,
+        corpus={"inputs": [{"path": sample_corpus(directory / "sample.txt"), "documents": "blank_line"}]},
+        tokenizer={"vocab_size": 512},
+        encode={"tokens_per_shard": 5_000},
+    )
+    corpus.build_corpus(cfg, log=quiet)
+    corpus.train_tokenizer(cfg, log=quiet)
+    corpus.encode(cfg, log=quiet)
+    return cfg
+
+
+def read_docs(cfg, split):
+    return list(corpus.iter_documents(corpus.docs_path(cfg, split)))
+
+
+def shard_hashes(cfg, split):
+    return [data.sha256_of_file(p) for p in data.shard_paths(cfg, split)]
 
 
 def shard_overrides(folder):
