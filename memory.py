@@ -33,6 +33,7 @@ This module never imports torch.
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
 import fcntl
 import hashlib
@@ -353,28 +354,50 @@ def context_for_turn(conn, member, role, user_text, cfg, count_tokens):
 
 
 # -----------------------------------------------------------------------------
-# The agent's tools: Spanish results for the model, acting only as the calling member
+# The agent's tools: Spanish text for the model, acting only as the calling member
+
+
+class Refusal(Exception):
+    """A memory tool call that cannot be done; the message (Spanish) is for the model."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Caller:
+    """A member as the memory tools see them: name and role, and the family database they reach (a
+    connection and the lock that serializes its use, both shared with the server)."""
+
+    name: str
+    role: str
+    conn: object
+    lock: object
+    cfg: dict
+
+    def run(self, tool_function, **arguments):
+        with self.lock:
+            return tool_function(self.conn, self.name, self.role, self.cfg, **arguments)
 
 
 def recordar(conn, member, role, cfg, texto, ambito="privado"):
     scope = SCOPE_WORDS.get(ambito or "privado")
     if scope is None:
-        return f"Ámbito «{ambito}» no válido: usa «privado» o «familia»."
+        raise Refusal(f"ámbito «{ambito}» no válido: usa «privado» o «familia»")
+    if role == "admin":
+        raise Refusal("la cuenta de administración no guarda recuerdos")
+    if scope == "family" and role != "adult":
+        raise Refusal(
+            "solo una persona adulta puede guardar recuerdos de la familia; guárdalo como «privado»"
+        )
     try:
         memory_id = add(conn, member, role, texto, cfg, scope=scope, source="assistant")
-    except MemoryPermissionError:
-        if role == "admin":
-            return "La cuenta de administración no guarda recuerdos."
-        return "Solo una persona adulta puede guardar recuerdos de la familia; guárdalo como «privado»."
     except MemoryStoreError as e:
-        return f"No se pudo guardar el recuerdo: {spanish_store_error(e, cfg)}"
+        raise Refusal(f"no se pudo guardar el recuerdo: {spanish_store_error(e, cfg)}") from None
     where = "de la familia" if scope == "family" else "privado"
     return f"Recuerdo {memory_id} guardado ({where})."
 
 
 def buscar_recuerdos(conn, member, role, cfg, consulta):
     if role == "admin":
-        return "La cuenta de administración no tiene recuerdos."
+        raise Refusal("la cuenta de administración no tiene recuerdos")
     found = search(conn, member, role, consulta, cfg["search_results"], cfg)
     if not found:
         return "Sin recuerdos que coincidan."
@@ -383,20 +406,20 @@ def buscar_recuerdos(conn, member, role, cfg, consulta):
 
 def olvidar(conn, member, role, cfg, id):  # noqa: A002 - the tool's argument name, as the model writes it
     if role == "admin":
-        return "La cuenta de administración no tiene recuerdos."
+        raise Refusal("la cuenta de administración no tiene recuerdos")
     try:
         memory = forget(conn, member, role, int(id))
     except (MemoryStoreError, ValueError):
-        return f"No hay ningún recuerdo {id} que puedas borrar."
+        raise Refusal(f"no hay ningún recuerdo {id} que puedas borrar") from None
     return f"Recuerdo {memory['id']} borrado: «{memory['text']}»."
 
 
 def spanish_store_error(error, cfg):
     message = str(error)
     if message.startswith("a memory needs"):
-        return "el texto está vacío."
+        return "el texto está vacío"
     if message.startswith("a memory holds"):
-        return f"el texto pasa de {cfg['max_text_chars']} caracteres."
+        return f"el texto pasa de {cfg['max_text_chars']} caracteres"
     return message
 
 

@@ -12,6 +12,8 @@ import time
 import pytest
 import yaml
 
+import agent
+import chat
 import config
 import memory
 
@@ -103,7 +105,8 @@ def test_bad_input_is_refused_with_the_reason(conn, cfg):
         memory.add(conn, "ana", "adult", "x" * 501, cfg)
     with pytest.raises(memory.MemoryStoreError, match="scope 'publico' is not valid"):
         memory.add(conn, "ana", "adult", "hola", cfg, scope="publico")
-    assert "Ámbito «todos» no válido" in memory.recordar(conn, "ana", "adult", cfg, "hola", "todos")
+    with pytest.raises(memory.Refusal, match="ámbito «todos» no válido"):
+        memory.recordar(conn, "ana", "adult", cfg, "hola", "todos")
 
 
 def test_forget_deletes_for_real(db, conn, cfg):
@@ -165,7 +168,8 @@ def test_a_child_never_sees_an_adults_private_memories(conn, cfg, family):
             memory.get(conn, "luis", "child", memory_id)
         with pytest.raises(memory.MemoryStoreError, match="no memory"):
             memory.edit(conn, "luis", "child", memory_id, cfg, text="cambiado")
-        assert "No hay ningún recuerdo" in memory.olvidar(conn, "luis", "child", cfg, memory_id)
+        with pytest.raises(memory.Refusal, match="no hay ningún recuerdo"):
+            memory.olvidar(conn, "luis", "child", cfg, memory_id)
     assert [m["member"] for m in memory.export(conn, "luis", "child")["memories"]] == ["luis"]
     assert len(rows_of_conn(conn)) == 4  # nothing was deleted or changed by the attempts
 
@@ -178,17 +182,18 @@ def test_an_adult_never_sees_a_childs_private_memories(conn, cfg, family):
     context = memory.context_for_turn(conn, "ana", "adult", "armario oscuro miedo", cfg, WORDS)
     assert "miedo" not in context and "regalo" in context
     assert "miedo" not in memory.buscar_recuerdos(conn, "ana", "adult", cfg, "miedo oscuro")
-    assert "No hay ningún recuerdo" in memory.olvidar(conn, "ana", "adult", cfg, family["luis_private"])
+    with pytest.raises(memory.Refusal, match="no hay ningún recuerdo"):
+        memory.olvidar(conn, "ana", "adult", cfg, family["luis_private"])
     assert family["luis_private"] not in [m["id"] for m in memory.list_memories(conn, "ana", "adult")]
 
 
 def test_family_memories_reach_everyone_but_only_adults_write_them(conn, cfg, family):
     for member, role in (("ana", "adult"), ("luis", "child"), ("marta", "adult")):
         assert "3 de mayo" in memory.context_for_turn(conn, member, role, "cumpleaños abuela", cfg, WORDS)
-    assert "Solo una persona adulta" in memory.recordar(
-        conn, "luis", "child", cfg, "hoy no hay cole", "familia"
-    )
-    assert "No hay ningún recuerdo" in memory.olvidar(conn, "luis", "child", cfg, family["ana_family"])
+    with pytest.raises(memory.Refusal, match="solo una persona adulta"):
+        memory.recordar(conn, "luis", "child", cfg, "hoy no hay cole", "familia")
+    with pytest.raises(memory.Refusal, match="no hay ningún recuerdo"):
+        memory.olvidar(conn, "luis", "child", cfg, family["ana_family"])
     with pytest.raises(memory.MemoryPermissionError):
         memory.edit(conn, "luis", "child", family["luis_private"], cfg, scope="family")
     assert "borrado" in memory.olvidar(conn, "marta", "adult", cfg, family["ana_family"])  # another adult
@@ -205,8 +210,13 @@ def test_the_admin_reads_no_memories(conn, cfg, family):
     ):
         with pytest.raises(memory.MemoryPermissionError, match="admin"):
             call()
-    assert "administración" in memory.buscar_recuerdos(conn, "root", "admin", cfg, "armario")
-    assert "administración" in memory.olvidar(conn, "root", "admin", cfg, family["ana_family"])
+    for tool_call in (
+        lambda: memory.buscar_recuerdos(conn, "root", "admin", cfg, "armario"),
+        lambda: memory.olvidar(conn, "root", "admin", cfg, family["ana_family"]),
+        lambda: memory.recordar(conn, "root", "admin", cfg, "nota"),
+    ):
+        with pytest.raises(memory.Refusal, match="administración"):
+            tool_call()
     assert len(rows_of_conn(conn)) == 4
 
 
@@ -464,3 +474,63 @@ def test_every_memory_layer_file_is_valid():
     folder = os.path.join(ROOT, "configs", "memory")
     for name in sorted(os.listdir(folder)):
         memory.load_config(os.path.join(folder, name))
+
+
+# -----------------------------------------------------------------------------
+# The agent's memory tools (agent.py's registry) across two members
+
+
+def agent_of(conn, cfg, name, role, **options):
+    caller = memory.Caller(name, role, conn, threading.Lock(), cfg)
+    return agent.Agent(agent.load_settings(), member=caller, **options)
+
+
+def scripted(*replies):
+    """Stands in for the model: returns these replies in order."""
+    replies = list(replies)
+    return lambda conversation: replies.pop(0)
+
+
+def call_text(name, arguments):
+    return chat.tool_call_text({"function": {"name": name, "arguments": arguments}})
+
+
+def test_memory_tools_are_offered_only_to_a_member(conn, cfg):
+    names = ("recordar", "buscar_recuerdos", "olvidar")
+    settings = agent.load_settings()
+    assert not set(names) & set(agent.Agent(settings).tool_names)  # sample.py, agent_data.py
+    assert not set(names) & {spec["function"]["name"] for spec in agent.tool_specs(settings)}
+    offered = agent_of(conn, cfg, "ana", "adult").conversation([{"role": "user", "content": "hola"}])["tools"]
+    assert set(names) <= {spec["function"]["name"] for spec in offered}
+    alone = agent.Agent(settings, tool_names=["recordar"]).call(agent.Call("recordar", {"texto": "hola"}))
+    assert not alone.ok and "solo están disponibles en el servidor" in alone.text
+
+
+def test_the_agent_remembers_for_the_member_it_serves(conn, cfg):
+    ana = agent_of(conn, cfg, "ana", "adult")
+    model = scripted(
+        call_text("recordar", {"texto": "la clave de la taquilla es 4512"}), "Hecho, lo recordaré."
+    )
+    new = ana.run_turn([{"role": "user", "content": "Recuerda que la clave de la taquilla es 4512"}], model)
+    assert new[1]["content"].startswith("Recuerdo ") and new[-1]["content"] == "Hecho, lo recordaré."
+    [stored] = memory.list_memories(conn, "ana", "adult")
+    assert (stored["member"], stored["scope"], stored["source"]) == ("ana", "private", "assistant")
+    assert "4512" in ana.call(agent.Call("buscar_recuerdos", {"consulta": "taquilla"})).text
+
+
+def test_the_memory_tools_never_cross_members(conn, cfg, family):
+    luis = agent_of(conn, cfg, "luis", "child")
+    found = luis.call(agent.Call("buscar_recuerdos", {"consulta": "regalo sorpresa armario vegetariana"}))
+    assert (
+        found.ok and "regalo" not in found.text and "vegetariana" not in found.text and "miedo" in found.text
+    )
+    for memory_id in (family["ana_private"], family["ana_pinned"], family["ana_family"]):
+        refused = luis.call(agent.Call("olvidar", {"id": memory_id}))
+        assert not refused.ok and refused.text.startswith(f"Error: no hay ningún recuerdo {memory_id}")
+    shared = luis.call(agent.Call("recordar", {"texto": "mañana no hay cole", "ambito": "familia"}))
+    assert not shared.ok and "solo una persona adulta" in shared.text
+    admin = agent_of(conn, cfg, "root", "admin").call(agent.Call("buscar_recuerdos", {"consulta": "armario"}))
+    assert not admin.ok and "administración" in admin.text
+    ana = agent_of(conn, cfg, "ana", "adult")
+    assert "miedo" not in ana.call(agent.Call("buscar_recuerdos", {"consulta": "miedo oscuro armario"})).text
+    assert len(rows_of_conn(conn)) == 4
