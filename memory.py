@@ -150,16 +150,21 @@ def check_scope_write(role, scope):
         raise MemoryPermissionError(f"a {role} may keep only private memories; family ones are for adults")
 
 
+def may_change(role, memory):
+    """Whether the reader of `memory` (a row they may read) may edit or forget it: their own private
+    memories (a readable private row is always the reader's own), and family ones for an adult."""
+    return memory["scope"] == "private" or role == "adult"
+
+
 def writable_row(conn, member, role, memory_id):
-    """The row of a memory the caller may change: their own private one, or a family one for an adult.
-    Any other id reads as not existing, so a member cannot probe others' memories."""
+    """The row of a memory the caller may change. Any other id reads as not existing, so a member cannot
+    probe others' memories."""
     check_reader(role)
+    where, params = readable_sql(member)
     row = conn.execute(
-        "SELECT * FROM memories m WHERE m.id = ? AND ((m.scope = 'private' AND m.member = ?) "
-        "OR (m.scope = 'family' AND ? = 'adult'))",
-        (memory_id, member, role),
+        f"SELECT * FROM memories m WHERE m.id = ? AND {where}", (memory_id, *params)
     ).fetchone()
-    if row is None:
+    if row is None or not may_change(role, row):
         raise MemoryStoreError(f"no memory {memory_id} of {member}")
     return row
 
@@ -207,11 +212,12 @@ def add(conn, member, role, text, cfg, scope="private", pinned=False, source="ma
 
 
 def list_memories(conn, member, role):
-    """Every memory `member` may read: their private ones and the family's, newest first."""
+    """Every memory `member` may read (their private ones and the family's), newest first, each with
+    `editable`: whether they may change it."""
     check_reader(role)
     where, params = readable_sql(member)
     rows = conn.execute(f"SELECT * FROM memories m WHERE {where} ORDER BY m.updated DESC, m.id DESC", params)
-    return [as_dict(row) for row in rows]
+    return [as_dict(row) | {"editable": may_change(role, row)} for row in rows]
 
 
 def get(conn, member, role, memory_id):

@@ -188,6 +188,11 @@ def test_an_adult_never_sees_a_childs_private_memories(conn, cfg, family):
 
 
 def test_family_memories_reach_everyone_but_only_adults_write_them(conn, cfg, family):
+    editable = {m["id"]: m["editable"] for m in memory.list_memories(conn, "luis", "child")}
+    assert editable == {family["ana_family"]: False, family["luis_private"]: True}
+    assert {m["id"]: m["editable"] for m in memory.list_memories(conn, "marta", "adult")} == {
+        family["ana_family"]: True
+    }
     for member, role in (("ana", "adult"), ("luis", "child"), ("marta", "adult")):
         assert "3 de mayo" in memory.context_for_turn(conn, member, role, "cumpleaños abuela", cfg, WORDS)
     with pytest.raises(memory.Refusal, match="solo una persona adulta"):
