@@ -89,6 +89,10 @@ class MemoryStoreError(Exception):
     """Bad input to the store (empty text, unknown scope, no such memory); the message says which."""
 
 
+class MemoryNotFound(MemoryStoreError):
+    """No memory with that id that the caller may see (or change): the same answer either way."""
+
+
 class MemoryPermissionError(MemoryStoreError):
     """The caller's role does not allow this (the admin reading memories, a child writing family ones)."""
 
@@ -165,7 +169,7 @@ def writable_row(conn, member, role, memory_id):
         f"SELECT * FROM memories m WHERE m.id = ? AND {where}", (memory_id, *params)
     ).fetchone()
     if row is None or not may_change(role, row):
-        raise MemoryStoreError(f"no memory {memory_id} of {member}")
+        raise MemoryNotFound(f"no memory {memory_id} of {member}")
     return row
 
 
@@ -227,7 +231,7 @@ def get(conn, member, role, memory_id):
         f"SELECT * FROM memories m WHERE m.id = ? AND {where}", (memory_id, *params)
     ).fetchone()
     if row is None:
-        raise MemoryStoreError(f"no memory {memory_id} of {member}")
+        raise MemoryNotFound(f"no memory {memory_id} of {member}")
     return as_dict(row)
 
 
