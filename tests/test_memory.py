@@ -415,6 +415,20 @@ def test_snapshots_keep_only_the_newest(db, conn, cfg):
     assert memory.list_snapshots(cfg["snapshots"]["dir"]) == made[-3:]
 
 
+def test_the_server_schedule_takes_snapshots_until_stopped(db, conn, cfg):
+    memory.add(conn, "ana", "adult", "nota", cfg)
+    cfg["snapshots"]["every_hours"] = 0.3 / 3600  # every 0.3 s
+    stop = threading.Event()
+    thread = memory.snapshot_every(db, cfg, stop, log=lambda _: None)
+    deadline = time.monotonic() + 30
+    while len(memory.list_snapshots(cfg["snapshots"]["dir"])) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    stop.set()
+    thread.join(timeout=30)
+    assert not thread.is_alive() and len(memory.list_snapshots(cfg["snapshots"]["dir"])) >= 2
+    assert memory.snapshot_every(db, dict(cfg, snapshots=dict(cfg["snapshots"], every_hours=0)), stop) is None
+
+
 # -----------------------------------------------------------------------------
 # Configuration and command line
 
