@@ -3,6 +3,8 @@
 import copy
 import json
 import os
+import pathlib
+import shutil
 import sqlite3
 import subprocess
 import sys
@@ -114,7 +116,7 @@ def test_forget_deletes_for_real(db, conn, cfg):
     memory_id = memory.add(conn, "ana", "adult", f"la clave del wifi es {secret}", cfg)
     memory.add(conn, "ana", "adult", "el wifi de casa se llama Hogar", cfg)
     conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-    assert secret.encode() in open(db, "rb").read()
+    assert secret.encode() in pathlib.Path(db).read_bytes()
     conn.execute("PRAGMA secure_delete = OFF")  # as a connection opened elsewhere in the server may be
     memory.forget(conn, "ana", "adult", memory_id)
     conn.execute("CREATE VIRTUAL TABLE IF NOT EXISTS temp.vocab USING fts5vocab(main, memories_fts, row)")
@@ -127,7 +129,7 @@ def test_forget_deletes_for_real(db, conn, cfg):
     )
     for path in (db, db + "-wal"):
         if os.path.exists(path):
-            assert secret.encode() not in open(path, "rb").read(), path
+            assert secret.encode() not in pathlib.Path(path).read_bytes(), path
 
 
 def test_forget_all_deletes_only_the_callers_memories(conn, cfg):
@@ -313,6 +315,8 @@ def test_snapshot_under_concurrent_writers_is_one_consistent_moment(tmp_path, db
             process.wait(timeout=60)
         for worker in workers:
             worker.join(timeout=60)
+        for process in processes.values():
+            process.stdout.close()
     copied = rows_of(os.path.join(path, "database.sqlite"))
     live = rows_of(db)
     assert memory.integrity(os.path.join(path, "database.sqlite")) == "ok"
@@ -404,6 +408,7 @@ def test_restore_is_refused_while_the_server_runs(tmp_path, db, conn, cfg):
     finally:
         holder.stdin.close()
         holder.wait(timeout=30)
+        holder.stdout.close()
     memory.restore(path, db, log=lambda _: None)  # the lock went with the process
 
 
@@ -438,7 +443,7 @@ def test_memory_layer_errors_name_the_file_and_key(tmp_path):
     folder.mkdir()
     bad = folder / "bad.yaml"
     bad.write_text("include: memory/default.yaml\nmemory:\n  top_kk: 3\n  snapshots:\n    keep_last: 0\n")
-    (folder / "default.yaml").write_text(open(memory.DEFAULT_CONFIG, encoding="utf-8").read())
+    (folder / "default.yaml").write_text(pathlib.Path(memory.DEFAULT_CONFIG).read_text(encoding="utf-8"))
     with pytest.raises(config.ConfigError) as caught:
         memory.load_config(str(bad))
     message = str(caught.value)
@@ -447,21 +452,20 @@ def test_memory_layer_errors_name_the_file_and_key(tmp_path):
 
 
 def test_a_run_file_may_include_the_memory_layer(tmp_path):
-    run = yaml.safe_load(open(os.path.join(ROOT, "configs", "smoke-cpu.yaml"), encoding="utf-8"))
-    run["include"] = {k: os.path.join(ROOT, "configs", v) for k, v in run["include"].items()}
-    run["include"]["memory"] = memory.DEFAULT_CONFIG
-    path = str(tmp_path / "run.yaml")
-    with open(path, "w", encoding="utf-8") as f:
-        yaml.safe_dump(run, f)
-    resolved = config.load(path, ["memory.top_k=2"])
+    configs = tmp_path / "configs"  # a copy, so the run file's includes resolve as in configs/
+    shutil.copytree(os.path.join(ROOT, "configs"), configs)
+    run = yaml.safe_load((configs / "smoke-cpu.yaml").read_text(encoding="utf-8"))
+    run["include"]["memory"] = "memory/default.yaml"
+    path = configs / "with-memory.yaml"
+    path.write_text(yaml.safe_dump(run), encoding="utf-8")
+    resolved = config.load(str(path), ["memory.top_k=2"])
     assert resolved["memory"]["top_k"] == 2 and "memory:" in config.dump(resolved)
-    run["include"]["memoria"] = memory.DEFAULT_CONFIG
-    with open(path, "w", encoding="utf-8") as f:
-        yaml.safe_dump(run, f)
+    run["include"]["memoria"] = "memory/default.yaml"
+    path.write_text(yaml.safe_dump(run), encoding="utf-8")
     with pytest.raises(
         config.ConfigError, match="include.memoria: unknown layer; did you mean include.memory"
     ):
-        config.load(path)
+        config.load(str(path))
 
 
 def test_memory_does_not_import_torch():
