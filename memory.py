@@ -113,7 +113,11 @@ def load_config(path=DEFAULT_CONFIG):
 def connect(db_path, cfg):
     """A connection to the family database with WAL, secure_delete and the memory tables in place."""
     os.makedirs(os.path.dirname(os.path.abspath(db_path)), exist_ok=True)
-    conn = sqlite3.connect(db_path, timeout=cfg["busy_timeout_ms"] / 1000, check_same_thread=False)
+    # IMMEDIATE: a write transaction takes the write lock at BEGIN, waiting up to the busy timeout; a
+    # deferred one that read first would fail at once with "database is locked" when another wrote.
+    conn = sqlite3.connect(
+        db_path, timeout=cfg["busy_timeout_ms"] / 1000, check_same_thread=False, isolation_level="IMMEDIATE"
+    )
     conn.row_factory = sqlite3.Row
     conn.execute("PRAGMA journal_mode = WAL")
     conn.execute("PRAGMA secure_delete = ON")
