@@ -282,6 +282,16 @@ def forget_all(conn, member, role):
     return count
 
 
+def member_removed(conn, member):
+    """Delete every memory of a member whose account is gone (serve.py calls it), so that a new member
+    given the same name later starts with none; returns how many."""
+    conn.execute("PRAGMA secure_delete = ON")
+    with conn:
+        count = conn.execute("DELETE FROM memories WHERE member = ?", (member,)).rowcount
+    purge(conn)
+    return count
+
+
 def export(conn, member, role):
     """Everything `member` wrote, as a JSON-ready dict."""
     check_reader(role)

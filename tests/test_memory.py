@@ -138,6 +138,8 @@ def test_forget_all_deletes_only_the_callers_memories(conn, cfg):
     memory.add(conn, "luis", "child", "nota de luis", cfg)
     assert memory.forget_all(conn, "ana", "adult") == 2
     assert [m["text"] for m in memory.list_memories(conn, "luis", "child")] == ["nota de luis"]
+    assert memory.member_removed(conn, "LUIS") == 1  # account names compare without case
+    assert memory.list_memories(conn, "luis", "child") == []
 
 
 # -----------------------------------------------------------------------------
