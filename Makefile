@@ -10,7 +10,7 @@ CONFIG ?= configs/pretrain-2060.yaml
 SFT_CONFIG ?= configs/sft-2060.yaml
 NPROC ?= 1
 RUN ?= runs/smoke-cpu
-DB ?= var/enlace.sqlite
+DB ?=
 SNAPSHOT ?=
 ARGS ?=
 RESUME_FLAG := $(if $(filter 1 yes true,$(RESUME)),--resume,)
@@ -144,11 +144,11 @@ agent-eval: agent-data
 # --- the family's database ------------------------------------------------------------------------
 
 snapshot: $(STAMP)
-	$(PY) memory.py --db $(DB) snapshot
+	$(PY) memory.py $(if $(DB),--db $(DB)) snapshot
 
 restore: $(STAMP)
 	@test -n "$(SNAPSHOT)" || { echo "usage: make restore SNAPSHOT=var/snapshots/<time>" >&2; exit 2; }
-	$(PY) memory.py --db $(DB) restore $(SNAPSHOT)
+	$(PY) memory.py $(if $(DB),--db $(DB)) restore $(SNAPSHOT)
 
 # --- the GPU server over SSH (settings in .env, see .env.example) ---------------------------------
 

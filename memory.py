@@ -21,12 +21,12 @@ manifest (time, sha256, the model and tokenizer the server was using, its resolv
 version); the last N are kept. Restoring needs the server stopped: the server holds an flock on
 <database>.lock for its whole life, and restore takes the same lock.
 
-    python memory.py --db var/enlace.sqlite list --member ana
-    python memory.py --db var/enlace.sqlite add --member ana "A Lucía no le gusta el pescado" [--family] [--pin]
-    python memory.py --db var/enlace.sqlite forget --member ana 12
-    python memory.py --db var/enlace.sqlite export --member ana > ana.json
-    python memory.py --db var/enlace.sqlite snapshot
-    python memory.py --db var/enlace.sqlite restore var/snapshots/20261130T120000.000Z
+    python memory.py list --member ana
+    python memory.py add --member ana "A Lucía no le gusta el pescado" [--family] [--pin]
+    python memory.py forget --member ana 12
+    python memory.py export --member ana > ana.json
+    python memory.py snapshot
+    python memory.py restore var/snapshots/20261130T120000.000Z
 
 This module never imports torch.
 """
@@ -52,6 +52,7 @@ SCOPE_WORDS = {"privado": "private", "familia": "family"}  # the tools' Spanish 
 ROLES = ("admin", "adult", "child")
 SOURCES = ("manual", "assistant")
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "memory", "default.yaml")
+SERVE_CONFIG = os.path.join(os.path.dirname(DEFAULT_CONFIG), "..", "serve", "default.yaml")
 SNAPSHOT_NAME = re.compile(r"^\d{8}T\d{6}\.\d{3}Z$")
 MANIFEST_KEYS = ("format", "created", "database", "integrity_check", "server", "memory_config")
 WORD = re.compile(r"\w+")
@@ -355,22 +356,26 @@ def memory_line(memory):
     return f"- [{memory['id']}]{scope} {memory['text']}"
 
 
-def context_for_turn(conn, member, role, user_text, cfg, count_tokens):
+def context_for_turn(conn, member, role, user_text, cfg, count_tokens, context_len=None):
     """The memories for the system turn of a reply to `user_text`: the member's pinned ones, then the top-k
-    bm25 matches, as long as the block fits cfg['token_budget'] tokens (count_tokens(text) -> int, the
-    served tokenizer's count). Empty string when there is nothing to say, or for the admin role."""
+    bm25 matches, as long as the block fits cfg['token_budget'] tokens, and cfg['context_share'] of the
+    model's context_len when given (count_tokens(text) -> int, the served tokenizer's count). Empty
+    string when there is nothing to say, or for the admin role."""
     if role == "admin":
         return ""
     memories = pinned_memories(conn, member, role)
     memories += search(conn, member, role, user_text, cfg["top_k"], cfg, exclude_pinned=True)
     if not memories:
         return ""
+    budget = cfg["token_budget"]
+    if context_len is not None:
+        budget = min(budget, int(cfg["context_share"] * context_len))
     lines = [cfg["header"]]
     used = count_tokens(cfg["header"])
     for memory in memories:
         line = memory_line(memory)
         cost = count_tokens("\n" + line)
-        if used + cost > cfg["token_budget"]:
+        if used + cost > budget:
             continue  # a shorter memory further down may still fit
         lines.append(line)
         used += cost
@@ -455,31 +460,39 @@ def lock_path(db_path):
     return db_path + ".lock"
 
 
-@contextlib.contextmanager
-def server_lock(db_path, info=None):
-    """Hold the database's lock (fcntl.flock on <db>.lock; the kernel releases it when the holder dies,
-    even by SIGKILL). The server passes `info` (pid, the run and checkpoint it serves with their sha256,
-    its resolved config, the code version), written to the lock file for snapshots to record; restore
-    passes nothing and leaves the last server's info in place. Raises SnapshotError if already held."""
+def hold_lock(db_path, info=None):
+    """Take the database's lock (fcntl.flock on <db>.lock) and return its file descriptor: held until
+    os.close(fd) or the end of the process (the kernel releases it even after SIGKILL). The server
+    passes `info` (pid, the run and checkpoint it serves with their sha256, its resolved config, the code
+    version), written to the lock file for snapshots to record; restore passes nothing and leaves the
+    last server's info in place. Raises SnapshotError if another process holds it."""
     path = lock_path(db_path)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = server_info(db_path) or {}
-            raise SnapshotError(
-                f"{db_path}: the server is running (pid {holder.get('pid', '?')} holds {path}); stop it first"
-            ) from None
-        if info is not None:
-            body = json.dumps({"pid": os.getpid(), **info}, ensure_ascii=False, indent=1).encode()
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, body, 0)
-            os.fsync(fd)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        holder = server_info(db_path) or {}
+        raise SnapshotError(
+            f"{db_path}: the server is running (pid {holder.get('pid', '?')} holds {path}); stop it first"
+        ) from None
+    if info is not None:
+        body = json.dumps({"pid": os.getpid(), **info}, ensure_ascii=False, indent=1).encode()
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, body, 0)
+        os.fsync(fd)
+    return fd
+
+
+@contextlib.contextmanager
+def server_lock(db_path, info=None):
+    """hold_lock for the duration of a with block."""
+    fd = hold_lock(db_path, info)
+    try:
         yield
     finally:
-        os.close(fd)  # closing the descriptor releases the flock
+        os.close(fd)
 
 
 def server_info(db_path):
@@ -686,9 +699,28 @@ def snapshot_every(db_path, cfg, stop, log=print):
 # Command line
 
 
+def account_role(conn, member, db_path):
+    """The role of `member`'s account in the server's members table (serve.py owns it)."""
+    has_accounts = conn.execute(
+        "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'members'"
+    ).fetchone()
+    row = (
+        conn.execute("SELECT role FROM members WHERE name = ?", (member,)).fetchone()
+        if has_accounts
+        else None
+    )
+    if row is None:
+        raise MemoryStoreError(
+            f"{db_path}: no account {member!r} (python serve.py member add {member} --role ...), or pass --role"
+        )
+    return row["role"]
+
+
 def parse_args(argv):
     parser = argparse.ArgumentParser(description="Family memories and database snapshots.")
-    parser.add_argument("--db", required=True, help="the family database (the server's SQLite file)")
+    parser.add_argument(
+        "--db", help="the family database (default: serve.database of configs/serve/default.yaml)"
+    )
     parser.add_argument(
         "--config", default=DEFAULT_CONFIG, help="a memory layer file (configs/memory/*.yaml)"
     )
@@ -696,7 +728,9 @@ def parse_args(argv):
     for name in ("list", "add", "forget", "export"):
         sub = commands.add_parser(name)
         sub.add_argument("--member", required=True)
-        sub.add_argument("--role", default="adult", choices=[r for r in ROLES if r != "admin"])
+        sub.add_argument(
+            "--role", choices=ROLES, help="the member's role; by default their account's (serve.py member)"
+        )
         if name == "add":
             sub.add_argument("text")
             sub.add_argument("--family", action="store_true", help="share it with the whole family")
@@ -713,6 +747,7 @@ def main(argv):
     args = parse_args(argv)
     try:
         cfg = load_config(args.config)
+        args.db = args.db or config.load_layer("serve", SERVE_CONFIG)["database"]
         if args.command == "snapshot":
             snapshot(args.db, cfg)
             return 0
@@ -720,6 +755,7 @@ def main(argv):
             restore(args.snapshot, args.db)
             return 0
         conn = connect(args.db, cfg)
+        args.role = args.role or account_role(conn, args.member, args.db)
         if args.command == "list":
             for memory in list_memories(conn, args.member, args.role):
                 pin = "*" if memory["pinned"] else " "

@@ -482,17 +482,20 @@ def run_cli(db, *args):
 
 
 def test_command_line_list_add_forget_export(db):
-    assert run_cli(db, "add", "--member", "ana", "A Lucía no le gusta el pescado", "--pin").returncode == 0
+    ana = ("--member", "ana", "--role", "adult")  # a database without serve.py's accounts: roles by hand
+    assert run_cli(db, "add", *ana, "A Lucía no le gusta el pescado", "--pin").returncode == 0
     assert run_cli(db, "add", "--member", "luis", "--role", "child", "mi color es el verde").returncode == 0
-    listed = run_cli(db, "list", "--member", "ana")
+    listed = run_cli(db, "list", *ana)
     assert "pescado" in listed.stdout and "verde" not in listed.stdout
-    exported = json.loads(run_cli(db, "export", "--member", "ana").stdout)
+    exported = json.loads(run_cli(db, "export", *ana).stdout)
     assert [m["text"] for m in exported["memories"]] == ["A Lucía no le gusta el pescado"]
     memory_id = str(exported["memories"][0]["id"])
     refused = run_cli(db, "forget", "--member", "luis", "--role", "child", memory_id)
     assert refused.returncode == 2 and f"no memory {memory_id} of luis" in refused.stderr
-    assert run_cli(db, "forget", "--member", "ana", memory_id).returncode == 0
-    assert "pescado" not in run_cli(db, "list", "--member", "ana").stdout
+    assert run_cli(db, "forget", *ana, memory_id).returncode == 0
+    assert "pescado" not in run_cli(db, "list", *ana).stdout
+    unknown = run_cli(db, "list", "--member", "ana")
+    assert unknown.returncode == 2 and "no account 'ana'" in unknown.stderr
 
 
 def test_every_memory_layer_file_is_valid():
