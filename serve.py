@@ -21,6 +21,8 @@ Routes (ROUTES below; other features add theirs with build_app(..., extra_routes
     POST /api/conversations/{id}/messages  a turn of a stored conversation, streamed like the API
     GET|POST /api/members; DELETE /api/members/{name}; POST /api/members/{name}/key     admin only
     GET  /api/server                       queue and worker counters, admin only
+    GET|POST|DELETE /api/memories; GET /api/memories/export; PATCH|DELETE /api/memories/{id}
+                                           the member's memories (memory.py), never the admin's business
 Every request is authenticated by `Authorization: Bearer <API key>` or the session cookie. A member only
 ever reaches their own conversations (anything else is 404, whoever asks, admins included).
 
@@ -55,6 +57,7 @@ from starlette.staticfiles import StaticFiles
 
 import agent
 import config
+import memory
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 WEB_DIR = os.path.join(ROOT, "web")
@@ -151,6 +154,7 @@ class Store:
         self.db.execute("PRAGMA synchronous=FULL")
         self.db.execute("PRAGMA foreign_keys=ON")
         self.db.executescript(SCHEMA_SQL)
+        memory.ensure_schema(self.db)
 
     def query(self, sql, args=()):
         with self.lock:
@@ -193,7 +197,11 @@ class Store:
                           "FROM members ORDER BY name")  # fmt: skip
 
     def remove_member(self, name):
-        return self.write(("DELETE FROM members WHERE name = ?", (name,))) > 0
+        removed = self.write(("DELETE FROM members WHERE name = ?", (name,))) > 0
+        if removed:
+            with self.lock:
+                memory.member_removed(self.db, name)  # their memories go with the account
+        return removed
 
     def new_key(self, name):
         key = "enl-" + secrets.token_urlsafe(32)
@@ -550,6 +558,7 @@ class Server:
         self.dummy_hash = hash_password(secrets.token_hex(8), settings["scrypt"])
         self.pending = {}  # member id -> requests queued or running
         self.failures = {}  # lowercased name -> (failed logins, locked until)
+        self.memory_cfg = memory.load_config()
 
     # --- who is asking
     def member_of(self, request):
@@ -595,6 +604,7 @@ class Server:
 
         parts = [self.settings["child"]["system_prompt"]] if member["role"] == "child" else []
         parts += system or [self.settings["system_prompt"]]
+        parts.append(self.memory_context(member, turns))
         head = [{"role": "system", "content": "\n\n".join(p for p in parts if p)}]
         while True:
             conversation = {"messages": head + turns} | ({"tools": tools} if tools else {})
@@ -612,6 +622,24 @@ class Server:
             raise ApiError(400, f"the prompt is {len(ids)} tokens; this model reads at most {self.context - 1} "
                            "plus the answer", param="messages", code="context_length_exceeded")  # fmt: skip
         return ids, min(max_tokens, room)
+
+    # --- memories (memory.py decides who reads and changes what; this only binds the caller)
+    def memories(self, member, function, *args, **kwargs):
+        """function(connection, name, role, *args, **kwargs) of memory.py, as this member."""
+        with self.store.lock:
+            return function(self.store.db, member["name"], member["role"], *args, **kwargs)
+
+    def memory_context(self, member, turns):
+        """The member's pinned memories and those matching their last message, for the system turn."""
+        last = next((turn["content"] for turn in reversed(turns) if turn["role"] == "user"), "")
+        count_tokens = lambda text: len(self.worker.tokenizer.encode(text))  # noqa: E731
+        return self.memories(
+            member, memory.context_for_turn, last, self.memory_cfg, count_tokens, self.context
+        )
+
+    def memory_caller(self, member):
+        """The member as agent.py's memory tools take them: agent.Agent(..., member=this)."""
+        return memory.Caller(member["name"], member["role"], self.store.db, self.store.lock, self.memory_cfg)
 
     # --- generation
     def start(self, request, member, prompt_ids, max_tokens, temperature, top_p, seed):
@@ -993,6 +1021,85 @@ async def server_status(request):
     return JSONResponse(stats | {"model": server.model_id})
 
 
+# --- memories: the logged-in member's own (memory.py); the admin has none
+
+
+def memory_member(server, request):
+    member = server.member_of(request)
+    if member["role"] == "admin":
+        raise ApiError(403, "the admin role manages accounts and does not read memories", code="admin_only")
+    return member
+
+
+def memory_call(server, member, function, *args, **kwargs):
+    try:
+        return server.memories(member, function, *args, **kwargs)
+    except memory.MemoryNotFound as e:  # not there or not theirs: the same answer
+        raise ApiError(404, str(e), code="memory_not_found") from None
+    except memory.MemoryPermissionError as e:
+        raise ApiError(403, str(e), code="memory_forbidden") from None
+    except memory.MemoryStoreError as e:
+        raise ApiError(400, str(e), code="invalid_memory") from None
+
+
+async def memory_changes(request, server):
+    body = await read_json(request, 4 * server.memory_cfg["max_text_chars"] + 1024)  # UTF-8: <= 4 bytes/char
+    changes = {}
+    if "text" in body:
+        changes["text"] = expect(body["text"], str, "text", "the memory's text")
+    if "scope" in body:
+        changes["scope"] = expect(body["scope"], str, "scope", "'private' or 'family'")
+    if "pinned" in body:
+        changes["pinned"] = expect(body["pinned"], bool, "pinned", "true or false")
+    return changes
+
+
+async def list_memories(request):
+    server = request.app.state.server
+    member = memory_member(server, request)
+    return JSONResponse({"data": memory_call(server, member, memory.list_memories)})
+
+
+async def add_memory(request):
+    server = request.app.state.server
+    member = memory_member(server, request)
+    changes = await memory_changes(request, server)
+    if "text" not in changes:
+        raise ApiError(400, "text: required", param="text", code="invalid_memory")
+    text = changes.pop("text")
+    memory_id = memory_call(server, member, memory.add, text, server.memory_cfg, **changes)
+    return JSONResponse(memory_call(server, member, memory.get, memory_id), status_code=201)
+
+
+async def edit_memory(request):
+    server = request.app.state.server
+    member = memory_member(server, request)
+    changes = await memory_changes(request, server)
+    edited = memory_call(server, member, memory.edit, request.path_params["id"], server.memory_cfg, **changes)
+    return JSONResponse(edited)
+
+
+async def delete_memory(request):
+    server = request.app.state.server
+    member = memory_member(server, request)
+    return JSONResponse(
+        {"deleted": memory_call(server, member, memory.forget, request.path_params["id"])["id"]}
+    )
+
+
+async def delete_all_memories(request):
+    server = request.app.state.server
+    member = memory_member(server, request)
+    return JSONResponse({"deleted": memory_call(server, member, memory.forget_all)})
+
+
+async def export_memories(request):
+    server = request.app.state.server
+    member = memory_member(server, request)
+    disposition = {"Content-Disposition": 'attachment; filename="recuerdos.json"'}
+    return JSONResponse(memory_call(server, member, memory.export), headers=disposition)
+
+
 async def index(request):
     return FileResponse(os.path.join(WEB_DIR, "index.html"), headers={"Cache-Control": "no-cache"})
 
@@ -1058,6 +1165,12 @@ def routes():
         Route("/api/members/{name}", remove_member, methods=["DELETE"]),
         Route("/api/members/{name}/key", new_member_key, methods=["POST"]),
         Route("/api/server", server_status),
+        Route("/api/memories", list_memories),
+        Route("/api/memories", add_memory, methods=["POST"]),
+        Route("/api/memories", delete_all_memories, methods=["DELETE"]),
+        Route("/api/memories/export", export_memories),
+        Route("/api/memories/{id:int}", edit_memory, methods=["PATCH"]),
+        Route("/api/memories/{id:int}", delete_memory, methods=["DELETE"]),
         Mount("/web", StaticFiles(directory=WEB_DIR)),
     ]
 
@@ -1098,7 +1211,26 @@ def load_model(run, device):
             "with a sentencepiece tokenizer (make smoke-corpus, then make serve RUN=runs/smoke-corpus-cpu)"
         )
     print(f"serve: loaded {ckpt_path} ({model.num_params() / 1e6:.1f}M parameters)", file=sys.stderr)
+    model.checkpoint_path = ckpt_path  # what snapshots of the database record (serving_info)
     return model, tokenizer, cfg["run_name"], cfg["model"]["seq_len"]
+
+
+def serving_info(run, model, tokenizer, settings, memory_cfg):
+    """What this server uses, for the snapshots of its database (memory.server_lock writes it)."""
+    import data
+    import train
+
+    tokenizer_path = getattr(tokenizer, "path", None)
+    return {
+        "run": os.path.abspath(run),
+        "checkpoint": os.path.abspath(model.checkpoint_path),
+        "checkpoint_sha256": data.sha256_of_file(model.checkpoint_path),
+        "tokenizer": tokenizer_path and os.path.abspath(tokenizer_path),
+        "tokenizer_sha256": tokenizer_path and data.sha256_of_file(tokenizer_path),
+        "config": {"serve": settings, "memory": memory_cfg},
+        "code_version": train.code_version(),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
 
 
 def load_settings(path, overrides):
@@ -1183,6 +1315,16 @@ def serve_main(argv):
     model, tokenizer, model_id, context = load_model(args.run, args.device)
     worker = Worker(model, tokenizer, settings["queue_size"])
     server = Server(settings, store, worker, model_id, context)
+    # memory.py: the database's lock, held until this process ends (restore refuses to run meanwhile, and
+    # so does a second server on the same file), and the snapshot schedule on a daemon thread.
+    try:
+        memory.hold_lock(
+            settings["database"], serving_info(args.run, model, tokenizer, settings, server.memory_cfg)
+        )
+    except memory.SnapshotError as e:
+        raise ServeError(str(e)) from None
+    log = lambda message: print(f"serve: {message}", file=sys.stderr)  # noqa: E731
+    memory.snapshot_every(settings["database"], server.memory_cfg, threading.Event(), log)
     app = build_app(server)
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
