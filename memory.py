@@ -28,7 +28,8 @@ version); the last N are kept. Restoring needs the server stopped: the server ho
     python memory.py snapshot
     python memory.py restore var/snapshots/20261130T120000.000Z
 
-This module never imports torch.
+The database is serve.database of configs/serve/default.yaml unless --db names another; a member's role
+is their account's (serve.py's members table) unless --role says it. This module never imports torch.
 """
 
 import argparse
