@@ -522,9 +522,8 @@ class FilterTask:
         write_json(paths["stats"], {"sources": stats, "examples": examples})
 
 
-def run_tasks(task, data_cfg, workdir, log):
-    """Run the filter tasks on the configured datatrove executor; True when every task has finished here
-    (a Slurm run only submits them: run the step again once the jobs are done)."""
+def executor_for(task, data_cfg, workdir):
+    """(datatrove executor of the filter tasks as data.corpus.executor says, number of tasks)."""
     executor_cfg = data_cfg["corpus"]["executor"]
     tasks = executor_cfg["tasks"] or processes_of(data_cfg)
     logging_dir = os.path.join(workdir, "logs")
@@ -557,6 +556,15 @@ def run_tasks(task, data_cfg, workdir, log):
         executor = RayPipelineExecutor(
             pipeline=[task], tasks=tasks, logging_dir=logging_dir, skip_completed=False
         )
+    return executor, tasks
+
+
+def run_tasks(task, data_cfg, workdir, log):
+    """Run the filter tasks on the configured datatrove executor; the number of tasks when every one has
+    finished here, None when they were only submitted (Slurm: run the step again once the jobs are done)."""
+    executor, tasks = executor_for(task, data_cfg, workdir)
+    executor_cfg = data_cfg["corpus"]["executor"]
+    logging_dir = os.path.join(workdir, "logs")
     finished = sum(os.path.exists(task.paths(rank)["stats"]) for rank in range(tasks))
     log(
         f"corpus: {tasks} filter task(s) on the {executor_cfg['kind']} executor, {finished} already finished "
@@ -1034,7 +1042,8 @@ def count_tokens(tokenizer, docs_record, workers):
                 record = json.loads(line)
                 offsets.append(position)
                 sources.append(record["source"])
-                sizes.append(record.get("cluster_size", 1))
+                # FineWeb-2 parquet carries the cluster size of its own global dedup; ours sees only our files
+                sizes.append(max(record.get("cluster_size", 1), record.get("minhash_cluster_size", 1)))
                 position += len(line)
                 yield line
 

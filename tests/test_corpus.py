@@ -637,3 +637,10 @@ def test_a_source_runs_only_the_filter_stages_it_lists(tmp_path):
         "near_dedup",
         "decontamination",
     }
+
+
+def test_the_slurm_example_builds_datatrove_slurm_executor_with_its_settings(tmp_path):
+    cfg = data_layer("corpus-slurm", dir=str(tmp_path))  # schema-checked
+    executor, tasks = corpus.executor_for(corpus.FilterTask(cfg, str(tmp_path)), cfg, str(tmp_path))
+    assert type(executor).__name__ == "SlurmPipelineExecutor" and tasks == executor.world_size == 64
+    assert (executor.partition, executor.time, executor.mem_per_cpu_gb) == ("cpu", "02:00:00", 4)
