@@ -263,6 +263,8 @@ def bench_language_id():
     print(
         "corpus: language-ID calibration documents: " + ", ".join(f"{k} {len(v)}" for k, v in texts.items())
     )
+    missed = collections.Counter(found for truth, found, _ in scored if truth == "es" and found != "es")
+    print(f"corpus: Spanish documents identified as another language: {dict(missed) or 'none'}")
     for threshold in (0.0, 0.5, 0.8, 0.9, 0.95, 0.99, 0.999):
         predicted = [(truth, found == "es" and score >= threshold) for truth, found, score in scored]
         true_positive = sum(truth == "es" and yes for truth, yes in predicted)

@@ -35,11 +35,16 @@ from datatrove.utils.word_tokenizers import WordTokenizer
 
 
 class RegexWords(WordTokenizer):
-    """Words and punctuation marks as spaCy's blank Spanish tokenizer splits most text (FineWeb-2's word
-    tokenizer for spa_Latn), at about 40x its speed; `make bench` measures how often the filters' verdicts
-    agree between the two. Word-internal hyphens, apostrophes and dots stay ("1.999", "auto-ayuda")."""
+    """Words and punctuation marks as spaCy's blank Spanish tokenizer (FineWeb-2's word tokenizer for
+    spa_Latn) splits most text, without spaCy: measured by `make bench` on 541 slices of the three shared
+    sources, the three filters reach the same verdict on 97.6% of them and run 3x faster. Word-internal
+    hyphens, apostrophes and dots stay ("1.999", "auto-ayuda")."""
 
-    PATTERN = regex.compile(r"\w+(?:[-'’.]\w+)*|\.\.\.|[^\w\s]")
+    # Like spaCy: hyphens stay on a word's edges ("-Sí", "-¡Viva", "moneda-"), short capitalized abbreviations and
+    # "etc." keep their dot ("Sr.", "D."), "..." is one token, other punctuation marks are tokens of their own.
+    PATTERN = regex.compile(
+        r"\p{Lu}\p{Ll}{0,2}\.(?=\s|$)|etc\.(?!\w)|(?:-+[¡¿]*)?\w+(?:[-'’.]\w+)*-*|\.\.\.|[^\w\s]"
+    )
 
     def __init__(self):
         super().__init__("es")
