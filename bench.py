@@ -331,7 +331,9 @@ def bench_corpus():
     words = corpus_filters.word_splitter(cfg["filters"]["word_tokenizer"])
     hasher = corpus_filters.MinHasher(cfg["near_dedup"], words)
     scrub = corpus_filters.PiiScrubber(cfg["pii"])
-    guard = corpus_filters.Decontaminator(cfg["decontamination"]["ngram"], None)
+    guard = corpus_filters.Decontaminator(
+        cfg["decontamination"]["ngram"], None, cfg["decontamination"]["val_max_overlap"]
+    )
     seconds = {}
 
     def timed_cpu(name, function):
