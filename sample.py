@@ -4,7 +4,7 @@ Use a trained run: generate text, chat, or measure bits per byte.
     python sample.py runs/smoke-cpu --prompt "Había una vez" --max-new-tokens 200 --seed 1
     python sample.py runs/smoke-cpu/ckpt_0000300.pt --prompt-file prompt.txt --num-samples 3
     python sample.py runs/sft-smoke-cpu --chat --system "Eres un asistente amable."
-    python sample.py runs/sft-smoke-cpu --chat-eval val --max-new-tokens 64   # held-out conversations
+    python sample.py runs/sft-smoke-cpu --chat-eval val --max-new-tokens 400   # held-out conversations
     python sample.py runs/smoke-cpu --eval val            # the run's validation split
     python sample.py runs/smoke-cpu --eval texto.txt      # any UTF-8 text file
 
@@ -252,7 +252,7 @@ def run_chat_eval(model, cfg, tokenizer, args, out=sys.stdout):
         paths = chat.expand_paths(cfg["data"]["chat"]["val"], "data.chat.val")
     else:
         paths = [args.chat_eval]
-    conversations = [c for path in paths for c in chat.read_conversations(path)[0]]
+    conversations = [c for path in paths for c in chat.read_conversations(path)[0]][: args.limit or None]
     if not conversations:
         raise SampleError(f"{', '.join(paths)}: no conversations")
     nats, count, num_bytes, ended, examples = 0.0, 0, 0, 0, []
@@ -401,6 +401,7 @@ def parse_args(argv):
     parser.add_argument("--max-tokens", type=int, default=0, help="--eval only the first N tokens")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--show", type=int, default=3, help="--chat-eval: print this many answers")
+    parser.add_argument("--limit", type=int, default=0, help="--chat-eval only the first N conversations")
     args = parser.parse_args(argv)
     if args.max_new_tokens < 1 or args.num_samples < 1:
         parser.error("--max-new-tokens and --num-samples must be >= 1")
