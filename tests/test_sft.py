@@ -327,6 +327,11 @@ def test_chat_eval_scores_assistant_tokens_only_and_counts_answers_ending_with_e
     expected = torch.nn.functional.cross_entropy(logits[0], targets, ignore_index=-1).item()
     assert result["assistant_tokens"] == sum(mask) and result["loss"] == pytest.approx(expected, rel=1e-5)
     assert result["ended"] in (0.0, 1.0)
+    end = tokenizer.special_ids["<|end|>"]
+    ends = [p for p in range(len(ids) - 1) if ids[p + 1] == end and mask[p + 1]]
+    assert len(ends) == 2  # two answers
+    guessed = sum(int(logits[0, p].argmax()) == end for p in ends)
+    assert result["end_guessed"] == guessed / 2
     assert "answers ending with <|end|> within 5 tokens" in out.getvalue()
 
 
