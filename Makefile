@@ -15,8 +15,8 @@ RESUME_FLAG := $(if $(filter 1 yes true,$(RESUME)),--resume,)
 TRAIN := $(if $(filter 1,$(NPROC)),$(PY),$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC)) train.py
 
 .PHONY: setup lint check-configs test clean smoke smoke-2060 pretrain resume-check data-smoke \
-	corpus tokenizer encode corpus-smoke smoke-corpus sample chat eval bench search agent-data agent-eval sync \
-	remote-setup remote-smoke-2060 remote-pretrain logs fetch status chat-prepare sft sft-smoke plot
+	corpus tokenizer encode corpus-smoke corpus-report smoke-corpus sample chat eval serve bench search agent-data \
+	agent-eval sync remote-setup remote-smoke-2060 remote-pretrain logs fetch status chat-prepare sft sft-smoke plot
 
 setup: $(STAMP)
 
@@ -63,6 +63,10 @@ encode: $(STAMP)
 
 corpus-smoke: $(STAMP)
 	$(PY) corpus.py all configs/smoke-corpus-cpu.yaml
+	$(PY) corpus.py report configs/smoke-corpus-cpu.yaml
+
+corpus-report: $(STAMP)
+	$(PY) corpus.py report $(CONFIG)
 
 # --- training -------------------------------------------------------------------------------------
 
@@ -115,6 +119,13 @@ plot: $(STAMP)
 
 search: $(STAMP)
 	$(PY) search.py "$(Q)" $(ARGS)
+
+# The family's server (API + web page) on http://127.0.0.1:8000/. Chat needs a sentencepiece run: without
+# RUN= it serves runs/smoke-corpus-cpu, training it first on a fresh clone. Accounts: python serve.py member.
+SERVE_RUN = $(if $(filter command line environment,$(origin RUN)),$(RUN),runs/smoke-corpus-cpu)
+serve: $(STAMP)
+	@test -e $(SERVE_RUN) || test "$(SERVE_RUN)" != runs/smoke-corpus-cpu || $(MAKE) smoke-corpus ARGS=
+	$(PY) serve.py $(SERVE_RUN) $(ARGS)
 
 # --- tools (agent.py) -----------------------------------------------------------------------------
 

@@ -10,7 +10,6 @@ import time
 
 import jsonschema
 import pytest
-import yaml
 
 import config
 import corpus
@@ -68,9 +67,9 @@ def shard_data_dir(tmp_path_factory):
 
 
 def data_layer(name, **changes):
-    """The `data:` section of a shipped configs/data/<name>.yaml, deep-updated and schema-checked."""
-    with open(os.path.join(ROOT, "configs", "data", f"{name}.yaml"), encoding="utf-8") as f:
-        section = yaml.safe_load(f)["data"]
+    """The `data:` section of a shipped configs/data/<name>.yaml (with the base it includes), deep-updated
+    and schema-checked."""
+    section, _ = config._load_layer("data", f"data/{name}.yaml", os.path.join(ROOT, "configs"), None, [])
 
     def update(node, new):
         for key, value in new.items():
@@ -92,6 +91,12 @@ def sample_corpus(path):
     return str(path)
 
 
+def text_source(name, path, **settings):
+    """A blank-line text source without the language and quality filters, read once."""
+    source = {"name": name, "kind": "text", "path": path, "documents": "blank_line", "licence": "test data"}
+    return source | {"filters": False, "epochs": 1} | settings
+
+
 def quiet(*args, **kwargs):
     pass
 
@@ -104,7 +109,7 @@ def pipeline(tmp_path_factory):
         "corpus-smoke",
         dir=str(directory),
         processes=1,
-        corpus={"inputs": [{"path": sample_corpus(directory / "sample.txt"), "documents": "blank_line"}]},
+        corpus={"sources": [text_source("sample", sample_corpus(directory / "sample.txt"))]},
         tokenizer={"vocab_size": 512},
         encode={"tokens_per_shard": 5_000},
     )
@@ -226,3 +231,41 @@ def wait_for_step(metrics_path, step, proc, timeout=60):
                     return
         time.sleep(0.01)
     raise AssertionError(f"no step {step} in {metrics_path} after {timeout}s")
+
+
+@pytest.fixture(scope="session")
+def chat_run(tmp_path_factory, shard_data_dir):
+    """A tiny run with the sentencepiece tokenizer (chat control tokens) and room for a chat prompt; it
+    writes gibberish, which is all the server tests need."""
+    import train
+
+    runs = tmp_path_factory.mktemp("runs")
+    overrides = ["run_name=chat", "model.seq_len=256", "train.max_steps=2", "train.eval_interval=0"]
+    train.train(tiny_config(runs, "shards", shard_data_dir, *overrides), log=lambda *a, **k: None)
+    return str(runs / "chat")
+
+
+def start_server(run, database, *overrides, log_path=None):
+    """serve.py in a subprocess on a free port of 127.0.0.1: (process, base URL). Its stderr goes to
+    log_path (or is dropped)."""
+    command = [sys.executable, "serve.py", run, "--port", "0", f"serve.database={database}", *overrides]
+    stderr = open(log_path, "w") if log_path else subprocess.DEVNULL  # noqa: SIM115 (owned by the child)
+    proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=stderr, text=True)
+    line = proc.stdout.readline()
+    if " at http://" not in line:
+        proc.kill()
+        log = open(log_path).read() if log_path else ""
+        raise AssertionError(f"serve.py did not start: {line!r}\n{log}")
+    return proc, line.split(" at ")[1].split()[0].rstrip("/")
+
+
+def serve_member(database, name, role, password=None):
+    """`python serve.py member add` (and `member password`): the member's API key."""
+    db = f"serve.database={database}"
+    added = subprocess.run([sys.executable, "serve.py", "member", "add", name, "--role", role, db],
+                           cwd=ROOT, capture_output=True, text=True, check=True)  # fmt: skip
+    key = added.stdout.strip().splitlines()[-1]
+    if password is not None:
+        subprocess.run([sys.executable, "serve.py", "member", "password", name, db], cwd=ROOT, input=password + "\n",
+                       capture_output=True, text=True, check=True)  # fmt: skip
+    return key
