@@ -16,7 +16,7 @@ TRAIN := $(if $(filter 1,$(NPROC)),$(PY),$(VENV)/bin/torchrun --standalone --npr
 
 .PHONY: setup lint check-configs test clean smoke smoke-2060 pretrain resume-check data-smoke \
 	corpus tokenizer encode corpus-smoke corpus-report smoke-corpus sample chat eval serve bench search agent-data \
-	agent-eval sync remote-setup remote-smoke-2060 remote-pretrain logs fetch status chat-prepare sft sft-smoke plot
+	agent-eval sft-agent sync remote-setup remote-smoke-2060 remote-pretrain logs fetch status chat-prepare sft sft-smoke plot
 
 setup: $(STAMP)
 
@@ -138,6 +138,15 @@ $(AGENT_DATA)/eval.jsonl: $(STAMP) agent.py agent_data.py configs/agent/default.
 
 agent-eval: agent-data
 	$(PY) agent_data.py eval $(RUN) $(AGENT_DATA)/eval.jsonl $(ARGS)
+
+# corpus-smoke tokenizer -> the smoke-corpus-cpu pretraining (kept when it has a checkpoint) -> SFT on
+# the generated tool-use conversations and the seed set (from scratch each time) -> the tool-use rates.
+sft-agent: corpus-smoke agent-data
+	ls runs/smoke-corpus-cpu/ckpt_*.pt >/dev/null 2>&1 || $(PY) train.py configs/smoke-corpus-cpu.yaml
+	$(PY) chat.py prepare configs/sft-agent-cpu.yaml
+	rm -rf runs/sft-agent-cpu
+	$(PY) train.py configs/sft-agent-cpu.yaml $(ARGS)
+	$(PY) agent_data.py eval runs/sft-agent-cpu $(AGENT_DATA)/eval.jsonl --limit 60 --max-new-tokens 64
 
 # --- the GPU server over SSH (settings in .env, see .env.example) ---------------------------------
 
