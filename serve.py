@@ -271,13 +271,15 @@ class Store:
 
 
 class Job:
-    """One generation: the worker sends ("text", piece) events, then ("done", finish_reason, tokens) or
-    ("error", message), to the request's event loop. cancel() makes the worker stop at the next token
-    (its "done" then has finish_reason None)."""
+    """One answer: the worker sends ("text", piece) events, then ("done", finish_reason, completion tokens,
+    prompt tokens) or ("error", message), to the request's event loop. cancel() makes the worker stop at
+    the next token (its "done" then has finish_reason None). With `turn` = (agent.Agent, messages) the
+    answer is an agent turn: the server's tools run between generations (prompt_ids is then only the first
+    prompt, already checked against the context)."""
 
-    def __init__(self, loop, prompt_ids, max_tokens, temperature, top_p, top_k, seed):
+    def __init__(self, loop, prompt_ids, max_tokens, temperature, top_p, top_k, seed, turn=None):
         self.loop, self.events = loop, asyncio.Queue()
-        self.prompt_ids, self.max_tokens = prompt_ids, max_tokens
+        self.prompt_ids, self.max_tokens, self.turn = prompt_ids, max_tokens, turn
         self.temperature, self.top_p, self.top_k, self.seed = temperature, top_p, top_k, seed
         self.cancelled = threading.Event()
 
@@ -289,12 +291,22 @@ class Job:
         self.cancelled.set()
 
 
+class Cancelled(Exception):
+    """The job was cancelled while the agent loop was generating."""
+
+
 class Worker:
     def __init__(self, model, tokenizer, queue_size):
         self.model, self.tokenizer = model, tokenizer
         self.jobs = queue.Queue(maxsize=queue_size)
         self.stop_ids = {tokenizer.special_ids["<|end|>"], tokenizer.eos_id}
-        self.stats = {"answered": 0, "cancelled": 0, "refused_busy": 0, "generated_tokens": 0}
+        self.stats = {
+            "answered": 0,
+            "cancelled": 0,
+            "refused_busy": 0,
+            "generated_tokens": 0,
+            "tool_calls": 0,
+        }
         self.thread = threading.Thread(target=self.loop, name="model-worker", daemon=True)
         self.thread.start()
 
@@ -323,20 +335,28 @@ class Worker:
                 job.send("error", "generation failed on the server")
 
     def run(self, job):
+        finish, count, prompt_tokens = None, 0, len(job.prompt_ids)
+        if not job.cancelled.is_set():
+            if job.turn is None:
+                finish, count = self.generate(job, job.prompt_ids, lambda piece: job.send("text", piece))
+            else:
+                finish, count, prompt_tokens = self.agent_turn(job)
+        self.stats["answered" if finish else "cancelled"] += 1
+        job.send("done", finish, count, prompt_tokens)
+
+    def generate(self, job, prompt_ids, write):
+        """Sample from prompt_ids, handing whole-character text pieces to write. Returns (finish_reason,
+        tokens generated), finish_reason None when the job was cancelled."""
         import torch
 
         from sample import StreamDecoder
 
-        if job.cancelled.is_set():
-            self.stats["cancelled"] += 1
-            job.send("done", None, 0)
-            return
         decoder = StreamDecoder(self.tokenizer)
         generator = torch.Generator().manual_seed(job.seed)
         count, finish = 0, "length"
         device = self.model.embed_tokens.weight.device
         with torch.inference_mode():
-            prompt = torch.tensor(job.prompt_ids, device=device)
+            prompt = torch.tensor(prompt_ids, device=device)
             top_p = job.top_p if job.top_p < 1 else None
             tokens = self.model.generate(prompt, job.max_tokens, job.temperature, job.top_k, top_p,
                                          generator=generator)  # fmt: skip
@@ -350,17 +370,62 @@ class Worker:
                     break
                 piece = decoder.push(token)
                 if piece:
-                    job.send("text", piece)
+                    write(piece)
         self.stats["generated_tokens"] += count
-        if finish is None:
-            self.stats["cancelled"] += 1
-            job.send("done", None, count)
-            return
-        tail = decoder.flush()
-        if tail:
-            job.send("text", tail)
-        self.stats["answered"] += 1
-        job.send("done", finish, count)
+        if finish is not None:
+            tail = decoder.flush()
+            if tail:
+                write(tail)
+        return finish, count
+
+    def agent_turn(self, job):
+        """agent.py's loop with this model: each generation streams its text up to its first <tool_call>;
+        the tools run here, between generations. Returns (finish_reason, completion tokens, prompt tokens)."""
+        import chat
+
+        agent_of_turn, messages = job.turn
+        totals = {"prompt": 0, "completion": 0, "finish": "stop", "shown": "", "any": False}
+
+        def show(new, shown):
+            """Send new text; a blank line separates the texts of successive generations."""
+            job.send("text", ("\n\n" if totals["any"] and not shown else "") + new)
+            totals["any"] = True
+
+        def generate(conversation):
+            ids, _ = chat.render(conversation, self.tokenizer, for_generation=True)
+            pieces, shown = [], ""
+
+            def write(piece):
+                nonlocal shown
+                pieces.append(piece)
+                visible = "".join(pieces).split(agent.CALL_OPEN)[0].removesuffix("\n")
+                if len(visible) > len(shown):
+                    show(visible[len(shown) :], shown)
+                    shown = visible
+
+            finish, count = self.generate(job, ids, write)
+            totals["prompt"] += len(ids)
+            totals["completion"] += count
+            if finish is None:
+                raise Cancelled
+            text = "".join(pieces)
+            if agent.CALL_OPEN not in text and len(text) > len(shown):
+                show(text[len(shown) :], shown)
+                shown = text
+            else:
+                self.stats["tool_calls"] += text.count(agent.CALL_OPEN)
+            totals["finish"], totals["shown"] = finish, shown
+            return text
+
+        try:
+            answer = agent_of_turn.run_turn(messages, generate)[-1]["content"]
+        except Cancelled:
+            return None, totals["completion"], totals["prompt"]
+        shown = totals["shown"].strip()  # the final answer is the last reply, stripped, plus any sources
+        rest = answer[len(shown) :] if answer.startswith(shown) else ("\n\n" if shown else "") + answer
+        if rest:
+            show(rest, shown)
+        return totals["finish"], totals["completion"], totals["prompt"]
 
 
 # -----------------------------------------------------------------------------
@@ -543,8 +608,9 @@ class Reply:
 class Server:
     """Everything a request handler needs: settings, database, model worker, tokenizer, model id."""
 
-    def __init__(self, settings, store, worker, model_id, context):
+    def __init__(self, settings, store, worker, model_id, context, agent_settings=None):
         self.settings, self.store, self.worker = settings, store, worker
+        self.agent_settings = agent_settings or agent.load_settings()
         self.model_id, self.context = model_id, context
         self.created = int(time.time())
         self.dummy_hash = hash_password(secrets.token_hex(8), settings["scrypt"])
@@ -587,22 +653,39 @@ class Server:
                 )
 
     # --- prompts
-    def prompt_of(self, member, system, turns, tools, max_tokens, trim):
-        """Token ids of the conversation with the <|assistant|> opener, and the tokens left to generate.
-        trim drops the oldest turns that do not fit the context (web conversations); otherwise a prompt too
-        long is a 400 as in OpenAI's API."""
+    def agent_for(self, member, client_tools, tool_choice):
+        """An agent.Agent running the server's tools for this request, or None: when the client brings its
+        own tools, asks for none (tool_choice "none"), or serve.tools is off."""
+        if client_tools or tool_choice == "none" or not self.settings["tools"]:
+            return None
+        count_tokens = lambda text: len(self.worker.tokenizer.encode(text))  # noqa: E731
+        return agent.Agent(self.agent_settings, count_tokens=count_tokens, member=member["name"])
+
+    def prompt_of(self, member, system, turns, tools, max_tokens, trim, helper=None):
+        """(token ids of the conversation with the <|assistant|> opener, tokens left to generate, its
+        messages, the helper). The system turn is the child instruction (for children), then the request's
+        system text or the configured prompt; an agent turn (helper) adds the date and the server's tools,
+        unless they do not fit the context (a small model): then the helper is dropped. trim drops the
+        oldest turns that do not fit (web conversations); otherwise a prompt too long is a 400 as in
+        OpenAI's API."""
         import chat
 
         parts = [self.settings["child"]["system_prompt"]] if member["role"] == "child" else []
         parts += system or [self.settings["system_prompt"]]
         head = [{"role": "system", "content": "\n\n".join(p for p in parts if p)}]
         while True:
-            conversation = {"messages": head + turns} | ({"tools": tools} if tools else {})
+            if helper:
+                conversation = helper.conversation(head + turns)
+            else:
+                conversation = {"messages": head + turns} | ({"tools": tools} if tools else {})
             try:
                 ids, _ = chat.render(conversation, self.worker.tokenizer, for_generation=True)
             except chat.ChatError as e:
                 raise ApiError(400, f"messages: {e}", param="messages", code="invalid_conversation") from None
             room = self.context - len(ids)
+            if helper and room < min(max_tokens, 16):
+                helper = None
+                continue
             if room >= min(max_tokens, 16) or not trim or len(turns) <= 1:
                 break
             turns = turns[1:]
@@ -611,16 +694,16 @@ class Server:
         if room < 1:
             raise ApiError(400, f"the prompt is {len(ids)} tokens; this model reads at most {self.context - 1} "
                            "plus the answer", param="messages", code="context_length_exceeded")  # fmt: skip
-        return ids, min(max_tokens, room)
+        return ids, min(max_tokens, room), head + turns, helper
 
     # --- generation
-    def start(self, request, member, prompt_ids, max_tokens, temperature, top_p, seed):
+    def start(self, request, member, prompt_ids, max_tokens, temperature, top_p, seed, turn=None):
         count = self.pending.get(member["id"], 0)
         if count >= self.settings["max_pending_per_member"]:
             raise ApiError(429, f"{count} requests of yours are already waiting; wait for them to finish",
                            code="too_many_requests", retry_after=self.settings["retry_after_s"])  # fmt: skip
         loop = asyncio.get_running_loop()
-        job = Job(loop, prompt_ids, max_tokens, temperature, top_p, self.settings["top_k"], seed)
+        job = Job(loop, prompt_ids, max_tokens, temperature, top_p, self.settings["top_k"], seed, turn)
         self.worker.submit(job, self.settings["retry_after_s"])
         self.pending[member["id"]] = count + 1
         return job
@@ -666,7 +749,8 @@ async def next_event(request, job):
 
 
 async def answer_events(request, job, reply):
-    """("delta", text) as the answer grows, then ("end", finish_reason, completion tokens, tool calls)."""
+    """("delta", text) as the answer grows, then ("end", finish_reason, completion tokens, tool calls,
+    prompt tokens)."""
     while True:
         event = await next_event(request, job)
         if event[0] == "text":
@@ -678,12 +762,12 @@ async def answer_events(request, job, reply):
         elif event[0] == "error":
             raise ApiError(500, event[1], code="generation_failed")
         else:
-            _, finish, tokens = event
+            _, finish, tokens, prompt_tokens = event
             rest, calls = reply.finish()
             if rest:
                 yield "delta", rest
             finish = "tool_calls" if calls else "stop" if reply.stopped else finish
-            yield "end", finish, tokens, calls
+            yield "end", finish, tokens, calls, prompt_tokens
             return
 
 
@@ -713,7 +797,7 @@ async def stream_answer(request, server, member, job, reply, base, include_usage
                 text += event[1]
                 yield chunk({"content": event[1]})
                 continue
-            _, finish, tokens, calls = event
+            _, finish, tokens, calls, prompt_tokens = event
             if on_end:
                 on_end(text)
                 on_end = None
@@ -721,7 +805,7 @@ async def stream_answer(request, server, member, job, reply, base, include_usage
                 yield chunk({"tool_calls": [call | {"index": i} for i, call in enumerate(calls)]})
             yield chunk({}, finish)
             if include_usage:
-                yield sse(base | {"choices": [], "usage": usage_of(len(job.prompt_ids), tokens)})
+                yield sse(base | {"choices": [], "usage": usage_of(prompt_tokens, tokens)})
         yield "data: [DONE]\n\n"
     except ApiError as e:
         yield sse(e.body())
@@ -735,7 +819,7 @@ async def stream_answer(request, server, member, job, reply, base, include_usage
 
 
 async def complete(request, server, member, job, reply):
-    """(text, finish_reason, completion tokens, tool calls) of a non-streamed answer."""
+    """(text, finish_reason, completion tokens, tool calls, prompt tokens) of a non-streamed answer."""
     text = ""
     try:
         async for event in answer_events(request, job, reply):
@@ -790,8 +874,12 @@ async def chat_completions(request):
     )
     max_tokens, temperature, top_p, seed, stop = sampling_of(body, settings, member)
     server.check_hours(member)
-    prompt_ids, max_tokens = server.prompt_of(member, system, turns, tools, max_tokens, trim=False)
-    job = server.start(request, member, prompt_ids, max_tokens, temperature, top_p, seed)
+    helper = server.agent_for(member, tools, body.get("tool_choice"))
+    prompt_ids, max_tokens, messages, helper = server.prompt_of(
+        member, system, turns, tools, max_tokens, False, helper
+    )
+    turn = (helper, messages) if helper else None
+    job = server.start(request, member, prompt_ids, max_tokens, temperature, top_p, seed, turn)
     reply = Reply(stop, tools)
     base = {"id": "chatcmpl-" + uuid.uuid4().hex, "created": int(time.time()), "model": server.model_id,
             "system_fingerprint": None}  # fmt: skip
@@ -800,14 +888,14 @@ async def chat_completions(request):
                                include_usage)  # fmt: skip
         return streaming_response(chunks)
     try:
-        text, finish, tokens, calls = await complete(request, server, member, job, reply)
+        text, finish, tokens, calls, prompt_tokens = await complete(request, server, member, job, reply)
     except ClientGone:
         return Response(status_code=499)
     message = {"role": "assistant", "content": text if text or not calls else None, "refusal": None}
     if calls:
         message["tool_calls"] = calls
     choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
-    usage = usage_of(len(prompt_ids), tokens)
+    usage = usage_of(prompt_tokens, tokens)
     return JSONResponse(base | {"object": "chat.completion", "choices": [choice], "usage": usage})
 
 
@@ -911,8 +999,12 @@ async def post_message(request):
     server.check_hours(member)
     history = [{"role": m["role"], "content": m["content"]} for m in conversation["messages"]]
     turns = history[-settings["max_messages"] :] + [{"role": "user", "content": content}]
-    prompt_ids, max_tokens = server.prompt_of(member, [], turns, None, max_tokens, trim=True)
-    job = server.start(request, member, prompt_ids, max_tokens, temperature, top_p, seed)
+    helper = server.agent_for(member, None, None)
+    prompt_ids, max_tokens, messages, helper = server.prompt_of(
+        member, [], turns, None, max_tokens, True, helper
+    )
+    turn = (helper, messages) if helper else None
+    job = server.start(request, member, prompt_ids, max_tokens, temperature, top_p, seed, turn)
     store, conversation_id = server.store, conversation["id"]
     title = " ".join(content.split())[:60] if not conversation["messages"] else None
     store.add_message(member["id"], conversation_id, "user", content, title)
@@ -926,13 +1018,13 @@ async def post_message(request):
     if stream:
         return streaming_response(stream_answer(request, server, member, job, reply, base, True, on_end))
     try:
-        text, finish, tokens, _ = await complete(request, server, member, job, reply)
+        text, finish, tokens, _, prompt_tokens = await complete(request, server, member, job, reply)
     except ClientGone:
         return Response(status_code=499)
     on_end(text)
     message = {"role": "assistant", "content": text}
     return JSONResponse({"conversation_id": conversation_id, "message": message, "finish_reason": finish,
-                         "usage": usage_of(len(prompt_ids), tokens)})  # fmt: skip
+                         "usage": usage_of(prompt_tokens, tokens)})  # fmt: skip
 
 
 # --- accounts (admin)

@@ -27,6 +27,7 @@ import config
 import serve
 
 FAST_SCRYPT = "serve.scrypt.n=1024"  # the test passwords need no production cost
+NO_TOOLS = "serve.tools=false"  # prompts of exactly the request's messages, without the server's tools
 
 
 @pytest.fixture(scope="module")
@@ -35,26 +36,31 @@ def loaded(chat_run):
 
 
 class ScriptedModel:
-    """Stands in for the model's choices: yields `ids` (then repeats the last one), `delay` s per token."""
+    """Stands in for the model's choices: its generations yield the scripts in turn (round robin), each
+    repeating its last id, `delay` s per token. It keeps the prompts it got."""
 
-    def __init__(self, ids, delay=0.0):
-        self.ids, self.delay = ids, delay
+    def __init__(self, *scripts, delay=0.0):
+        self.scripts, self.delay, self.prompts = scripts, delay, []
         self.embed_tokens = SimpleNamespace(weight=torch.zeros(1))
 
     def generate(self, prompt, max_new_tokens, temperature, top_k, top_p, generator=None):
+        ids = self.scripts[len(self.prompts) % len(self.scripts)]
+        self.prompts.append(prompt.tolist())
         for step in range(max_new_tokens):
             time.sleep(self.delay)
-            yield self.ids[min(step, len(self.ids) - 1)]
+            yield ids[min(step, len(ids) - 1)]
 
 
 @contextlib.contextmanager
-def live_server(loaded, tmp_path, *overrides, model=None):
-    """uvicorn serving build_app() on a free port of 127.0.0.1 in a thread; yields (url, Server)."""
+def live_server(loaded, tmp_path, *overrides, model=None, context=None):
+    """uvicorn serving build_app() on a free port of 127.0.0.1 in a thread; yields (url, Server). A scripted
+    model may claim a longer context than the tiny run's."""
     database = str(tmp_path / f"serve-{time.monotonic_ns()}.sqlite")
     settings = serve.load_settings(
         serve.DEFAULT_CONFIG, [f"serve.database={database}", FAST_SCRYPT, *overrides]
     )
-    real_model, tokenizer, model_id, context = loaded
+    real_model, tokenizer, model_id, run_context = loaded
+    context = context or run_context
     worker = serve.Worker(model or real_model, tokenizer, settings["queue_size"])
     server = serve.Server(settings, serve.Store(database), worker, model_id, context)
     sock = socket.socket()
@@ -106,7 +112,7 @@ def test_models_lists_the_run_and_every_route_needs_a_valid_key(loaded, tmp_path
 
 
 def test_a_plain_completion_reports_its_usage_and_respects_max_tokens(loaded, tmp_path):
-    with live_server(loaded, tmp_path) as (url, server):
+    with live_server(loaded, tmp_path, NO_TOOLS) as (url, server):
         answer = client(url, member(server, "ana")).chat.completions.create(
             model="chat", messages=USER, max_completion_tokens=5, seed=3
         )
@@ -131,7 +137,7 @@ def test_text_parts_system_developer_tool_roles_and_unknown_fields_are_accepted(
          "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "luz", "arguments": "{\"on\": true}"}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "hecho"},
     ]  # fmt: skip
-    with live_server(loaded, tmp_path) as (url, server):
+    with live_server(loaded, tmp_path, NO_TOOLS) as (url, server):
         answer = client(url, member(server, "ana")).chat.completions.create(
             model="chat", messages=messages, max_tokens=3, temperature=0.5, top_p=0.9,
             extra_body={"a_field_from_the_future": {"x": 1}, "logit_bias": {}},
@@ -200,7 +206,7 @@ def test_client_tools_are_rendered_and_the_models_calls_come_back_as_tool_calls(
     ids = tokenizer.encode("Vale.\n" + call) + [tokenizer.special_ids["<|end|>"]]
     tools = [{"type": "function", "function": {"name": "encender_luz", "description": "Enciende una luz",
                                                "parameters": {"type": "object"}}}]  # fmt: skip
-    with live_server(loaded, tmp_path, model=ScriptedModel(ids)) as (url, server):
+    with live_server(loaded, tmp_path, NO_TOOLS, model=ScriptedModel(ids)) as (url, server):
         openai_client = client(url, member(server, "ana"))
         answer = openai_client.chat.completions.create(model="chat", messages=USER, tools=tools)
         chunks = list(
@@ -227,6 +233,34 @@ def test_client_tools_are_rendered_and_the_models_calls_come_back_as_tool_calls(
         without_tools.choices[0].finish_reason == "stop"
         and "<tool_call>" in without_tools.choices[0].message.content
     )
+
+
+def test_without_client_tools_the_servers_tools_run_between_generations(loaded, tmp_path):
+    tokenizer = loaded[1]
+    end = tokenizer.special_ids["<|end|>"]
+    call = '<tool_call>\n{"name": "calculadora", "arguments": {"expresion": "6*7"}}\n</tool_call>'
+    model = ScriptedModel(tokenizer.encode("Calculo.\n" + call) + [end], tokenizer.encode("Son 42.") + [end])
+    with live_server(loaded, tmp_path, model=model, context=4096) as (url, server):
+        openai_client = client(url, member(server, "ana"))
+        answer = openai_client.chat.completions.create(model="chat", messages=USER)
+        chunks = list(openai_client.chat.completions.create(model="chat", messages=USER, stream=True))
+        offered = openai_client.chat.completions.create(
+            model="chat", messages=USER, tools=[{"type": "function", "function": {"name": "luz"}}]
+        )
+    # The client sees the text around the call, never the call; the model read the tool's result.
+    assert (
+        answer.choices[0].message.content == "Calculo.\n\nSon 42."
+        and answer.choices[0].finish_reason == "stop"
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Calculo.\n\nSon 42."
+    second_prompt = tokenizer.decode(model.prompts[1])
+    assert (
+        "<tools>" in tokenizer.decode(model.prompts[0])
+        and "<tool_response>\n42\n</tool_response>" in second_prompt
+    )
+    assert answer.usage.prompt_tokens == len(model.prompts[0]) + len(model.prompts[1])
+    # A request with its own tools gets them, not the server's: the call (to a tool it did not offer) is text.
+    assert offered.choices[0].finish_reason == "stop" and "calculadora" in offered.choices[0].message.content
 
 
 BAD_REQUESTS = [
@@ -431,7 +465,10 @@ def test_children_get_their_instruction_cap_and_hours(loaded, tmp_path):
         with pytest.raises(openai.PermissionDeniedError, match="children may chat"):
             client(url, child).chat.completions.create(model="chat", messages=USER)
         assert client(url, adult).chat.completions.create(model="chat", messages=USER, max_tokens=2).choices
-    with live_server(loaded, tmp_path, "serve.child.max_tokens=3", "serve.temperature=0") as (url, server):
+    with live_server(loaded, tmp_path, "serve.child.max_tokens=3", "serve.temperature=0", NO_TOOLS) as (
+        url,
+        server,
+    ):
         child, adult = member(server, "dani", "child"), member(server, "ana")
         kid = client(url, child).chat.completions.create(model="chat", messages=USER, max_tokens=50)
         grown = client(url, adult).chat.completions.create(model="chat", messages=USER, max_tokens=50)
