@@ -307,6 +307,7 @@ class Worker:
             "generated_tokens": 0,
             "tool_calls": 0,
         }
+        self.stats["generate_s"] = 0.0  # seconds spent generating (what the same answers cost without HTTP)
         self.thread = threading.Thread(target=self.loop, name="model-worker", daemon=True)
         self.thread.start()
 
@@ -351,6 +352,7 @@ class Worker:
 
         from sample import StreamDecoder
 
+        started = time.perf_counter()
         decoder = StreamDecoder(self.tokenizer)
         generator = torch.Generator().manual_seed(job.seed)
         count, finish = 0, "length"
@@ -372,6 +374,7 @@ class Worker:
                 if piece:
                     write(piece)
         self.stats["generated_tokens"] += count
+        self.stats["generate_s"] += time.perf_counter() - started
         if finish is not None:
             tail = decoder.flush()
             if tail:
