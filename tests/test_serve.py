@@ -22,6 +22,7 @@ import torch
 import uvicorn
 from conftest import ROOT, serve_member, start_server
 
+import accounts
 import chat
 import config
 import serve
@@ -62,7 +63,7 @@ def live_server(loaded, tmp_path, *overrides, model=None, context=None):
     real_model, tokenizer, model_id, run_context = loaded
     context = context or run_context
     worker = serve.Worker(model or real_model, tokenizer, settings["queue_size"])
-    server = serve.Server(settings, serve.Store(database), worker, model_id, context)
+    server = serve.Server(settings, accounts.Store(database), worker, model_id, context)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     uv = uvicorn.Server(uvicorn.Config(serve.build_app(server), log_level="warning"))
@@ -81,7 +82,7 @@ def live_server(loaded, tmp_path, *overrides, model=None, context=None):
 def member(server, name, role="adult", password=None):
     key = server.store.add_member(name, role)
     if password:
-        server.store.set_password(name, serve.hash_password(password, server.settings["scrypt"]))
+        server.store.set_password(name, accounts.hash_password(password, server.settings["scrypt"]))
     return key
 
 
@@ -493,7 +494,7 @@ def test_the_member_cli_prints_a_key_once_and_stores_its_hash(tmp_path):
                             f"serve.database={database}"], cwd=ROOT, capture_output=True, text=True)  # fmt: skip
     assert again.returncode == 2 and "already exists" in again.stderr and "Traceback" not in again.stderr
     row = sqlite3.connect(database).execute("SELECT key_hash, password_hash FROM members").fetchone()
-    assert row[0] == serve.sha256(key) and row[1].startswith("scrypt$")
+    assert row[0] == accounts.sha256(key) and row[1].startswith("scrypt$")
     bad = subprocess.run([sys.executable, "serve.py", "member", "list", "serve.queue_sise=3"], cwd=ROOT,
                          capture_output=True, text=True)  # fmt: skip
     assert (
@@ -562,7 +563,7 @@ def load_round(url, keys, turns):
 
 def test_twenty_clients_get_their_own_answers_and_the_server_memory_stays_flat(chat_run, tmp_path):
     database = str(tmp_path / "load.sqlite")
-    store = serve.Store(database)  # `member add` itself has its own test; here it would cost 20 starts
+    store = accounts.Store(database)  # `member add` itself has its own test; here it would cost 20 starts
     keys = [store.add_member(f"c{i}", "adult") for i in range(20)]
     proc, url = start_server(chat_run, database, "serve.queue_size=8", log_path=tmp_path / "server.log")
     try:
@@ -589,7 +590,7 @@ def test_twenty_clients_get_their_own_answers_and_the_server_memory_stays_flat(c
 
 def test_sigkill_mid_answer_loses_no_acknowledged_turn(chat_run, tmp_path):
     database = str(tmp_path / "kill.sqlite")
-    key = serve.Store(database).add_member("ana", "adult")
+    key = accounts.Store(database).add_member("ana", "adult")
     headers = {"Authorization": f"Bearer {key}"}
     proc, url = start_server(chat_run, database, log_path=tmp_path / "server.log")
     try:

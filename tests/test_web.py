@@ -9,6 +9,7 @@ import httpx
 import pytest
 from conftest import ROOT, start_server
 
+import accounts
 import serve
 
 CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
@@ -45,11 +46,11 @@ def family(chat_run, tmp_path_factory):
     """serve.py with two adults, ana and beto; yields (url, ana's API key)."""
     folder = tmp_path_factory.mktemp("web")
     database = str(folder / "family.sqlite")
-    store = serve.Store(database)
+    store = accounts.Store(database)
     keys = {}
     for name in ("ana", "beto"):
         keys[name] = store.add_member(name, "adult")
-        store.set_password(name, serve.hash_password("clave-" + name, {"n": 1024, "r": 8, "p": 1}))
+        store.set_password(name, accounts.hash_password("clave-" + name, {"n": 1024, "r": 8, "p": 1}))
     proc, url = start_server(
         chat_run, database, "serve.default_max_tokens=24", log_path=folder / "server.log"
     )
