@@ -7,6 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.requirements.stamp
 
 CONFIG ?= configs/pretrain-2060.yaml
+SFT_CONFIG ?= configs/sft-2060.yaml
 NPROC ?= 1
 RUN ?= runs/smoke-cpu
 ARGS ?=
@@ -14,8 +15,8 @@ RESUME_FLAG := $(if $(filter 1 yes true,$(RESUME)),--resume,)
 TRAIN := $(if $(filter 1,$(NPROC)),$(PY),$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC)) train.py
 
 .PHONY: setup lint check-configs test clean smoke smoke-2060 pretrain resume-check data-smoke \
-	corpus tokenizer encode corpus-smoke smoke-corpus sample chat eval serve bench search agent-data agent-eval sync \
-	remote-setup remote-smoke-2060 remote-pretrain logs fetch status
+	corpus tokenizer encode corpus-smoke corpus-report smoke-corpus sample chat eval serve bench search agent-data \
+	agent-eval sync remote-setup remote-smoke-2060 remote-pretrain logs fetch status chat-prepare sft sft-smoke plot
 
 setup: $(STAMP)
 
@@ -62,6 +63,10 @@ encode: $(STAMP)
 
 corpus-smoke: $(STAMP)
 	$(PY) corpus.py all configs/smoke-corpus-cpu.yaml
+	$(PY) corpus.py report configs/smoke-corpus-cpu.yaml
+
+corpus-report: $(STAMP)
+	$(PY) corpus.py report $(CONFIG)
 
 # --- training -------------------------------------------------------------------------------------
 
@@ -80,6 +85,23 @@ pretrain: $(STAMP)
 resume-check: $(STAMP)
 	$(PY) train.py $(CONFIG) --resume-check $(ARGS)
 
+# --- fine-tuning on conversations (SFT) -----------------------------------------------------------
+
+chat-prepare: $(STAMP)
+	$(PY) chat.py prepare $(SFT_CONFIG)
+
+sft: chat-prepare
+	$(TRAIN) $(SFT_CONFIG) $(ARGS) $(RESUME_FLAG)
+
+# corpus-smoke tokenizer -> the smoke-corpus-cpu pretraining (kept when it already has a checkpoint)
+# -> SFT on the seed conversations (from scratch each time) -> held-out evaluation.
+sft-smoke: corpus-smoke
+	ls runs/smoke-corpus-cpu/ckpt_*.pt >/dev/null 2>&1 || $(PY) train.py configs/smoke-corpus-cpu.yaml
+	$(PY) chat.py prepare configs/sft-smoke-cpu.yaml
+	rm -rf runs/sft-smoke-cpu
+	$(PY) train.py configs/sft-smoke-cpu.yaml $(ARGS)
+	$(PY) sample.py runs/sft-smoke-cpu --chat-eval val --max-new-tokens 64
+
 # --- using a model --------------------------------------------------------------------------------
 
 sample: $(STAMP)
@@ -90,6 +112,9 @@ chat: $(STAMP)
 
 eval: $(STAMP)
 	$(PY) sample.py $(RUN) --eval val $(ARGS)
+
+plot: $(STAMP)
+	$(PY) plot.py $(RUN)
 
 search: $(STAMP)
 	$(PY) search.py "$(Q)" $(ARGS)

@@ -160,13 +160,19 @@ def buscar_web(arguments, context):
     return format_results(response.results, context)
 
 
+_chains = {}  # one chain per provider for the process, so DuckDuckGo's cooldown outlives a turn
+
+
 def searcher_from_env(provider):
     """search.py's chain, configured like `python search.py` (the environment, then .env)."""
+    if provider in _chains:
+        return _chains[provider]
     named = os.environ.get("ENLACE_ENV_FILE")
     env_file = named or os.path.join(ROOT, ".env")
     env = {**search.read_env_file(env_file, required=bool(named)), **os.environ}
     try:
-        return search.SearchChain.from_env(provider, env=env)
+        _chains[provider] = search.SearchChain.from_env(provider, env=env)
+        return _chains[provider]
     except search.ConfigError as exc:
         raise ToolFailure(f"la búsqueda no está configurada ({exc})") from None
 
@@ -404,6 +410,18 @@ def parse_reply(text):
         calls.append(parse_call(body))
         rest = rest[end + len(CALL_CLOSE) :].lstrip("\n").rstrip()
     return Reply(content, calls)
+
+
+def visible_text(partial):
+    """What of a reply still being generated may be shown to a person: the text before its first call,
+    holding back an ending that could be the start of <tool_call>."""
+    start = partial.find(CALL_OPEN)
+    if start >= 0:
+        return partial[:start].rstrip("\n")
+    for size in range(min(len(CALL_OPEN) - 1, len(partial)), 0, -1):
+        if partial.endswith(CALL_OPEN[:size]):
+            return partial[:-size]
+    return partial
 
 
 def broken(raw, why):

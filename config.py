@@ -313,7 +313,7 @@ def _cross_field_problems(config, origins):
     hardware, model, train, data = (config[name] for name in ("hardware", "model", "train", "data"))
     for key, message in _model_problems(model):
         problem(("model", key), message)
-    if data["format"] == "shards" and model["vocab_size"] > 65536:
+    if data["format"] in ("shards", "chat") and model["vocab_size"] > 65536:
         problem(
             ("model", "vocab_size"),
             f"{model['vocab_size']} does not fit the uint16 shards; expected <= 65536",

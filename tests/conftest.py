@@ -10,7 +10,6 @@ import time
 
 import jsonschema
 import pytest
-import yaml
 
 import config
 import corpus
@@ -68,9 +67,9 @@ def shard_data_dir(tmp_path_factory):
 
 
 def data_layer(name, **changes):
-    """The `data:` section of a shipped configs/data/<name>.yaml, deep-updated and schema-checked."""
-    with open(os.path.join(ROOT, "configs", "data", f"{name}.yaml"), encoding="utf-8") as f:
-        section = yaml.safe_load(f)["data"]
+    """The `data:` section of a shipped configs/data/<name>.yaml (with the base it includes), deep-updated
+    and schema-checked."""
+    section, _ = config._load_layer("data", f"data/{name}.yaml", os.path.join(ROOT, "configs"), None, [])
 
     def update(node, new):
         for key, value in new.items():
@@ -92,6 +91,12 @@ def sample_corpus(path):
     return str(path)
 
 
+def text_source(name, path, **settings):
+    """A blank-line text source without the language and quality filters, read once."""
+    source = {"name": name, "kind": "text", "path": path, "documents": "blank_line", "licence": "test data"}
+    return source | {"filters": False, "epochs": 1} | settings
+
+
 def quiet(*args, **kwargs):
     pass
 
@@ -104,7 +109,7 @@ def pipeline(tmp_path_factory):
         "corpus-smoke",
         dir=str(directory),
         processes=1,
-        corpus={"inputs": [{"path": sample_corpus(directory / "sample.txt"), "documents": "blank_line"}]},
+        corpus={"sources": [text_source("sample", sample_corpus(directory / "sample.txt"))]},
         tokenizer={"vocab_size": 512},
         encode={"tokens_per_shard": 5_000},
     )
@@ -134,10 +139,71 @@ def shard_overrides(folder):
     ]
 
 
+# Rows of packed test conversations are 64 + 1 tokens (the 16 of TINY would hold none of them).
+CHAT_SEQ_LEN = 64
+
+
+def example_conversations(count, start=0):
+    """Short conversations written for the tests (not the seed set): sums, a system turn, a second turn."""
+    conversations = []
+    for n in range(start, start + count):
+        a, b = n % 17, n % 5 + 1
+        messages = [{"role": "user", "content": f"¿Cuánto es {a} más {b}?"}]
+        messages.append({"role": "assistant", "content": f"{a} más {b} son {a + b}."})
+        if n % 3 == 0:
+            messages.insert(0, {"role": "system", "content": "Eres ENLACE, breve."})
+        if n % 4 == 0:
+            messages += [{"role": "user", "content": "Gracias"}, {"role": "assistant", "content": "De nada."}]
+        conversations.append({"messages": messages})
+    return conversations
+
+
+def write_jsonl(path, records):
+    with open(path, "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+    return str(path)
+
+
+def chat_overrides(folder, shard_dir):
+    """Overrides that point configs/sft-smoke-cpu.yaml at test conversations in folder/ and at the
+    tokenizer of the shard test data."""
+    return [
+        f"data.dir={folder}/packed",
+        f"data.chat.tokenizer={shard_dir}/tokenizer.model",
+        f"data.chat.train=[{folder}/train.jsonl]",
+        f"data.chat.val=[{folder}/val.jsonl]",
+        "data.chat.rows_per_shard=8",
+        "model.vocab_size=512",
+        f"model.seq_len={CHAT_SEQ_LEN}",
+        "train.init_from=null",
+    ]
+
+
+@pytest.fixture(scope="session")
+def chat_data_dir(tmp_path_factory, shard_data_dir):
+    """Test conversations packed by chat.prepare (rows of CHAT_SEQ_LEN + 1) with the shard tokenizer."""
+    import chat
+
+    folder = tmp_path_factory.mktemp("chat")
+    write_jsonl(folder / "train.jsonl", example_conversations(60))
+    write_jsonl(folder / "val.jsonl", example_conversations(12, start=100))
+    overrides = [*TINY, *chat_overrides(str(folder), shard_data_dir)]
+    (folder / "shard_dir.txt").write_text(shard_data_dir, encoding="utf-8")
+    chat.prepare(
+        config.load(os.path.join(ROOT, "configs", "sft-smoke-cpu.yaml"), overrides), log=lambda *a: None
+    )
+    return str(folder)
+
+
 def tiny_args(runs_dir, data_kind, data_dir, *overrides):
-    """train.py arguments of a tiny run over the byte or shard test data, writing runs under runs_dir."""
+    """train.py arguments of a tiny run over the byte, shard or chat test data, writing runs under
+    runs_dir. The chat data's folder holds the shard tokenizer's path in shard_dir.txt."""
     if data_kind == "bytes":
         run_file, data_overrides = "configs/smoke-cpu.yaml", [f"data.dir={data_dir}"]
+    elif data_kind == "chat":
+        with open(os.path.join(data_dir, "shard_dir.txt"), encoding="utf-8") as f:
+            shard_dir = f.read()
+        run_file, data_overrides = "configs/sft-smoke-cpu.yaml", chat_overrides(data_dir, shard_dir)
     else:
         run_file, data_overrides = "configs/smoke-corpus-cpu.yaml", shard_overrides(data_dir)
     return [run_file, *TINY, *data_overrides, f"train.runs_dir={runs_dir}", *overrides]

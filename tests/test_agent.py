@@ -447,3 +447,17 @@ def test_a_run_file_may_include_the_agent_layer(tmp_path):
     assert resolved["agent"]["timezone"] == "America/Bogota"
     assert agent.load_settings(resolved["agent"])["max_calls_per_turn"] == 4
     assert "agent" not in plain  # optional: other runs do not name it
+
+
+@pytest.mark.parametrize(
+    "partial, shown",
+    [
+        ("Lo miro", "Lo miro"),
+        ("Lo miro.\n<tool", "Lo miro.\n"),
+        ("Lo miro.\n<", "Lo miro.\n"),
+        ("Lo miro.\n<tool_call>\n{", "Lo miro."),
+        ("2 < 3", "2 < 3"),
+    ],
+)
+def test_a_reply_being_streamed_never_shows_its_calls(partial, shown):
+    assert agent.visible_text(partial) == shown
