@@ -138,9 +138,13 @@ class Store:
 
     # sessions
     def new_session(self, member_id, days):
-        token = secrets.token_urlsafe(32)
+        """A new login's token (the cookie); expired sessions are dropped on the way."""
+        token, now = secrets.token_urlsafe(32), time.time()
         sql = "INSERT INTO sessions (token_hash, member_id, expires) VALUES (?, ?, ?)"
-        self.write((sql, (sha256(token), member_id, time.time() + days * 86400)))
+        self.write(
+            ("DELETE FROM sessions WHERE expires <= ?", (now,)),
+            (sql, (sha256(token), member_id, now + days * 86400)),
+        )
         return token
 
     def member_by_session(self, token):
