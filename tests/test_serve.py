@@ -404,6 +404,25 @@ def test_members_never_reach_each_others_conversations_and_admins_cannot_read_th
         assert httpx.get(f"{url}/api/conversations/{cid}", headers=owner).status_code == 404
 
 
+def test_the_conversation_routes_refuse_bad_input_with_a_clear_4xx(loaded, tmp_path):
+    with live_server(loaded, tmp_path) as (url, server):
+        http = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {member(server, 'ana')}"})
+        cid = http.post("/api/conversations", json={"title": "mía"}).json()["id"]
+        cases = [
+            (http.post("/api/conversations", json={"title": 7}), 400, "invalid_type"),
+            (http.post(f"/api/conversations/{cid}/messages", json={"content": "   "}), 400, "empty_message"),
+            (http.post(f"/api/conversations/{cid}/messages", json={"text": "hola"}), 400, "invalid_type"),
+            (http.post(f"/api/conversations/{cid}/messages", content=b"{nope"), 400, "invalid_json"),
+            (http.post(f"/api/conversations/{cid}/messages", content=b"x" * 2_000_000), 413, "request_too_large"),
+            (http.post("/api/conversations/no-such-id/messages", json={"content": "hola"}), 404, "conversation_not_found"),
+            (http.post("/api/login", json={"name": "ana"}), 400, "invalid_type"),
+        ]  # fmt: skip
+        for answer, status, code in cases:
+            assert (answer.status_code, answer.json()["error"]["code"]) == (status, code), answer.request.url
+        assert http.get(f"/api/conversations/{cid}").json()["messages"] == []  # nothing half-stored
+        http.close()
+
+
 def test_only_an_admin_manages_accounts_and_keys_are_stored_only_as_hashes(loaded, tmp_path):
     with live_server(loaded, tmp_path) as (url, server):
         admin = {"Authorization": f"Bearer {member(server, 'carla', 'admin')}"}
