@@ -20,7 +20,7 @@ import openai
 import pytest
 import torch
 import uvicorn
-from conftest import ROOT, serve_member, start_server
+from conftest import ROOT, serve_member, start_server, tiny_config
 
 import accounts
 import chat
@@ -518,6 +518,22 @@ def test_the_member_cli_prints_a_key_once_and_stores_its_hash(tmp_path):
                          capture_output=True, text=True)  # fmt: skip
     assert (
         bad.returncode == 2 and "serve.queue_sise: unknown key; did you mean serve.queue_size?" in bad.stderr
+    )
+
+
+def test_a_byte_level_run_is_refused_with_the_run_to_use_instead(tmp_path, byte_data_dir):
+    import train
+
+    train.train(
+        tiny_config(tmp_path, "bytes", byte_data_dir, "run_name=bytes", "train.max_steps=2"), log=print
+    )
+    database = f"serve.database={tmp_path / 'x.sqlite'}"
+    started = subprocess.run([sys.executable, "serve.py", str(tmp_path / "bytes"), "--port", "0", database],
+                             cwd=ROOT, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert started.returncode == 2 and "Traceback" not in started.stderr
+    assert (
+        "no chat control tokens" in started.stderr
+        and "make serve RUN=runs/smoke-corpus-cpu" in started.stderr
     )
 
 
