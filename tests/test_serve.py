@@ -525,7 +525,8 @@ def test_a_byte_level_run_is_refused_with_the_run_to_use_instead(tmp_path, byte_
     import train
 
     train.train(
-        tiny_config(tmp_path, "bytes", byte_data_dir, "run_name=bytes", "train.max_steps=2"), log=print
+        tiny_config(tmp_path, "bytes", byte_data_dir, "run_name=bytes", "train.max_steps=2"),
+        log=lambda *a: None,
     )
     database = f"serve.database={tmp_path / 'x.sqlite'}"
     started = subprocess.run([sys.executable, "serve.py", str(tmp_path / "bytes"), "--port", "0", database],
