@@ -52,6 +52,7 @@ from starlette.staticfiles import StaticFiles
 
 import accounts
 import agent
+import chat
 import config
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -211,8 +212,6 @@ class Worker:
     def agent_turn(self, job):
         """agent.py's loop with this model: each generation streams its text up to its first <tool_call>;
         the tools run here, between generations. Returns (finish_reason, completion tokens, prompt tokens)."""
-        import chat
-
         agent_of_turn, messages = job.turn
         totals = {"prompt": 0, "completion": 0, "finish": "stop", "shown": "", "any": False}
 
@@ -498,8 +497,6 @@ class Server:
         unless they do not fit the context (a small model): then the helper is dropped. trim drops the
         oldest turns that do not fit (web conversations); otherwise a prompt too long is a 400 as in
         OpenAI's API."""
-        import chat
-
         parts = [self.settings["child"]["system_prompt"]] if member["role"] == "child" else []
         parts += system or [self.settings["system_prompt"]]
         head = [{"role": "system", "content": "\n\n".join(p for p in parts if p)}]
