@@ -1,82 +1,29 @@
 """serve.py: the OpenAI-compatible API (driven by the official openai client), accounts, stored
 conversations, and the server's behaviour under load and when killed. Every test talks HTTP to a real
-server on 127.0.0.1: uvicorn in a thread of this process (sharing one loaded tiny model), or serve.py in
+server on 127.0.0.1: uvicorn in a thread of this process (sharing one tiny model), or serve.py in
 a subprocess where a test needs the process itself (CLI, SIGKILL, memory)."""
 
 import contextlib
 import json
 import os
 import signal
-import socket
 import sqlite3
 import subprocess
 import sys
 import threading
 import time
-from types import SimpleNamespace
 
 import httpx
 import openai
 import pytest
-import torch
-import uvicorn
-from conftest import ROOT, serve_member, start_server, tiny_config
+from conftest import ROOT, ScriptedModel, live_server, serve_member, start_server, tiny_config
 
 import accounts
 import chat
 import config
 import serve
 
-FAST_SCRYPT = "serve.scrypt.n=1024"  # the test passwords need no production cost
 NO_TOOLS = "serve.tools=false"  # prompts of exactly the request's messages, without the server's tools
-
-
-@pytest.fixture(scope="module")
-def loaded(chat_run):
-    return serve.load_model(chat_run, "cpu")
-
-
-class ScriptedModel:
-    """Stands in for the model's choices: its generations yield the scripts in turn (round robin), each
-    repeating its last id, `delay` s per token. It keeps the prompts it got."""
-
-    def __init__(self, *scripts, delay=0.0):
-        self.scripts, self.delay, self.prompts = scripts, delay, []
-        self.embed_tokens = SimpleNamespace(weight=torch.zeros(1))
-
-    def generate(self, prompt, max_new_tokens, temperature, top_k, top_p, generator=None):
-        ids = self.scripts[len(self.prompts) % len(self.scripts)]
-        self.prompts.append(prompt.tolist())
-        for step in range(max_new_tokens):
-            time.sleep(self.delay)
-            yield ids[min(step, len(ids) - 1)]
-
-
-@contextlib.contextmanager
-def live_server(loaded, tmp_path, *overrides, model=None, context=None):
-    """uvicorn serving build_app() on a free port of 127.0.0.1 in a thread; yields (url, Server). A scripted
-    model may claim a longer context than the tiny run's."""
-    database = str(tmp_path / f"serve-{time.monotonic_ns()}.sqlite")
-    settings = serve.load_settings(
-        serve.DEFAULT_CONFIG, [f"serve.database={database}", FAST_SCRYPT, *overrides]
-    )
-    real_model, tokenizer, model_id, run_context = loaded
-    context = context or run_context
-    worker = serve.Worker(model or real_model, tokenizer, settings["queue_size"])
-    server = serve.Server(settings, accounts.Store(database), worker, model_id, context)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    uv = uvicorn.Server(uvicorn.Config(serve.build_app(server), log_level="warning"))
-    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not uv.started:
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}", server
-    finally:
-        uv.should_exit = True
-        thread.join()
-        worker.close()
 
 
 def member(server, name, role="adult", password=None):
@@ -101,8 +48,8 @@ USER = [{"role": "user", "content": "Hola, ¿qué tal?"}]
 # The API with the openai client
 
 
-def test_models_lists_the_run_and_every_route_needs_a_valid_key(loaded, tmp_path):
-    with live_server(loaded, tmp_path) as (url, server):
+def test_models_lists_the_run_and_every_route_needs_a_valid_key(chat_model, tmp_path):
+    with live_server(chat_model, tmp_path) as (url, server):
         key = member(server, "ana")
         assert [m.id for m in client(url, key).models.list()] == ["chat"]
         with pytest.raises(openai.AuthenticationError, match="invalid API key"):
@@ -112,8 +59,8 @@ def test_models_lists_the_run_and_every_route_needs_a_valid_key(loaded, tmp_path
             assert answer.status_code == 401 and answer.json()["error"]["type"] == "authentication_error"
 
 
-def test_a_plain_completion_reports_its_usage_and_respects_max_tokens(loaded, tmp_path):
-    with live_server(loaded, tmp_path, NO_TOOLS) as (url, server):
+def test_a_plain_completion_reports_its_usage_and_respects_max_tokens(chat_model, tmp_path):
+    with live_server(chat_model, tmp_path, NO_TOOLS) as (url, server):
         answer = client(url, member(server, "ana")).chat.completions.create(
             model="chat", messages=USER, max_completion_tokens=5, seed=3
         )
@@ -121,7 +68,7 @@ def test_a_plain_completion_reports_its_usage_and_respects_max_tokens(loaded, tm
     assert answer.object == "chat.completion" and choice.message.role == "assistant"
     assert isinstance(choice.message.content, str) and choice.finish_reason in ("stop", "length")
     # The prompt is chat.render of the server's system prompt and the user's message.
-    tokenizer = loaded[1]
+    tokenizer = chat_model[1]
     system = serve.load_settings(serve.DEFAULT_CONFIG, [])["system_prompt"]
     ids, _ = chat.render({"messages": [{"role": "system", "content": system}, *USER]}, tokenizer, True)
     assert answer.usage.prompt_tokens == len(ids)
@@ -129,7 +76,7 @@ def test_a_plain_completion_reports_its_usage_and_respects_max_tokens(loaded, tm
     assert answer.usage.total_tokens == answer.usage.prompt_tokens + answer.usage.completion_tokens
 
 
-def test_text_parts_system_developer_tool_roles_and_unknown_fields_are_accepted(loaded, tmp_path):
+def test_text_parts_system_developer_tool_roles_and_unknown_fields_are_accepted(chat_model, tmp_path):
     messages = [
         {"role": "system", "content": [{"type": "text", "text": "Eres breve."}]},
         {"role": "developer", "content": "Responde en español."},
@@ -138,7 +85,7 @@ def test_text_parts_system_developer_tool_roles_and_unknown_fields_are_accepted(
          "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "luz", "arguments": "{\"on\": true}"}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "hecho"},
     ]  # fmt: skip
-    with live_server(loaded, tmp_path, NO_TOOLS) as (url, server):
+    with live_server(chat_model, tmp_path, NO_TOOLS) as (url, server):
         answer = client(url, member(server, "ana")).chat.completions.create(
             model="chat", messages=messages, max_tokens=3, temperature=0.5, top_p=0.9,
             extra_body={"a_field_from_the_future": {"x": 1}, "logit_bias": {}},
@@ -150,11 +97,11 @@ def test_text_parts_system_developer_tool_roles_and_unknown_fields_are_accepted(
         {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "luz", "arguments": {"on": True}}}]},
         {"role": "tool", "content": "hecho"},
     ]}  # fmt: skip
-    assert answer.usage.prompt_tokens == len(chat.render(conversation, loaded[1], True)[0])
+    assert answer.usage.prompt_tokens == len(chat.render(conversation, chat_model[1], True)[0])
 
 
-def test_a_streamed_answer_is_the_plain_answer_in_order_with_utf8_whole(loaded, tmp_path):
-    with live_server(loaded, tmp_path) as (url, server):
+def test_a_streamed_answer_is_the_plain_answer_in_order_with_utf8_whole(chat_model, tmp_path):
+    with live_server(chat_model, tmp_path) as (url, server):
         key = member(server, "ana")
         plain = client(url, key).chat.completions.create(model="chat", messages=USER, max_tokens=40, seed=11)
         stream = client(url, key).chat.completions.create(
@@ -182,8 +129,8 @@ def test_a_streamed_answer_is_the_plain_answer_in_order_with_utf8_whole(loaded, 
     assert "usage" not in json.loads(lines[-2][6:])  # not asked for: no usage field
 
 
-def test_a_stop_string_ends_the_answer_before_it(loaded, tmp_path):
-    with live_server(loaded, tmp_path) as (url, server):
+def test_a_stop_string_ends_the_answer_before_it(chat_model, tmp_path):
+    with live_server(chat_model, tmp_path) as (url, server):
         openai_client = client(url, member(server, "ana"))
         full = openai_client.chat.completions.create(model="chat", messages=USER, max_tokens=30, seed=5)
         text = full.choices[0].message.content
@@ -201,13 +148,13 @@ def test_a_stop_string_ends_the_answer_before_it(loaded, tmp_path):
     assert "".join(pieces) == text[: text.index(stop)]
 
 
-def test_client_tools_are_rendered_and_the_models_calls_come_back_as_tool_calls(loaded, tmp_path):
-    tokenizer = loaded[1]
+def test_client_tools_are_rendered_and_the_models_calls_come_back_as_tool_calls(chat_model, tmp_path):
+    tokenizer = chat_model[1]
     call = '<tool_call>\n{"name": "encender_luz", "arguments": {"sala": "cocina"}}\n</tool_call>'
     ids = tokenizer.encode("Vale.\n" + call) + [tokenizer.special_ids["<|end|>"]]
     tools = [{"type": "function", "function": {"name": "encender_luz", "description": "Enciende una luz",
                                                "parameters": {"type": "object"}}}]  # fmt: skip
-    with live_server(loaded, tmp_path, NO_TOOLS, model=ScriptedModel(ids)) as (url, server):
+    with live_server(chat_model, tmp_path, NO_TOOLS, model=ScriptedModel(ids)) as (url, server):
         openai_client = client(url, member(server, "ana"))
         answer = openai_client.chat.completions.create(model="chat", messages=USER, tools=tools)
         chunks = list(
@@ -236,12 +183,12 @@ def test_client_tools_are_rendered_and_the_models_calls_come_back_as_tool_calls(
     )
 
 
-def test_without_client_tools_the_servers_tools_run_between_generations(loaded, tmp_path):
-    tokenizer = loaded[1]
+def test_without_client_tools_the_servers_tools_run_between_generations(chat_model, tmp_path):
+    tokenizer = chat_model[1]
     end = tokenizer.special_ids["<|end|>"]
     call = '<tool_call>\n{"name": "calculadora", "arguments": {"expresion": "6*7"}}\n</tool_call>'
     model = ScriptedModel(tokenizer.encode("Calculo.\n" + call) + [end], tokenizer.encode("Son 42.") + [end])
-    with live_server(loaded, tmp_path, model=model, context=4096) as (url, server):
+    with live_server(chat_model, tmp_path, model=model, context=4096) as (url, server):
         openai_client = client(url, member(server, "ana"))
         answer = openai_client.chat.completions.create(model="chat", messages=USER)
         chunks = list(openai_client.chat.completions.create(model="chat", messages=USER, stream=True))
@@ -292,8 +239,8 @@ BAD_REQUESTS = [
 ]  # fmt: skip
 
 
-def test_bad_requests_get_the_right_4xx_with_a_clear_message_and_never_a_traceback(loaded, tmp_path):
-    with live_server(loaded, tmp_path) as (url, server):
+def test_bad_requests_get_the_right_4xx_with_a_clear_message_and_never_a_traceback(chat_model, tmp_path):
+    with live_server(chat_model, tmp_path) as (url, server):
         headers = {"Authorization": f"Bearer {member(server, 'ana')}", "Content-Type": "application/json"}
         for label, body, status, code in BAD_REQUESTS:
             content = body if isinstance(body, bytes) else json.dumps(body).encode()
@@ -327,11 +274,11 @@ def concurrent_answers(url, keys):
     return answers
 
 
-def test_a_full_queue_answers_503_and_a_busy_member_429_both_with_retry_after(loaded, tmp_path):
+def test_a_full_queue_answers_503_and_a_busy_member_429_both_with_retry_after(chat_model, tmp_path):
     slow = ScriptedModel([100], delay=0.05)  # 8 tokens: 0.4 s per answer
-    with live_server(loaded, tmp_path, "serve.queue_size=1", model=slow) as (url, server):
+    with live_server(chat_model, tmp_path, "serve.queue_size=1", model=slow) as (url, server):
         everyone = concurrent_answers(url, [member(server, f"m{i}") for i in range(4)])
-    with live_server(loaded, tmp_path, "serve.max_pending_per_member=2", model=slow) as (url, server):
+    with live_server(chat_model, tmp_path, "serve.max_pending_per_member=2", model=slow) as (url, server):
         one_member = concurrent_answers(url, [member(server, "ana")] * 4)
     # One running and one queued are answered; the rest are refused, never failed.
     assert sorted(a.status_code for a in everyone) == [200, 200, 503, 503]
@@ -342,9 +289,9 @@ def test_a_full_queue_answers_503_and_a_busy_member_429_both_with_retry_after(lo
             assert answer.json()["error"]["code"] in ("server_busy", "too_many_requests")
 
 
-def test_a_client_that_disconnects_stops_its_generation(loaded, tmp_path):
+def test_a_client_that_disconnects_stops_its_generation(chat_model, tmp_path):
     slow = ScriptedModel([100], delay=0.01)
-    with live_server(loaded, tmp_path, "serve.max_tokens=400", model=slow) as (url, server):
+    with live_server(chat_model, tmp_path, "serve.max_tokens=400", model=slow) as (url, server):
         key = member(server, "ana", "admin")
         body = {"model": "chat", "messages": USER, "max_tokens": 400, "stream": True}
         with httpx.stream("POST", url + "/v1/chat/completions", json=body,
@@ -369,8 +316,8 @@ def login(url, name, password):
     return session, answer
 
 
-def test_members_never_reach_each_others_conversations_and_admins_cannot_read_them(loaded, tmp_path):
-    with live_server(loaded, tmp_path) as (url, server):
+def test_members_never_reach_each_others_conversations_and_admins_cannot_read_them(chat_model, tmp_path):
+    with live_server(chat_model, tmp_path) as (url, server):
         keys = {name: member(server, name, role, "clave-" + name) for name, role in
                 [("ana", "adult"), ("beto", "adult"), ("carla", "admin"), ("dani", "child")]}  # fmt: skip
         owner = {"Authorization": f"Bearer {keys['ana']}"}
@@ -404,8 +351,8 @@ def test_members_never_reach_each_others_conversations_and_admins_cannot_read_th
         assert httpx.get(f"{url}/api/conversations/{cid}", headers=owner).status_code == 404
 
 
-def test_the_conversation_routes_refuse_bad_input_with_a_clear_4xx(loaded, tmp_path):
-    with live_server(loaded, tmp_path) as (url, server):
+def test_the_conversation_routes_refuse_bad_input_with_a_clear_4xx(chat_model, tmp_path):
+    with live_server(chat_model, tmp_path) as (url, server):
         http = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {member(server, 'ana')}"})
         cid = http.post("/api/conversations", json={"title": "mía"}).json()["id"]
         cases = [
@@ -423,8 +370,8 @@ def test_the_conversation_routes_refuse_bad_input_with_a_clear_4xx(loaded, tmp_p
         http.close()
 
 
-def test_only_an_admin_manages_accounts_and_keys_are_stored_only_as_hashes(loaded, tmp_path):
-    with live_server(loaded, tmp_path) as (url, server):
+def test_only_an_admin_manages_accounts_and_keys_are_stored_only_as_hashes(chat_model, tmp_path):
+    with live_server(chat_model, tmp_path) as (url, server):
         admin = {"Authorization": f"Bearer {member(server, 'carla', 'admin')}"}
         adult = {"Authorization": f"Bearer {member(server, 'ana')}"}
         for method, path in [("GET", "/api/members"), ("POST", "/api/members"), ("DELETE", "/api/members/carla"),
@@ -459,8 +406,8 @@ def test_only_an_admin_manages_accounts_and_keys_are_stored_only_as_hashes(loade
     assert all(row[0].startswith("scrypt$") for row in hashes)
 
 
-def test_web_login_sets_a_strict_httponly_cookie_and_locks_out_guessing(loaded, tmp_path):
-    with live_server(loaded, tmp_path, "serve.login_max_failures=3") as (url, server):
+def test_web_login_sets_a_strict_httponly_cookie_and_locks_out_guessing(chat_model, tmp_path):
+    with live_server(chat_model, tmp_path, "serve.login_max_failures=3") as (url, server):
         member(server, "ana", "adult", "1357")
         session, answer = login(url, "ana", "1357")
         cookie = answer.headers["set-cookie"].lower()
@@ -474,10 +421,12 @@ def test_web_login_sets_a_strict_httponly_cookie_and_locks_out_guessing(loaded, 
         assert login(url, "nadie", "1357")[1].status_code == 401
 
 
-def test_children_get_their_instruction_cap_and_hours(loaded, tmp_path):
+def test_children_get_their_instruction_cap_and_hours(chat_model, tmp_path):
     now = time.localtime().tm_hour
     closed = [(now + 1) % 24, (now + 2) % 24]  # a window that excludes this hour
-    with live_server(loaded, tmp_path, "serve.child.max_tokens=3", f"serve.child.allowed_hours={closed}") as (
+    with live_server(
+        chat_model, tmp_path, "serve.child.max_tokens=3", f"serve.child.allowed_hours={closed}"
+    ) as (
         url,
         server,
     ):
@@ -485,7 +434,7 @@ def test_children_get_their_instruction_cap_and_hours(loaded, tmp_path):
         with pytest.raises(openai.PermissionDeniedError, match="children may chat"):
             client(url, child).chat.completions.create(model="chat", messages=USER)
         assert client(url, adult).chat.completions.create(model="chat", messages=USER, max_tokens=2).choices
-    with live_server(loaded, tmp_path, "serve.child.max_tokens=3", "serve.temperature=0", NO_TOOLS) as (
+    with live_server(chat_model, tmp_path, "serve.child.max_tokens=3", "serve.temperature=0", NO_TOOLS) as (
         url,
         server,
     ):
@@ -494,7 +443,7 @@ def test_children_get_their_instruction_cap_and_hours(loaded, tmp_path):
         grown = client(url, adult).chat.completions.create(model="chat", messages=USER, max_tokens=50)
     settings = serve.load_settings(serve.DEFAULT_CONFIG, [])
     system = settings["child"]["system_prompt"] + "\n\n" + settings["system_prompt"]
-    ids, _ = chat.render({"messages": [{"role": "system", "content": system}, *USER]}, loaded[1], True)
+    ids, _ = chat.render({"messages": [{"role": "system", "content": system}, *USER]}, chat_model[1], True)
     assert kid.usage.prompt_tokens == len(ids) > grown.usage.prompt_tokens
     assert kid.usage.completion_tokens <= 3 < grown.usage.completion_tokens
 
