@@ -9,6 +9,7 @@ import json
 import os
 import resource
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -19,6 +20,7 @@ import torch
 import yaml
 from torch.profiler import profile
 
+import config
 import corpus
 import data
 import model
@@ -462,12 +464,122 @@ def bench_search():
 
 
 # -----------------------------------------------------------------------------
+# serve: the server under 20 concurrent clients, against the same generations done directly
+
+
+def serve_bench_run(folder):
+    """runs/smoke-corpus-cpu when it exists (make smoke-corpus), else a 2-step run of the smoke model shape
+    on a small 512-token BPE of the embedded corpus, built in `folder` (about a minute)."""
+    shipped = os.path.join(ROOT, "runs", "smoke-corpus-cpu")
+    if os.path.isdir(shipped):
+        return shipped
+    print(
+        "serve: runs/smoke-corpus-cpu not found (make smoke-corpus); training a 2-step stand-in", flush=True
+    )
+    overrides = [f"data.dir={folder}/data", "data.corpus.max_documents_per_file=400",
+                 "data.tokenizer.vocab_size=512", "model.vocab_size=512", "data.encode.tokens_per_shard=8000",
+                 f"train.runs_dir={folder}/runs", "train.max_steps=2", "train.warmup_steps=0",
+                 "train.eval_interval=0", "train.sample_tokens=0"]  # fmt: skip
+    cfg = config.load(os.path.join(ROOT, "configs", "smoke-corpus-cpu.yaml"), overrides)
+    quiet = lambda *args, **kwargs: None  # noqa: E731
+    corpus.build_corpus(cfg["data"], log=quiet)
+    corpus.train_tokenizer(cfg["data"], log=quiet)
+    corpus.encode(cfg["data"], log=quiet)
+    train.train(cfg, log=quiet)
+    return os.path.join(folder, "runs", cfg["run_name"])
+
+
+def percentile(values, fraction):
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
+
+
+def bench_serve(clients=20, requests_per_client=10, max_tokens=8):
+    """requests/s and latency of serve.py (a real process on 127.0.0.1) with `clients` threads, one member
+    each, sending `requests_per_client` greedy chat completions; and the server's wall seconds per answer
+    over the seconds its worker spent generating them (the same answers without HTTP, queue or JSON),
+    both from the same run."""
+    import httpx
+
+    import accounts
+
+    with tempfile.TemporaryDirectory(prefix="bench-serve-") as folder:
+        run = serve_bench_run(folder)
+        database = os.path.join(folder, "bench.sqlite")
+        store = accounts.Store(database)
+        admin = store.add_member("admin", "admin")
+        keys = [store.add_member(f"c{i}", "adult") for i in range(clients)]
+        command = [sys.executable, "serve.py", run, "--port", "0", f"serve.database={database}",
+                   f"serve.queue_size={clients}"]  # fmt: skip
+        proc = subprocess.Popen(
+            command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+        )
+        try:
+            url = proc.stdout.readline().split(" at ")[1].split()[0].rstrip("/")
+            admin_headers = {"Authorization": f"Bearer {admin}"}
+            model_id = httpx.get(url + "/v1/models", headers=admin_headers).json()["data"][0]["id"]
+            messages = [{"role": "user", "content": "Hola, ¿me cuentas un cuento corto?"}]
+            body = {"model": model_id, "messages": messages, "max_tokens": max_tokens, "temperature": 0}
+            latencies, statuses, lock = [], [], threading.Lock()
+
+            def client(key, count):
+                with httpx.Client(headers={"Authorization": f"Bearer {key}"}, timeout=300) as http:
+                    for _ in range(count):
+                        start = time.perf_counter()
+                        status = http.post(url + "/v1/chat/completions", json=body).status_code
+                        with lock:
+                            latencies.append(time.perf_counter() - start)
+                            statuses.append(status)
+
+            client(admin, 3)  # warm-up, not counted
+            latencies.clear()
+            statuses.clear()
+            before = httpx.get(url + "/api/server", headers=admin_headers).json()
+            rss_before = serve_rss_kib(proc.pid)
+            threads = [threading.Thread(target=client, args=(key, requests_per_client)) for key in keys]
+            started = time.perf_counter()
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            wall = time.perf_counter() - started
+            after = httpx.get(url + "/api/server", headers=admin_headers).json()
+            rss_after = serve_rss_kib(proc.pid)
+        finally:
+            proc.kill()
+            proc.wait()
+    answered = statuses.count(200)
+    served_s = wall / max(answered, 1)
+    generate_s = (after["generate_s"] - before["generate_s"]) / max(after["answered"] - before["answered"], 1)
+    others = len(statuses) - answered - statuses.count(503)
+    print(
+        f"serve: {clients} clients x {requests_per_client} requests, {max_tokens} greedy tokens each, run "
+        f"{os.path.basename(run)}, load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
+    )
+    print(
+        f"serve: {answered}/{len(statuses)} answered ({statuses.count(503)} refused 503, {others} other) | "
+        f"{answered / wall:.1f} requests/s | latency p50 {1e3 * percentile(latencies, 0.5):.0f} ms, p95 "
+        f"{1e3 * percentile(latencies, 0.95):.0f} ms | server RSS {rss_before / 1024:.0f} -> {rss_after / 1024:.0f} MiB"
+    )
+    print(
+        f"serve: {1e3 * served_s:.1f} ms of wall time per answer through the server vs {1e3 * generate_s:.1f} ms "
+        f"generating it in the worker -> overhead ratio {served_s / generate_s:.2f}"
+    )
+
+
+def serve_rss_kib(pid):
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+
+# -----------------------------------------------------------------------------
 
 SECTIONS = {
     "model": bench_model,
     "data": bench_data,
     "corpus": bench_corpus,
     "search": bench_search,
+    "serve": bench_serve,
 }
 
 
