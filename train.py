@@ -333,6 +333,18 @@ def load_newest_checkpoint(run_dir, log=print):
     raise TrainError(f"--resume: no usable checkpoint in {run_dir}/ (expected ckpt_<step>.pt files)")
 
 
+def replace_run(run_dir):
+    """Delete what a run wrote in run_dir (checkpoints, their temp files, metrics, resolved config) and
+    nothing else; returns what was removed, for the log."""
+    checkpoints = list_checkpoints(run_dir)
+    for path in checkpoints:
+        os.unlink(path)
+    for name in os.listdir(run_dir):
+        if (name.startswith(".ckpt_") and name.endswith(".tmp")) or name in ("metrics.jsonl", "config.yaml"):
+            os.unlink(os.path.join(run_dir, name))
+    return f"removed {len(checkpoints)} checkpoint(s) and its metrics"
+
+
 def shape_differences(saved, current):
     differences = []
     for section, key in SHAPE_KEYS:
@@ -470,10 +482,15 @@ def _train(cfg, ctx, resume, stop_after, log):
             raise TrainError(
                 f"cannot resume {ckpt_path}: shape-defining settings changed:\n  " + "\n  ".join(differences)
             )
+    elif train_cfg["replace_run"]:
+        if ctx.is_main and list_checkpoints(run_dir):
+            log(f"replacing the previous run in {run_dir}/ (train.replace_run: true): {replace_run(run_dir)}")
+        if ctx.enabled:
+            dist.barrier()  # no rank goes on before the old run is gone
     elif list_checkpoints(run_dir):
         raise TrainError(
             f"{run_dir}/ already holds checkpoints; pass --resume to continue it, or choose another run "
-            f"name (run_name=...)"
+            f"name (run_name=...), or set train.replace_run=true to start it afresh"
         )
 
     os.makedirs(run_dir, exist_ok=True)
