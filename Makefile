@@ -7,6 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.requirements.stamp
 
 CONFIG ?= configs/pretrain-2060.yaml
+SFT_CONFIG ?= configs/sft-2060.yaml
 NPROC ?= 1
 RUN ?= runs/smoke-cpu
 ARGS ?=
@@ -14,8 +15,8 @@ RESUME_FLAG := $(if $(filter 1 yes true,$(RESUME)),--resume,)
 TRAIN := $(if $(filter 1,$(NPROC)),$(PY),$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC)) train.py
 
 .PHONY: setup lint check-configs test clean smoke smoke-2060 pretrain resume-check data-smoke \
-	corpus tokenizer encode corpus-smoke smoke-corpus sample chat eval bench search sync \
-	remote-setup remote-smoke-2060 remote-pretrain logs fetch status
+	corpus tokenizer encode corpus-smoke corpus-report smoke-corpus sample chat eval serve bench search agent-data \
+	agent-eval sync remote-setup remote-smoke-2060 remote-pretrain logs fetch status chat-prepare sft sft-smoke plot
 
 setup: $(STAMP)
 
@@ -52,16 +53,20 @@ data-smoke: $(STAMP)
 	scripts/prepare_smoke_data.sh
 
 corpus: $(STAMP)
-	$(PY) data.py corpus $(CONFIG)
+	$(PY) corpus.py corpus $(CONFIG)
 
 tokenizer: $(STAMP)
-	$(PY) data.py tokenizer $(CONFIG)
+	$(PY) corpus.py tokenizer $(CONFIG)
 
 encode: $(STAMP)
-	$(PY) data.py encode $(CONFIG)
+	$(PY) corpus.py encode $(CONFIG)
 
 corpus-smoke: $(STAMP)
-	$(PY) data.py all configs/smoke-corpus-cpu.yaml
+	$(PY) corpus.py all configs/smoke-corpus-cpu.yaml
+	$(PY) corpus.py report configs/smoke-corpus-cpu.yaml
+
+corpus-report: $(STAMP)
+	$(PY) corpus.py report $(CONFIG)
 
 # --- training -------------------------------------------------------------------------------------
 
@@ -80,6 +85,23 @@ pretrain: $(STAMP)
 resume-check: $(STAMP)
 	$(PY) train.py $(CONFIG) --resume-check $(ARGS)
 
+# --- fine-tuning on conversations (SFT) -----------------------------------------------------------
+
+chat-prepare: $(STAMP)
+	$(PY) chat.py prepare $(SFT_CONFIG)
+
+sft: chat-prepare
+	$(TRAIN) $(SFT_CONFIG) $(ARGS) $(RESUME_FLAG)
+
+# corpus-smoke tokenizer -> the smoke-corpus-cpu pretraining (kept when it already has a checkpoint)
+# -> SFT on the seed conversations (from scratch each time) -> held-out evaluation.
+sft-smoke: corpus-smoke
+	ls runs/smoke-corpus-cpu/ckpt_*.pt >/dev/null 2>&1 || $(PY) train.py configs/smoke-corpus-cpu.yaml
+	$(PY) chat.py prepare configs/sft-smoke-cpu.yaml
+	rm -rf runs/sft-smoke-cpu
+	$(PY) train.py configs/sft-smoke-cpu.yaml $(ARGS)
+	$(PY) sample.py runs/sft-smoke-cpu --chat-eval val --max-new-tokens 64
+
 # --- using a model --------------------------------------------------------------------------------
 
 sample: $(STAMP)
@@ -91,8 +113,30 @@ chat: $(STAMP)
 eval: $(STAMP)
 	$(PY) sample.py $(RUN) --eval val $(ARGS)
 
+plot: $(STAMP)
+	$(PY) plot.py $(RUN)
+
 search: $(STAMP)
 	$(PY) search.py "$(Q)" $(ARGS)
+
+# The family's server (API + web page) on http://127.0.0.1:8000/. Chat needs a sentencepiece run: without
+# RUN= it serves runs/smoke-corpus-cpu, training it first on a fresh clone. Accounts: python serve.py member.
+SERVE_RUN = $(if $(filter command line environment,$(origin RUN)),$(RUN),runs/smoke-corpus-cpu)
+serve: $(STAMP)
+	@test -e $(SERVE_RUN) || test "$(SERVE_RUN)" != runs/smoke-corpus-cpu || $(MAKE) smoke-corpus ARGS=
+	$(PY) serve.py $(SERVE_RUN) $(ARGS)
+
+# --- tools (agent.py) -----------------------------------------------------------------------------
+
+AGENT_DATA ?= data/agent
+
+agent-data: $(AGENT_DATA)/eval.jsonl
+
+$(AGENT_DATA)/eval.jsonl: $(STAMP) agent.py agent_data.py configs/agent/default.yaml
+	$(PY) agent_data.py generate $(AGENT_DATA)
+
+agent-eval: agent-data
+	$(PY) agent_data.py eval $(RUN) $(AGENT_DATA)/eval.jsonl $(ARGS)
 
 # --- the GPU server over SSH (settings in .env, see .env.example) ---------------------------------
 

@@ -37,7 +37,9 @@ import sys
 import jsonschema
 import yaml
 
-LAYERS = ("hardware", "model", "train", "data")
+LAYERS = ("hardware", "model", "train", "data", "agent", "serve")
+# A run file may leave these out; their users then read a default layer file (configs/<layer>/default.yaml).
+OPTIONAL_LAYERS = ("agent", "serve")
 SCHEMA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "schema")
 COMMAND_LINE = "command line"
 EXPONENT_NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+")
@@ -159,7 +161,7 @@ def compose(path, overrides=()):
         )
     problems = []
     for layer in LAYERS:
-        if layer not in includes:
+        if layer not in includes and layer not in OPTIONAL_LAYERS:
             problems.append(f"{path}: include.{layer}: missing; name the {layer} layer file")
     for layer in includes:
         if layer not in LAYERS:
@@ -168,7 +170,7 @@ def compose(path, overrides=()):
         raise ConfigError(problems)
 
     config, origins = {}, {}
-    for layer in LAYERS:
+    for layer in (layer for layer in LAYERS if layer in includes):
         relpath = includes[layer]
         if not isinstance(relpath, str):
             raise ConfigError([f"{path}: include.{layer}: expected a file path, got {relpath!r}"])
@@ -177,8 +179,15 @@ def compose(path, overrides=()):
         origins.update(section_origins)
     _merge(config, run, origins, path)
 
+    _apply_overrides(config, origins, overrides)
+    return config, origins
+
+
+def _apply_overrides(config, origins, overrides, only=None):
     for text in overrides:
         keys, value = parse_override(text)
+        if only is not None and keys[0] != only:
+            raise ConfigError([f"{COMMAND_LINE}: {text!r}: expected {only}.key=value"])
         node = config
         for k in keys[:-1]:
             if not isinstance(node.get(k), dict):
@@ -187,7 +196,6 @@ def compose(path, overrides=()):
         node[keys[-1]] = value
         for leaf in _leaf_paths(value, keys):
             origins[leaf] = f"{COMMAND_LINE} ({text})"
-    return config, origins
 
 
 # -----------------------------------------------------------------------------
@@ -302,10 +310,10 @@ def _cross_field_problems(config, origins):
         dotted = ".".join(path)
         problems.append(f"{_origin_of(path, origins, COMMAND_LINE)}: {dotted}: {message}")
 
-    hardware, model, train, data = (config[name] for name in LAYERS)
+    hardware, model, train, data = (config[name] for name in ("hardware", "model", "train", "data"))
     for key, message in _model_problems(model):
         problem(("model", key), message)
-    if data["format"] == "shards" and model["vocab_size"] > 65536:
+    if data["format"] in ("shards", "chat") and model["vocab_size"] > 65536:
         problem(
             ("model", "vocab_size"),
             f"{model['vocab_size']} does not fit the uint16 shards; expected <= 65536",
@@ -356,6 +364,8 @@ def validate(config, origins, run_path):
     run_view = {k: v for k, v in config.items() if k not in LAYERS}
     problems = _schema_problems("", run_view, load_schema("run"), origins, run_path)
     for layer in LAYERS:
+        if layer in OPTIONAL_LAYERS and layer not in config:
+            continue
         if not isinstance(config.get(layer), dict):
             problems.append(f"{run_path}: {layer}: expected a mapping")
             continue
@@ -372,6 +382,22 @@ def load(path, overrides=()):
     config, origins = compose(path, overrides)
     validate(config, origins, path)
     return config
+
+
+def load_layer(layer, path, overrides=()):
+    """One layer file on its own (and the base files it includes) plus `layer.key=value` overrides,
+    validated against its schema: what a tool reads when the run it serves names no such layer
+    (agent.py's defaults, serve.py's configs/serve/*.yaml)."""
+    configs_root = os.path.dirname(os.path.dirname(os.path.abspath(path)))
+    section, origins = _load_layer(
+        layer, os.path.relpath(os.path.abspath(path), configs_root), configs_root, None, []
+    )
+    config = {layer: section}
+    _apply_overrides(config, origins, overrides, only=layer)
+    problems = _schema_problems(layer, config[layer], load_schema(layer), origins, path)
+    if problems:
+        raise ConfigError(problems)
+    return config[layer]
 
 
 def dump(config):
@@ -402,6 +428,21 @@ def check_all(folder):
             _report(path, e.problems)
             failures += 1
     print(f"{len(run_files) - failures}/{len(run_files)} run files valid in {folder}/")
+    for layer in OPTIONAL_LAYERS:
+        layer_dir = os.path.join(folder, layer)
+        names = (
+            sorted(n for n in os.listdir(layer_dir) if n.endswith(".yaml"))
+            if os.path.isdir(layer_dir)
+            else []
+        )
+        for name in names:
+            try:
+                load_layer(layer, os.path.join(layer_dir, name))
+            except ConfigError as e:
+                _report(os.path.join(layer_dir, name), e.problems)
+                failures += 1
+        if names:
+            print(f"{len(names)} {layer} layer files checked in {layer_dir}/")
     return failures
 
 

@@ -3,7 +3,8 @@ Use a trained run: generate text, chat, or measure bits per byte.
 
     python sample.py runs/smoke-cpu --prompt "Había una vez" --max-new-tokens 200 --seed 1
     python sample.py runs/smoke-cpu/ckpt_0000300.pt --prompt-file prompt.txt --num-samples 3
-    python sample.py runs/smoke-cpu --chat --system "Eres un asistente amable."
+    python sample.py runs/sft-smoke-cpu --chat --system "Eres un asistente amable."
+    python sample.py runs/sft-smoke-cpu --chat-eval val --max-new-tokens 64   # held-out conversations
     python sample.py runs/smoke-cpu --eval val            # the run's validation split
     python sample.py runs/smoke-cpu --eval texto.txt      # any UTF-8 text file
 
@@ -20,6 +21,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
+import chat
 import data
 from model import Transformer
 from train import load_checkpoint, load_newest_checkpoint
@@ -116,10 +118,12 @@ def stream_text(model, tokenizer, prompt_ids, args, generator, write, stop_token
     write(decoder.flush())
 
 
-def write_to(out):
+def write_to(out, collected=None):
     def write(piece):
         out.write(piece)
         out.flush()
+        if collected is not None:
+            collected.append(piece)
         return False
 
     return write
@@ -152,63 +156,49 @@ def run_generation(model, tokenizer, args):
 
 
 # -----------------------------------------------------------------------------
-# Chat REPL
+# Chat REPL: every prompt is chat.render's ids, the one template training used
 
 
-class ChatFormat:
-    """How turns become tokens: the tokenizer's control tokens where it has them, plain-text markers for
-    a byte-level model (which has none)."""
-
-    ROLES = ("system", "user", "assistant")
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        special = tokenizer.special_ids
-        self.with_control_tokens = (
-            all(f"<|{role}|>" in special for role in self.ROLES) and "<|end|>" in special
+def check_chat_tokenizer(tokenizer, run):
+    if "<|end|>" not in tokenizer.special_ids:
+        raise SampleError(
+            f"{run}: this model uses the {tokenizer.name} tokenizer, which has no control tokens; chat needs "
+            "a sentencepiece tokenizer (pretrain with data.format: shards, fine-tune with data.format: chat)"
         )
-        if self.with_control_tokens:
-            self.end_id = special["<|end|>"]
-            self.start = [tokenizer.bos_id] if tokenizer.bos_id is not None else []
-        else:
-            self.end_id = None
-            self.start = []
-        self.labels = {"system": "Sistema", "user": "Usuario", "assistant": "Asistente"}
+    return tokenizer.special_ids["<|end|>"]
 
-    def turn(self, role, text):
-        if self.with_control_tokens:
-            return [self.tokenizer.special_ids[f"<|{role}|>"]] + self.tokenizer.encode(text) + [self.end_id]
-        return self.tokenizer.encode(f"{self.labels[role]}: {text}\n")
 
-    def assistant_prefix(self):
-        if self.with_control_tokens:
-            return [self.tokenizer.special_ids["<|assistant|>"]]
-        return self.tokenizer.encode(f"{self.labels['assistant']}:")
-
-    def cut_reply(self, text):
-        """A byte-level model has no end token: its reply ends where it starts the next turn."""
-        if self.with_control_tokens:
-            return text, False
-        marker = f"\n{self.labels['user']}:"
-        if marker in text:
-            return text[: text.index(marker)], True
-        return text, False
+def fit_history(system, history, tokenizer, budget):
+    """Drop the oldest exchanges (and, for one long message, its start) until the prompt fits budget
+    tokens. Returns (prompt ids, whether anything was dropped)."""
+    dropped = False
+    while True:
+        prompt, _ = chat.render({"messages": system + history}, tokenizer, for_generation=True)
+        if len(prompt) <= budget:
+            return prompt, dropped
+        dropped = True
+        if len(history) == 1:  # a single message longer than the window: keep its end
+            content = history[0]["content"]
+            history[0] = {**history[0], "content": content[len(content) // 4 + 1 :]}
+            continue
+        history.pop(0)
+        while history and history[0]["role"] != "user":
+            history.pop(0)
 
 
 def run_chat(model, tokenizer, cfg, args, stdin=sys.stdin, out=sys.stdout):
-    chat = ChatFormat(tokenizer)
+    end_id = check_chat_tokenizer(tokenizer, args.run)
     context = cfg["model"]["seq_len"]
     budget = context - args.max_new_tokens
     if budget < 16:
         raise SampleError(
             f"--max-new-tokens {args.max_new_tokens} leaves no room in a {context}-token context"
         )
-    system = chat.turn("system", args.system) if args.system else []
-    history = []  # list of token lists, one per turn
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    history = []  # the conversation's messages after the system one
     told_about_trimming = False
     generator = torch.Generator().manual_seed(args.seed)
-    mode = "control tokens" if chat.with_control_tokens else "plain-text turn markers: byte-level model"
-    out.write(f"chat with {args.run} ({mode}); /reset clears the history, /exit quits\n")
+    out.write(f"chat with {args.run}; /reset clears the history, /exit quits\n")
     while True:
         out.write("> ")
         out.flush()
@@ -229,39 +219,80 @@ def run_chat(model, tokenizer, cfg, args, stdin=sys.stdin, out=sys.stdout):
             continue
         if not line:
             continue
-        history.append(chat.turn("user", line))
-        while len(chat.start) + len(system) + sum(map(len, history)) + len(chat.assistant_prefix()) > budget:
-            if len(history) == 1:  # a single message longer than the window: keep its end
-                history[0] = history[0][-(budget - len(chat.start) - len(system) - 8) :]
-                break
-            history.pop(0)
-            if not told_about_trimming:
-                out.write("(oldest turns dropped to fit the context window)\n")
-                told_about_trimming = True
-        prompt = chat.start + system + [t for turn in history for t in turn] + chat.assistant_prefix()
-        reply = StreamingReply(chat, out)
+        history.append({"role": "user", "content": line})
+        prompt, dropped = fit_history(system, history, tokenizer, budget)
+        if dropped and not told_about_trimming:
+            out.write("(oldest turns dropped to fit the context window)\n")
+            told_about_trimming = True
+        reply = []
         try:
-            stream_text(model, tokenizer, prompt, args, generator, reply.add, stop_token=chat.end_id)
+            stream_text(model, tokenizer, prompt, args, generator, write_to(out, reply), stop_token=end_id)
         except KeyboardInterrupt:  # Ctrl-C ends this answer, not the session
             out.write(" [interrupted]")
         out.write("\n")
-        history.append(chat.turn("assistant", reply.text.strip()))
+        text = "".join(reply).strip()
+        if text:
+            history.append({"role": "assistant", "content": text})
+        else:  # an empty answer is no turn: the template never holds one
+            history.pop()
+            out.write("(empty reply)\n")
 
 
-class StreamingReply:
-    """Writes a reply as it comes, stopping at the byte-level turn marker."""
+# -----------------------------------------------------------------------------
+# Held-out conversations: assistant-only loss and bpb, and whether answers end with <|end|>
 
-    def __init__(self, chat, out):
-        self.chat, self.out, self.text, self.done = chat, out, "", False
 
-    def add(self, piece):
-        """Write the piece; True once the reply has ended."""
-        if not self.done:
-            reply, self.done = self.chat.cut_reply(self.text + piece)
-            self.out.write(reply[len(self.text) :])
-            self.out.flush()
-            self.text = reply
-        return self.done
+def run_chat_eval(model, cfg, tokenizer, args, out=sys.stdout):
+    """Loss and bits per byte on the assistant tokens (mask 1) of held-out conversations, and the share of
+    their first prompts whose greedy answer ends with <|end|> within --max-new-tokens."""
+    end_id = check_chat_tokenizer(tokenizer, args.run)
+    if args.chat_eval == "val":
+        if cfg["data"]["format"] != "chat":
+            raise SampleError(f"{args.run}: --chat-eval val needs a run fine-tuned on data.format: chat")
+        paths = chat.expand_paths(cfg["data"]["chat"]["val"], "data.chat.val")
+    else:
+        paths = [args.chat_eval]
+    conversations = [c for path in paths for c in chat.read_conversations(path)[0]]
+    if not conversations:
+        raise SampleError(f"{', '.join(paths)}: no conversations")
+    nats, count, num_bytes, ended, examples = 0.0, 0, 0, 0, []
+    for where, conversation in conversations:
+        ids, mask = chat.render(conversation, tokenizer)
+        n, c, b = evaluate_tokens(
+            model,
+            torch.tensor(ids),
+            tokenizer.token_bytes,
+            max(1, model.seq_len // 2),
+            mask=torch.tensor(mask),
+        )
+        nats, count, num_bytes = nats + n, count + c, num_bytes + b
+        messages = conversation["messages"]
+        first_answer = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
+        prompt, _ = chat.render({"messages": messages[:first_answer]}, tokenizer, for_generation=True)
+        device = model.embed_tokens.weight.device
+        answer = list(
+            model.generate(torch.tensor(prompt, device=device), args.max_new_tokens, 0.0, stop_token=end_id)
+        )
+        ended += answer[-1] == end_id
+        if len(examples) < args.show:
+            examples.append(
+                (where, messages[first_answer - 1]["content"], tokenizer.decode(answer), answer[-1] == end_id)
+            )
+    for where, question, answer, done in examples:
+        out.write(f"{where}\n  user: {question}\n  model: {answer}{' <|end|>' if done else ' [budget]'}\n")
+    result = {
+        "conversations": len(conversations),
+        "assistant_tokens": count,
+        "loss": nats / max(count, 1),
+        "bpb": nats / (math.log(2) * max(num_bytes, 1)),
+        "ended": ended / len(conversations),
+    }
+    out.write(
+        f"{', '.join(paths)}: {len(conversations)} conversations, {count} assistant tokens, {num_bytes} bytes | "
+        f"loss {result['loss']:.4f} | bpb {result['bpb']:.4f} | answers ending with <|end|> within "
+        f"{args.max_new_tokens} tokens: {ended}/{len(conversations)} ({100 * result['ended']:.0f}%)\n"
+    )
+    return result
 
 
 # -----------------------------------------------------------------------------
@@ -269,10 +300,11 @@ class StreamingReply:
 
 
 @torch.no_grad()
-def evaluate_tokens(model, tokens, token_bytes, stride, batch_size=8):
+def evaluate_tokens(model, tokens, token_bytes, stride, batch_size=8, mask=None):
     """Score every token of `tokens` (a 1-D LongTensor) once, each with as much context as fits: windows
     of seq_len positions moving by `stride`, only the tokens new to a window scored. The first token has
-    no context and is not scored (a run with a <|bos|> token puts it there).
+    no context and is not scored (a run with a <|bos|> token puts it there); with `mask` (1-D, 0 or 1 per
+    token), neither are the tokens whose mask is 0.
     Returns (total nats, scored tokens, UTF-8 bytes of the scored tokens)."""
     seq_len = model.seq_len
     token_bytes = torch.as_tensor(token_bytes, dtype=torch.long)
@@ -287,6 +319,8 @@ def evaluate_tokens(model, tokens, token_bytes, stride, batch_size=8):
         inputs, targets = tokens[begin : end - 1], tokens[begin + 1 : end].clone()
         already = scored_until - (begin + 1)  # targets before this were scored by an earlier window
         targets[:already] = -1
+        if mask is not None:
+            targets[mask[begin + 1 : end] == 0] = -1
         windows.append((inputs, targets))
         scored_until = end
         begin += stride
@@ -350,6 +384,12 @@ def parse_args(argv):
     mode.add_argument("--prompt-file", help="read the prompt from this UTF-8 file")
     mode.add_argument("--chat", action="store_true", help="interactive conversation")
     mode.add_argument("--eval", metavar="FILE_OR_SPLIT", help="loss and bits per byte on a file or 'val'")
+    mode.add_argument(
+        "--chat-eval",
+        metavar="FILE_OR_VAL",
+        help="held-out conversations (a JSONL file, or 'val': the run's data.chat.val): assistant-only loss "
+        "and bpb, and the share of greedy answers ending with <|end|> within --max-new-tokens",
+    )
     parser.add_argument("--max-new-tokens", type=int, default=200)
     parser.add_argument("--temperature", type=float, default=0.8)
     parser.add_argument("--top-k", type=int, default=50)
@@ -360,6 +400,7 @@ def parse_args(argv):
     parser.add_argument("--stride", type=int, default=0, help="--eval window stride (default seq_len/2)")
     parser.add_argument("--max-tokens", type=int, default=0, help="--eval only the first N tokens")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--show", type=int, default=3, help="--chat-eval: print this many answers")
     args = parser.parse_args(argv)
     if args.max_new_tokens < 1 or args.num_samples < 1:
         parser.error("--max-new-tokens and --num-samples must be >= 1")
@@ -372,11 +413,13 @@ def main(argv):
         model, cfg, tokenizer, ckpt_path = load_run(args.run, args.device)
         if args.eval:
             run_eval(model, cfg, tokenizer, args)
+        elif args.chat_eval:
+            run_chat_eval(model, cfg, tokenizer, args)
         elif args.chat:
             run_chat(model, tokenizer, cfg, args)
         else:
             run_generation(model, tokenizer, args)
-    except (SampleError, data.DataError, ValueError) as e:
+    except (SampleError, chat.ChatError, data.DataError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+import chat
 import config
 import data
 from model import Transformer
@@ -354,6 +355,56 @@ def shape_differences(saved, current):
     return differences
 
 
+# Model keys that may differ between a run and the run it is initialized from (train.init_from): none of
+# them changes a weight's shape or meaning (the RoPE table is rebuilt for any seq_len).
+INIT_FREE_MODEL_KEYS = {"seq_len", "init_std", "z_loss_coef"}
+
+
+def tokenizer_sha256(tokenizer):
+    path = getattr(tokenizer, "path", None)
+    return data.sha256_of_file(path) if path else tokenizer.name
+
+
+def init_checkpoint(cfg, log):
+    """(path, checkpoint) named by train.init_from, checked against this run: the model shape (seq_len
+    aside) and the tokenizer must be the same."""
+    source = cfg["train"]["init_from"]
+    if os.path.isdir(source):
+        try:
+            path, state = load_newest_checkpoint(source, log)
+        except TrainError as e:
+            raise TrainError(f"train.init_from: {e}") from None
+    elif os.path.isfile(source):
+        path = source
+        try:
+            state = load_checkpoint(source)
+        except Exception as e:  # noqa: BLE001 - any unreadable file is the same problem for the user
+            raise TrainError(f"train.init_from: {source}: not a loadable checkpoint ({e})") from None
+    else:
+        raise TrainError(f"train.init_from: {source}: no such run directory or checkpoint file")
+    saved, model_cfg = state["config"], cfg["model"]
+    differences = [
+        f"model.{key}: {path} has {saved['model'].get(key)!r}, this run has {model_cfg[key]!r}"
+        for key in sorted(set(model_cfg) | set(saved["model"]))
+        if key not in INIT_FREE_MODEL_KEYS and saved["model"].get(key) != model_cfg.get(key)
+    ]
+    ours = tokenizer_sha256(data.load_tokenizer(cfg["data"]))
+    theirs = state.get("tokenizer_sha256")
+    if theirs is None:  # an older checkpoint: its tokenizer is the one its data config names
+        try:
+            theirs = tokenizer_sha256(data.load_tokenizer(saved["data"]))
+        except data.DataError as e:
+            raise TrainError(f"train.init_from: cannot check the tokenizer of {path}: {e}") from None
+    if theirs != ours:
+        differences.append(
+            f"tokenizer: {path} was trained with {str(theirs)[:12]}, this run's data gives {ours[:12]} "
+            "(sha256 of tokenizer.model; `chat.py prepare` must copy the pretraining tokenizer)"
+        )
+    if differences:
+        raise TrainError(f"train.init_from: {path} does not fit this run:\n  " + "\n  ".join(differences))
+    return path, state
+
+
 def code_version():
     try:
         root = os.path.dirname(os.path.abspath(__file__))
@@ -438,19 +489,23 @@ def evaluate(model, cfg, hardware, ctx, token_bytes):
             x, y = (t.to(hardware.device) for t in loader.next_batch())
             with hardware.autocast():
                 logits, _ = model(x)
-            nats = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum")
+            # Targets -1 (chat data: prompt and padding positions) are not scored.
+            nats = F.cross_entropy(
+                logits.float().flatten(0, 1), y.flatten(), ignore_index=-1, reduction="sum"
+            )
+            scored = y != -1
             totals += torch.stack(
                 [
                     nats.double(),
-                    torch.tensor(y.numel(), device=hardware.device).double(),
-                    token_bytes[y].sum().double(),
+                    scored.sum().double(),
+                    torch.where(scored, token_bytes[y.clamp(min=0)], 0.0).sum().double(),
                 ]
             )
     if ctx.enabled:
         dist.all_reduce(totals)
     model.train()
     nats, tokens, num_bytes = totals.tolist()
-    return {"val_loss": nats / tokens, "val_bpb": nats / (math.log(2) * max(num_bytes, 1.0))}
+    return {"val_loss": nats / max(tokens, 1.0), "val_bpb": nats / (math.log(2) * max(num_bytes, 1.0))}
 
 
 def train(cfg, resume=False, stop_after=None, log=print):
@@ -492,6 +547,7 @@ def _train(cfg, ctx, resume, stop_after, log):
             f"{run_dir}/ already holds checkpoints; pass --resume to continue it, or choose another run "
             f"name (run_name=...), or set train.replace_run=true to start it afresh"
         )
+    init = init_checkpoint(cfg, log) if checkpoint is None and train_cfg["init_from"] else None
 
     os.makedirs(run_dir, exist_ok=True)
 
@@ -527,6 +583,10 @@ def _train(cfg, ctx, resume, stop_after, log):
         step = checkpoint["step"]
         skipped_steps = checkpoint.get("skipped_steps", 0)
         log(f"resumed from {ckpt_path} at step {step}")
+    elif init is not None:  # fine-tuning: the weights only; optimizer, schedule and step start afresh
+        init_path, init_state = init
+        model.load_state_dict(init_state["model"])
+        log(f"initialized from {init_path} (step {init_state['step']}); fresh optimizer and schedule")
 
     raw_model = model
     if profile["compile"]:
@@ -575,6 +635,7 @@ def _train(cfg, ctx, resume, stop_after, log):
                 "skipped_steps": skipped_steps,
                 "world_size": ctx.world_size,
                 "tokenizer": tokenizer.name,
+                "tokenizer_sha256": tokenizer_sha256(tokenizer),
                 "config": cfg,
                 "code_version": code_version(),
             }
@@ -691,7 +752,8 @@ def _train(cfg, ctx, resume, stop_after, log):
     if stopped_by:
         log(f"stopped at step {step} ({stopped_by}); continue with --resume")
     elif ctx.is_main and train_cfg["sample_tokens"] > 0:
-        log(f"sample: {sample_text(raw_model, tokenizer, train_cfg, hardware)}")
+        chat_run = cfg["data"]["format"] == "chat"
+        log(f"sample: {sample_text(raw_model, tokenizer, train_cfg, hardware, chat_run)}")
     return step
 
 
@@ -704,10 +766,16 @@ def _truncate_metrics(path, step):
     data.write_atomic(path, lambda f: f.write("".join(lines).encode()))
 
 
-def sample_text(model, tokenizer, train_cfg, hardware):
-    prompt_ids = tokenizer.encode(train_cfg["sample_prompt"])
-    if tokenizer.bos_id is not None:  # documents are trained as <|bos|> text <|eos|>
-        prompt_ids = [tokenizer.bos_id] + prompt_ids
+def sample_text(model, tokenizer, train_cfg, hardware, chat_run=False):
+    stop_token = tokenizer.eos_id
+    if chat_run:  # a fine-tuned run answers sample_prompt as a user message
+        conversation = {"messages": [{"role": "user", "content": train_cfg["sample_prompt"]}]}
+        prompt_ids, _ = chat.render(conversation, tokenizer, for_generation=True)
+        stop_token = tokenizer.special_ids["<|end|>"]
+    else:
+        prompt_ids = tokenizer.encode(train_cfg["sample_prompt"])
+        if tokenizer.bos_id is not None:  # documents are trained as <|bos|> text <|eos|>
+            prompt_ids = [tokenizer.bos_id] + prompt_ids
     idx = torch.tensor([prompt_ids], dtype=torch.long, device=hardware.device)
     generator = torch.Generator().manual_seed(train_cfg["seed"])  # CPU: the same text on any device
     model.eval()
@@ -718,11 +786,13 @@ def sample_text(model, tokenizer, train_cfg, hardware):
                 train_cfg["sample_tokens"],
                 temperature=0.8,
                 top_k=50,
-                stop_token=tokenizer.eos_id,
+                stop_token=stop_token,
                 generator=generator,
             )
         )
     model.train()
+    if chat_run:
+        return f"{train_cfg['sample_prompt']} -> {tokenizer.decode(new_ids)}"
     return tokenizer.decode(prompt_ids + new_ids)
 
 

@@ -1,5 +1,6 @@
 """Shared fixtures: tiny runs built from the shipped run files plus overrides (a config is data)."""
 
+import copy
 import gzip
 import json
 import os
@@ -7,9 +8,11 @@ import subprocess
 import sys
 import time
 
+import jsonschema
 import pytest
 
 import config
+import corpus
 import data
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -58,10 +61,71 @@ def shard_data_dir(tmp_path_factory):
     folder = tmp_path_factory.mktemp("shards")
     cfg = config.load(os.path.join(ROOT, "configs", "smoke-corpus-cpu.yaml"), shard_overrides(str(folder)))
     data_cfg = cfg["data"]
-    data.build_corpus(data_cfg, log=lambda *a: None)
-    data.train_tokenizer(data_cfg, log=lambda *a: None)
-    data.encode(data_cfg, log=lambda *a: None)
+    corpus.build_corpus(data_cfg, log=lambda *a: None)
+    corpus.train_tokenizer(data_cfg, log=lambda *a: None)
+    corpus.encode(data_cfg, log=lambda *a: None)
     return str(folder)
+
+
+def data_layer(name, **changes):
+    """The `data:` section of a shipped configs/data/<name>.yaml (with the base it includes), deep-updated
+    and schema-checked."""
+    section, _ = config._load_layer("data", f"data/{name}.yaml", os.path.join(ROOT, "configs"), None, [])
+
+    def update(node, new):
+        for key, value in new.items():
+            if isinstance(value, dict) and isinstance(node.get(key), dict):
+                update(node[key], value)
+            else:
+                node[key] = value
+
+    update(section, copy.deepcopy(changes))
+    jsonschema.validate(section, config.load_schema("data"))
+    return section
+
+
+def sample_corpus(path):
+    """About 130 KB of the embedded corpus: 400 fortunes and the first chapters of Genesis."""
+    fortunes = gzip.open(os.path.join(ROOT, "corpus", "fortunes-es.txt.gz")).read().decode("utf-8")
+    bible = gzip.open(os.path.join(ROOT, "corpus", "rv1909.txt.gz")).read().decode("utf-8")
+    path.write_text("\n\n".join(fortunes.split("\n\n")[:400] + bible[:80_000].split("\n")), encoding="utf-8")
+    return str(path)
+
+
+def text_source(name, path, **settings):
+    """A blank-line text source without the language and quality filters, read once."""
+    source = {"name": name, "kind": "text", "path": path, "documents": "blank_line", "licence": "test data"}
+    return source | {"filters": False, "epochs": 1} | settings
+
+
+def quiet(*args, **kwargs):
+    pass
+
+
+@pytest.fixture(scope="session")
+def pipeline(tmp_path_factory):
+    """One small corpus -> tokenizer -> shards run shared by the tests that only read its results."""
+    directory = tmp_path_factory.mktemp("corpus-smoke")
+    cfg = data_layer(
+        "corpus-smoke",
+        dir=str(directory),
+        processes=1,
+        corpus={"sources": [text_source("sample", sample_corpus(directory / "sample.txt"))]},
+        tokenizer={"vocab_size": 512},
+        encode={"tokens_per_shard": 5_000},
+    )
+    corpus.build_corpus(cfg, log=quiet)
+    corpus.train_tokenizer(cfg, log=quiet)
+    corpus.encode(cfg, log=quiet)
+    return cfg
+
+
+def read_docs(cfg, split):
+    return list(corpus.iter_documents(corpus.docs_path(cfg, split)))
+
+
+def shard_hashes(cfg, split):
+    return [data.sha256_of_file(p) for p in data.shard_paths(cfg, split)]
 
 
 def shard_overrides(folder):
@@ -76,10 +140,71 @@ def shard_overrides(folder):
     ]
 
 
+# Rows of packed test conversations are 64 + 1 tokens (the 16 of TINY would hold none of them).
+CHAT_SEQ_LEN = 64
+
+
+def example_conversations(count, start=0):
+    """Short conversations written for the tests (not the seed set): sums, a system turn, a second turn."""
+    conversations = []
+    for n in range(start, start + count):
+        a, b = n % 17, n % 5 + 1
+        messages = [{"role": "user", "content": f"¿Cuánto es {a} más {b}?"}]
+        messages.append({"role": "assistant", "content": f"{a} más {b} son {a + b}."})
+        if n % 3 == 0:
+            messages.insert(0, {"role": "system", "content": "Eres ENLACE, breve."})
+        if n % 4 == 0:
+            messages += [{"role": "user", "content": "Gracias"}, {"role": "assistant", "content": "De nada."}]
+        conversations.append({"messages": messages})
+    return conversations
+
+
+def write_jsonl(path, records):
+    with open(path, "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+    return str(path)
+
+
+def chat_overrides(folder, shard_dir):
+    """Overrides that point configs/sft-smoke-cpu.yaml at test conversations in folder/ and at the
+    tokenizer of the shard test data."""
+    return [
+        f"data.dir={folder}/packed",
+        f"data.chat.tokenizer={shard_dir}/tokenizer.model",
+        f"data.chat.train=[{folder}/train.jsonl]",
+        f"data.chat.val=[{folder}/val.jsonl]",
+        "data.chat.rows_per_shard=8",
+        "model.vocab_size=512",
+        f"model.seq_len={CHAT_SEQ_LEN}",
+        "train.init_from=null",
+    ]
+
+
+@pytest.fixture(scope="session")
+def chat_data_dir(tmp_path_factory, shard_data_dir):
+    """Test conversations packed by chat.prepare (rows of CHAT_SEQ_LEN + 1) with the shard tokenizer."""
+    import chat
+
+    folder = tmp_path_factory.mktemp("chat")
+    write_jsonl(folder / "train.jsonl", example_conversations(60))
+    write_jsonl(folder / "val.jsonl", example_conversations(12, start=100))
+    overrides = [*TINY, *chat_overrides(str(folder), shard_data_dir)]
+    (folder / "shard_dir.txt").write_text(shard_data_dir, encoding="utf-8")
+    chat.prepare(
+        config.load(os.path.join(ROOT, "configs", "sft-smoke-cpu.yaml"), overrides), log=lambda *a: None
+    )
+    return str(folder)
+
+
 def tiny_args(runs_dir, data_kind, data_dir, *overrides):
-    """train.py arguments of a tiny run over the byte or shard test data, writing runs under runs_dir."""
+    """train.py arguments of a tiny run over the byte, shard or chat test data, writing runs under
+    runs_dir. The chat data's folder holds the shard tokenizer's path in shard_dir.txt."""
     if data_kind == "bytes":
         run_file, data_overrides = "configs/smoke-cpu.yaml", [f"data.dir={data_dir}"]
+    elif data_kind == "chat":
+        with open(os.path.join(data_dir, "shard_dir.txt"), encoding="utf-8") as f:
+            shard_dir = f.read()
+        run_file, data_overrides = "configs/sft-smoke-cpu.yaml", chat_overrides(data_dir, shard_dir)
     else:
         run_file, data_overrides = "configs/smoke-corpus-cpu.yaml", shard_overrides(data_dir)
     return [run_file, *TINY, *data_overrides, f"train.runs_dir={runs_dir}", *overrides]
@@ -107,3 +232,41 @@ def wait_for_step(metrics_path, step, proc, timeout=60):
                     return
         time.sleep(0.01)
     raise AssertionError(f"no step {step} in {metrics_path} after {timeout}s")
+
+
+@pytest.fixture(scope="session")
+def chat_run(tmp_path_factory, shard_data_dir):
+    """A tiny run with the sentencepiece tokenizer (chat control tokens) and room for a chat prompt; it
+    writes gibberish, which is all the server tests need."""
+    import train
+
+    runs = tmp_path_factory.mktemp("runs")
+    overrides = ["run_name=chat", "model.seq_len=256", "train.max_steps=2", "train.eval_interval=0"]
+    train.train(tiny_config(runs, "shards", shard_data_dir, *overrides), log=lambda *a, **k: None)
+    return str(runs / "chat")
+
+
+def start_server(run, database, *overrides, log_path=None):
+    """serve.py in a subprocess on a free port of 127.0.0.1: (process, base URL). Its stderr goes to
+    log_path (or is dropped)."""
+    command = [sys.executable, "serve.py", run, "--port", "0", f"serve.database={database}", *overrides]
+    stderr = open(log_path, "w") if log_path else subprocess.DEVNULL  # noqa: SIM115 (owned by the child)
+    proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=stderr, text=True)
+    line = proc.stdout.readline()
+    if " at http://" not in line:
+        proc.kill()
+        log = open(log_path).read() if log_path else ""
+        raise AssertionError(f"serve.py did not start: {line!r}\n{log}")
+    return proc, line.split(" at ")[1].split()[0].rstrip("/")
+
+
+def serve_member(database, name, role, password=None):
+    """`python serve.py member add` (and `member password`): the member's API key."""
+    db = f"serve.database={database}"
+    added = subprocess.run([sys.executable, "serve.py", "member", "add", name, "--role", role, db],
+                           cwd=ROOT, capture_output=True, text=True, check=True)  # fmt: skip
+    key = added.stdout.strip().splitlines()[-1]
+    if password is not None:
+        subprocess.run([sys.executable, "serve.py", "member", "password", name, db], cwd=ROOT, input=password + "\n",
+                       capture_output=True, text=True, check=True)  # fmt: skip
+    return key

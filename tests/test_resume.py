@@ -16,8 +16,10 @@ STEPS = 8
 quiet = lambda *a, **k: None  # noqa: E731
 
 
-@pytest.fixture(params=["bytes", "shards"])
+@pytest.fixture(params=["bytes", "shards", "chat"])
 def dataset(request, byte_data_dir, shard_data_dir):
+    if request.param == "chat":  # SFT: packed conversations with a loss mask
+        return "chat", request.getfixturevalue("chat_data_dir")
     return request.param, byte_data_dir if request.param == "bytes" else shard_data_dir
 
 
