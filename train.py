@@ -111,12 +111,12 @@ def check_hardware(profile, caps):
     return problems
 
 
-def measure_peak_tflops(device, dtype=torch.float32, size=2048, seconds=1.0):
+def measure_peak_tflops(device, dtype=torch.float32, size=2048, seconds=1.0, min_timings=5):
     """Dense matmul throughput actually reached on this device: the reference for MFU where the hardware
     profile gives none, and the figure `make bench` divides by, so a run's logged MFU and the bench's
     agree. Square matmuls of `size` (large enough that the BLAS kernel runs at full speed), one untimed
-    for warm-up, then the best of repeated timings for `seconds`: a neighbour process can only slow a
-    timing down, never speed it up."""
+    for warm-up, then the best of repeated timings for `seconds` and at least `min_timings`: a neighbour
+    process can only slow a timing down, never speed it up."""
     a = torch.randn(size, size, device=device, dtype=dtype)
     b = torch.randn(size, size, device=device, dtype=dtype)
 
@@ -128,11 +128,11 @@ def measure_peak_tflops(device, dtype=torch.float32, size=2048, seconds=1.0):
         return time.perf_counter() - start
 
     timed_matmul()
-    best = float("inf")
+    timings = []
     deadline = time.perf_counter() + seconds
-    while time.perf_counter() < deadline or best == float("inf"):
-        best = min(best, timed_matmul())
-    return 2 * size**3 / best / 1e12
+    while time.perf_counter() < deadline or len(timings) < min_timings:
+        timings.append(timed_matmul())
+    return 2 * size**3 / min(timings) / 1e12
 
 
 # Measured once per process and device: a --resume-check's three runs, or a test session's many tiny
