@@ -8,6 +8,7 @@ import gzip
 import json
 import os
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -31,36 +32,59 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 
 
 # -----------------------------------------------------------------------------
-# model: matmul peak and training-step throughput
+# model: training throughput against transformers' Qwen3 at the same shapes, MFU, where the time goes
 
 
-def matmul_peak_flops():
-    """The trainer's own MFU reference (train.measure_peak_tflops), measured longer for a steadier figure."""
-    return train.measure_peak_tflops(torch.device("cpu"), size=2048, seconds=2.0) * 1e12
+def layer(kind, name):
+    with open(os.path.join(ROOT, "configs", kind, f"{name}.yaml"), encoding="utf-8") as f:
+        return yaml.safe_load(f)[kind]
 
 
-def training_step_times(model_cfg, batch_size, attention_backend="math", warmup=2, steps=5):
-    """Seconds per optimizer step (forward + backward + AdamW) on random tokens, after warm-up steps."""
-    torch.manual_seed(0)
-    net = model.Transformer(model_cfg, attention_backend)
-    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3, weight_decay=0.1)
+def qwen3_twin(model_cfg):
+    """transformers' Qwen3ForCausalLM with our config (the mapping in model.py's docstring), random init."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM  # a development dependency: only this bench
+
+    hf_cfg = Qwen3Config(
+        vocab_size=model_cfg["vocab_size"],
+        hidden_size=model_cfg["d_model"],
+        intermediate_size=model_cfg["ffn_hidden"],
+        num_hidden_layers=model_cfg["n_layers"],
+        num_attention_heads=model_cfg["n_heads"],
+        num_key_value_heads=model_cfg["n_kv_heads"],
+        head_dim=model_cfg["d_model"] // model_cfg["n_heads"],
+        max_position_embeddings=model_cfg["seq_len"],
+        rms_norm_eps=model_cfg["norm_eps"],
+        rope_theta=model_cfg["rope_base"],
+        tie_word_embeddings=True,
+        use_cache=False,
+    )
+    return Qwen3ForCausalLM(hf_cfg)
+
+
+def training_steps(model_cfg, batch_size, contenders, train_cfg, warmup, rounds):
+    """Seconds per optimizer step (forward + backward + the trainer's AdamW) of each contender on the same
+    random tokens, timed in interleaved rounds so a neighbour process slows all of them alike. contenders:
+    {label: (module, loss_of(module, idx, targets))}. Returns {label: [seconds, ...]} and the step fns."""
     idx = torch.randint(0, model_cfg["vocab_size"], (batch_size, model_cfg["seq_len"]))
     targets = torch.randint(0, model_cfg["vocab_size"], (batch_size, model_cfg["seq_len"]))
+    steps = {}
+    for label, (net, loss_of) in contenders.items():
+        optimizer = train.build_optimizer(net, train_cfg, torch.device("cpu"))
 
-    def step():
-        _, losses = net(idx, targets)
-        losses["loss"].backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        def step(net=net, loss_of=loss_of, optimizer=optimizer):
+            loss_of(net, idx, targets).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
 
-    for _ in range(warmup):
-        step()
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return net, step, times
+        steps[label] = step
+    times = {label: [] for label in contenders}
+    for round_index in range(warmup + rounds):
+        for label, step in steps.items():
+            start = time.perf_counter()
+            step()
+            if round_index >= warmup:
+                times[label].append(time.perf_counter() - start)
+    return times, steps
 
 
 def where_time_goes(step, top=6):
@@ -74,43 +98,109 @@ def where_time_goes(step, top=6):
 
 
 def bench_model():
-    def load(name):
-        with open(os.path.join(ROOT, "configs", "model", f"{name}.yaml"), encoding="utf-8") as f:
-            return yaml.safe_load(f)["model"]
-
+    """ENLACE as the cpu profile trains it, the same model with the math kernel, and transformers' Qwen3
+    built from the same config, trained with the same AdamW on the same tokens. The MFU divides by
+    train.measure_peak_tflops, the figure a run's log uses."""
+    profile_cfg = layer("hardware", "cpu")
+    shapes = [("smoke", layer("train", "smoke")["micro_batch_size"], 2, 5), ("tiny-50m", 1, 1, 3)]
+    print(f"model: timing {len(shapes)} shapes x 3 contenders between two matmul peaks (minutes)", flush=True)
     # Measured before and after the steps and the higher one kept: a neighbour process that slows one
     # measurement must not shrink the peak and so flatter the MFU.
-    peak = matmul_peak_flops()
+    peak = train.measure_peak_tflops(torch.device("cpu")) * 1e12
     results = []
-    # The CPU profile's math kernel, and the CPU flash kernel (which skips the masked half of the scores).
-    shapes = [
-        ("smoke", 16, "math"),
-        ("smoke", 16, "flash"),
-        ("tiny-50m", 1, "math"),
-        ("tiny-50m", 1, "flash"),
-    ]
-    print(
-        f"model: timing {len(shapes)} training shapes between two matmul peaks (about a minute)", flush=True
-    )
-    for name, batch_size, backend in shapes:
-        cfg = load(name)
-        warmup, steps = (2, 5) if name == "smoke" else (1, 3)
-        net, step, times = training_step_times(cfg, batch_size, backend, warmup, steps)
-        seconds = statistics.median(times)
-        tokens_per_second = batch_size * cfg["seq_len"] / seconds
-        flops = net.flops_per_token(cfg["seq_len"]) * tokens_per_second
-        label = f"{name} B={batch_size} T={cfg['seq_len']} {backend}"
-        breakdown = where_time_goes(step) if backend == "math" else None
-        results.append((label, net.num_params(), seconds, len(times), tokens_per_second, flops, breakdown))
-    peak = max(peak, matmul_peak_flops())
-    print(f"model: float32 matmul peak {peak / 1e9:.1f} GFLOP/s ({torch.get_num_threads()} threads)")
-    for label, params, seconds, steps, tokens_per_second, flops, breakdown in results:
-        print(
-            f"model: {label:24s} | {params / 1e6:.1f}M params | step {seconds:.3f}s (median of {steps})"
-            f" | {tokens_per_second:,.0f} tok/s | {flops / 1e9:.1f} GFLOP/s | MFU {100 * flops / peak:.0f}%"
+    for name, batch_size, warmup, rounds in shapes:
+        cfg = layer("model", name)
+        backend = profile_cfg["attention_backend"]
+        torch.manual_seed(0)
+        contenders = {
+            f"ENLACE ({backend}, cpu profile)": (model.Transformer(cfg, backend), enlace_loss),
+            "ENLACE (math)": (model.Transformer(cfg, "math"), enlace_loss),
+            "transformers Qwen3": (qwen3_twin(cfg), qwen3_loss),
+        }
+        times, steps = training_steps(cfg, batch_size, contenders, layer("train", "smoke"), warmup, rounds)
+        first = next(iter(contenders))
+        flops_per_token = contenders[first][0].flops_per_token(cfg["seq_len"])
+        params = contenders[first][0].num_params()
+        rates = {label: batch_size * cfg["seq_len"] / statistics.median(t) for label, t in times.items()}
+        results.append(
+            (name, batch_size, cfg, params, flops_per_token, rates, rounds, where_time_goes(steps[first]))
         )
-        if breakdown:
-            print(f"model:   time per op: {breakdown}")
+    peak = max(peak, train.measure_peak_tflops(torch.device("cpu")) * 1e12)
+    print(f"model: float32 matmul peak {peak / 1e9:.1f} GFLOP/s ({torch.get_num_threads()} threads)")
+    for name, batch_size, cfg, params, flops_per_token, rates, rounds, breakdown in results:
+        print(
+            f"model: {name} B={batch_size} T={cfg['seq_len']} | {params / 1e6:.1f}M params | median of {rounds}"
+        )
+        reference = rates["transformers Qwen3"]
+        for label, rate in rates.items():
+            print(
+                f"model:   {label:28s} {rate:8,.0f} tok/s | MFU {100 * flops_per_token * rate / peak:3.0f}% | "
+                f"{rate / reference:.2f}x transformers"
+            )
+        print(f"model:   time per op (cpu profile): {breakdown}")
+
+
+def enlace_loss(net, idx, targets):
+    return net(idx, targets)[1]["loss"]
+
+
+def qwen3_loss(net, idx, targets):
+    # shift_labels: position t predicts targets[t], as in ENLACE (labels alone would be shifted by one).
+    return net(input_ids=idx, labels=targets, shift_labels=targets).loss
+
+
+# -----------------------------------------------------------------------------
+# decode: generation with the KV cache against a full forward pass per token, and past seq_len
+
+
+def decode_rates(net, prompt, new_tokens):
+    """(seconds to the first token, tokens/s after it) of greedy model.generate with the KV cache."""
+    start = time.perf_counter()
+    stream = net.generate(prompt, new_tokens, temperature=0)
+    next(stream)
+    first = time.perf_counter()
+    rest = sum(1 for _ in stream)
+    return first - start, rest / (time.perf_counter() - first)
+
+
+def uncached_rate(net, prompt, new_tokens):
+    """Tokens/s of greedy decoding without a cache: a full forward pass over the last seq_len tokens per
+    token (nanoGPT's sample loop)."""
+    sequence = prompt.tolist()
+    start = time.perf_counter()
+    with torch.no_grad():
+        for _ in range(new_tokens):
+            logits, _ = net(torch.tensor([sequence[-net.seq_len :]]))
+            sequence.append(int(logits[0, -1].argmax()))
+    return new_tokens / (time.perf_counter() - start)
+
+
+def bench_decode():
+    """tiny-50m (random weights, the cpu profile's kernel) at 128 and ~1024 tokens of context, and the
+    smoke model generating 4 x seq_len tokens, which makes generate restart its cache every seq_len / 2."""
+    backend = layer("hardware", "cpu")["attention_backend"]
+    torch.manual_seed(0)
+    tiny = model.Transformer(layer("model", "tiny-50m"), backend).eval()
+    generated, uncached_tokens = 32, 4
+    for context in (128, tiny.seq_len):
+        prompt = torch.randint(0, tiny.cfg["vocab_size"], (context - generated,))
+        first_s, cached = decode_rates(tiny, prompt, generated)
+        uncached = uncached_rate(tiny, prompt, uncached_tokens)
+        print(
+            f"decode: tiny-50m, {context - generated}-token prompt + {generated} new | KV cache "
+            f"{cached:,.1f} tok/s (prefill {first_s:.2f}s) | no cache {uncached:,.2f} tok/s | "
+            f"cache {cached / uncached:,.0f}x faster"
+        )
+    smoke = model.Transformer(layer("model", "smoke"), backend).eval()
+    long_run = 4 * smoke.seq_len
+    prompt = torch.randint(0, 256, (16,))
+    first_s, cached = decode_rates(smoke, prompt, long_run)
+    uncached = uncached_rate(smoke, prompt[-1:].repeat(smoke.seq_len), 16)  # a full window per token
+    print(
+        f"decode: smoke model, {long_run} tokens from a 16-token prompt (seq_len {smoke.seq_len}) | "
+        f"{cached:,.0f} tok/s | a full window per token (what each step past seq_len cost before) "
+        f"{uncached:,.0f} tok/s"
+    )
 
 
 # -----------------------------------------------------------------------------
@@ -151,15 +241,32 @@ def bench_data():
         data_cfg["dir"] = folder
         processes = corpus.processes_of(data_cfg)
 
-        stats, corpus_wall, corpus_cpu = timed(corpus.build_corpus, data_cfg, log=quiet)
-        _, tokenizer_wall, _ = timed(corpus.train_tokenizer, data_cfg, log=quiet)
-        _, encode_wall, encode_cpu = timed(corpus.encode, data_cfg, log=quiet)
-
+        # Three runs of the corpus and encode steps (and of raw sentencepiece), the median of each kept:
+        # one run on a shared machine can be off by a third. The tokenizer is trained once.
+        runs = []
+        for attempt in range(3):
+            if attempt:  # forget the finished steps (manifest entries, filter tasks): nothing is skipped
+                shutil.rmtree(os.path.join(folder, "work"), ignore_errors=True)
+                manifest = data.read_manifest(data_cfg)
+                manifest.pop("corpus"), manifest.pop("encode")
+                data.write_json(data.manifest_path(data_cfg), manifest)
+            stats, corpus_wall, corpus_cpu = timed(corpus.build_corpus, data_cfg, log=quiet)
+            if not attempt:
+                _, tokenizer_wall, _ = timed(corpus.train_tokenizer, data_cfg, log=quiet)
+                tokenizer = data.load_tokenizer(data_cfg)
+                texts = [
+                    t
+                    for split in data.SPLITS
+                    for t in corpus.iter_documents(corpus.docs_path(data_cfg, split))
+                ]
+                lines = [line for text in texts for line in text.split("\n")]
+            _, encode_wall, encode_cpu = timed(corpus.encode, data_cfg, log=quiet)
+            _, raw_wall, raw_cpu = timed(tokenizer.processor.encode, lines, num_threads=1)
+            runs.append((corpus_wall, corpus_cpu, encode_wall, encode_cpu, raw_wall, raw_cpu))
+        corpus_wall, corpus_cpu, encode_wall, encode_cpu, raw_wall, raw_cpu = map(
+            statistics.median, zip(*runs, strict=True)
+        )
         megabytes = stats["bytes_out"] / 1e6  # UTF-8 text of the kept documents, both splits
-        tokenizer = data.load_tokenizer(data_cfg)
-        texts = [t for split in data.SPLITS for t in corpus.iter_documents(corpus.docs_path(data_cfg, split))]
-        lines = [line for text in texts for line in text.split("\n")]
-        _, raw_wall, raw_cpu = timed(tokenizer.processor.encode, lines, num_threads=1)
 
         val = list(corpus.iter_documents(corpus.docs_path(data_cfg, "val")))
         val_tokens = [tokenizer.encode(text) for text in val]
@@ -173,7 +280,8 @@ def bench_data():
     encode_rate_cpu = megabytes / encode_cpu
     print(
         f"data: {stats['documents_out']:,} documents, {megabytes:.1f} MB of text, {processes} processes, "
-        f"{tokenizer.vocab_size:,}-token BPE, load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
+        f"{tokenizer.vocab_size:,}-token BPE, load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; "
+        f"medians of {len(runs)} runs"
     )
     print(
         f"data: corpus step {megabytes / corpus_wall:.1f} MB/s ({megabytes / corpus_cpu:.1f} MB per CPU-s) | "
@@ -576,6 +684,7 @@ def serve_rss_kib(pid):
 
 SECTIONS = {
     "model": bench_model,
+    "decode": bench_decode,
     "data": bench_data,
     "corpus": bench_corpus,
     "search": bench_search,
