@@ -16,7 +16,8 @@ TRAIN := $(if $(filter 1,$(NPROC)),$(PY),$(VENV)/bin/torchrun --standalone --npr
 
 .PHONY: setup lint check-configs test clean smoke smoke-2060 pretrain resume-check data-smoke \
 	corpus tokenizer encode corpus-smoke corpus-report smoke-corpus sample chat eval serve bench search agent-data \
-	agent-eval sft-agent sync remote-setup remote-smoke-2060 remote-pretrain logs fetch status chat-prepare sft sft-smoke plot
+	agent-eval sft-agent sync remote-setup remote-smoke-2060 remote-pretrain logs fetch status chat-prepare sft sft-smoke \
+	plot export gguf-check
 
 setup: $(STAMP)
 
@@ -82,7 +83,10 @@ smoke-corpus: corpus-smoke
 pretrain: $(STAMP)
 	$(TRAIN) $(CONFIG) $(ARGS) $(RESUME_FLAG)
 
+# The data a check or an evaluation reads is built first (idempotent: a no-op when up to date), so both
+# work on a fresh clone as `make smoke` does.
 resume-check: $(STAMP)
+	$(PY) corpus.py all $(CONFIG) $(filter-out --%,$(ARGS))
 	$(PY) train.py $(CONFIG) --resume-check $(ARGS)
 
 # --- fine-tuning on conversations (SFT) -----------------------------------------------------------
@@ -111,11 +115,27 @@ sample: $(STAMP)
 chat: $(STAMP)
 	$(PY) sample.py $(RUN) --chat $(ARGS)
 
+RUN_DIR = $(if $(filter %.pt,$(RUN)),$(patsubst %/,%,$(dir $(RUN))),$(RUN))
+
 eval: $(STAMP)
+	test ! -f $(RUN_DIR)/config.yaml || $(PY) corpus.py all $(RUN_DIR)/config.yaml
 	$(PY) sample.py $(RUN) --eval val $(ARGS)
 
 plot: $(STAMP)
 	$(PY) plot.py $(RUN)
+
+# make export RUN=runs/sft TO=gguf ARGS="--dtype q8_0"   (TO: hf, gguf or ollama; OUT defaults to out/)
+TO ?= hf
+OUT ?= out/$(notdir $(RUN_DIR))-$(TO)
+export: $(STAMP)
+	$(PY) export.py $(RUN) $(OUT) --to $(TO) $(ARGS)
+
+# llama.cpp parity of the GGUF export (tests/test_export.py -k llama). The first run builds
+# llama-cpp-python from source for the CPU: about half an hour, which is why CI does not run it.
+gguf-check: $(STAMP)
+	CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_BLAS=OFF" \
+		$(PY) -m pip install --quiet -r requirements-gguf-check.txt
+	$(VENV)/bin/pytest -q -s tests/test_export.py -k llama
 
 search: $(STAMP)
 	$(PY) search.py "$(Q)" $(ARGS)

@@ -8,9 +8,9 @@ Use a trained run: generate text, chat, or measure bits per byte.
     python sample.py runs/smoke-cpu --eval val            # the run's validation split
     python sample.py runs/smoke-cpu --eval texto.txt      # any UTF-8 text file
 
-A run directory means its newest checkpoint. The checkpoint carries the resolved config it was trained
-with (model shape, tokenizer), so nothing here depends on the training code's state. Inference runs in
-float32 on the CPU, or on CUDA with --device cuda.
+A run directory means its newest checkpoint. The checkpoint carries the resolved config and the tokenizer
+it was trained with (checkpoint.load_run), so nothing here depends on the training code or on data/.
+Inference runs in float32 on the CPU, or on CUDA with --device cuda.
 """
 
 import argparse
@@ -24,53 +24,21 @@ import torch.nn.functional as F
 
 import agent
 import chat
+import checkpoint
 import data
-from model import Transformer
-from train import load_checkpoint, load_newest_checkpoint
+from checkpoint import CheckpointError
 
 
 class SampleError(Exception):
     """A problem the user can fix; printed without a traceback, exit status 2."""
 
 
-# -----------------------------------------------------------------------------
-# Loading a run
-
-
 def load_run(path, device="cpu"):
-    """(model in eval mode, resolved config, tokenizer, checkpoint path) of a run directory or file."""
-    if os.path.isdir(path):
-        try:
-            ckpt_path, checkpoint = load_newest_checkpoint(path, log=lambda m: print(m, file=sys.stderr))
-        except Exception as e:
-            raise SampleError(f"{path}: {e}") from None
-    elif os.path.isfile(path):
-        ckpt_path = path
-        try:
-            checkpoint = load_checkpoint(path)
-        except Exception as e:
-            raise SampleError(f"{path}: not a loadable ENLACE checkpoint ({type(e).__name__}: {e})") from None
-    else:
-        raise SampleError(f"{path}: no such run directory or checkpoint file")
-
-    cfg = checkpoint["config"]
+    """checkpoint.load_run with its errors as SampleError, which serve.py and agent_data.py catch."""
     try:
-        model = Transformer(cfg["model"])
-        model.load_state_dict(checkpoint["model"])
-    except (KeyError, ValueError, RuntimeError) as e:
-        first_lines = "\n  ".join(str(e).strip().splitlines()[:6])
-        raise SampleError(
-            f"{ckpt_path}: the weights do not fit the model config stored with them:\n  {first_lines}"
-        ) from None
-    tokenizer = data.load_tokenizer(cfg["data"])
-    trained_with = checkpoint.get("tokenizer", tokenizer.name)
-    if tokenizer.name != trained_with or tokenizer.vocab_size != cfg["model"]["vocab_size"]:
-        raise SampleError(
-            f"{ckpt_path}: trained with the {trained_with} tokenizer of {cfg['model']['vocab_size']} tokens, "
-            f"but data config gives the {tokenizer.name} tokenizer of {tokenizer.vocab_size}"
-        )
-    model.to(device).eval()
-    return model, cfg, tokenizer, ckpt_path
+        return checkpoint.load_run(path, device)
+    except CheckpointError as e:
+        raise SampleError(str(e)) from None
 
 
 # -----------------------------------------------------------------------------
@@ -524,7 +492,7 @@ def main(argv):
             run_chat(model, tokenizer, cfg, args)
         else:
             run_generation(model, tokenizer, args)
-    except (SampleError, chat.ChatError, data.DataError, ValueError) as e:
+    except (SampleError, CheckpointError, chat.ChatError, data.DataError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -282,7 +282,7 @@ def test_init_from_a_run_of_another_shape_or_tokenizer_is_refused_naming_the_set
     assert not os.path.exists(train.run_dir_of(cfg))  # nothing half-written
 
     state = train.load_checkpoint(train.list_checkpoints(base_run)[0])
-    state["tokenizer_sha256"] = "0" * 64
+    state["tokenizer"]["sha256"] = "0" * 64
     other = tmp_path / "other-tokenizer.pt"
     torch.save(state, other)
     cfg = sft_config(chat_data_dir, shard_data_dir, f"train.runs_dir={tmp_path}", f"train.init_from={other}")
