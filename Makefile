@@ -10,6 +10,8 @@ CONFIG ?= configs/pretrain-2060.yaml
 SFT_CONFIG ?= configs/sft-2060.yaml
 NPROC ?= 1
 RUN ?= runs/smoke-cpu
+DB ?= var/enlace.sqlite
+SNAPSHOT ?=
 ARGS ?=
 RESUME_FLAG := $(if $(filter 1 yes true,$(RESUME)),--resume,)
 TRAIN := $(if $(filter 1,$(NPROC)),$(PY),$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC)) train.py
@@ -17,7 +19,7 @@ TRAIN := $(if $(filter 1,$(NPROC)),$(PY),$(VENV)/bin/torchrun --standalone --npr
 .PHONY: setup lint check-configs test clean smoke smoke-2060 pretrain resume-check data-smoke \
 	corpus tokenizer encode corpus-smoke corpus-report smoke-corpus sample chat eval serve bench search agent-data \
 	agent-eval sft-agent sync remote-setup remote-smoke-2060 remote-pretrain logs fetch status chat-prepare sft sft-smoke \
-	plot export gguf-check
+	plot export gguf-check snapshot restore
 
 setup: $(STAMP)
 
@@ -167,6 +169,15 @@ sft-agent: corpus-smoke agent-data
 	rm -rf runs/sft-agent-cpu
 	$(PY) train.py configs/sft-agent-cpu.yaml $(ARGS)
 	$(PY) agent_data.py eval runs/sft-agent-cpu $(AGENT_DATA)/eval.jsonl --limit 60 --max-new-tokens 64
+
+# --- the family's database ------------------------------------------------------------------------
+
+snapshot: $(STAMP)
+	$(PY) memory.py --db $(DB) snapshot
+
+restore: $(STAMP)
+	@test -n "$(SNAPSHOT)" || { echo "usage: make restore SNAPSHOT=var/snapshots/<time>" >&2; exit 2; }
+	$(PY) memory.py --db $(DB) restore $(SNAPSHOT)
 
 # --- the GPU server over SSH (settings in .env, see .env.example) ---------------------------------
 

@@ -680,6 +680,86 @@ def serve_rss_kib(pid):
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
 
 
+# memory: retrieval for a turn among 100k memories, against the time of the turn itself
+
+
+def bench_memory(count=100_000, members=6, queries=300, new_tokens=64):
+    """Retrieval latency (memory.context_for_turn: pinned + top-k bm25 within the token budget) over
+    `count` memories of `members` members, queries being other sentences of the embedded corpus; and its
+    share of a whole turn with the smoke model's shape (vocab 4096 as make smoke-corpus trains it): a
+    prompt filling the window but `new_tokens`, then `new_tokens` generated with the KV cache."""
+    import gzip
+    import random
+
+    import memory
+
+    with gzip.open(os.path.join(ROOT, "corpus", "fortunes-es.txt.gz"), "rt", encoding="utf-8") as f:
+        sentences = [s.strip() for s in f.read().replace("\n", " ").split(".") if 20 < len(s.strip()) < 300]
+    rng = random.Random(0)
+    names = [f"miembro{i}" for i in range(members)]
+    cfg = memory.load_config()
+    count_tokens = lambda text: len(data.ByteTokenizer().encode(text))  # noqa: E731 - >= a BPE's count
+    with tempfile.TemporaryDirectory(prefix="bench-memory-") as folder:
+        conn = memory.connect(os.path.join(folder, "familia.db"), cfg)
+        stamp = memory.now_text()
+        rows = [
+            (
+                rng.choice(names),
+                "family" if rng.random() < 0.2 else "private",
+                rng.choice(sentences),
+                int(rng.random() < 3e-4),
+                "manual",
+                stamp,
+                stamp,
+            )
+            for _ in range(count)
+        ]
+        with conn:
+            conn.executemany(
+                "INSERT INTO memories (member, scope, text, pinned, source, created, updated) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                rows,
+            )
+        times, lengths = [], []
+        for _ in range(queries):
+            question = rng.choice(sentences)
+            start = time.perf_counter()
+            context = memory.context_for_turn(conn, rng.choice(names), "adult", question, cfg, count_tokens)
+            times.append(time.perf_counter() - start)
+            lengths.append(context.count("\n- ["))
+        conn.close()
+    times.sort()
+    p50, p95 = times[len(times) // 2], times[int(0.95 * len(times))]
+
+    with open(os.path.join(ROOT, "configs", "model", "smoke.yaml"), encoding="utf-8") as f:
+        model_cfg = dict(yaml.safe_load(f)["model"], vocab_size=4096)
+    torch.manual_seed(0)
+    net = model.Transformer(model_cfg).eval()
+    prompt = torch.randint(0, model_cfg["vocab_size"], (model_cfg["seq_len"] - new_tokens,))
+
+    def turn():
+        with torch.no_grad():
+            for _ in net.generate(prompt, new_tokens, temperature=1.0, top_k=50):
+                pass
+
+    # One thread, like the retrieval: a loaded machine stretches a multi-threaded turn far more, which
+    # would flatter the share.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        turn_s = per_call_seconds(turn, repeats=5)
+    finally:
+        torch.set_num_threads(threads)
+    print(
+        f"memory: {count:,} memories of {members} members, {queries} queries: retrieval p50 "
+        f"{1000 * p50:.1f} ms, p95 {1000 * p95:.1f} ms ({statistics.mean(lengths):.1f} memories per turn)"
+    )
+    print(
+        f"memory: a smoke-model turn ({len(prompt)}-token prompt + {new_tokens} tokens, 1 thread) takes "
+        f"{1000 * turn_s:.0f} ms; retrieval p95 is {100 * p95 / (p95 + turn_s):.1f}% of the turn (target < 5%)"
+    )
+
+
 # -----------------------------------------------------------------------------
 
 SECTIONS = {
@@ -689,6 +769,7 @@ SECTIONS = {
     "corpus": bench_corpus,
     "search": bench_search,
     "serve": bench_serve,
+    "memory": bench_memory,
 }
 
 
