@@ -40,6 +40,9 @@ import numpy as np
 import config
 
 ROLES = ("system", "user", "assistant", "tool")
+# Bump when segments() changes what a conversation renders to: checkpoints record the version they
+# were trained with, and the export writes it beside the Jinja copy of the template.
+CHAT_TEMPLATE_VERSION = 1
 
 
 class ChatError(Exception):

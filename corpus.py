@@ -522,9 +522,8 @@ class FilterTask:
         write_json(paths["stats"], {"sources": stats, "examples": examples})
 
 
-def run_tasks(task, data_cfg, workdir, log):
-    """Run the filter tasks on the configured datatrove executor; True when every task has finished here
-    (a Slurm run only submits them: run the step again once the jobs are done)."""
+def executor_for(task, data_cfg, workdir):
+    """(datatrove executor of the filter tasks as data.corpus.executor says, number of tasks)."""
     executor_cfg = data_cfg["corpus"]["executor"]
     tasks = executor_cfg["tasks"] or processes_of(data_cfg)
     logging_dir = os.path.join(workdir, "logs")
@@ -557,6 +556,15 @@ def run_tasks(task, data_cfg, workdir, log):
         executor = RayPipelineExecutor(
             pipeline=[task], tasks=tasks, logging_dir=logging_dir, skip_completed=False
         )
+    return executor, tasks
+
+
+def run_tasks(task, data_cfg, workdir, log):
+    """Run the filter tasks on the configured datatrove executor; the number of tasks when every one has
+    finished here, None when they were only submitted (Slurm: run the step again once the jobs are done)."""
+    executor, tasks = executor_for(task, data_cfg, workdir)
+    executor_cfg = data_cfg["corpus"]["executor"]
+    logging_dir = os.path.join(workdir, "logs")
     finished = sum(os.path.exists(task.paths(rank)["stats"]) for rank in range(tasks))
     log(
         f"corpus: {tasks} filter task(s) on the {executor_cfg['kind']} executor, {finished} already finished "
@@ -616,6 +624,18 @@ def corpus_fingerprint(data_cfg):
     return fingerprint({"pipeline": PIPELINE_VERSION, "corpus": corpus_cfg, "files": files, "evals": evals})
 
 
+def filter_fingerprint(data_cfg):
+    """What the filter tasks' outputs depend on: the sources' files and the settings of the stages."""
+    corpus_cfg = data_cfg["corpus"]
+    keys = ("sources", "min_chars", "val_fraction", "max_documents_per_file", "filters", "pii", "near_dedup")
+    files = [
+        [path, os.path.getsize(path), os.stat(path).st_mtime_ns] for _, path in expand_sources(corpus_cfg)
+    ]
+    return fingerprint(
+        {"pipeline": PIPELINE_VERSION, "corpus": {k: corpus_cfg[k] for k in keys}, "files": files}
+    )
+
+
 def eval_files(corpus_cfg):
     paths = corpus_cfg["decontamination"]["eval_files"]
     for index, path in enumerate(paths):
@@ -638,7 +658,13 @@ def build_corpus(data_cfg, log=print):
     if done and done["fingerprint"] == key and outputs_intact(done["outputs"].values()):
         log(f"corpus: up to date ({data_cfg['dir']}/docs_*.jsonl)")
         return done["stats"]
-    workdir = os.path.join(data_cfg["dir"], "work", key[:16])
+    # The filter tasks' outputs are kept, named by what they depend on: changing decontamination, the
+    # mixture or the executor merges again without filtering again.
+    work = os.path.join(data_cfg["dir"], "work")
+    workdir = os.path.join(work, filter_fingerprint(data_cfg)[:16])
+    if os.path.isdir(work):
+        for stale in set(os.listdir(work)) - {os.path.basename(workdir)}:
+            shutil.rmtree(os.path.join(work, stale), ignore_errors=True)
     os.makedirs(workdir, exist_ok=True)
     task = FilterTask(data_cfg, workdir)
     tasks = run_tasks(task, data_cfg, workdir, log)
@@ -690,7 +716,9 @@ def build_corpus(data_cfg, log=print):
 
     # Pass 2: the val documents (one per cluster) are protected n-grams, with the evaluation files.
     decon_cfg = corpus_cfg["decontamination"]
-    guard = corpus_filters.Decontaminator(decon_cfg["ngram"], decon_cfg["common_in"])
+    guard = corpus_filters.Decontaminator(
+        decon_cfg["ngram"], decon_cfg["common_in"], decon_cfg["val_max_overlap"]
+    )
     for path in eval_files(corpus_cfg):
         with open(path, encoding="utf-8", errors="replace") as f:
             guard.protect(path, f.read())
@@ -785,7 +813,6 @@ def build_corpus(data_cfg, log=print):
     manifest = read_manifest(data_cfg)
     manifest["corpus"] = {"fingerprint": key, "stats": stats, "outputs": outputs}
     write_json(manifest_path(data_cfg), manifest)
-    shutil.rmtree(workdir, ignore_errors=True)
     dropped = collections.Counter()
     for s in per_source.values():
         dropped.update(s["drops"])
@@ -1034,7 +1061,8 @@ def count_tokens(tokenizer, docs_record, workers):
                 record = json.loads(line)
                 offsets.append(position)
                 sources.append(record["source"])
-                sizes.append(record.get("cluster_size", 1))
+                # FineWeb-2 parquet carries the cluster size of its own global dedup; ours sees only our files
+                sizes.append(max(record.get("cluster_size", 1), record.get("minhash_cluster_size", 1)))
                 position += len(line)
                 yield line
 

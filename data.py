@@ -167,13 +167,18 @@ class SentencePieceTokenizer:
 
     name = "sentencepiece"
 
-    def __init__(self, model_path):
-        if not os.path.exists(model_path):
+    def __init__(self, model_path, model_proto=None):
+        """From the file model_path, or from model_proto (the file's bytes, as a checkpoint carries
+        them; model_path then only names where they came from)."""
+        if model_proto is None and not os.path.exists(model_path):
             raise DataError(
                 f"{model_path}: tokenizer not found; build it with `python corpus.py tokenizer CONFIG`"
             )
         try:
-            self.processor = spm.SentencePieceProcessor(model_file=model_path)
+            if model_proto is None:
+                self.processor = spm.SentencePieceProcessor(model_file=model_path)
+            else:
+                self.processor = spm.SentencePieceProcessor(model_proto=model_proto)
         except (OSError, RuntimeError) as e:
             raise DataError(f"{model_path}: not a sentencepiece model ({e})") from None
         processor = self.processor

@@ -13,7 +13,7 @@ answer at a time, taking requests from a bounded queue (a full queue answers 503
 The server binds 127.0.0.1 unless --host says otherwise: --host 0.0.0.0 opens it to every device on the
 network, over plain HTTP (see the README before doing that).
 
-Routes (ROUTES below; other features add theirs with build_app(..., extra_routes)):
+Routes (routes() below; other features add theirs with build_app(..., extra_routes)):
     GET  /v1/models                        the run, as the one model id
     POST /v1/chat/completions              OpenAI chat completions, plain or streamed (SSE); stateless
     POST /api/login, /api/logout; GET /api/me            web sessions (HttpOnly, SameSite=Strict cookie)
@@ -24,24 +24,22 @@ Routes (ROUTES below; other features add theirs with build_app(..., extra_routes
     GET|POST|DELETE /api/memories; GET /api/memories/export; PATCH|DELETE /api/memories/{id}
                                            the member's memories (memory.py), never the admin's business
 Every request is authenticated by `Authorization: Bearer <API key>` or the session cookie. A member only
-ever reaches their own conversations (anything else is 404, whoever asks, admins included).
+ever reaches their own conversations (anything else is 404, whoever asks, admins included). Members,
+sessions and conversations are accounts.py's (SQLite).
 
-Members, sessions and conversations live in one SQLite file (WAL): API keys are stored as SHA-256 hashes
-(they are random 256-bit secrets), passwords and PINs as salted scrypt hashes.
+A request that brings its own `tools` gets them rendered by chat.render and the model's calls back as
+OpenAI tool_calls; any other request runs agent.py's loop with the server's tools (search, calculator,
+date) in the worker, when their schemas fit the model's context and serve.tools is on.
 """
 
 import argparse
 import asyncio
-import getpass
 import hashlib
-import hmac
 import json
 import os
 import queue
-import re
 import secrets
 import socket
-import sqlite3
 import sys
 import threading
 import time
@@ -55,17 +53,16 @@ from starlette.responses import FileResponse, JSONResponse, Response, StreamingR
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
+import accounts
 import agent
+import chat
 import config
 import memory
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 WEB_DIR = os.path.join(ROOT, "web")
 DEFAULT_CONFIG = os.path.join(ROOT, "configs", "serve", "default.yaml")
-ROLES = ("admin", "adult", "child")
 SESSION_COOKIE = "enlace_session"
-NAME_PATTERN = re.compile(r"^[A-Za-z0-9ÁÉÍÓÚÜÑáéíóúüñ][A-Za-z0-9ÁÉÍÓÚÜÑáéíóúüñ._-]{0,39}$")
-OVERRIDE = re.compile(r"^serve\.[A-Za-z_.]+=")
 MESSAGE_ROLES = ("system", "developer", "user", "assistant", "tool")
 SECURITY_HEADERS = [
     (b"x-content-type-options", b"nosniff"),
@@ -102,190 +99,19 @@ class ApiError(Exception):
 
 
 # -----------------------------------------------------------------------------
-# Accounts, sessions and conversations (SQLite)
-
-SCHEMA_SQL = """
-CREATE TABLE IF NOT EXISTS members (
-    id INTEGER PRIMARY KEY, name TEXT NOT NULL UNIQUE COLLATE NOCASE, role TEXT NOT NULL,
-    key_hash TEXT NOT NULL UNIQUE, password_hash TEXT, created REAL NOT NULL);
-CREATE TABLE IF NOT EXISTS sessions (
-    token_hash TEXT PRIMARY KEY, member_id INTEGER NOT NULL REFERENCES members(id) ON DELETE CASCADE,
-    expires REAL NOT NULL);
-CREATE TABLE IF NOT EXISTS conversations (
-    id TEXT PRIMARY KEY, member_id INTEGER NOT NULL REFERENCES members(id) ON DELETE CASCADE,
-    title TEXT NOT NULL, created REAL NOT NULL, updated REAL NOT NULL);
-CREATE INDEX IF NOT EXISTS conversations_of_member ON conversations(member_id, updated);
-CREATE TABLE IF NOT EXISTS messages (
-    id INTEGER PRIMARY KEY, conversation_id TEXT NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
-    role TEXT NOT NULL, content TEXT NOT NULL, created REAL NOT NULL);
-CREATE INDEX IF NOT EXISTS messages_of_conversation ON messages(conversation_id, id);
-"""
-
-
-def sha256(text):
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()
-
-
-def hash_password(password, cost):
-    salt = secrets.token_bytes(16)
-    digest = hashlib.scrypt(password.encode("utf-8"), salt=salt, n=cost["n"], r=cost["r"], p=cost["p"],
-                            maxmem=256 * 1024 * 1024)  # fmt: skip
-    return f"scrypt${cost['n']}${cost['r']}${cost['p']}${salt.hex()}${digest.hex()}"
-
-
-def password_matches(password, stored):
-    _, n, r, p, salt, digest = stored.split("$")
-    candidate = hashlib.scrypt(password.encode("utf-8"), salt=bytes.fromhex(salt), n=int(n), r=int(r),
-                               p=int(p), maxmem=256 * 1024 * 1024)  # fmt: skip
-    return hmac.compare_digest(candidate.hex(), digest)
-
-
-class Store:
-    """The SQLite database. One connection shared under a lock: every statement here takes microseconds,
-    so the event loop calls it directly. Each write is one committed transaction (synchronous=FULL)."""
-
-    def __init__(self, path):
-        folder = os.path.dirname(os.path.abspath(path))
-        os.makedirs(folder, exist_ok=True)
-        self.db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
-        self.db.row_factory = sqlite3.Row
-        self.lock = threading.Lock()
-        self.db.execute("PRAGMA journal_mode=WAL")
-        self.db.execute("PRAGMA synchronous=FULL")
-        self.db.execute("PRAGMA foreign_keys=ON")
-        self.db.executescript(SCHEMA_SQL)
-        memory.ensure_schema(self.db)
-
-    def query(self, sql, args=()):
-        with self.lock:
-            return [dict(row) for row in self.db.execute(sql, args)]
-
-    def write(self, *statements):
-        """Run (sql, args) statements in one transaction; returns the last cursor's rowcount."""
-        with self.lock:
-            self.db.execute("BEGIN IMMEDIATE")
-            try:
-                count = 0
-                for sql, args in statements:
-                    count = self.db.execute(sql, args).rowcount
-                self.db.execute("COMMIT")
-                return count
-            except BaseException:
-                self.db.execute("ROLLBACK")
-                raise
-
-    # members
-    def add_member(self, name, role):
-        """Create a member; returns their new API key (shown once, stored as a hash)."""
-        if not NAME_PATTERN.match(name):
-            raise ServeError(f"member name {name!r}: use 1-40 letters, digits, '.', '_' or '-'")
-        if role not in ROLES:
-            raise ServeError(f"role {role!r}: expected one of {', '.join(ROLES)}")
-        if self.member(name):
-            raise ServeError(f"member {name!r} already exists")
-        key = "enl-" + secrets.token_urlsafe(32)
-        sql = "INSERT INTO members (name, role, key_hash, created) VALUES (?, ?, ?, ?)"
-        self.write((sql, (name, role, sha256(key), time.time())))
-        return key
-
-    def member(self, name):
-        rows = self.query("SELECT * FROM members WHERE name = ?", (name,))
-        return rows[0] if rows else None
-
-    def members(self):
-        return self.query("SELECT id, name, role, password_hash IS NOT NULL AS has_password, created "
-                          "FROM members ORDER BY name")  # fmt: skip
-
-    def remove_member(self, name):
-        removed = self.write(("DELETE FROM members WHERE name = ?", (name,))) > 0
-        if removed:
-            with self.lock:
-                memory.member_removed(self.db, name)  # their memories go with the account
-        return removed
-
-    def new_key(self, name):
-        key = "enl-" + secrets.token_urlsafe(32)
-        if not self.write(("UPDATE members SET key_hash = ? WHERE name = ?", (sha256(key), name))):
-            return None
-        return key
-
-    def set_password(self, name, password_hash):
-        return self.write(("UPDATE members SET password_hash = ? WHERE name = ?", (password_hash, name))) > 0
-
-    def member_by_key(self, key):
-        rows = self.query("SELECT * FROM members WHERE key_hash = ?", (sha256(key),))
-        return rows[0] if rows else None
-
-    # sessions
-    def new_session(self, member_id, days):
-        token = secrets.token_urlsafe(32)
-        sql = "INSERT INTO sessions (token_hash, member_id, expires) VALUES (?, ?, ?)"
-        self.write((sql, (sha256(token), member_id, time.time() + days * 86400)))
-        return token
-
-    def member_by_session(self, token):
-        sql = "SELECT m.* FROM sessions s JOIN members m ON m.id = s.member_id WHERE s.token_hash = ? AND s.expires > ?"
-        rows = self.query(sql, (sha256(token), time.time()))
-        return rows[0] if rows else None
-
-    def end_session(self, token):
-        self.write(("DELETE FROM sessions WHERE token_hash = ?", (sha256(token),)))
-
-    # conversations: every query names the owner, so nobody else's rows can come back
-    def conversations(self, member_id):
-        sql = (
-            "SELECT id, title, created, updated FROM conversations WHERE member_id = ? ORDER BY updated DESC"
-        )
-        return self.query(sql, (member_id,))
-
-    def conversation(self, member_id, conversation_id):
-        rows = self.query(
-            "SELECT id, title, created, updated FROM conversations WHERE id = ? AND member_id = ?",
-            (conversation_id, member_id),
-        )
-        if not rows:
-            return None
-        sql = "SELECT role, content, created FROM messages WHERE conversation_id = ? ORDER BY id"
-        return rows[0] | {"messages": self.query(sql, (conversation_id,))}
-
-    def new_conversation(self, member_id, title):
-        conversation_id = uuid.uuid4().hex
-        now = time.time()
-        sql = "INSERT INTO conversations (id, member_id, title, created, updated) VALUES (?, ?, ?, ?, ?)"
-        self.write((sql, (conversation_id, member_id, title, now, now)))
-        return conversation_id
-
-    def delete_conversation(self, member_id, conversation_id):
-        sql = "DELETE FROM conversations WHERE id = ? AND member_id = ?"
-        return self.write((sql, (conversation_id, member_id))) > 0
-
-    def add_message(self, member_id, conversation_id, role, content, title=None):
-        """Append one message (and retitle) in one transaction; False if the conversation is not theirs."""
-        now = time.time()
-        owned = "SELECT 1 FROM conversations WHERE id = ? AND member_id = ?"
-        statements = [
-            (f"INSERT INTO messages (conversation_id, role, content, created) SELECT ?, ?, ?, ? WHERE EXISTS ({owned})",
-             (conversation_id, role, content, now, conversation_id, member_id)),
-        ]  # fmt: skip
-        sql = (
-            "UPDATE conversations SET updated = ?, title = COALESCE(?, title) WHERE id = ? AND member_id = ?"
-        )
-        statements.append((sql, (now, title, conversation_id, member_id)))
-        return self.write(*statements) > 0
-
-
-# -----------------------------------------------------------------------------
 # The model worker: one thread, one answer at a time, from a bounded queue
 
 
 class Job:
-    """One generation: the worker sends ("text", piece) events, then ("done", finish_reason, tokens) or
-    ("error", message), to the request's event loop. cancel() makes the worker stop at the next token
-    (its "done" then has finish_reason None)."""
+    """One answer: the worker sends ("text", piece) events, then ("done", finish_reason, completion tokens,
+    prompt tokens) or ("error", message), to the request's event loop. cancel() makes the worker stop at
+    the next token (its "done" then has finish_reason None). With `turn` = (agent.Agent, messages) the
+    answer is an agent turn: the server's tools run between generations (prompt_ids is then only the first
+    prompt, already checked against the context)."""
 
-    def __init__(self, loop, prompt_ids, max_tokens, temperature, top_p, top_k, seed):
+    def __init__(self, loop, prompt_ids, max_tokens, temperature, top_p, top_k, seed, turn=None):
         self.loop, self.events = loop, asyncio.Queue()
-        self.prompt_ids, self.max_tokens = prompt_ids, max_tokens
+        self.prompt_ids, self.max_tokens, self.turn = prompt_ids, max_tokens, turn
         self.temperature, self.top_p, self.top_k, self.seed = temperature, top_p, top_k, seed
         self.cancelled = threading.Event()
 
@@ -297,12 +123,23 @@ class Job:
         self.cancelled.set()
 
 
+class Cancelled(Exception):
+    """The job was cancelled while the agent loop was generating."""
+
+
 class Worker:
     def __init__(self, model, tokenizer, queue_size):
         self.model, self.tokenizer = model, tokenizer
         self.jobs = queue.Queue(maxsize=queue_size)
         self.stop_ids = {tokenizer.special_ids["<|end|>"], tokenizer.eos_id}
-        self.stats = {"answered": 0, "cancelled": 0, "refused_busy": 0, "generated_tokens": 0}
+        self.stats = {
+            "answered": 0,
+            "cancelled": 0,
+            "refused_busy": 0,
+            "generated_tokens": 0,
+            "tool_calls": 0,
+        }
+        self.stats["generate_s"] = 0.0  # seconds spent generating (what the same answers cost without HTTP)
         self.thread = threading.Thread(target=self.loop, name="model-worker", daemon=True)
         self.thread.start()
 
@@ -331,20 +168,29 @@ class Worker:
                 job.send("error", "generation failed on the server")
 
     def run(self, job):
+        finish, count, prompt_tokens = None, 0, len(job.prompt_ids)
+        if not job.cancelled.is_set():
+            if job.turn is None:
+                finish, count = self.generate(job, job.prompt_ids, lambda piece: job.send("text", piece))
+            else:
+                finish, count, prompt_tokens = self.agent_turn(job)
+        self.stats["answered" if finish else "cancelled"] += 1
+        job.send("done", finish, count, prompt_tokens)
+
+    def generate(self, job, prompt_ids, write):
+        """Sample from prompt_ids, handing whole-character text pieces to write. Returns (finish_reason,
+        tokens generated), finish_reason None when the job was cancelled."""
         import torch
 
         from sample import StreamDecoder
 
-        if job.cancelled.is_set():
-            self.stats["cancelled"] += 1
-            job.send("done", None, 0)
-            return
+        started = time.perf_counter()
         decoder = StreamDecoder(self.tokenizer)
         generator = torch.Generator().manual_seed(job.seed)
         count, finish = 0, "length"
         device = self.model.embed_tokens.weight.device
         with torch.inference_mode():
-            prompt = torch.tensor(job.prompt_ids, device=device)
+            prompt = torch.tensor(prompt_ids, device=device)
             top_p = job.top_p if job.top_p < 1 else None
             tokens = self.model.generate(prompt, job.max_tokens, job.temperature, job.top_k, top_p,
                                          generator=generator)  # fmt: skip
@@ -358,17 +204,61 @@ class Worker:
                     break
                 piece = decoder.push(token)
                 if piece:
-                    job.send("text", piece)
+                    write(piece)
         self.stats["generated_tokens"] += count
-        if finish is None:
-            self.stats["cancelled"] += 1
-            job.send("done", None, count)
-            return
-        tail = decoder.flush()
-        if tail:
-            job.send("text", tail)
-        self.stats["answered"] += 1
-        job.send("done", finish, count)
+        self.stats["generate_s"] += time.perf_counter() - started
+        if finish is not None:
+            tail = decoder.flush()
+            if tail:
+                write(tail)
+        return finish, count
+
+    def agent_turn(self, job):
+        """agent.py's loop with this model: each generation streams its text up to its first <tool_call>;
+        the tools run here, between generations. Returns (finish_reason, completion tokens, prompt tokens)."""
+        agent_of_turn, messages = job.turn
+        totals = {"prompt": 0, "completion": 0, "finish": "stop", "shown": "", "any": False}
+
+        def show(new, shown):
+            """Send new text; a blank line separates the texts of successive generations."""
+            job.send("text", ("\n\n" if totals["any"] and not shown else "") + new)
+            totals["any"] = True
+
+        def generate(conversation):
+            ids, _ = chat.render(conversation, self.tokenizer, for_generation=True)
+            pieces, shown = [], ""
+
+            def write(piece):
+                nonlocal shown
+                pieces.append(piece)
+                visible = "".join(pieces).split(agent.CALL_OPEN)[0].removesuffix("\n")
+                if len(visible) > len(shown):
+                    show(visible[len(shown) :], shown)
+                    shown = visible
+
+            finish, count = self.generate(job, ids, write)
+            totals["prompt"] += len(ids)
+            totals["completion"] += count
+            if finish is None:
+                raise Cancelled
+            text = "".join(pieces)
+            if agent.CALL_OPEN not in text and len(text) > len(shown):
+                show(text[len(shown) :], shown)
+                shown = text
+            else:
+                self.stats["tool_calls"] += text.count(agent.CALL_OPEN)
+            totals["finish"], totals["shown"] = finish, shown
+            return text
+
+        try:
+            answer = agent_of_turn.run_turn(messages, generate)[-1]["content"]
+        except Cancelled:
+            return None, totals["completion"], totals["prompt"]
+        shown = totals["shown"].strip()  # the final answer is the last reply, stripped, plus any sources
+        rest = answer[len(shown) :] if answer.startswith(shown) else ("\n\n" if shown else "") + answer
+        if rest:
+            show(rest, shown)
+        return totals["finish"], totals["completion"], totals["prompt"]
 
 
 # -----------------------------------------------------------------------------
@@ -551,11 +441,12 @@ class Reply:
 class Server:
     """Everything a request handler needs: settings, database, model worker, tokenizer, model id."""
 
-    def __init__(self, settings, store, worker, model_id, context):
+    def __init__(self, settings, store, worker, model_id, context, agent_settings=None):
         self.settings, self.store, self.worker = settings, store, worker
+        self.agent_settings = agent_settings or agent.load_settings()
         self.model_id, self.context = model_id, context
         self.created = int(time.time())
-        self.dummy_hash = hash_password(secrets.token_hex(8), settings["scrypt"])
+        self.dummy_hash = accounts.hash_password(secrets.token_hex(8), settings["scrypt"])
         self.pending = {}  # member id -> requests queued or running
         self.failures = {}  # lowercased name -> (failed logins, locked until)
         self.memory_cfg = memory.load_config()
@@ -596,23 +487,42 @@ class Server:
                 )
 
     # --- prompts
-    def prompt_of(self, member, system, turns, tools, max_tokens, trim):
-        """Token ids of the conversation with the <|assistant|> opener, and the tokens left to generate.
-        trim drops the oldest turns that do not fit the context (web conversations); otherwise a prompt too
-        long is a 400 as in OpenAI's API."""
-        import chat
+    def agent_for(self, member, client_tools, tool_choice):
+        """An agent.Agent running the server's tools for this request, or None: when the client brings its
+        own tools, asks for none (tool_choice "none"), or serve.tools is off."""
+        if client_tools or tool_choice == "none" or not self.settings["tools"]:
+            return None
+        count_tokens = lambda text: len(self.worker.tokenizer.encode(text))  # noqa: E731
+        return agent.Agent(
+            self.agent_settings,
+            count_tokens=count_tokens,
+            member=self.memory_caller(member) if member["role"] != "admin" else None,
+        )
 
+    def prompt_of(self, member, system, turns, tools, max_tokens, trim, helper=None):
+        """(token ids of the conversation with the <|assistant|> opener, tokens left to generate, its
+        messages, the helper). The system turn is the child instruction (for children), then the request's
+        system text or the configured prompt; an agent turn (helper) adds the date and the server's tools,
+        unless they do not fit the context (a small model): then the helper is dropped. trim drops the
+        oldest turns that do not fit (web conversations); otherwise a prompt too long is a 400 as in
+        OpenAI's API."""
         parts = [self.settings["child"]["system_prompt"]] if member["role"] == "child" else []
         parts += system or [self.settings["system_prompt"]]
         parts.append(self.memory_context(member, turns))
         head = [{"role": "system", "content": "\n\n".join(p for p in parts if p)}]
         while True:
-            conversation = {"messages": head + turns} | ({"tools": tools} if tools else {})
+            if helper:
+                conversation = helper.conversation(head + turns)
+            else:
+                conversation = {"messages": head + turns} | ({"tools": tools} if tools else {})
             try:
                 ids, _ = chat.render(conversation, self.worker.tokenizer, for_generation=True)
             except chat.ChatError as e:
                 raise ApiError(400, f"messages: {e}", param="messages", code="invalid_conversation") from None
             room = self.context - len(ids)
+            if helper and room < min(max_tokens, 16):
+                helper = None
+                continue
             if room >= min(max_tokens, 16) or not trim or len(turns) <= 1:
                 break
             turns = turns[1:]
@@ -621,7 +531,7 @@ class Server:
         if room < 1:
             raise ApiError(400, f"the prompt is {len(ids)} tokens; this model reads at most {self.context - 1} "
                            "plus the answer", param="messages", code="context_length_exceeded")  # fmt: skip
-        return ids, min(max_tokens, room)
+        return ids, min(max_tokens, room), head + turns, helper
 
     # --- memories (memory.py decides who reads and changes what; this only binds the caller)
     def memories(self, member, function, *args, **kwargs):
@@ -642,13 +552,13 @@ class Server:
         return memory.Caller(member["name"], member["role"], self.store.db, self.store.lock, self.memory_cfg)
 
     # --- generation
-    def start(self, request, member, prompt_ids, max_tokens, temperature, top_p, seed):
+    def start(self, request, member, prompt_ids, max_tokens, temperature, top_p, seed, turn=None):
         count = self.pending.get(member["id"], 0)
         if count >= self.settings["max_pending_per_member"]:
             raise ApiError(429, f"{count} requests of yours are already waiting; wait for them to finish",
                            code="too_many_requests", retry_after=self.settings["retry_after_s"])  # fmt: skip
         loop = asyncio.get_running_loop()
-        job = Job(loop, prompt_ids, max_tokens, temperature, top_p, self.settings["top_k"], seed)
+        job = Job(loop, prompt_ids, max_tokens, temperature, top_p, self.settings["top_k"], seed, turn)
         self.worker.submit(job, self.settings["retry_after_s"])
         self.pending[member["id"]] = count + 1
         return job
@@ -694,7 +604,8 @@ async def next_event(request, job):
 
 
 async def answer_events(request, job, reply):
-    """("delta", text) as the answer grows, then ("end", finish_reason, completion tokens, tool calls)."""
+    """("delta", text) as the answer grows, then ("end", finish_reason, completion tokens, tool calls,
+    prompt tokens)."""
     while True:
         event = await next_event(request, job)
         if event[0] == "text":
@@ -706,12 +617,12 @@ async def answer_events(request, job, reply):
         elif event[0] == "error":
             raise ApiError(500, event[1], code="generation_failed")
         else:
-            _, finish, tokens = event
+            _, finish, tokens, prompt_tokens = event
             rest, calls = reply.finish()
             if rest:
                 yield "delta", rest
             finish = "tool_calls" if calls else "stop" if reply.stopped else finish
-            yield "end", finish, tokens, calls
+            yield "end", finish, tokens, calls, prompt_tokens
             return
 
 
@@ -741,7 +652,7 @@ async def stream_answer(request, server, member, job, reply, base, include_usage
                 text += event[1]
                 yield chunk({"content": event[1]})
                 continue
-            _, finish, tokens, calls = event
+            _, finish, tokens, calls, prompt_tokens = event
             if on_end:
                 on_end(text)
                 on_end = None
@@ -749,7 +660,7 @@ async def stream_answer(request, server, member, job, reply, base, include_usage
                 yield chunk({"tool_calls": [call | {"index": i} for i, call in enumerate(calls)]})
             yield chunk({}, finish)
             if include_usage:
-                yield sse(base | {"choices": [], "usage": usage_of(len(job.prompt_ids), tokens)})
+                yield sse(base | {"choices": [], "usage": usage_of(prompt_tokens, tokens)})
         yield "data: [DONE]\n\n"
     except ApiError as e:
         yield sse(e.body())
@@ -763,7 +674,7 @@ async def stream_answer(request, server, member, job, reply, base, include_usage
 
 
 async def complete(request, server, member, job, reply):
-    """(text, finish_reason, completion tokens, tool calls) of a non-streamed answer."""
+    """(text, finish_reason, completion tokens, tool calls, prompt tokens) of a non-streamed answer."""
     text = ""
     try:
         async for event in answer_events(request, job, reply):
@@ -818,8 +729,12 @@ async def chat_completions(request):
     )
     max_tokens, temperature, top_p, seed, stop = sampling_of(body, settings, member)
     server.check_hours(member)
-    prompt_ids, max_tokens = server.prompt_of(member, system, turns, tools, max_tokens, trim=False)
-    job = server.start(request, member, prompt_ids, max_tokens, temperature, top_p, seed)
+    helper = server.agent_for(member, tools, body.get("tool_choice"))
+    prompt_ids, max_tokens, messages, helper = server.prompt_of(
+        member, system, turns, tools, max_tokens, False, helper
+    )
+    turn = (helper, messages) if helper else None
+    job = server.start(request, member, prompt_ids, max_tokens, temperature, top_p, seed, turn)
     reply = Reply(stop, tools)
     base = {"id": "chatcmpl-" + uuid.uuid4().hex, "created": int(time.time()), "model": server.model_id,
             "system_fingerprint": None}  # fmt: skip
@@ -828,14 +743,14 @@ async def chat_completions(request):
                                include_usage)  # fmt: skip
         return streaming_response(chunks)
     try:
-        text, finish, tokens, calls = await complete(request, server, member, job, reply)
+        text, finish, tokens, calls, prompt_tokens = await complete(request, server, member, job, reply)
     except ClientGone:
         return Response(status_code=499)
     message = {"role": "assistant", "content": text if text or not calls else None, "refusal": None}
     if calls:
         message["tool_calls"] = calls
     choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
-    usage = usage_of(len(prompt_ids), tokens)
+    usage = usage_of(prompt_tokens, tokens)
     return JSONResponse(base | {"object": "chat.completion", "choices": [choice], "usage": usage})
 
 
@@ -859,7 +774,7 @@ async def login(request):
                        retry_after=wait)  # fmt: skip
     member = server.store.member(name)
     stored = (member or {}).get("password_hash") or server.dummy_hash  # same work for unknown names
-    matches = await asyncio.to_thread(password_matches, password, stored)
+    matches = await asyncio.to_thread(accounts.password_matches, password, stored)
     if not (member and member["password_hash"] and matches):
         count += 1
         locked = count >= server.settings["login_max_failures"]
@@ -939,8 +854,12 @@ async def post_message(request):
     server.check_hours(member)
     history = [{"role": m["role"], "content": m["content"]} for m in conversation["messages"]]
     turns = history[-settings["max_messages"] :] + [{"role": "user", "content": content}]
-    prompt_ids, max_tokens = server.prompt_of(member, [], turns, None, max_tokens, trim=True)
-    job = server.start(request, member, prompt_ids, max_tokens, temperature, top_p, seed)
+    helper = server.agent_for(member, None, None)
+    prompt_ids, max_tokens, messages, helper = server.prompt_of(
+        member, [], turns, None, max_tokens, True, helper
+    )
+    turn = (helper, messages) if helper else None
+    job = server.start(request, member, prompt_ids, max_tokens, temperature, top_p, seed, turn)
     store, conversation_id = server.store, conversation["id"]
     title = " ".join(content.split())[:60] if not conversation["messages"] else None
     store.add_message(member["id"], conversation_id, "user", content, title)
@@ -954,13 +873,13 @@ async def post_message(request):
     if stream:
         return streaming_response(stream_answer(request, server, member, job, reply, base, True, on_end))
     try:
-        text, finish, tokens, _ = await complete(request, server, member, job, reply)
+        text, finish, tokens, _, prompt_tokens = await complete(request, server, member, job, reply)
     except ClientGone:
         return Response(status_code=499)
     on_end(text)
     message = {"role": "assistant", "content": text}
     return JSONResponse({"conversation_id": conversation_id, "message": message, "finish_reason": finish,
-                         "usage": usage_of(len(prompt_ids), tokens)})  # fmt: skip
+                         "usage": usage_of(prompt_tokens, tokens)})  # fmt: skip
 
 
 # --- accounts (admin)
@@ -985,11 +904,11 @@ async def add_member(request):
         check_password(expect(password, str, "password", "a string"), server.settings)
     try:
         key = server.store.add_member(name, role)
-    except ServeError as e:
+    except accounts.AccountError as e:
         raise ApiError(400, str(e), code="invalid_member") from None
     if password is not None:
         server.store.set_password(
-            name, await asyncio.to_thread(hash_password, password, server.settings["scrypt"])
+            name, await asyncio.to_thread(accounts.hash_password, password, server.settings["scrypt"])
         )
     return JSONResponse({"name": name, "role": role, "api_key": key}, status_code=201)
 
@@ -1192,9 +1111,9 @@ def build_app(server, extra_routes=()):
 
 
 def check_password(password, settings):
-    if len(password) < settings["min_password_chars"]:
-        raise ApiError(400, f"password: at least {settings['min_password_chars']} characters", param="password",
-                       code="weak_password")  # fmt: skip
+    problem = accounts.password_problem(password, settings)
+    if problem:
+        raise ApiError(400, problem, param="password", code="weak_password")
 
 
 def load_model(run, device):
@@ -1216,17 +1135,18 @@ def load_model(run, device):
 
 
 def serving_info(run, model, tokenizer, settings, memory_cfg):
-    """What this server uses, for the snapshots of its database (memory.server_lock writes it)."""
+    """What this server uses, for the snapshots of its database (memory.hold_lock writes it)."""
     import data
     import train
 
-    tokenizer_path = getattr(tokenizer, "path", None)
+    processor = getattr(tokenizer, "processor", None)  # sentencepiece, possibly from inside the checkpoint
+    proto = processor.serialized_model_proto() if processor is not None else None
     return {
         "run": os.path.abspath(run),
         "checkpoint": os.path.abspath(model.checkpoint_path),
         "checkpoint_sha256": data.sha256_of_file(model.checkpoint_path),
-        "tokenizer": tokenizer_path and os.path.abspath(tokenizer_path),
-        "tokenizer_sha256": tokenizer_path and data.sha256_of_file(tokenizer_path),
+        "tokenizer": getattr(tokenizer, "path", tokenizer.name),
+        "tokenizer_sha256": proto and hashlib.sha256(proto).hexdigest(),
         "config": {"serve": settings, "memory": memory_cfg},
         "code_version": train.code_version(),
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -1238,60 +1158,6 @@ def load_settings(path, overrides):
         return config.load_layer("serve", path, overrides)
     except config.ConfigError as e:
         raise ServeError(f"{path}: config problems:\n  " + "\n  ".join(e.problems)) from None
-
-
-def read_password(settings, stream=sys.stdin):
-    if stream.isatty():
-        password = getpass.getpass("password or PIN: ")
-        if getpass.getpass("again: ") != password:
-            raise ServeError("the two passwords differ")
-    else:
-        password = stream.readline().rstrip("\n")
-    try:
-        check_password(password, settings)
-    except ApiError as e:
-        raise ServeError(e.message) from None
-    return password
-
-
-def member_main(argv):
-    parser = argparse.ArgumentParser(prog="serve.py member", description="Family accounts.")
-    parser.add_argument("--config", default=DEFAULT_CONFIG, help="serve layer file (configs/serve/*.yaml)")
-    commands = parser.add_subparsers(dest="command", required=True)
-    add = commands.add_parser("add", help="create a member and print their API key once")
-    add.add_argument("name")
-    add.add_argument("--role", choices=ROLES, required=True)
-    for name, text in (("remove", "delete a member and their conversations"),
-                       ("new-key", "replace a member's API key and print the new one"),
-                       ("password", "set the web password or PIN (asked twice, or one line on stdin)")):  # fmt: skip
-        commands.add_parser(name, help=text).add_argument("name")
-    commands.add_parser("list", help="members and roles")
-    overrides = [a for a in argv if OVERRIDE.match(a)]  # serve.key=value anywhere on the line
-    args = parser.parse_args([a for a in argv if not OVERRIDE.match(a)])
-    settings = load_settings(args.config, overrides)
-    store = Store(settings["database"])
-    if args.command == "add":
-        key = store.add_member(args.name, args.role)
-        print(f"member {args.name} ({args.role}) added; API key (shown only now):\n{key}")
-    elif args.command == "list":
-        for m in store.members():
-            web = "web password set" if m["has_password"] else "no web password"
-            print(f"{m['name']:20s} {m['role']:6s} {web}")
-    elif args.command == "remove":
-        if not store.remove_member(args.name):
-            raise ServeError(f"no member {args.name!r}")
-        print(f"member {args.name} removed with their conversations")
-    elif args.command == "new-key":
-        key = store.new_key(args.name)
-        if key is None:
-            raise ServeError(f"no member {args.name!r}")
-        print(f"new API key of {args.name} (the old one no longer works):\n{key}")
-    else:
-        if store.member(args.name) is None:
-            raise ServeError(f"no member {args.name!r}")
-        store.set_password(args.name, hash_password(read_password(settings), settings["scrypt"]))
-        print(f"web password of {args.name} set")
-    return 0
 
 
 def serve_main(argv):
@@ -1306,12 +1172,12 @@ def serve_main(argv):
     parser.add_argument("--port", type=int, help="TCP port (default serve.port); 0 = any free port")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.epilog = "Settings of the serve layer can follow as serve.key=value (e.g. serve.queue_size=4)."
-    overrides = [a for a in argv if OVERRIDE.match(a)]
-    args = parser.parse_args([a for a in argv if not OVERRIDE.match(a)])
+    overrides = [a for a in argv if accounts.OVERRIDE.match(a)]
+    args = parser.parse_args([a for a in argv if not accounts.OVERRIDE.match(a)])
     settings = load_settings(args.config, overrides)
     host = args.host or settings["host"]
     port = settings["port"] if args.port is None else args.port
-    store = Store(settings["database"])
+    store = accounts.Store(settings["database"])
     model, tokenizer, model_id, context = load_model(args.run, args.device)
     worker = Worker(model, tokenizer, settings["queue_size"])
     server = Server(settings, store, worker, model_id, context)
@@ -1348,9 +1214,9 @@ def serve_main(argv):
 def main(argv):
     try:
         if argv and argv[0] == "member":
-            return member_main(argv[1:])
+            return accounts.member_main(argv[1:], load_settings, DEFAULT_CONFIG)
         return serve_main(argv)
-    except ServeError as e:
+    except (ServeError, accounts.AccountError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

@@ -506,23 +506,33 @@ def proverb_documents(count):
     return [" ".join(fortunes[i : i + 6]) for i in range(0, 6 * count, 6)]
 
 
-def test_train_documents_sharing_a_13_gram_with_an_eval_file_or_val_are_dropped(tmp_path):
+def in_train(text, val_fraction):
+    """The text, with a suffix if needed so that it lands in the train split."""
+    suffix = 0
+    while corpus.split_of(f"{text} ({suffix})", val_fraction) != "train":
+        suffix += 1
+    return f"{text} ({suffix})"
+
+
+def test_train_documents_sharing_a_13_gram_with_an_eval_file_or_copying_val_are_dropped(tmp_path):
     chapters = proverb_documents(40)
-    cfg = corpus_cfg(tmp_path, [text_source("biblia", str(tmp_path / "a.txt"))], val_fraction=0.2)
+    cfg = corpus_cfg(tmp_path, [text_source("refranes", str(tmp_path / "a.txt"))], val_fraction=0.2)
     val_chapter = next(c for c in chapters if corpus.split_of(c, 0.2) == "val")
     train_chapters = [c for c in chapters if corpus.split_of(c, 0.2) == "train"]
-    quote = " ".join(re.findall(r"\w+", train_chapters[0])[10:23])  # 13 words of a train document
-    (tmp_path / "eval.txt").write_text(f"Pregunta: ¿quién dijo «{quote}»?\n")
+    words = re.findall(r"\w+", train_chapters[0])
+    (tmp_path / "eval.txt").write_text(f"Pregunta: ¿quién dijo «{' '.join(words[10:23])}»?\n")  # 13 words
+    near_miss = in_train("Otro texto distinto. " + " ".join(words[10:22]) + " y nada más que decir.", 0.2)
     val_words = re.findall(r"\w+", val_chapter)
-    borrowed = "Prólogo nuevo. " + " ".join(val_words[5:18]) + " Y otras palabras distintas aquí."
-    near_miss = "Prólogo otro. " + " ".join(val_words[5:17]) + " Y otras palabras distintas aquí."  # 12 words
-    (tmp_path / "a.txt").write_text("\n\n".join(chapters + [borrowed, near_miss]))
+    copied = in_train("Refranes de la abuela: " + " ".join(val_words[8:]), 0.2)  # val minus its first 8 words
+    borrowed = in_train(train_chapters[1] + " " + " ".join(val_words[5:18]), 0.2)  # one 13-gram of val
+    (tmp_path / "a.txt").write_text("\n\n".join(chapters + [near_miss, copied, borrowed]))
     cfg["corpus"]["decontamination"]["eval_files"] = [str(tmp_path / "eval.txt")]
     stats = corpus.build_corpus(cfg, log=quiet)
     train = read_docs(cfg, "train")
-    assert train_chapters[0] not in train and borrowed not in train and near_miss in train
+    assert train_chapters[0] not in train and near_miss in train  # any 13-gram of an eval file; 12 are fine
+    assert copied not in train and borrowed in train  # a near-copy of val goes; one shared phrase does not
     assert stats["decontamination"] == {str(tmp_path / "eval.txt"): 1, "val": 1}
-    assert drops(stats, "biblia") == {"contaminated": 2}
+    assert drops(stats, "refranes") == {"contaminated": 2}
 
 
 # -----------------------------------------------------------------------------
@@ -608,6 +618,9 @@ def test_a_killed_corpus_step_resumes_with_its_finished_tasks(tmp_path):
     assert resumed and int(resumed.group(1)) >= 2  # the finished tasks are not redone
     for split in data.SPLITS:
         assert read_docs(cfg, split) == read_docs(reference, split)
+    cfg["corpus"]["decontamination"]["val_max_overlap"] = 0.5  # merging again needs no filtering again
+    corpus.build_corpus(cfg, log=said.append)
+    assert "4 filter task(s) on the local executor, 4 already finished" in said[-2]
 
 
 def test_the_report_shows_sources_drops_and_plots_of_a_built_corpus(pipeline, tmp_path):
@@ -637,3 +650,10 @@ def test_a_source_runs_only_the_filter_stages_it_lists(tmp_path):
         "near_dedup",
         "decontamination",
     }
+
+
+def test_the_slurm_example_builds_datatrove_slurm_executor_with_its_settings(tmp_path):
+    cfg = data_layer("corpus-slurm", dir=str(tmp_path))  # schema-checked
+    executor, tasks = corpus.executor_for(corpus.FilterTask(cfg, str(tmp_path)), cfg, str(tmp_path))
+    assert type(executor).__name__ == "SlurmPipelineExecutor" and tasks == executor.world_size == 64
+    assert (executor.partition, executor.time, executor.mem_per_cpu_gb) == ("cpu", "02:00:00", 4)

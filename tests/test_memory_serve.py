@@ -5,20 +5,21 @@ the admin, and the server's hold on its database (snapshots record its model; re
 Real servers on 127.0.0.1 (test_serve's in-process uvicorn, or serve.py in a subprocess); a scripted
 model stands in for the model's choices where a test reads the prompt it was given."""
 
+import json
 import os
 import subprocess
 import sys
 
 import httpx
 import pytest
-from conftest import ROOT, start_server
-from test_serve import ScriptedModel, live_server, loaded, login, member  # noqa: F401 - loaded is a fixture
-from test_web import all_of, browser, by_id, log_in, screenshot, wait_for  # noqa: F401 - browser too
+from conftest import ROOT, ScriptedModel, live_server, start_server
+from test_serve import login, member
+from test_web import all_of, browser, by_id, log_in, screenshot, wait_for  # noqa: F401 - browser is a fixture
 
-import agent
+import accounts
+import checkpoint
 import data
 import memory
-import serve
 
 SECRET = "A Lucía no le gusta el pescado"  # ana's private memory
 CHILD_SECRET = "Luis esconde las galletas en el armario"  # luis's private memory
@@ -38,8 +39,8 @@ def family_of(server):
     }
 
 
-def test_rest_reaches_only_the_logged_in_members_memories(loaded, tmp_path):  # noqa: F811
-    with live_server(loaded, tmp_path) as (url, server):
+def test_rest_reaches_only_the_logged_in_members_memories(chat_model, tmp_path):
+    with live_server(chat_model, tmp_path) as (url, server):
         keys = family_of(server)
         ana, answer = login(url, "ana", "clave-ana")  # the web session, as the page uses it
         assert answer.status_code == 200
@@ -98,33 +99,22 @@ def test_rest_reaches_only_the_logged_in_members_memories(loaded, tmp_path):  # 
             client.close()
 
 
-class PromptRecorder(ScriptedModel):
-    """test_serve's scripted model, keeping the prompts it was given."""
-
-    def __init__(self, ids):
-        super().__init__(ids)
-        self.prompts = []
-
-    def generate(self, prompt, *args, **kwargs):
-        self.prompts.append(prompt.tolist())
-        yield from super().generate(prompt, *args, **kwargs)
-
-
 def prompt_text(model, tokenizer):
     return tokenizer.decode(model.prompts[-1])
 
 
-def test_each_turn_carries_only_the_asking_members_memories(loaded, tmp_path):  # noqa: F811
-    tokenizer = loaded[1]
-    scripted = PromptRecorder([tokenizer.special_ids["<|end|>"]])
-    short = ("serve.system_prompt=Hola.", "serve.child.system_prompt=Eres un niño.")  # room in 256 tokens
-    with live_server(loaded, tmp_path, *short, model=scripted) as (url, server):
-        server.memory_cfg = dict(server.memory_cfg, context_share=0.6)  # the test model reads 256 tokens
+def test_each_turn_carries_only_the_asking_members_memories(chat_model, tmp_path):
+    tokenizer = chat_model[1]
+    scripted = ScriptedModel([tokenizer.special_ids["<|end|>"]])
+    with live_server(chat_model, tmp_path, "serve.tools=false", model=scripted, context=4096) as (
+        url,
+        server,
+    ):
         keys = family_of(server)
         server.memories(server.store.member("ana"), memory.add, SECRET, server.memory_cfg)
         server.memories(server.store.member("ana"), memory.add, SHARED, server.memory_cfg, scope="family")
         server.memories(server.store.member("luis"), memory.add, CHILD_SECRET, server.memory_cfg)
-        question = "¿Lucía, pescado, galletas, abuela?"
+        question = "¿Qué sabes de Lucía, del pescado, de las galletas y del cumpleaños de la abuela?"
         seen = {}
         for name in ("ana", "luis", "root"):
             body = {
@@ -141,27 +131,52 @@ def test_each_turn_carries_only_the_asking_members_memories(loaded, tmp_path):  
         assert server.memory_cfg["header"] not in seen["root"] and "Lucía no" not in seen["root"]
 
 
-def test_the_tools_bound_by_the_server_act_as_the_member(loaded, tmp_path):  # noqa: F811
-    with live_server(loaded, tmp_path) as (url, server):
+def call_ids(tokenizer, name, arguments):
+    body = json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
+    return tokenizer.encode(f"<tool_call>\n{body}\n</tool_call>") + [tokenizer.special_ids["<|end|>"]]
+
+
+def test_the_servers_tool_loop_runs_the_memory_tools_as_the_asking_member(chat_model, tmp_path):
+    tokenizer = chat_model[1]
+    end = tokenizer.special_ids["<|end|>"]
+    done = tokenizer.encode("Vale.") + [end]
+    with live_server(chat_model, tmp_path, model=ScriptedModel([end]), context=4096) as (url, server):
         keys = family_of(server)
-        luis = agent.Agent(agent.load_settings(), member=server.memory_caller(server.store.member("luis")))
-        saved = luis.call(agent.Call("recordar", {"texto": CHILD_SECRET}))
-        assert saved.ok, saved.text
-        shared = luis.call(agent.Call("recordar", {"texto": "hoy no hay cole", "ambito": "familia"}))
-        assert not shared.ok and "solo una persona adulta" in shared.text
+        ana_id = server.memories(server.store.member("ana"), memory.add, SECRET, server.memory_cfg)
+
+        def turn(name, *scripts):
+            server.worker.model = model = ScriptedModel(*scripts)
+            body = {"model": server.model_id, "messages": [{"role": "user", "content": "hola"}]}
+            answer = httpx.post(url + "/v1/chat/completions", json=body, headers=bearer(keys[name]))
+            assert answer.status_code == 200, answer.text
+            return [tokenizer.decode(prompt) for prompt in model.prompts]
+
+        prompts = turn("luis", call_ids(tokenizer, "recordar", {"texto": CHILD_SECRET}), done)
+        assert '"recordar"' in prompts[0] and "guardado (privado)" in prompts[1]
         [stored] = httpx.get(url + "/api/memories", headers=bearer(keys["luis"])).json()["data"]
-        assert (stored["text"], stored["source"]) == (CHILD_SECRET, "assistant")
-        assert httpx.get(url + "/api/memories", headers=bearer(keys["ana"])).json()["data"] == []
-        ana = agent.Agent(agent.load_settings(), member=server.memory_caller(server.store.member("ana")))
-        assert (
-            "galletas" not in ana.call(agent.Call("buscar_recuerdos", {"consulta": "galletas armario"})).text
+        assert (stored["text"], stored["member"], stored["source"]) == (CHILD_SECRET, "luis", "assistant")
+        assert [
+            m["text"] for m in httpx.get(url + "/api/memories", headers=bearer(keys["ana"])).json()["data"]
+        ] == [SECRET]
+        prompts = turn(
+            "luis", call_ids(tokenizer, "buscar_recuerdos", {"consulta": "Lucía pescado galletas"}), done
         )
-        forget = ana.call(agent.Call("olvidar", {"id": stored["id"]}))
-        assert not forget.ok and forget.text.startswith(f"Error: no hay ningún recuerdo {stored['id']}")
+        assert "galletas" in prompts[1].split("<tool_response>")[-1] and "Lucía no" not in prompts[1]
+        prompts = turn("luis", call_ids(tokenizer, "olvidar", {"id": ana_id}), done)
+        assert f"Error: no hay ningún recuerdo {ana_id}" in prompts[1]
+        prompts = turn(
+            "luis", call_ids(tokenizer, "recordar", {"texto": "no hay cole", "ambito": "familia"}), done
+        )
+        assert "Error: solo una persona adulta" in prompts[1]
+        prompts = turn("root", call_ids(tokenizer, "buscar_recuerdos", {"consulta": "Lucía"}), done)
+        assert '"recordar"' not in prompts[0] and "no existe la herramienta 'buscar_recuerdos'" in prompts[1]
+        assert [
+            m["text"] for m in httpx.get(url + "/api/memories", headers=bearer(keys["ana"])).json()["data"]
+        ] == [SECRET]
 
 
-def test_removing_a_member_removes_their_memories(loaded, tmp_path):  # noqa: F811
-    with live_server(loaded, tmp_path) as (url, server):
+def test_removing_a_member_removes_their_memories(chat_model, tmp_path):
+    with live_server(chat_model, tmp_path) as (url, server):
         keys = family_of(server)
         assert (
             httpx.post(
@@ -178,7 +193,7 @@ def test_removing_a_member_removes_their_memories(loaded, tmp_path):  # noqa: F8
 
 def test_the_command_line_takes_the_role_of_the_account(tmp_path):
     database = str(tmp_path / "familia.sqlite")
-    store = serve.Store(database)
+    store = accounts.Store(database)
     store.add_member("luis", "child")
     store.db.close()
 
@@ -198,7 +213,7 @@ def test_the_command_line_takes_the_role_of_the_account(tmp_path):
 
 def test_the_running_server_holds_its_database_and_snapshots_record_its_model(chat_run, tmp_path):
     database = str(tmp_path / "familia.sqlite")
-    store = serve.Store(database)
+    store = accounts.Store(database)
     store.add_member("ana", "adult")
     with store.lock:
         memory.add(store.db, "ana", "adult", SECRET, memory.load_config())
@@ -209,10 +224,12 @@ def test_the_running_server_holds_its_database_and_snapshots_record_its_model(ch
     try:
         path = memory.snapshot(database, cfg, log=lambda _: None)
         server = memory.verify(path)["server"]
-        checkpoint = server["checkpoint"]
-        assert server["pid"] == proc.pid and os.path.dirname(checkpoint) == os.path.abspath(chat_run)
-        assert server["checkpoint_sha256"] == data.sha256_of_file(checkpoint)
-        assert server["tokenizer_sha256"] == data.sha256_of_file(server["tokenizer"])
+        ckpt = server["checkpoint"]
+        assert server["pid"] == proc.pid and os.path.dirname(ckpt) == os.path.abspath(chat_run)
+        assert server["checkpoint_sha256"] == data.sha256_of_file(ckpt)
+        assert server["tokenizer_sha256"] == checkpoint.stored_tokenizer_sha256(
+            checkpoint.load_checkpoint(ckpt)
+        )
         assert server["config"]["serve"]["database"] == database and server["code_version"]
         with pytest.raises(memory.SnapshotError, match=f"server is running \\(pid {proc.pid}"):
             memory.restore(path, database, log=lambda _: None)
@@ -230,7 +247,7 @@ def test_the_running_server_holds_its_database_and_snapshots_record_its_model(ch
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert restored.returncode == 0, restored.stderr
-    assert checkpoint in restored.stdout and server["checkpoint_sha256"] in restored.stdout
+    assert ckpt in restored.stdout and server["checkpoint_sha256"] in restored.stdout
 
 
 # -----------------------------------------------------------------------------
@@ -242,10 +259,10 @@ def web_family(chat_run, tmp_path_factory):
     """serve.py with ana (adult) and luis (child), both with web passwords; yields the URL and the store."""
     folder = tmp_path_factory.mktemp("web-memories")
     database = str(folder / "familia.sqlite")
-    store = serve.Store(database)
+    store = accounts.Store(database)
     for name, role in (("ana", "adult"), ("luis", "child")):
         store.add_member(name, role)
-        store.set_password(name, serve.hash_password("clave-" + name, {"n": 1024, "r": 8, "p": 1}))
+        store.set_password(name, accounts.hash_password("clave-" + name, {"n": 1024, "r": 8, "p": 1}))
     proc, url = start_server(chat_run, database, log_path=folder / "server.log")
     yield url
     proc.kill()
