@@ -19,7 +19,6 @@ import math
 import os
 import random
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -35,7 +34,13 @@ import chat
 import checkpoint as ckpt
 import config
 import data
-from checkpoint import list_checkpoints, load_checkpoint, load_newest_checkpoint, save_checkpoint
+from checkpoint import (
+    code_version,
+    list_checkpoints,
+    load_checkpoint,
+    load_newest_checkpoint,
+    save_checkpoint,
+)
 from model import Transformer
 
 # Keys that fix tensor shapes or the meaning of a step: a resume that changes one of them cannot
@@ -361,20 +366,6 @@ def init_checkpoint(cfg, log):
     if differences:
         raise TrainError(f"train.init_from: {path} does not fit this run:\n  " + "\n  ".join(differences))
     return path, state
-
-
-def code_version():
-    try:
-        root = os.path.dirname(os.path.abspath(__file__))
-        commit = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True, text=True
-        ).stdout.strip()
-        return (commit + ("-dirty" if dirty else "")) or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
 
 
 # -----------------------------------------------------------------------------
