@@ -119,8 +119,11 @@ chat: $(STAMP)
 
 RUN_DIR = $(if $(filter %.pt,$(RUN)),$(patsubst %/,%,$(dir $(RUN))),$(RUN))
 
+# Pretraining data is rebuilt from the run's saved config (chat data comes from `chat.py prepare`); a
+# config saved by an older version may no longer validate: then the data already there is used.
 eval: $(STAMP)
-	test ! -f $(RUN_DIR)/config.yaml || $(PY) corpus.py all $(RUN_DIR)/config.yaml
+	if [ -f $(RUN_DIR)/config.yaml ] && ! grep -q '^  format: chat$$' $(RUN_DIR)/config.yaml; then \
+		$(PY) corpus.py all $(RUN_DIR)/config.yaml || echo "eval: could not rebuild the run's data (above)"; fi
 	$(PY) sample.py $(RUN) --eval val $(ARGS)
 
 plot: $(STAMP)

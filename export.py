@@ -168,6 +168,7 @@ def hf_config(cfg, dtype):
         "bos_token_id": table["<|bos|>"],
         "eos_token_id": table["<|eos|>"],
         "initializer_range": m["init_std"],
+        "dtype": HF_DTYPE_NAMES[dtype],  # transformers 5; earlier versions (and vLLM's) read torch_dtype
         "torch_dtype": HF_DTYPE_NAMES[dtype],
     }
 
@@ -409,7 +410,9 @@ def export(run, fmt, out, dtype=None, force=False, log=print):
             write_gguf(os.path.join(scratch, GGUF_NAME), model, cfg, tokenizer, dtype)
         else:
             write_ollama(scratch, model, cfg, tokenizer, dtype)
-        os.chmod(scratch, 0o755)
+        os.chmod(scratch, 0o755)  # mkdtemp makes it private; the files too may be (safetensors)
+        for name in os.listdir(scratch):
+            os.chmod(os.path.join(scratch, name), 0o644)
         if os.path.isdir(out):
             old = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.", suffix=".old", dir=parent)
             os.replace(out, os.path.join(old, "replaced"))

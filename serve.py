@@ -1118,11 +1118,11 @@ def check_password(password, settings):
 
 def load_model(run, device):
     """(model, tokenizer, model id, context length) of a run that can chat."""
-    import sample
+    import checkpoint
 
     try:
-        model, cfg, tokenizer, ckpt_path = sample.load_run(run, device)
-    except sample.SampleError as e:
+        model, cfg, tokenizer, ckpt_path = checkpoint.load_run(run, device)
+    except checkpoint.CheckpointError as e:
         raise ServeError(str(e)) from None
     if "<|end|>" not in tokenizer.special_ids:
         raise ServeError(
