@@ -28,13 +28,21 @@ turns, and the <|assistant|> opener, which the prompt supplies). Text between co
 with tokenizer.encode, so a user typing "<|system|>" gets plain text, never the control token.
 """
 
+import bisect
+import glob
 import json
+import os
+import sys
 
 import jsonschema
+import numpy as np
 
 import config
 
 ROLES = ("system", "user", "assistant", "tool")
+# Bump when segments() changes what a conversation renders to: checkpoints record the version they
+# were trained with, and the export writes it beside the Jinja copy of the template.
+CHAT_TEMPLATE_VERSION = 1
 
 
 class ChatError(Exception):
@@ -178,3 +186,543 @@ def render_text(conversation, for_generation=False):
     the export produces, and what `chat.py show` prints."""
     check_conversation(conversation)
     return "".join((control or "") + text for control, text, _ in segments(conversation, for_generation))
+
+
+# -----------------------------------------------------------------------------
+# Reading conversation files
+
+
+def decode_utf8(raw, path):
+    """The text of a file's bytes; a file that is not UTF-8 is refused, naming the line and column."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        column = e.start - (raw.rfind(b"\n", 0, e.start) + 1) + 1
+        raise ChatError(
+            f"{path}:{line}: not UTF-8 (byte 0x{raw[e.start]:02x} at column {column}); convert the file, "
+            "e.g. `iconv -f latin1 -t utf-8 IN > OUT`"
+        ) from None
+
+
+def read_conversations(path, bad_lines="fatal", log=print):
+    """[(where, conversation)] of a JSONL file, where = 'FILE:LINE'; blank lines are ignored. A line that
+    is not a valid conversation raises ChatError naming FILE:LINE and the reason, or with bad_lines='skip'
+    is reported and left out. Returns (conversations, number of skipped lines)."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise ChatError(f"{path}: cannot read ({e.strerror})") from None
+    conversations, skipped = [], 0
+    for number, line in enumerate(decode_utf8(raw, path).split("\n"), start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            conversation = json.loads(line)
+        except ValueError as e:
+            problems = [f"not JSON ({e})"]
+        else:
+            problems = (
+                conversation_problems(conversation)
+                if isinstance(conversation, dict)
+                else [f"expected a JSON object, got {type(conversation).__name__}"]
+            )
+        if problems:
+            if bad_lines == "fatal":
+                raise ChatError(f"{where}: " + "; ".join(problems))
+            log(f"skipping {where}: " + "; ".join(problems))
+            skipped += 1
+            continue
+        conversations.append((where, conversation))
+    return conversations, skipped
+
+
+def expand_paths(patterns, key):
+    """Files named by paths or globs (a glob's matches sorted by name); a pattern matching nothing is an
+    error naming the config key."""
+    paths = []
+    for pattern in patterns:
+        matches = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
+        matches = [path for path in matches if os.path.isfile(path)]
+        if not matches:
+            raise ChatError(f"{key}: {pattern!r} matches no file")
+        paths += matches
+    return paths
+
+
+# -----------------------------------------------------------------------------
+# Packing for supervised fine-tuning (python chat.py prepare CONFIG)
+
+PREPARE_VERSION = 1  # bump when rendering or packing changes what the same input produces
+
+
+def truncate_at_turn(conversation, tokenizer, row_len):
+    """(ids, mask) of the longest prefix that ends after a final assistant answer (no pending tool call)
+    and fits row_len tokens; None when even the first answer does not fit."""
+    messages = conversation["messages"]
+    for end in range(len(messages), 0, -1):
+        last = messages[end - 1]
+        if last["role"] != "assistant" or last.get("tool_calls"):
+            continue
+        ids, mask = render({**conversation, "messages": messages[:end]}, tokenizer)
+        if len(ids) <= row_len:
+            return ids, mask
+    return None
+
+
+def best_fit(lengths, capacity):
+    """Best-fit decreasing bin packing: rows as lists of indices into lengths (each <= capacity). The
+    longest sequence goes first, each into the fullest row it still fits, else into a new row."""
+    rows, free = [], []  # free: sorted (space left, row index)
+    for index in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        at = bisect.bisect_left(free, (lengths[index], -1))
+        if at < len(free):
+            space, row = free.pop(at)
+        else:
+            space, row = capacity, len(rows)
+            rows.append([])
+        rows[row].append(index)
+        if space > lengths[index]:
+            bisect.insort(free, (space - lengths[index], row))
+    return [sorted(row) for row in rows]
+
+
+def pack_split(conversations, tokenizer, row_len, too_long, log=print):
+    """Render and pack conversations into (tokens, mask) arrays of shape (rows, row_len), plus stats.
+    Every row starts with <|bos|> (every rendered conversation does) and holds whole conversations; the
+    rest of a row is <|eos|> padding with mask 0."""
+    rendered = []
+    stats = {"conversations": len(conversations), "dropped_too_long": 0, "truncated": 0}
+    for where, conversation in conversations:
+        ids, mask = render(conversation, tokenizer)
+        if len(ids) > row_len:
+            cut = truncate_at_turn(conversation, tokenizer, row_len) if too_long == "truncate" else None
+            if cut is None:
+                stats["dropped_too_long"] += 1
+                log(f"dropping {where}: {len(ids)} tokens, longer than a row of seq_len + 1 = {row_len}")
+                continue
+            stats["truncated"] += 1
+            ids, mask = cut
+        rendered.append((ids, mask))
+    rows = best_fit([len(ids) for ids, _ in rendered], row_len)
+    tokens = np.full((len(rows), row_len), tokenizer.eos_id, dtype=np.uint16)
+    masks = np.zeros((len(rows), row_len), dtype=np.uint16)
+    for r, members in enumerate(rows):
+        at = 0
+        for index in members:
+            ids, mask = rendered[index]
+            tokens[r, at : at + len(ids)] = ids
+            masks[r, at : at + len(ids)] = mask
+            at += len(ids)
+    used = sum(len(ids) for ids, _ in rendered)
+    stats |= {
+        "packed": len(rendered),
+        "rows": len(rows),
+        "tokens": used,
+        "trained_tokens": int(masks.sum()),
+        "fill": used / max(1, len(rows) * row_len),
+    }
+    return tokens, masks, stats
+
+
+def prepare(cfg, log=print):
+    """Pack data.chat's train and val conversations into DIR (see data.ChatLoader for the layout). The
+    manifest records each finished shard, so an interrupted run continues after the last one, and a rerun
+    with unchanged inputs does nothing."""
+    import data  # not at the top: the server imports chat.py and has no use for torch here
+
+    data_cfg, seq_len = cfg["data"], cfg["model"]["seq_len"]
+    if data_cfg["format"] != "chat":
+        raise ChatError(f"data.format is {data_cfg['format']!r}; `chat.py prepare` needs data.format: chat")
+    chat_cfg, directory = data_cfg["chat"], data_cfg["dir"]
+    try:
+        tokenizer = data.SentencePieceTokenizer(chat_cfg["tokenizer"])
+    except data.DataError as e:
+        raise ChatError(f"data.chat.tokenizer: {e}") from None
+    if tokenizer.vocab_size != cfg["model"]["vocab_size"]:
+        raise ChatError(
+            f"data.chat.tokenizer: {chat_cfg['tokenizer']} has {tokenizer.vocab_size} tokens but "
+            f"model.vocab_size is {cfg['model']['vocab_size']}"
+        )
+    os.makedirs(directory, exist_ok=True)
+    tokenizer_sha = data.sha256_of_file(chat_cfg["tokenizer"])
+    copy = data.tokenizer_path(data_cfg)
+    if not os.path.exists(copy) or data.sha256_of_file(copy) != tokenizer_sha:
+        manifest = data.read_manifest(data_cfg)
+        if manifest.pop("prepare", None) is not None:  # shards of another tokenizer are no longer valid
+            data.write_json(data.manifest_path(data_cfg), manifest)
+        info = os.path.join(os.path.dirname(chat_cfg["tokenizer"]), "tokenizer_info.json")
+        for source, name in ((chat_cfg["tokenizer"], "tokenizer.model"), (info, "tokenizer_info.json")):
+            if os.path.exists(source):
+                with open(source, "rb") as f:
+                    content = f.read()
+                data.write_atomic(os.path.join(directory, name), lambda out, c=content: out.write(c))
+        log(f"prepare: tokenizer {chat_cfg['tokenizer']} -> {copy}")
+
+    row_len = seq_len + 1
+    for split in data.SPLITS:
+        paths = expand_paths(chat_cfg[split], f"data.chat.{split}")
+        key = data.fingerprint(
+            {
+                "version": PREPARE_VERSION,
+                "files": [[path, data.sha256_of_file(path)] for path in paths],
+                "tokenizer": tokenizer_sha,
+                "seq_len": seq_len,
+                "too_long": chat_cfg["too_long"],
+                "bad_lines": chat_cfg["bad_lines"],
+                "rows_per_shard": chat_cfg["rows_per_shard"],
+            }
+        )
+        prepare_split(data_cfg, split, key, paths, tokenizer, row_len, log)
+
+
+def intact_shards(data_cfg, record, log):
+    """The prefix of a manifest record's shards whose two files are unchanged on disk."""
+    import data
+
+    kept = []
+    for shard in record["shards"]:
+        for name, sha in ((shard["name"], shard["sha256"]), (shard["mask"], shard["mask_sha256"])):
+            path = os.path.join(data_cfg["dir"], name)
+            if not os.path.exists(path) or data.sha256_of_file(path) != sha:
+                log(f"prepare: {path} is missing or changed; packing again from there")
+                return kept
+        kept.append(shard)
+    return kept
+
+
+def prepare_split(data_cfg, split, key, paths, tokenizer, row_len, log):
+    import data
+
+    chat_cfg, directory = data_cfg["chat"], data_cfg["dir"]
+    done = data.read_manifest(data_cfg).get("prepare", {}).get(split)
+    shards = intact_shards(data_cfg, done, log) if done and done["fingerprint"] == key else []
+    if done and done["fingerprint"] == key and done["complete"] and len(shards) == len(done["shards"]):
+        log(f"prepare: {split} up to date ({len(shards)} shard(s) in {directory}/)")
+        return done["stats"]
+    keep = {name for shard in shards for name in (shard["name"], shard["mask"])}
+    stale = glob.glob(os.path.join(glob.escape(directory), f"{split}_[0-9]*.bin"))
+    stale += glob.glob(os.path.join(glob.escape(directory), f"mask_{split}_[0-9]*.bin"))
+    for path in stale:  # files of an older packing must never be read with this manifest
+        if os.path.basename(path) not in keep:
+            os.remove(path)
+
+    conversations, skipped = [], 0
+    for path in paths:
+        found, bad = read_conversations(path, chat_cfg["bad_lines"], log)
+        conversations += found
+        skipped += bad
+    tokens, masks, stats = pack_split(conversations, tokenizer, row_len, chat_cfg["too_long"], log)
+    stats["skipped_bad_lines"] = skipped
+    if stats["rows"] == 0:
+        raise ChatError(f"data.chat.{split}: no conversation left to pack ({stats})")
+
+    def save_manifest(complete):
+        manifest = data.read_manifest(data_cfg)
+        record = {"fingerprint": key, "complete": complete, "seq_len": row_len - 1, "stats": stats}
+        manifest.setdefault("prepare", {})[split] = record | {"shards": shards}
+        data.write_json(data.manifest_path(data_cfg), manifest)
+
+    per_shard = chat_cfg["rows_per_shard"]
+    if shards:
+        log(f"prepare: {split} resuming after {len(shards)} finished shard(s)")
+    for first in range(len(shards) * per_shard, stats["rows"], per_shard):
+        index = first // per_shard
+        name, mask_name = data.shard_name(split, index), data.mask_shard_name(split, index)
+        rows = slice(first, first + per_shard)
+        sha = data.write_shard(os.path.join(directory, name), tokens[rows].ravel(), tokenizer.vocab_size)
+        mask_sha = data.write_shard(os.path.join(directory, mask_name), masks[rows].ravel(), 2)
+        count = len(tokens[rows])
+        shards.append(
+            {"name": name, "mask": mask_name, "rows": count, "sha256": sha, "mask_sha256": mask_sha}
+        )
+        save_manifest(complete=False)
+    save_manifest(complete=True)
+    log(
+        f"prepare: {split} {stats['packed']:,}/{stats['conversations']:,} conversations "
+        f"({stats['skipped_bad_lines']} bad lines skipped, {stats['dropped_too_long']} too long dropped, "
+        f"{stats['truncated']} truncated) -> {stats['rows']:,} rows of {row_len} tokens, "
+        f"{100 * stats['fill']:.1f}% filled, {stats['trained_tokens']:,} trained tokens, "
+        f"{len(shards)} shard(s) in {directory}/"
+    )
+    return stats
+
+
+# -----------------------------------------------------------------------------
+# Importers: public data in other shapes -> our conversations JSONL
+
+
+def read_records(path):
+    """(where, record) of a JSON array file (where = 'FILE: item N') or a JSONL file ('FILE:LINE')."""
+    try:
+        with open(path, "rb") as f:
+            text = decode_utf8(f.read(), path)
+    except OSError as e:
+        raise ChatError(f"{path}: cannot read ({e.strerror})") from None
+    if text.lstrip().startswith("["):
+        try:
+            items = json.loads(text)
+        except ValueError as e:
+            raise ChatError(f"{path}:{e.lineno}: not JSON ({e.msg})") from None
+        yield from ((f"{path}: item {i}", item) for i, item in enumerate(items))
+        return
+    for number, line in enumerate(text.split("\n"), start=1):
+        if line.strip():
+            try:
+                yield f"{path}:{number}", json.loads(line)
+            except ValueError as e:
+                raise ChatError(f"{path}:{number}: not JSON ({e})") from None
+
+
+def field(record, key):
+    value = record.get(key) if isinstance(record, dict) else None
+    if not isinstance(value, str):
+        raise ChatError(f"missing or non-text field {key!r}")
+    return value
+
+
+def from_alpaca(records, source):
+    """{"instruction", "input"?, "output", "system"?} -> system?, user (instruction + input), assistant."""
+    for where, record in records:
+        try:
+            user = field(record, "instruction").strip()
+            if record.get("input"):
+                user += "\n\n" + field(record, "input").strip()
+            messages = [
+                {"role": "user", "content": user},
+                {"role": "assistant", "content": field(record, "output")},
+            ]
+            if record.get("system"):
+                messages.insert(0, {"role": "system", "content": field(record, "system")})
+            yield where, {"messages": messages, "source": source}
+        except ChatError as e:
+            yield where, e
+
+
+SHAREGPT_ROLES = {
+    "system": "system",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "bard": "assistant",
+    "bing": "assistant",
+    "model": "assistant",
+}
+
+
+def from_sharegpt(records, source):
+    """{"conversations": [{"from": "human" | "gpt" | "system" ..., "value": ...}], "system"?}."""
+    for where, record in records:
+        turns = record.get("conversations") if isinstance(record, dict) else None
+        if not isinstance(turns, list):
+            yield where, ChatError("missing list 'conversations'")
+            continue
+        messages = [{"role": "system", "content": record["system"]}] if record.get("system") else []
+        try:
+            for number, turn in enumerate(turns):
+                speaker = turn.get("from") if isinstance(turn, dict) else None
+                if speaker not in SHAREGPT_ROLES:
+                    raise ChatError(
+                        f"conversations.{number}: unknown speaker {speaker!r}; known: {', '.join(SHAREGPT_ROLES)}"
+                    )
+                messages.append({"role": SHAREGPT_ROLES[speaker], "content": field(turn, "value")})
+        except ChatError as e:
+            yield where, e
+            continue
+        yield where, {"messages": messages, "source": source}
+
+
+def best_thread(root, replies_of):
+    """The thread from root following, at each message, its best-ranked reply (rank 0 is best; unranked
+    replies come after ranked ones, ties keep the file's order); deleted messages are never followed."""
+    thread, node = [root], root
+    while True:
+        replies = [
+            r for r in replies_of(node) if not r.get("deleted") and r.get("review_result") is not False
+        ]
+        if not replies:
+            return thread
+        ranked = sorted(
+            enumerate(replies),
+            key=lambda item: (item[1].get("rank") is None, item[1].get("rank") or 0, item[0]),
+        )
+        node = ranked[0][1]
+        thread.append(node)
+
+
+def from_oasst(records, source, lang=None):
+    """OpenAssistant message trees -> the highest-ranked thread of each root. Reads both exports: trees
+    (one tree per line, {"prompt": {..., "replies": [...]}}) and flat messages (one message per line with
+    message_id / parent_id)."""
+    records = list(records)
+    trees, children, roots = [], {}, []
+    for where, record in records:
+        if not isinstance(record, dict):
+            yield where, ChatError(f"expected a JSON object, got {type(record).__name__}")
+        elif isinstance(record.get("prompt"), dict):
+            trees.append((where, record["prompt"]))
+        elif "message_id" in record:
+            if record.get("parent_id") is None:
+                roots.append((where, record))
+            else:
+                children.setdefault(record["parent_id"], []).append(record)
+        else:
+            yield where, ChatError("neither a message tree ({'prompt': ...}) nor a message (message_id)")
+    roles = {"prompter": "user", "assistant": "assistant"}
+    for where, root, replies_of in [(w, r, lambda m: m.get("replies") or []) for w, r in trees] + [
+        (w, r, lambda m: children.get(m["message_id"], [])) for w, r in roots
+    ]:
+        if root.get("deleted") or (lang and root.get("lang") != lang):
+            continue
+        thread = best_thread(root, replies_of)
+        while thread and thread[-1].get("role") != "assistant":
+            thread.pop()  # a thread ends with an answer
+        if not thread:
+            continue
+        try:
+            messages = []
+            for message in thread:
+                if message.get("role") not in roles:
+                    raise ChatError(f"unknown OASST role {message.get('role')!r}; known: prompter, assistant")
+                messages.append({"role": roles[message["role"]], "content": field(message, "text")})
+        except ChatError as e:
+            yield where, e
+            continue
+        yield where, {"messages": messages, "source": source}
+
+
+IMPORTERS = {"alpaca": from_alpaca, "sharegpt": from_sharegpt, "oasst": from_oasst}
+
+
+def import_file(kind, path, out_path, skip_bad=False, lang=None, log=print):
+    """Convert a public data file to our conversations JSONL (written atomically). Returns (written, skipped)."""
+    import data
+
+    source = f"{kind}:{os.path.basename(path)}"
+    records = read_records(path)
+    converted = (
+        IMPORTERS[kind](records, source, lang) if kind == "oasst" else IMPORTERS[kind](records, source)
+    )
+    lines, skipped = [], 0
+    for where, conversation in converted:
+        problems = (
+            [str(conversation)]
+            if isinstance(conversation, ChatError)
+            else conversation_problems(conversation)
+        )
+        if problems:
+            if not skip_bad:
+                raise ChatError(f"{where}: " + "; ".join(problems) + " (--skip-bad leaves such records out)")
+            log(f"skipping {where}: " + "; ".join(problems))
+            skipped += 1
+            continue
+        lines.append(json.dumps(conversation, ensure_ascii=False) + "\n")
+    data.write_atomic(out_path, lambda f: f.write("".join(lines).encode("utf-8")))
+    log(f"import: {len(lines):,} conversations from {path} ({kind}) -> {out_path}; {skipped} skipped")
+    return len(lines), skipped
+
+
+# -----------------------------------------------------------------------------
+# Showing what training sees (python chat.py show FILE.jsonl)
+
+STYLES = {"control": "\033[36m", "trained": "\033[1;32m", "reset": "\033[0m"}
+
+
+def show(path, tokenizer_path=None, color=False, limit=None, out=sys.stdout):
+    """Print conversations as rendered: trained tokens in green (or between {+ +} without colour), masked
+    ones plain, control tokens in cyan. With a tokenizer, each conversation's token counts too."""
+    tokenizer = None
+    if tokenizer_path:
+        import data
+
+        tokenizer = data.SentencePieceTokenizer(tokenizer_path)
+    conversations, _ = read_conversations(path)
+    legend = (
+        "green = trained (mask 1), plain = masked (mask 0)" if color else "{+ trained +}, the rest masked"
+    )
+    out.write(f"{path}: {len(conversations)} conversations; {legend}\n")
+    for where, conversation in conversations[:limit]:
+        counts = ""
+        if tokenizer:
+            ids, mask = render(conversation, tokenizer)
+            counts = f" | {len(ids)} tokens, {sum(mask)} trained"
+        out.write(f"\n== {where}{counts}\n")
+        pieces, open_span = [], False
+        for control, text, trained in segments(conversation):
+            for part, is_control in ((control, True), (text, False)):
+                if not part:
+                    continue
+                if color:
+                    style = STYLES["trained"] if trained else STYLES["control"] if is_control else ""
+                    pieces.append(style + part + (STYLES["reset"] if style else ""))
+                else:
+                    if trained and not open_span:
+                        pieces.append("{+")
+                        open_span = True
+                    pieces.append(part)
+                if part == "<|end|>":  # a trained span always ends with its turn
+                    if open_span:
+                        pieces.append("+}")
+                        open_span = False
+                    pieces.append("\n")
+        out.write("".join(pieces) + "\n")
+
+
+# -----------------------------------------------------------------------------
+
+USAGE = """usage:
+  python chat.py prepare CONFIG [section.key=value ...]      pack data.chat's conversations for training
+  python chat.py import --from alpaca|sharegpt|oasst FILE OUT.jsonl [--skip-bad] [--lang es]
+  python chat.py show FILE.jsonl [--tokenizer MODEL] [--limit N] [--color auto|always|never]"""
+
+
+def main(argv):
+    import argparse
+
+    import data  # the command line may pay for torch; importing chat.py does not
+
+    if not argv or argv[0] not in ("prepare", "import", "show"):
+        print(USAGE, file=sys.stderr)
+        return 2
+    command, rest = argv[0], argv[1:]
+    try:
+        if command == "prepare":
+            if not rest:
+                print(USAGE, file=sys.stderr)
+                return 2
+            try:
+                cfg = config.load(rest[0], rest[1:])
+            except config.ConfigError as e:
+                print(f"{rest[0]}: config problems:\n  " + "\n  ".join(e.problems), file=sys.stderr)
+                return 2
+            prepare(cfg)
+        elif command == "import":
+            parser = argparse.ArgumentParser(prog="chat.py import")
+            parser.add_argument("--from", dest="kind", required=True, choices=sorted(IMPORTERS))
+            parser.add_argument("file")
+            parser.add_argument("out")
+            parser.add_argument("--skip-bad", action="store_true", help="leave out bad records (counted)")
+            parser.add_argument("--lang", help="oasst: keep only trees whose first message has this language")
+            args = parser.parse_args(rest)
+            import_file(args.kind, args.file, args.out, args.skip_bad, args.lang)
+        else:
+            parser = argparse.ArgumentParser(prog="chat.py show")
+            parser.add_argument("file")
+            parser.add_argument("--tokenizer", help="a tokenizer.model, to count tokens per conversation")
+            parser.add_argument("--limit", type=int, default=None)
+            parser.add_argument("--color", choices=("auto", "always", "never"), default="auto")
+            args = parser.parse_args(rest)
+            color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())
+            show(args.file, args.tokenizer, color, args.limit)
+    except (ChatError, data.DataError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

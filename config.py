@@ -37,8 +37,9 @@ import sys
 import jsonschema
 import yaml
 
-LAYERS = ("hardware", "model", "train", "data", "agent")
-OPTIONAL_LAYERS = ("agent",)  # a run file may leave these out; their users then read a default layer file
+LAYERS = ("hardware", "model", "train", "data", "agent", "serve", "memory")
+# A run file may leave these out; their users then read a default layer file (configs/<layer>/default.yaml).
+OPTIONAL_LAYERS = ("agent", "serve", "memory")
 SCHEMA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "schema")
 COMMAND_LINE = "command line"
 EXPONENT_NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+")
@@ -153,14 +154,17 @@ def compose(path, overrides=()):
     """Compose a run file, its layers and the overrides. Returns (config, origins), unvalidated."""
     configs_root = os.path.dirname(os.path.abspath(path)) or "."
     run = _read_yaml(path)
-    includes = run.pop("include", None)
+    # A run's saved config.yaml is a run file too: every layer written out, nothing to include.
+    required = [layer for layer in LAYERS if layer not in OPTIONAL_LAYERS]
+    resolved = "include" not in run and all(isinstance(run.get(layer), dict) for layer in required)
+    includes = run.pop("include", {} if resolved else None)
     if not isinstance(includes, dict):
         raise ConfigError(
             [f"{path}: include: expected a mapping of layer to file, e.g. 'model: model/smoke.yaml'"]
         )
     problems = []
     for layer in LAYERS:
-        if layer not in includes and layer not in OPTIONAL_LAYERS:
+        if layer not in includes and layer not in OPTIONAL_LAYERS and not resolved:
             problems.append(f"{path}: include.{layer}: missing; name the {layer} layer file")
     for layer in includes:
         if layer not in LAYERS:
@@ -178,8 +182,15 @@ def compose(path, overrides=()):
         origins.update(section_origins)
     _merge(config, run, origins, path)
 
+    _apply_overrides(config, origins, overrides)
+    return config, origins
+
+
+def _apply_overrides(config, origins, overrides, only=None):
     for text in overrides:
         keys, value = parse_override(text)
+        if only is not None and keys[0] != only:
+            raise ConfigError([f"{COMMAND_LINE}: {text!r}: expected {only}.key=value"])
         node = config
         for k in keys[:-1]:
             if not isinstance(node.get(k), dict):
@@ -188,7 +199,6 @@ def compose(path, overrides=()):
         node[keys[-1]] = value
         for leaf in _leaf_paths(value, keys):
             origins[leaf] = f"{COMMAND_LINE} ({text})"
-    return config, origins
 
 
 # -----------------------------------------------------------------------------
@@ -306,7 +316,7 @@ def _cross_field_problems(config, origins):
     hardware, model, train, data = (config[name] for name in ("hardware", "model", "train", "data"))
     for key, message in _model_problems(model):
         problem(("model", key), message)
-    if data["format"] == "shards" and model["vocab_size"] > 65536:
+    if data["format"] in ("shards", "chat") and model["vocab_size"] > 65536:
         problem(
             ("model", "vocab_size"),
             f"{model['vocab_size']} does not fit the uint16 shards; expected <= 65536",
@@ -352,18 +362,6 @@ def check_section(layer, section, source="config"):
         raise ConfigError(problems)
 
 
-def load_layer(layer, path):
-    """One layer file on its own (and the base files it includes), validated against its schema: what a
-    tool reads when the run it serves names no such layer (agent.py's defaults, say)."""
-    configs_root = os.path.dirname(os.path.dirname(os.path.abspath(path)))
-    relpath = os.path.relpath(os.path.abspath(path), configs_root)
-    section, origins = _load_layer(layer, relpath, configs_root, None, [])
-    problems = _schema_problems(layer, section, load_schema(layer), origins, path)
-    if problems:
-        raise ConfigError(problems)
-    return section
-
-
 def validate(config, origins, run_path):
     """Check a composed config; raise ConfigError listing every problem."""
     run_view = {k: v for k, v in config.items() if k not in LAYERS}
@@ -387,6 +385,22 @@ def load(path, overrides=()):
     config, origins = compose(path, overrides)
     validate(config, origins, path)
     return config
+
+
+def load_layer(layer, path, overrides=()):
+    """One layer file on its own (and the base files it includes) plus `layer.key=value` overrides,
+    validated against its schema: what a tool reads when the run it serves names no such layer
+    (agent.py's defaults, serve.py's configs/serve/*.yaml)."""
+    configs_root = os.path.dirname(os.path.dirname(os.path.abspath(path)))
+    section, origins = _load_layer(
+        layer, os.path.relpath(os.path.abspath(path), configs_root), configs_root, None, []
+    )
+    config = {layer: section}
+    _apply_overrides(config, origins, overrides, only=layer)
+    problems = _schema_problems(layer, config[layer], load_schema(layer), origins, path)
+    if problems:
+        raise ConfigError(problems)
+    return config[layer]
 
 
 def dump(config):
@@ -417,6 +431,21 @@ def check_all(folder):
             _report(path, e.problems)
             failures += 1
     print(f"{len(run_files) - failures}/{len(run_files)} run files valid in {folder}/")
+    for layer in OPTIONAL_LAYERS:
+        layer_dir = os.path.join(folder, layer)
+        names = (
+            sorted(n for n in os.listdir(layer_dir) if n.endswith(".yaml"))
+            if os.path.isdir(layer_dir)
+            else []
+        )
+        for name in names:
+            try:
+                load_layer(layer, os.path.join(layer_dir, name))
+            except ConfigError as e:
+                _report(os.path.join(layer_dir, name), e.problems)
+                failures += 1
+        if names:
+            print(f"{len(names)} {layer} layer files checked in {layer_dir}/")
     return failures
 
 

@@ -2,6 +2,10 @@
 What training reads at run time: tokenizers and the control-token table, the shard format, loaders with
 exact state. corpus.py (stage 1) builds the files they read.
 
+Format chat (SFT): DIR holds tokenizer.model (a copy of the pretraining one), {train,val}_NNNNNN.bin (packed
+rows of seq_len + 1 tokens) and mask_{train,val}_NNNNNN.bin (1 = a token the model learns to produce),
+written by `python chat.py prepare CONFIG`.
+
 Shard format (version 1, the layout of llm.c's token files): a header of 256 little-endian int32
     [0] magic 20240520   [1] version 1   [2] number of tokens   [3] vocabulary size   [4:] zero
 followed by the tokens as little-endian uint16. Every document is stored as <|bos|> ids <|eos|>, and
@@ -12,6 +16,9 @@ Loaders yield windows of seq_len + 1 tokens as (x, y) = (window[:-1], window[1:]
     shards: a shard's windows start every seq_len tokens (each token is a target exactly once); each epoch
             visits the shards in an order drawn from (seed, epoch) and a shard's windows in an order
             drawn from (seed, epoch, shard); rank r takes windows r, r + world_size, ... of that order.
+    chat:   rows of seq_len + 1 packed conversations (chat.py prepare) and their loss mask; y is -1 where the
+            mask is 0. Each epoch visits the rows in an order drawn from (seed, epoch); rank r takes rows
+            r, r + world_size, ... of that order.
 Their state_dict() holds only tensors, ints and strings, so checkpoints load with weights_only=True, and
 a restored loader continues with exactly the batches the uninterrupted one would have produced. A state
 from another rank count, batch geometry or data is refused with the differences listed.
@@ -160,13 +167,18 @@ class SentencePieceTokenizer:
 
     name = "sentencepiece"
 
-    def __init__(self, model_path):
-        if not os.path.exists(model_path):
+    def __init__(self, model_path, model_proto=None):
+        """From the file model_path, or from model_proto (the file's bytes, as a checkpoint carries
+        them; model_path then only names where they came from)."""
+        if model_proto is None and not os.path.exists(model_path):
             raise DataError(
                 f"{model_path}: tokenizer not found; build it with `python corpus.py tokenizer CONFIG`"
             )
         try:
-            self.processor = spm.SentencePieceProcessor(model_file=model_path)
+            if model_proto is None:
+                self.processor = spm.SentencePieceProcessor(model_file=model_path)
+            else:
+                self.processor = spm.SentencePieceProcessor(model_proto=model_proto)
         except (OSError, RuntimeError) as e:
             raise DataError(f"{model_path}: not a sentencepiece model ({e})") from None
         processor = self.processor
@@ -218,6 +230,11 @@ class SentencePieceTokenizer:
 def load_tokenizer(data_cfg):
     if data_cfg["format"] == "bytes":
         return ByteTokenizer()
+    if data_cfg["format"] == "chat":  # the copy `chat.py prepare` made of data.chat.tokenizer
+        path = tokenizer_path(data_cfg)
+        if not os.path.exists(path):
+            raise DataError(f"{path}: not found; pack the conversations with `python chat.py prepare CONFIG`")
+        return SentencePieceTokenizer(path)
     tokenizer = SentencePieceTokenizer(tokenizer_path(data_cfg))
     configured = data_cfg["tokenizer"]["vocab_size"]
     if tokenizer.vocab_size != configured:
@@ -304,6 +321,11 @@ def load_split_tokens(data_cfg, split):
     check_split(split)
     if data_cfg["format"] == "bytes":
         return np.asarray(ByteLoader.open(byte_path(data_cfg, split)))
+    if data_cfg["format"] == "chat":
+        raise DataError(
+            f"{data_cfg['dir']}: packed conversations are rows with a loss mask, not one token stream; "
+            "evaluate a chat run with `python sample.py RUN --chat-eval FILE.jsonl`"
+        )
     paths = ShardLoader.find(data_cfg, split)
     return np.concatenate([read_shard(path) for path in paths])
 
@@ -319,6 +341,8 @@ def build_loader(data_cfg, split, batch_size, seq_len, seed, rank=0, world_size=
         raise DataError(f"rank {rank} is outside world size {world_size}")
     if data_cfg["format"] == "bytes":
         return ByteLoader(byte_path(data_cfg, split), split, batch_size, seq_len, seed, rank, world_size)
+    if data_cfg["format"] == "chat":
+        return ChatLoader(data_cfg, split, batch_size, seq_len, seed, rank, world_size)
     return ShardLoader(data_cfg, split, batch_size, seq_len, seed, rank, world_size)
 
 
@@ -491,6 +515,97 @@ class ShardLoader:
         self.epoch, self.shard_position = state["epoch"], state["shard_position"]
         self.window_position = state["window_position"]
         self.current = None
+
+
+def mask_shard_name(split, index):
+    return f"mask_{split}_{index:06d}.bin"
+
+
+class ChatLoader:
+    """Packed conversations (`python chat.py prepare`): rows of seq_len + 1 tokens, each starting with
+    <|bos|>, and a parallel loss mask. A row gives x = row[:-1] and y = row[1:] with y = -1 wherever the
+    mask of that token is 0 (prompt, system, tool and padding tokens teach nothing). Each epoch visits every
+    row once, in an order drawn from (seed, epoch); rank r takes rows r, r + world_size, ... of that order."""
+
+    def __init__(self, data_cfg, split, batch_size, seq_len, seed, rank, world_size):
+        self.split = split
+        self.batch_size, self.seq_len, self.seed = batch_size, seq_len, seed
+        self.rank, self.world_size = rank, world_size
+        self.row_len = seq_len + 1
+        prepared = read_manifest(data_cfg).get("prepare", {}).get(split)
+        where = f"{data_cfg['dir']}/{split}_*.bin"
+        if not prepared or not prepared.get("complete"):
+            state = "unfinished" if prepared else "missing"
+            raise DataError(f"{where}: packed conversations {state}; run `python chat.py prepare CONFIG`")
+        if prepared["seq_len"] != seq_len:
+            raise DataError(
+                f"{where}: packed for seq_len {prepared['seq_len']}, model.seq_len is {seq_len}; "
+                "rerun `python chat.py prepare CONFIG`"
+            )
+        self.tokens, self.masks, self.shard_rows = [], [], []
+        for shard in prepared["shards"]:
+            for name, into in ((shard["name"], self.tokens), (shard["mask"], self.masks)):
+                array = read_shard(os.path.join(data_cfg["dir"], name))
+                if len(array) != shard["rows"] * self.row_len:
+                    raise DataError(
+                        f"{data_cfg['dir']}/{name}: {len(array)} tokens, the manifest says {shard['rows']} rows "
+                        f"of {self.row_len}; rerun `python chat.py prepare CONFIG`"
+                    )
+                into.append(array.reshape(shard["rows"], self.row_len))
+            self.shard_rows.append(shard["rows"])
+        self.shard_names = [shard["name"] for shard in prepared["shards"]]
+        self.row_starts = np.cumsum([0] + self.shard_rows)
+        self.rows_per_rank = self.row_starts[-1] // world_size
+        if self.rows_per_rank == 0:
+            raise DataError(
+                f"{where}: {self.row_starts[-1]} packed rows, fewer than one per rank ({world_size})"
+            )
+        self.epoch, self.position = 0, 0
+        self.order_epoch, self.order = None, None
+
+    def rows_of_epoch(self):
+        if self.order_epoch != self.epoch:
+            order = np.random.default_rng([self.seed, self.epoch]).permutation(int(self.row_starts[-1]))
+            self.order = order[self.rank :: self.world_size][: self.rows_per_rank]
+            self.order_epoch = self.epoch
+        return self.order
+
+    def row(self, index):
+        shard = int(np.searchsorted(self.row_starts, index, side="right")) - 1
+        within = index - self.row_starts[shard]
+        return self.tokens[shard][within], self.masks[shard][within]
+
+    def next_batch(self):
+        tokens = np.empty((self.batch_size, self.row_len), dtype=np.int64)
+        trained = np.empty((self.batch_size, self.row_len), dtype=bool)
+        for i in range(self.batch_size):
+            tokens[i], trained[i] = self.row(int(self.rows_of_epoch()[self.position]))
+            self.position += 1
+            if self.position == self.rows_per_rank:
+                self.position, self.epoch = 0, self.epoch + 1
+        x = torch.from_numpy(tokens[:, :-1].copy())
+        y = torch.from_numpy(np.where(trained[:, 1:], tokens[:, 1:], -1))
+        return x, y
+
+    def identity(self):
+        return {
+            "format": "chat",
+            "split": self.split,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "batch_size": self.batch_size,
+            "seq_len": self.seq_len,
+            "shards": list(self.shard_names),
+            "shard_rows": [int(n) for n in self.shard_rows],
+        }
+
+    def state_dict(self):
+        return self.identity() | {"seed": self.seed, "epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state):
+        check_state(state, self.identity(), f"{self.split} chat")
+        self.seed, self.epoch, self.position = state["seed"], state["epoch"], state["position"]
+        self.order_epoch = None
 
 
 if __name__ == "__main__":

@@ -31,8 +31,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+import chat
+import checkpoint as ckpt
 import config
 import data
+from checkpoint import list_checkpoints, load_checkpoint, load_newest_checkpoint, save_checkpoint
 from model import Transformer
 
 # Keys that fix tensor shapes or the meaning of a step: a resume that changes one of them cannot
@@ -110,20 +113,33 @@ def check_hardware(profile, caps):
     return problems
 
 
-def measure_peak_tflops(device, dtype=torch.float32, size=1024, seconds=0.3):
-    """Dense matmul throughput actually reached on this device: the reference for MFU on the CPU."""
+def measure_peak_tflops(device, dtype=torch.float32, size=2048, seconds=1.0, min_timings=5):
+    """Dense matmul throughput actually reached on this device: the reference for MFU where the hardware
+    profile gives none, and the figure `make bench` divides by, so a run's logged MFU and the bench's
+    agree. Square matmuls of `size` (large enough that the BLAS kernel runs at full speed), one untimed
+    for warm-up, then the best of repeated timings for `seconds` and at least `min_timings`: a neighbour
+    process can only slow a timing down, never speed it up."""
     a = torch.randn(size, size, device=device, dtype=dtype)
     b = torch.randn(size, size, device=device, dtype=dtype)
-    best = 0.0
-    deadline = time.perf_counter() + seconds
-    while time.perf_counter() < deadline or best == 0.0:
+
+    def timed_matmul():
         start = time.perf_counter()
-        for _ in range(4):
-            a @ b
+        a @ b
         if device.type == "cuda":
             torch.cuda.synchronize()
-        best = max(best, 4 * 2 * size**3 / (time.perf_counter() - start))
-    return best / 1e12
+        return time.perf_counter() - start
+
+    timed_matmul()
+    timings = []
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline or len(timings) < min_timings:
+        timings.append(timed_matmul())
+    return 2 * size**3 / min(timings) / 1e12
+
+
+# Measured once per process and device: a --resume-check's three runs, or a test session's many tiny
+# runs, share one figure instead of paying for it each time.
+_measured_peak_tflops = {}
 
 
 @dataclass
@@ -156,9 +172,12 @@ def setup_hardware(profile, local_rank=0, caps=None):
     else:
         autocast = lambda: torch.autocast(device_type=device.type, dtype=dtype)
     scaler = torch.amp.GradScaler(device.type, enabled=profile["grad_scaler"])
-    peak = profile["peak_tflops"] or measure_peak_tflops(
-        device, dtype if device.type == "cuda" else torch.float32
-    )
+    peak = profile["peak_tflops"]
+    if not peak:
+        key = (str(device), dtype if device.type == "cuda" else torch.float32)
+        if key not in _measured_peak_tflops:
+            _measured_peak_tflops[key] = measure_peak_tflops(device, key[1])
+        peak = _measured_peak_tflops[key]
     return Hardware(device, autocast, scaler, profile["attention_backend"], peak, description)
 
 
@@ -232,12 +251,12 @@ def build_optimizer(model, train, device):
         lr=train["lr"],
         betas=(train["beta1"], train["beta2"]),
         eps=train["adam_eps"],
-        fused=device.type == "cuda",
+        fused=True,  # one kernel per step on CUDA and on the CPU: 4x faster than foreach on the CPU
     )
 
 
 # -----------------------------------------------------------------------------
-# RNG state and checkpoints
+# RNG state (the checkpoint files themselves: checkpoint.py)
 
 
 def rng_state():
@@ -273,48 +292,16 @@ def set_rng_state(state):
         torch.cuda.set_rng_state_all([_cpu_bytes(s) for s in state["torch_cuda"]])
 
 
-def checkpoint_path(run_dir, step):
-    return os.path.join(run_dir, f"ckpt_{step:07d}.pt")
-
-
-def list_checkpoints(run_dir):
-    """Complete checkpoints, newest first. Temp files of an interrupted write never match."""
-    if not os.path.isdir(run_dir):
-        return []
-    names = [n for n in os.listdir(run_dir) if n.startswith("ckpt_") and n.endswith(".pt")]
-    return sorted((os.path.join(run_dir, n) for n in names), reverse=True)
-
-
-def save_checkpoint(run_dir, step, state, keep_last):
-    path = checkpoint_path(run_dir, step)
-    data.write_atomic(path, lambda f: torch.save(state, f))
-    for old in list_checkpoints(run_dir)[keep_last:]:
-        os.unlink(old)
-    # Temp files of writes that were killed (never trusted, since they never got the real name).
+def replace_run(run_dir):
+    """Delete what a run wrote in run_dir (checkpoints, their temp files, metrics, resolved config) and
+    nothing else; returns what was removed, for the log."""
+    checkpoints = list_checkpoints(run_dir)
+    for path in checkpoints:
+        os.unlink(path)
     for name in os.listdir(run_dir):
-        if name.startswith(".ckpt_") and name.endswith(".tmp"):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(run_dir, name))
-    return path
-
-
-def load_checkpoint(path):
-    # map_location="cpu": RNG states must stay CPU tensors, and any rank can read any checkpoint.
-    state = torch.load(path, map_location="cpu", weights_only=True)
-    missing = {"step", "model", "optimizer", "ranks", "config"} - set(state)
-    if missing:
-        raise ValueError(f"not a training checkpoint (missing {', '.join(sorted(missing))})")
-    return state
-
-
-def load_newest_checkpoint(run_dir, log=print):
-    """The newest checkpoint that loads; a truncated or corrupt one is reported and skipped."""
-    for path in list_checkpoints(run_dir):
-        try:
-            return path, load_checkpoint(path)
-        except Exception as e:  # noqa: BLE001 - any unreadable file is skipped, and said so
-            log(f"warning: skipping unreadable checkpoint {path}: {type(e).__name__}: {e}")
-    raise TrainError(f"--resume: no usable checkpoint in {run_dir}/ (expected ckpt_<step>.pt files)")
+        if (name.startswith(".ckpt_") and name.endswith(".tmp")) or name in ("metrics.jsonl", "config.yaml"):
+            os.unlink(os.path.join(run_dir, name))
+    return f"removed {len(checkpoints)} checkpoint(s) and its metrics"
 
 
 def shape_differences(saved, current):
@@ -324,6 +311,56 @@ def shape_differences(saved, current):
         if before != now:
             differences.append(f"{section}.{key}: checkpoint has {before!r}, config has {now!r}")
     return differences
+
+
+# Model keys that may differ between a run and the run it is initialized from (train.init_from): none of
+# them changes a weight's shape or meaning (the RoPE table is rebuilt for any seq_len).
+INIT_FREE_MODEL_KEYS = {"seq_len", "init_std", "z_loss_coef"}
+
+
+def tokenizer_sha256(tokenizer):
+    path = getattr(tokenizer, "path", None)
+    return data.sha256_of_file(path) if path else tokenizer.name
+
+
+def init_checkpoint(cfg, log):
+    """(path, checkpoint) named by train.init_from, checked against this run: the model shape (seq_len
+    aside) and the tokenizer must be the same."""
+    source = cfg["train"]["init_from"]
+    if os.path.isdir(source):
+        try:
+            path, state = load_newest_checkpoint(source, log)
+        except ckpt.CheckpointError as e:
+            raise TrainError(f"train.init_from: {e}") from None
+    elif os.path.isfile(source):
+        path = source
+        try:
+            state = load_checkpoint(source)
+        except Exception as e:  # noqa: BLE001 - any unreadable file is the same problem for the user
+            raise TrainError(f"train.init_from: {source}: not a loadable checkpoint ({e})") from None
+    else:
+        raise TrainError(f"train.init_from: {source}: no such run directory or checkpoint file")
+    saved, model_cfg = state["config"], cfg["model"]
+    differences = [
+        f"model.{key}: {path} has {saved['model'].get(key)!r}, this run has {model_cfg[key]!r}"
+        for key in sorted(set(model_cfg) | set(saved["model"]))
+        if key not in INIT_FREE_MODEL_KEYS and saved["model"].get(key) != model_cfg.get(key)
+    ]
+    ours = tokenizer_sha256(data.load_tokenizer(cfg["data"]))
+    theirs = ckpt.stored_tokenizer_sha256(state)
+    if theirs is None:  # an older checkpoint: its tokenizer is the one its data config names
+        try:
+            theirs = tokenizer_sha256(data.load_tokenizer(saved["data"]))
+        except data.DataError as e:
+            raise TrainError(f"train.init_from: cannot check the tokenizer of {path}: {e}") from None
+    if theirs != ours:
+        differences.append(
+            f"tokenizer: {path} was trained with {str(theirs)[:12]}, this run's data gives {ours[:12]} "
+            "(sha256 of tokenizer.model; `chat.py prepare` must copy the pretraining tokenizer)"
+        )
+    if differences:
+        raise TrainError(f"train.init_from: {path} does not fit this run:\n  " + "\n  ".join(differences))
+    return path, state
 
 
 def code_version():
@@ -364,12 +401,14 @@ def format_rate(tokens_per_second):
 class StopRequest:
     """SIGINT/SIGTERM: finish the optimizer step in flight, write a checkpoint, exit 0."""
 
-    def __init__(self):
+    def __init__(self, enabled=True):
+        self.enabled = enabled  # False: leave signals to the caller's handlers (--resume-check)
         self.signal_name = None
         self.previous = {}
 
     def __enter__(self):
-        if threading.current_thread() is threading.main_thread():  # signals only reach the main thread
+        # Signals only reach the main thread.
+        if self.enabled and threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 self.previous[sig] = signal.signal(sig, self.handle)
         return self
@@ -410,40 +449,49 @@ def evaluate(model, cfg, hardware, ctx, token_bytes):
             x, y = (t.to(hardware.device) for t in loader.next_batch())
             with hardware.autocast():
                 logits, _ = model(x)
-            nats = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum")
+            # Targets -1 (chat data: prompt and padding positions) are not scored.
+            nats = F.cross_entropy(
+                logits.float().flatten(0, 1), y.flatten(), ignore_index=-1, reduction="sum"
+            )
+            scored = y != -1
             totals += torch.stack(
                 [
                     nats.double(),
-                    torch.tensor(y.numel(), device=hardware.device).double(),
-                    token_bytes[y].sum().double(),
+                    scored.sum().double(),
+                    torch.where(scored, token_bytes[y.clamp(min=0)], 0.0).sum().double(),
                 ]
             )
     if ctx.enabled:
         dist.all_reduce(totals)
     model.train()
     nats, tokens, num_bytes = totals.tolist()
-    return {"val_loss": nats / tokens, "val_bpb": nats / (math.log(2) * max(num_bytes, 1.0))}
+    return {"val_loss": nats / max(tokens, 1.0), "val_bpb": nats / (math.log(2) * max(num_bytes, 1.0))}
 
 
-def train(cfg, resume=False, stop_after=None, log=print):
+def train(cfg, resume=False, stop_after=None, log=print, handle_signals=True):
     """Train `cfg` (a resolved config). Returns the final step. `stop_after` ends the run as an
-    interruption would (checkpoint, no final eval): used by --resume-check."""
+    interruption would (checkpoint, no final eval): used by --resume-check, which also passes
+    handle_signals=False so that SIGINT/SIGTERM reach its own handler instead of ending one phase."""
     train_cfg, profile = cfg["train"], cfg["hardware"]
     ctx = init_distributed(profile["device"], train_cfg["dist_timeout_s"])
     try:
-        return _train(cfg, ctx, resume, stop_after, log if ctx.is_main else (lambda *a, **k: None))
+        quiet = lambda *a, **k: None
+        return _train(cfg, ctx, resume, stop_after, log if ctx.is_main else quiet, handle_signals)
     finally:
         if ctx.enabled:
             dist.destroy_process_group()
 
 
-def _train(cfg, ctx, resume, stop_after, log):
+def _train(cfg, ctx, resume, stop_after, log, handle_signals):
     model_cfg, train_cfg, profile = cfg["model"], cfg["train"], cfg["hardware"]
     hardware = setup_hardware(profile, ctx.local_rank)
     run_dir = run_dir_of(cfg)
     checkpoint = None
     if resume:
-        ckpt_path, checkpoint = load_newest_checkpoint(run_dir, log)
+        try:
+            ckpt_path, checkpoint = load_newest_checkpoint(run_dir, log)
+        except ckpt.CheckpointError as e:
+            raise TrainError(f"--resume: {e}") from None
         differences = shape_differences(checkpoint["config"], cfg)
         if checkpoint.get("world_size", 1) != ctx.world_size:
             differences.append(
@@ -454,11 +502,17 @@ def _train(cfg, ctx, resume, stop_after, log):
             raise TrainError(
                 f"cannot resume {ckpt_path}: shape-defining settings changed:\n  " + "\n  ".join(differences)
             )
+    elif train_cfg["replace_run"]:
+        if ctx.is_main and list_checkpoints(run_dir):
+            log(f"replacing the previous run in {run_dir}/ (train.replace_run: true): {replace_run(run_dir)}")
+        if ctx.enabled:
+            dist.barrier()  # no rank goes on before the old run is gone
     elif list_checkpoints(run_dir):
         raise TrainError(
             f"{run_dir}/ already holds checkpoints; pass --resume to continue it, or choose another run "
-            f"name (run_name=...)"
+            f"name (run_name=...), or set train.replace_run=true to start it afresh"
         )
+    init = init_checkpoint(cfg, log) if checkpoint is None and train_cfg["init_from"] else None
 
     os.makedirs(run_dir, exist_ok=True)
 
@@ -472,6 +526,14 @@ def _train(cfg, ctx, resume, stop_after, log):
         raise TrainError(
             f"model.vocab_size is {model_cfg['vocab_size']} but the {tokenizer.name} tokenizer has "
             f"{tokenizer.vocab_size} tokens; set model.vocab_size={tokenizer.vocab_size}"
+        )
+    tokenizer_record = ckpt.tokenizer_record(tokenizer)
+    trained_with = ckpt.stored_tokenizer_sha256(checkpoint) if checkpoint is not None else None
+    if trained_with and trained_with != tokenizer_record.get("sha256"):
+        raise TrainError(
+            f"cannot resume {ckpt_path}: it was trained with the tokenizer of sha256 {trained_with}, but "
+            f"{tokenizer.path} has sha256 {tokenizer_record['sha256']}; point data.dir at the data it was "
+            "trained on (or start a new run)"
         )
     token_bytes = torch.as_tensor(tokenizer.token_bytes, dtype=torch.float64, device=hardware.device)
     model = Transformer(model_cfg, attention_backend=hardware.attention_backend).to(hardware.device)
@@ -494,6 +556,10 @@ def _train(cfg, ctx, resume, stop_after, log):
         step = checkpoint["step"]
         skipped_steps = checkpoint.get("skipped_steps", 0)
         log(f"resumed from {ckpt_path} at step {step}")
+    elif init is not None:  # fine-tuning: the weights only; optimizer, schedule and step start afresh
+        init_path, init_state = init
+        model.load_state_dict(init_state["model"])
+        log(f"initialized from {init_path} (step {init_state['step']}); fresh optimizer and schedule")
 
     raw_model = model
     if profile["compile"]:
@@ -512,7 +578,7 @@ def _train(cfg, ctx, resume, stop_after, log):
         log(
             f"run {cfg['run_name']}: {raw_model.num_params() / 1e6:.2f}M parameters on "
             f"{hardware.description}, {profile['dtype']}, attention {hardware.attention_backend}, "
-            f"peak {hardware.peak_tflops:.2f} TFLOP/s"
+            f"matmul peak {hardware.peak_tflops:.3g} TFLOP/s (MFU reference)"
         )
         log(
             f"global batch {tokens_per_step} tokens = {ctx.world_size} ranks x {batch} sequences x "
@@ -541,7 +607,7 @@ def _train(cfg, ctx, resume, stop_after, log):
                 "ranks": ranks,
                 "skipped_steps": skipped_steps,
                 "world_size": ctx.world_size,
-                "tokenizer": tokenizer.name,
+                "tokenizer": tokenizer_record,
                 "config": cfg,
                 "code_version": code_version(),
             }
@@ -555,7 +621,7 @@ def _train(cfg, ctx, resume, stop_after, log):
     window_start, window_steps = time.perf_counter(), 0
     run_start = time.perf_counter()
     stopped_by = None
-    with StopRequest() as stop:
+    with StopRequest(enabled=handle_signals) as stop:
         while step < train_cfg["max_steps"]:
             lr = lr_at(step, train_cfg)
             for group in optimizer.param_groups:
@@ -658,7 +724,8 @@ def _train(cfg, ctx, resume, stop_after, log):
     if stopped_by:
         log(f"stopped at step {step} ({stopped_by}); continue with --resume")
     elif ctx.is_main and train_cfg["sample_tokens"] > 0:
-        log(f"sample: {sample_text(raw_model, tokenizer, train_cfg, hardware)}")
+        chat_run = cfg["data"]["format"] == "chat"
+        log(f"sample: {sample_text(raw_model, tokenizer, train_cfg, hardware, chat_run)}")
     return step
 
 
@@ -671,10 +738,16 @@ def _truncate_metrics(path, step):
     data.write_atomic(path, lambda f: f.write("".join(lines).encode()))
 
 
-def sample_text(model, tokenizer, train_cfg, hardware):
-    prompt_ids = tokenizer.encode(train_cfg["sample_prompt"])
-    if tokenizer.bos_id is not None:  # documents are trained as <|bos|> text <|eos|>
-        prompt_ids = [tokenizer.bos_id] + prompt_ids
+def sample_text(model, tokenizer, train_cfg, hardware, chat_run=False):
+    stop_token = tokenizer.eos_id
+    if chat_run:  # a fine-tuned run answers sample_prompt as a user message
+        conversation = {"messages": [{"role": "user", "content": train_cfg["sample_prompt"]}]}
+        prompt_ids, _ = chat.render(conversation, tokenizer, for_generation=True)
+        stop_token = tokenizer.special_ids["<|end|>"]
+    else:
+        prompt_ids = tokenizer.encode(train_cfg["sample_prompt"])
+        if tokenizer.bos_id is not None:  # documents are trained as <|bos|> text <|eos|>
+            prompt_ids = [tokenizer.bos_id] + prompt_ids
     idx = torch.tensor([prompt_ids], dtype=torch.long, device=hardware.device)
     generator = torch.Generator().manual_seed(train_cfg["seed"])  # CPU: the same text on any device
     model.eval()
@@ -685,11 +758,13 @@ def sample_text(model, tokenizer, train_cfg, hardware):
                 train_cfg["sample_tokens"],
                 temperature=0.8,
                 top_k=50,
-                stop_token=tokenizer.eos_id,
+                stop_token=stop_token,
                 generator=generator,
             )
         )
     model.train()
+    if chat_run:
+        return f"{train_cfg['sample_prompt']} -> {tokenizer.decode(new_ids)}"
     return tokenizer.decode(prompt_ids + new_ids)
 
 
@@ -729,14 +804,51 @@ def compare_states(a, b):
     return len(ta), differing, largest
 
 
+class CheckInterrupted(BaseException):
+    """SIGINT/SIGTERM during --resume-check: the check ends with no verdict. A BaseException, like
+    KeyboardInterrupt, so that no `except Exception` on the way (a skipped unreadable checkpoint) eats it."""
+
+    def __init__(self, signum):
+        self.signum = signum
+        super().__init__(signal.Signals(signum).name)
+
+
+class InterruptCheck:
+    """While the check runs, SIGINT/SIGTERM raise CheckInterrupted at once (the phases run with
+    handle_signals=False, so no phase turns the signal into a graceful stop and lets the next phase
+    start). Further signals are ignored while the scratch runs are removed."""
+
+    def __init__(self):
+        self.previous = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self.previous[sig] = signal.signal(sig, self.handle)
+        return self
+
+    def handle(self, signum, frame):
+        for sig in self.previous:
+            signal.signal(sig, signal.SIG_IGN)
+        raise CheckInterrupted(signum)
+
+    def __exit__(self, *exc):
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
 def resume_check(cfg, log=print):
     """Uninterrupted N steps vs N/2 + resume to N: every parameter and optimizer tensor must be equal."""
     total = cfg["train"]["max_steps"]
     if total < 2:
         raise TrainError("--resume-check needs train.max_steps >= 2")
     quiet = lambda *a, **k: None
+    train_phase = lambda run_cfg, **kwargs: train(run_cfg, log=quiet, handle_signals=False, **kwargs)
     os.makedirs(cfg["train"]["runs_dir"], exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="resume-check-", dir=cfg["train"]["runs_dir"]) as scratch:
+    with (
+        InterruptCheck(),
+        tempfile.TemporaryDirectory(prefix="resume-check-", dir=cfg["train"]["runs_dir"]) as scratch,
+    ):
         runs = {}
         for name in ("uninterrupted", "resumed"):
             run_cfg = json.loads(json.dumps(cfg))
@@ -746,10 +858,10 @@ def resume_check(cfg, log=print):
             run_cfg["train"]["keep_last"] = max(run_cfg["train"]["keep_last"], 2)
             runs[name] = run_cfg
         log(f"resume-check: {total} steps uninterrupted ...")
-        train(runs["uninterrupted"], log=quiet)
+        train_phase(runs["uninterrupted"])
         log(f"resume-check: {total // 2} steps, stop, resume to {total} ...")
-        train(runs["resumed"], stop_after=total // 2, log=quiet)
-        train(runs["resumed"], resume=True, log=quiet)
+        train_phase(runs["resumed"], stop_after=total // 2)
+        train_phase(runs["resumed"], resume=True)
         a = load_checkpoint(list_checkpoints(run_dir_of(runs["uninterrupted"]))[0])
         b = load_checkpoint(list_checkpoints(run_dir_of(runs["resumed"]))[0])
     count, differing, largest = compare_states(a, b)
@@ -786,6 +898,9 @@ def main(argv):
     except (TrainError, data.DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except CheckInterrupted as e:
+        print(f"resume-check interrupted by {e}: no verdict; its scratch runs were removed", file=sys.stderr)
+        return 128 + e.signum
     return 0
 
 

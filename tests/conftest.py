@@ -1,12 +1,16 @@
 """Shared fixtures: tiny runs built from the shipped run files plus overrides (a config is data)."""
 
+import contextlib
 import copy
 import gzip
 import json
 import os
+import socket
 import subprocess
 import sys
+import threading
 import time
+import types
 
 import jsonschema
 import pytest
@@ -36,6 +40,7 @@ TINY = [
     "train.ckpt_interval=2",
     "train.keep_last=2",
     "train.sample_tokens=0",
+    "hardware.peak_tflops=1.0",  # skips the ~1 s start-up matmul that measures the MFU reference
 ]
 
 
@@ -139,10 +144,71 @@ def shard_overrides(folder):
     ]
 
 
+# Rows of packed test conversations are 64 + 1 tokens (the 16 of TINY would hold none of them).
+CHAT_SEQ_LEN = 64
+
+
+def example_conversations(count, start=0):
+    """Short conversations written for the tests (not the seed set): sums, a system turn, a second turn."""
+    conversations = []
+    for n in range(start, start + count):
+        a, b = n % 17, n % 5 + 1
+        messages = [{"role": "user", "content": f"¿Cuánto es {a} más {b}?"}]
+        messages.append({"role": "assistant", "content": f"{a} más {b} son {a + b}."})
+        if n % 3 == 0:
+            messages.insert(0, {"role": "system", "content": "Eres ENLACE, breve."})
+        if n % 4 == 0:
+            messages += [{"role": "user", "content": "Gracias"}, {"role": "assistant", "content": "De nada."}]
+        conversations.append({"messages": messages})
+    return conversations
+
+
+def write_jsonl(path, records):
+    with open(path, "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+    return str(path)
+
+
+def chat_overrides(folder, shard_dir):
+    """Overrides that point configs/sft-smoke-cpu.yaml at test conversations in folder/ and at the
+    tokenizer of the shard test data."""
+    return [
+        f"data.dir={folder}/packed",
+        f"data.chat.tokenizer={shard_dir}/tokenizer.model",
+        f"data.chat.train=[{folder}/train.jsonl]",
+        f"data.chat.val=[{folder}/val.jsonl]",
+        "data.chat.rows_per_shard=8",
+        "model.vocab_size=512",
+        f"model.seq_len={CHAT_SEQ_LEN}",
+        "train.init_from=null",
+    ]
+
+
+@pytest.fixture(scope="session")
+def chat_data_dir(tmp_path_factory, shard_data_dir):
+    """Test conversations packed by chat.prepare (rows of CHAT_SEQ_LEN + 1) with the shard tokenizer."""
+    import chat
+
+    folder = tmp_path_factory.mktemp("chat")
+    write_jsonl(folder / "train.jsonl", example_conversations(60))
+    write_jsonl(folder / "val.jsonl", example_conversations(12, start=100))
+    overrides = [*TINY, *chat_overrides(str(folder), shard_data_dir)]
+    (folder / "shard_dir.txt").write_text(shard_data_dir, encoding="utf-8")
+    chat.prepare(
+        config.load(os.path.join(ROOT, "configs", "sft-smoke-cpu.yaml"), overrides), log=lambda *a: None
+    )
+    return str(folder)
+
+
 def tiny_args(runs_dir, data_kind, data_dir, *overrides):
-    """train.py arguments of a tiny run over the byte or shard test data, writing runs under runs_dir."""
+    """train.py arguments of a tiny run over the byte, shard or chat test data, writing runs under
+    runs_dir. The chat data's folder holds the shard tokenizer's path in shard_dir.txt."""
     if data_kind == "bytes":
         run_file, data_overrides = "configs/smoke-cpu.yaml", [f"data.dir={data_dir}"]
+    elif data_kind == "chat":
+        with open(os.path.join(data_dir, "shard_dir.txt"), encoding="utf-8") as f:
+            shard_dir = f.read()
+        run_file, data_overrides = "configs/sft-smoke-cpu.yaml", chat_overrides(data_dir, shard_dir)
     else:
         run_file, data_overrides = "configs/smoke-corpus-cpu.yaml", shard_overrides(data_dir)
     return [run_file, *TINY, *data_overrides, f"train.runs_dir={runs_dir}", *overrides]
@@ -170,3 +236,102 @@ def wait_for_step(metrics_path, step, proc, timeout=60):
                     return
         time.sleep(0.01)
     raise AssertionError(f"no step {step} in {metrics_path} after {timeout}s")
+
+
+@pytest.fixture(scope="session")
+def chat_run(tmp_path_factory, shard_data_dir):
+    """A tiny run with the sentencepiece tokenizer (chat control tokens) and room for a chat prompt; it
+    writes gibberish, which is all the server tests need."""
+    import train
+
+    runs = tmp_path_factory.mktemp("runs")
+    overrides = ["run_name=chat", "model.seq_len=256", "train.max_steps=2", "train.eval_interval=0"]
+    train.train(tiny_config(runs, "shards", shard_data_dir, *overrides), log=lambda *a, **k: None)
+    return str(runs / "chat")
+
+
+def start_server(run, database, *overrides, log_path=None):
+    """serve.py in a subprocess on a free port of 127.0.0.1: (process, base URL). Its stderr goes to
+    log_path (or is dropped)."""
+    command = [sys.executable, "serve.py", run, "--port", "0", f"serve.database={database}", *overrides]
+    stderr = open(log_path, "w") if log_path else subprocess.DEVNULL  # noqa: SIM115 (owned by the child)
+    proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=stderr, text=True)
+    line = proc.stdout.readline()
+    if " at http://" not in line:
+        proc.kill()
+        log = open(log_path).read() if log_path else ""
+        raise AssertionError(f"serve.py did not start: {line!r}\n{log}")
+    return proc, line.split(" at ")[1].split()[0].rstrip("/")
+
+
+def serve_member(database, name, role, password=None):
+    """`python serve.py member add` (and `member password`): the member's API key."""
+    db = f"serve.database={database}"
+    added = subprocess.run([sys.executable, "serve.py", "member", "add", name, "--role", role, db],
+                           cwd=ROOT, capture_output=True, text=True, check=True)  # fmt: skip
+    key = added.stdout.strip().splitlines()[-1]
+    if password is not None:
+        subprocess.run([sys.executable, "serve.py", "member", "password", name, db], cwd=ROOT, input=password + "\n",
+                       capture_output=True, text=True, check=True)  # fmt: skip
+    return key
+
+
+FAST_SCRYPT = "serve.scrypt.n=1024"  # the test passwords need no production cost
+
+
+@pytest.fixture(scope="session")
+def chat_model(chat_run):
+    """serve.load_model of chat_run: (model, tokenizer, model id, context), shared by in-process servers."""
+    import serve
+
+    return serve.load_model(chat_run, "cpu")
+
+
+class ScriptedModel:
+    """Stands in for the model's choices: its generations yield the scripts in turn (round robin), each
+    repeating its last id, `delay` s per token. It keeps the prompts it got."""
+
+    def __init__(self, *scripts, delay=0.0):
+        self.scripts, self.delay, self.prompts = scripts, delay, []
+        import torch
+
+        self.embed_tokens = types.SimpleNamespace(weight=torch.zeros(1))
+
+    def generate(self, prompt, max_new_tokens, temperature, top_k, top_p, generator=None):
+        ids = self.scripts[len(self.prompts) % len(self.scripts)]
+        self.prompts.append(prompt.tolist())
+        for step in range(max_new_tokens):
+            time.sleep(self.delay)
+            yield ids[min(step, len(ids) - 1)]
+
+
+@contextlib.contextmanager
+def live_server(chat_model, tmp_path, *overrides, model=None, context=None):
+    """uvicorn serving build_app() on a free port of 127.0.0.1 in a thread; yields (url, Server). A scripted
+    model may claim a longer context than the tiny run's."""
+    import uvicorn
+
+    import accounts
+    import serve
+
+    database = str(tmp_path / f"serve-{time.monotonic_ns()}.sqlite")
+    settings = serve.load_settings(
+        serve.DEFAULT_CONFIG, [f"serve.database={database}", FAST_SCRYPT, *overrides]
+    )
+    real_model, tokenizer, model_id, run_context = chat_model
+    context = context or run_context
+    worker = serve.Worker(model or real_model, tokenizer, settings["queue_size"])
+    server = serve.Server(settings, accounts.Store(database), worker, model_id, context)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    uv = uvicorn.Server(uvicorn.Config(serve.build_app(server), log_level="warning"))
+    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not uv.started:
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}", server
+    finally:
+        uv.should_exit = True
+        thread.join()
+        worker.close()

@@ -1,9 +1,12 @@
-"""chat.py: the conversation format and the one template, render() -> (ids, mask)."""
+"""chat.py: the conversation format, the one template render() -> (ids, mask), importers and show."""
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
+from conftest import ROOT, write_jsonl
 
 import chat
 import data
@@ -157,3 +160,123 @@ def test_invalid_conversations_are_refused_with_the_reason(conv, reason):
 def test_the_byte_tokenizer_cannot_render_a_chat():
     with pytest.raises(chat.ChatError, match="no control tokens"):
         chat.render(conversation(("user", "hola")), data.ByteTokenizer())
+
+
+# -----------------------------------------------------------------------------
+# Importers and show
+
+
+def run_chat(*args):
+    return subprocess.run(
+        [sys.executable, "chat.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+
+
+def imported(path):
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
+
+
+def test_alpaca_and_sharegpt_records_become_conversations(tmp_path):
+    alpaca = tmp_path / "alpaca.json"
+    alpaca.write_text(
+        json.dumps(
+            [
+                {"instruction": "Traduce al inglés", "input": "buenos días", "output": "good morning"},
+                {"instruction": "Di hola", "input": "", "output": "¡Hola!"},
+            ],
+            ensure_ascii=False,
+        ),
+        encoding="utf-8",
+    )
+    result = run_chat("import", "--from", "alpaca", str(alpaca), str(tmp_path / "a.jsonl"))
+    assert result.returncode == 0, result.stderr
+    first, second = imported(tmp_path / "a.jsonl")
+    assert first["messages"] == [
+        {"role": "user", "content": "Traduce al inglés\n\nbuenos días"},
+        {"role": "assistant", "content": "good morning"},
+    ]
+    assert second["messages"][0]["content"] == "Di hola" and first["source"] == "alpaca:alpaca.json"
+
+    sharegpt = write_jsonl(
+        tmp_path / "sharegpt.jsonl",
+        [
+            {"conversations": [{"from": "human", "value": "hola"}, {"from": "gpt", "value": "buenas"}]},
+            {"conversations": [{"from": "human", "value": "hola"}, {"from": "robot", "value": "bip"}]},
+        ],
+    )
+    result = run_chat("import", "--from", "sharegpt", sharegpt, str(tmp_path / "s.jsonl"))
+    assert result.returncode == 2
+    assert f"{sharegpt}:2: conversations.1: unknown speaker 'robot'" in result.stderr
+    assert not os.path.exists(tmp_path / "s.jsonl")  # nothing half-written
+    result = run_chat("import", "--from", "sharegpt", sharegpt, str(tmp_path / "s.jsonl"), "--skip-bad")
+    assert result.returncode == 0 and "1 skipped" in result.stdout
+    assert [m["role"] for m in imported(tmp_path / "s.jsonl")[0]["messages"]] == ["user", "assistant"]
+
+
+def oasst_message(message_id, parent_id, role, text, rank=None, lang="es", **extra):
+    return {
+        "message_id": message_id,
+        "parent_id": parent_id,
+        "role": role,
+        "text": text,
+        "rank": rank,
+        "lang": lang,
+    } | extra
+
+
+def test_oasst_trees_give_the_best_ranked_thread_of_each_root(tmp_path):
+    flat = [
+        oasst_message("r", None, "prompter", "¿Qué es un volcán?"),
+        oasst_message("a1", "r", "assistant", "Una montaña.", rank=1),
+        oasst_message("a0", "r", "assistant", "Una abertura de la Tierra por la que sale magma.", rank=0),
+        oasst_message("p", "a0", "prompter", "¿Y un géiser?"),
+        oasst_message("b1", "p", "assistant", "Agua caliente que sale a chorro.", rank=None),
+        oasst_message("b0", "p", "assistant", "borrado", rank=0, deleted=True),
+        oasst_message("x", "a1", "prompter", "no sigue este hilo"),
+        oasst_message("e", None, "prompter", "What is a volcano?", lang="en"),
+        oasst_message("ea", "e", "assistant", "A mountain.", rank=0, lang="en"),
+    ]
+    write_jsonl(tmp_path / "messages.jsonl", flat)
+    tree = {
+        "message_tree_id": "t",
+        "prompt": {
+            **flat[0],
+            "replies": [{**flat[1], "replies": []}, {**flat[2], "replies": [{**flat[3], "replies": []}]}],
+        },
+    }
+    write_jsonl(tmp_path / "trees.jsonl", [tree])
+    for name in ("messages", "trees"):
+        result = run_chat(
+            "import",
+            "--from",
+            "oasst",
+            str(tmp_path / f"{name}.jsonl"),
+            str(tmp_path / f"{name}.out"),
+            "--lang",
+            "es",
+        )
+        assert result.returncode == 0, result.stderr
+    (thread,) = imported(tmp_path / "messages.out")
+    assert [m["content"] for m in thread["messages"]] == [
+        "¿Qué es un volcán?",
+        "Una abertura de la Tierra por la que sale magma.",
+        "¿Y un géiser?",
+        "Agua caliente que sale a chorro.",
+    ]
+    (thread,) = imported(tmp_path / "trees.out")  # the last prompter turn has no answer: cut
+    assert [m["role"] for m in thread["messages"]] == ["user", "assistant"]
+    assert thread["messages"][1]["content"].startswith("Una abertura")
+
+
+def test_show_marks_trained_tokens_apart_from_masked_ones(tmp_path, shard_data_dir):
+    conversation = {
+        "messages": [{"role": "user", "content": "hola"}, {"role": "assistant", "content": "buenas"}]
+    }
+    path = write_jsonl(tmp_path / "c.jsonl", [conversation])
+    plain = run_chat("show", path, "--color", "never", "--tokenizer", f"{shard_data_dir}/tokenizer.model")
+    assert plain.returncode == 0, plain.stderr
+    assert "<|bos|><|user|>hola<|end|>\n<|assistant|>{+buenas<|end|>+}\n" in plain.stdout
+    assert f"== {path}:1 | " in plain.stdout and " trained" in plain.stdout
+    coloured = run_chat("show", path, "--color", "always")
+    assert "\033[1;32mbuenas\033[0m" in coloured.stdout and "\033[36m<|user|>\033[0m" in coloured.stdout

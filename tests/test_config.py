@@ -48,6 +48,17 @@ def test_every_shipped_run_file_is_valid():
         assert set(resolved) == {"run_name", "hardware", "model", "train", "data"}, path
 
 
+def test_a_run_s_saved_config_yaml_loads_as_a_run_file_and_takes_overrides(tmp_path):
+    resolved = config.load(os.path.join(ROOT, "configs", "smoke-cpu.yaml"))
+    saved = tmp_path / "config.yaml"
+    saved.write_text(config.dump(resolved))
+    assert config.load(str(saved)) == resolved
+    assert config.load(str(saved), ["train.seed=7"])["train"]["seed"] == 7
+    del resolved["data"]
+    saved.write_text(config.dump(resolved))
+    assert any("include" in problem for problem in problems_of(saved)), "not a saved config: needs include"
+
+
 def test_the_run_file_overrides_its_layers_and_the_command_line_overrides_both(configs):
     base = yaml.safe_load((configs / "train" / "smoke.yaml").read_text())["train"]
     run = write_yaml(

@@ -1,0 +1,1082 @@
+"""
+The family's assistant as a server: an OpenAI-compatible API, one account per family member, and the web
+chat page in web/.
+
+    python serve.py runs/NAME [--config configs/serve/default.yaml] [--host 127.0.0.1] [--port 8000]
+                              [serve.key=value ...]
+    python serve.py member add NAME --role admin|adult|child    # prints the member's API key, once
+    python serve.py member password NAME                        # sets the web password or PIN
+    python serve.py member list | remove NAME | new-key NAME
+
+One process: uvicorn runs the Starlette app on the event loop, and one model worker thread generates one
+answer at a time, taking requests from a bounded queue (a full queue answers 503 with Retry-After).
+The server binds 127.0.0.1 unless --host says otherwise: --host 0.0.0.0 opens it to every device on the
+network, over plain HTTP (see the README before doing that).
+
+Routes (routes() below; other features add theirs with build_app(..., extra_routes)):
+    GET  /v1/models                        the run, as the one model id
+    POST /v1/chat/completions              OpenAI chat completions, plain or streamed (SSE); stateless
+    POST /api/login, /api/logout; GET /api/me            web sessions (HttpOnly, SameSite=Strict cookie)
+    GET|POST /api/conversations; GET|DELETE /api/conversations/{id}
+    POST /api/conversations/{id}/messages  a turn of a stored conversation, streamed like the API
+    GET|POST /api/members; DELETE /api/members/{name}; POST /api/members/{name}/key     admin only
+    GET  /api/server                       queue and worker counters, admin only
+Every request is authenticated by `Authorization: Bearer <API key>` or the session cookie. A member only
+ever reaches their own conversations (anything else is 404, whoever asks, admins included). Members,
+sessions and conversations are accounts.py's (SQLite).
+
+A request that brings its own `tools` gets them rendered by chat.render and the model's calls back as
+OpenAI tool_calls; any other request runs agent.py's loop with the server's tools (search, calculator,
+date) in the worker, when their schemas fit the model's context and serve.tools is on.
+"""
+
+import argparse
+import asyncio
+import json
+import os
+import queue
+import secrets
+import socket
+import sys
+import threading
+import time
+import uuid
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+
+import accounts
+import agent
+import chat
+import config
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+WEB_DIR = os.path.join(ROOT, "web")
+DEFAULT_CONFIG = os.path.join(ROOT, "configs", "serve", "default.yaml")
+SESSION_COOKIE = "enlace_session"
+MESSAGE_ROLES = ("system", "developer", "user", "assistant", "tool")
+SECURITY_HEADERS = [
+    (b"x-content-type-options", b"nosniff"),
+    (b"x-frame-options", b"DENY"),
+    (b"referrer-policy", b"no-referrer"),
+    (b"content-security-policy", b"default-src 'self'; frame-ancestors 'none'"),
+]
+
+
+class ServeError(Exception):
+    """A problem the person starting the server can fix; printed without a traceback, exit status 2."""
+
+
+class ApiError(Exception):
+    """An error answered in OpenAI's shape {"error": {"message", "type", "param", "code"}}."""
+
+    TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error"}
+    TYPES |= {
+        404: "not_found_error",
+        405: "invalid_request_error",
+        413: "invalid_request_error",
+        429: "rate_limit_error",
+    }
+    TYPES |= {503: "server_overloaded"}
+
+    def __init__(self, status, message, param=None, code=None, retry_after=None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.retry_after = retry_after
+
+    def body(self):
+        kind = self.TYPES.get(self.status, "server_error")
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+
+# -----------------------------------------------------------------------------
+# The model worker: one thread, one answer at a time, from a bounded queue
+
+
+class Job:
+    """One answer: the worker sends ("text", piece) events, then ("done", finish_reason, completion tokens,
+    prompt tokens) or ("error", message), to the request's event loop. cancel() makes the worker stop at
+    the next token (its "done" then has finish_reason None). With `turn` = (agent.Agent, messages) the
+    answer is an agent turn: the server's tools run between generations (prompt_ids is then only the first
+    prompt, already checked against the context)."""
+
+    def __init__(self, loop, prompt_ids, max_tokens, temperature, top_p, top_k, seed, turn=None):
+        self.loop, self.events = loop, asyncio.Queue()
+        self.prompt_ids, self.max_tokens, self.turn = prompt_ids, max_tokens, turn
+        self.temperature, self.top_p, self.top_k, self.seed = temperature, top_p, top_k, seed
+        self.cancelled = threading.Event()
+
+    def send(self, *event):
+        if not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+
+    def cancel(self):
+        self.cancelled.set()
+
+
+class Cancelled(Exception):
+    """The job was cancelled while the agent loop was generating."""
+
+
+class Worker:
+    def __init__(self, model, tokenizer, queue_size):
+        self.model, self.tokenizer = model, tokenizer
+        self.jobs = queue.Queue(maxsize=queue_size)
+        self.stop_ids = {tokenizer.special_ids["<|end|>"], tokenizer.eos_id}
+        self.stats = {
+            "answered": 0,
+            "cancelled": 0,
+            "refused_busy": 0,
+            "generated_tokens": 0,
+            "tool_calls": 0,
+        }
+        self.stats["generate_s"] = 0.0  # seconds spent generating (what the same answers cost without HTTP)
+        self.thread = threading.Thread(target=self.loop, name="model-worker", daemon=True)
+        self.thread.start()
+
+    def submit(self, job, retry_after):
+        try:
+            self.jobs.put_nowait(job)
+        except queue.Full:
+            self.stats["refused_busy"] += 1
+            raise ApiError(503, "the model is busy with other requests; retry shortly", code="server_busy",
+                           retry_after=retry_after) from None  # fmt: skip
+
+    def close(self):
+        """Let the worker finish its current answer and end (the queue's None)."""
+        self.jobs.put(None)
+        self.thread.join()
+
+    def loop(self):
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                return
+            try:
+                self.run(job)
+            except Exception as e:  # a failed generation answers its own request, the worker lives on
+                print(f"serve: generation failed: {type(e).__name__}: {e}", file=sys.stderr)
+                job.send("error", "generation failed on the server")
+
+    def run(self, job):
+        finish, count, prompt_tokens = None, 0, len(job.prompt_ids)
+        if not job.cancelled.is_set():
+            if job.turn is None:
+                finish, count = self.generate(job, job.prompt_ids, lambda piece: job.send("text", piece))
+            else:
+                finish, count, prompt_tokens = self.agent_turn(job)
+        self.stats["answered" if finish else "cancelled"] += 1
+        job.send("done", finish, count, prompt_tokens)
+
+    def generate(self, job, prompt_ids, write):
+        """Sample from prompt_ids, handing whole-character text pieces to write. Returns (finish_reason,
+        tokens generated), finish_reason None when the job was cancelled."""
+        import torch
+
+        from sample import StreamDecoder
+
+        started = time.perf_counter()
+        decoder = StreamDecoder(self.tokenizer)
+        generator = torch.Generator().manual_seed(job.seed)
+        count, finish = 0, "length"
+        device = self.model.embed_tokens.weight.device
+        with torch.inference_mode():
+            prompt = torch.tensor(prompt_ids, device=device)
+            top_p = job.top_p if job.top_p < 1 else None
+            tokens = self.model.generate(prompt, job.max_tokens, job.temperature, job.top_k, top_p,
+                                         generator=generator)  # fmt: skip
+            for token in tokens:
+                if job.cancelled.is_set():
+                    finish = None
+                    break
+                count += 1
+                if token in self.stop_ids:
+                    finish = "stop"
+                    break
+                piece = decoder.push(token)
+                if piece:
+                    write(piece)
+        self.stats["generated_tokens"] += count
+        self.stats["generate_s"] += time.perf_counter() - started
+        if finish is not None:
+            tail = decoder.flush()
+            if tail:
+                write(tail)
+        return finish, count
+
+    def agent_turn(self, job):
+        """agent.py's loop with this model: each generation streams its text up to its first <tool_call>;
+        the tools run here, between generations. Returns (finish_reason, completion tokens, prompt tokens)."""
+        agent_of_turn, messages = job.turn
+        totals = {"prompt": 0, "completion": 0, "finish": "stop", "shown": "", "any": False}
+
+        def show(new, shown):
+            """Send new text; a blank line separates the texts of successive generations."""
+            job.send("text", ("\n\n" if totals["any"] and not shown else "") + new)
+            totals["any"] = True
+
+        def generate(conversation):
+            ids, _ = chat.render(conversation, self.tokenizer, for_generation=True)
+            pieces, shown = [], ""
+
+            def write(piece):
+                nonlocal shown
+                pieces.append(piece)
+                visible = "".join(pieces).split(agent.CALL_OPEN)[0].removesuffix("\n")
+                if len(visible) > len(shown):
+                    show(visible[len(shown) :], shown)
+                    shown = visible
+
+            finish, count = self.generate(job, ids, write)
+            totals["prompt"] += len(ids)
+            totals["completion"] += count
+            if finish is None:
+                raise Cancelled
+            text = "".join(pieces)
+            if agent.CALL_OPEN not in text and len(text) > len(shown):
+                show(text[len(shown) :], shown)
+                shown = text
+            else:
+                self.stats["tool_calls"] += text.count(agent.CALL_OPEN)
+            totals["finish"], totals["shown"] = finish, shown
+            return text
+
+        try:
+            answer = agent_of_turn.run_turn(messages, generate)[-1]["content"]
+        except Cancelled:
+            return None, totals["completion"], totals["prompt"]
+        shown = totals["shown"].strip()  # the final answer is the last reply, stripped, plus any sources
+        rest = answer[len(shown) :] if answer.startswith(shown) else ("\n\n" if shown else "") + answer
+        if rest:
+            show(rest, shown)
+        return totals["finish"], totals["completion"], totals["prompt"]
+
+
+# -----------------------------------------------------------------------------
+# Requests: checking OpenAI's fields, rendering the prompt, shaping the answer
+
+
+def expect(value, kinds, param, what):
+    """value if it has one of the types (bool is not a number here), else a 400 naming the field."""
+    kinds = kinds if isinstance(kinds, tuple) else (kinds,)
+    ok = isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds)
+    if not ok:
+        raise ApiError(400, f"{param}: expected {what}, got {json.dumps(value)[:80]}", param=param,
+                       code="invalid_type")  # fmt: skip
+    return value
+
+
+def text_of(content, param):
+    """A message's content as text: a string, null, or a list of {"type": "text", "text": ...} parts."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    expect(content, list, param, "a string or a list of text parts")
+    texts = []
+    for index, part in enumerate(content):
+        where = f"{param}.{index}"
+        expect(part, dict, where, 'a content part like {"type": "text", "text": "..."}')
+        if part.get("type") != "text":
+            raise ApiError(400, f"{where}: only text parts are supported, got type {part.get('type')!r}",
+                           param=where, code="unsupported_content")  # fmt: skip
+        texts.append(expect(part.get("text"), str, f"{where}.text", "a string"))
+    return "".join(texts)
+
+
+def conversation_of(messages, limits):
+    """OpenAI messages -> chat.py's conversation: system and developer texts become the one leading system
+    message, content parts are joined, assistant tool calls kept."""
+    expect(messages, list, "messages", "a list of messages")
+    if not messages:
+        raise ApiError(400, "messages: the list is empty; send at least one message", param="messages",
+                       code="empty_messages")  # fmt: skip
+    if len(messages) > limits["max_messages"]:
+        raise ApiError(400, f"messages: {len(messages)} messages; at most {limits['max_messages']} per request",
+                       param="messages", code="too_many_messages")  # fmt: skip
+    system, turns = [], []
+    for index, message in enumerate(messages):
+        where = f"messages.{index}"
+        expect(message, dict, where, "an object with role and content")
+        role = message.get("role")
+        if role not in MESSAGE_ROLES:
+            raise ApiError(400, f"{where}.role: {role!r} is not one of {', '.join(MESSAGE_ROLES)}",
+                           param=f"{where}.role", code="invalid_value")  # fmt: skip
+        content = text_of(message.get("content"), f"{where}.content")
+        if role in ("system", "developer"):
+            if turns:
+                raise ApiError(400, f"{where}: {role} messages must come before the conversation's turns",
+                               param=where, code="invalid_value")  # fmt: skip
+            system.append(content)
+            continue
+        turn = {"role": role, "content": content}
+        if role == "assistant" and message.get("tool_calls"):
+            calls = expect(message["tool_calls"], list, f"{where}.tool_calls", "a list of tool calls")
+            turn["tool_calls"] = [
+                {"type": "function", "function": {
+                    "name": call["function"]["name"], "arguments": call["function"]["arguments"]}}
+                for call in calls if isinstance(call, dict) and isinstance(call.get("function"), dict)
+                and "name" in call["function"] and "arguments" in call["function"]
+            ]  # fmt: skip
+            if len(turn["tool_calls"]) != len(calls):
+                raise ApiError(400, f"{where}.tool_calls: each call needs function.name and function.arguments",
+                               param=f"{where}.tool_calls", code="invalid_value")  # fmt: skip
+        turns.append(turn)
+    if not turns:
+        raise ApiError(400, "messages: only system messages; add a user message", param="messages",
+                       code="empty_messages")  # fmt: skip
+    return system, turns
+
+
+def sampling_of(body, limits, member):
+    """(max_tokens, temperature, top_p, seed, stop strings) of a request, with the config's defaults and
+    the member's cap."""
+    cap = limits["child"]["max_tokens"] if member["role"] == "child" else limits["max_tokens"]
+    max_tokens = limits["default_max_tokens"]
+    for key in ("max_completion_tokens", "max_tokens"):
+        if body.get(key) is not None:
+            max_tokens = expect(body[key], int, key, "an integer >= 1")
+            if max_tokens < 1:
+                raise ApiError(400, f"{key}: {max_tokens} must be >= 1", param=key, code="invalid_value")
+            break
+    temperature = body.get("temperature")
+    temperature = (
+        limits["temperature"]
+        if temperature is None
+        else expect(temperature, (int, float), "temperature", "a number")
+    )
+    if not 0 <= temperature <= 2:
+        raise ApiError(400, f"temperature: {temperature} must be between 0 and 2", param="temperature",
+                       code="invalid_value")  # fmt: skip
+    top_p = body.get("top_p")
+    top_p = limits["top_p"] if top_p is None else expect(top_p, (int, float), "top_p", "a number")
+    if not 0 < top_p <= 1:
+        raise ApiError(400, f"top_p: {top_p} must be in (0, 1]", param="top_p", code="invalid_value")
+    seed = body.get("seed")
+    seed = secrets.randbits(63) if seed is None else expect(seed, int, "seed", "an integer") % (1 << 63)
+    stop = body.get("stop")
+    stop = (
+        []
+        if stop is None
+        else [stop]
+        if isinstance(stop, str)
+        else expect(stop, list, "stop", "a string or a list of strings")
+    )
+    if len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
+        raise ApiError(400, "stop: expected up to 4 non-empty strings", param="stop", code="invalid_value")
+    if body.get("n") not in (None, 1):
+        raise ApiError(400, "n: only n=1 is supported", param="n", code="invalid_value")
+    return min(max_tokens, cap), float(temperature), float(top_p), seed, stop
+
+
+def tool_calls_of(text, tools):
+    """OpenAI tool_calls of a reply (agent.py's strict parser), or None unless every call is well formed
+    and names a tool the client offered."""
+    names = {tool["function"]["name"] for tool in tools}
+    calls = agent.parse_reply(text).calls
+    if not calls or any(call.error or call.name not in names for call in calls):
+        return None
+    return [
+        {"id": "call_" + secrets.token_hex(12), "type": "function",
+         "function": {"name": call.name, "arguments": json.dumps(call.arguments, ensure_ascii=False)}}
+        for call in calls
+    ]  # fmt: skip
+
+
+class Reply:
+    """The text of an answer as it streams: holds back what could still become a stop string, and, when the
+    client offered tools, everything from the model's first <tool_call>."""
+
+    TAG = "<tool_call>"
+
+    def __init__(self, stops, tools):
+        self.stops, self.tools = stops, tools
+        self.text, self.sent, self.stopped = "", 0, False
+        self.hold = max((len(s) for s in stops), default=1) - 1
+
+    def add(self, piece):
+        """The new text to show; sets stopped once a stop string appeared (the text ends before it)."""
+        if self.stopped:  # pieces the worker made before it saw the cancel
+            return ""
+        self.text += piece
+        end = len(self.text) - self.hold
+        for stop in self.stops:
+            at = self.text.find(stop)
+            if at >= 0:
+                self.text, self.stopped, end = self.text[:at], True, at
+        if self.tools:  # the "\n" before a call separates it from the text: not part of the content
+            before = self.text.split(self.TAG)[0]
+            end = min(end, len(before.removesuffix("\n")))
+        return self.take(end)
+
+    def take(self, end):
+        if end <= self.sent:
+            return ""
+        new, self.sent = self.text[self.sent : end], end
+        return new
+
+    def finish(self):
+        """(remaining text, tool calls or None) once generation ended."""
+        if self.tools and self.TAG in self.text:
+            at = self.text.index(self.TAG)
+            calls = tool_calls_of(self.text[at:], self.tools)
+            if calls:
+                return self.take(len(self.text[:at].removesuffix("\n"))), calls
+        return self.take(len(self.text)), None
+
+
+# -----------------------------------------------------------------------------
+# The application
+
+
+class Server:
+    """Everything a request handler needs: settings, database, model worker, tokenizer, model id."""
+
+    def __init__(self, settings, store, worker, model_id, context, agent_settings=None):
+        self.settings, self.store, self.worker = settings, store, worker
+        self.agent_settings = agent_settings or agent.load_settings()
+        self.model_id, self.context = model_id, context
+        self.created = int(time.time())
+        self.dummy_hash = accounts.hash_password(secrets.token_hex(8), settings["scrypt"])
+        self.pending = {}  # member id -> requests queued or running
+        self.failures = {}  # lowercased name -> (failed logins, locked until)
+
+    # --- who is asking
+    def member_of(self, request):
+        header = request.headers.get("authorization")
+        if header is not None:
+            scheme, _, key = header.partition(" ")
+            if scheme.lower() != "bearer" or not key.strip():
+                raise ApiError(401, "Authorization: expected 'Bearer <API key>'", code="invalid_api_key")
+            member = self.store.member_by_key(key.strip())
+            if member is None:
+                raise ApiError(401, "invalid API key", code="invalid_api_key")
+            return member
+        token = request.cookies.get(SESSION_COOKIE)
+        member = self.store.member_by_session(token) if token else None
+        if member is None:
+            raise ApiError(401, "not logged in: send 'Authorization: Bearer <API key>' or log in",
+                           code="missing_credentials")  # fmt: skip
+        return member
+
+    def admin_of(self, request):
+        member = self.member_of(request)
+        if member["role"] != "admin":
+            raise ApiError(403, "only an admin manages accounts", code="admin_only")
+        return member
+
+    def check_hours(self, member):
+        hours = self.settings["child"]["allowed_hours"]
+        if member["role"] == "child" and hours is not None:
+            now = time.localtime().tm_hour
+            first, end = hours
+            inside = first <= now < end if first <= end else (now >= first or now < end)
+            if not inside:
+                raise ApiError(
+                    403, f"children may chat from {first}:00 to {end}:00", code="outside_allowed_hours"
+                )
+
+    # --- prompts
+    def agent_for(self, member, client_tools, tool_choice):
+        """An agent.Agent running the server's tools for this request, or None: when the client brings its
+        own tools, asks for none (tool_choice "none"), or serve.tools is off."""
+        if client_tools or tool_choice == "none" or not self.settings["tools"]:
+            return None
+        count_tokens = lambda text: len(self.worker.tokenizer.encode(text))  # noqa: E731
+        return agent.Agent(self.agent_settings, count_tokens=count_tokens, member=member["name"])
+
+    def prompt_of(self, member, system, turns, tools, max_tokens, trim, helper=None):
+        """(token ids of the conversation with the <|assistant|> opener, tokens left to generate, its
+        messages, the helper). The system turn is the child instruction (for children), then the request's
+        system text or the configured prompt; an agent turn (helper) adds the date and the server's tools,
+        unless they do not fit the context (a small model): then the helper is dropped. trim drops the
+        oldest turns that do not fit (web conversations); otherwise a prompt too long is a 400 as in
+        OpenAI's API."""
+        parts = [self.settings["child"]["system_prompt"]] if member["role"] == "child" else []
+        parts += system or [self.settings["system_prompt"]]
+        head = [{"role": "system", "content": "\n\n".join(p for p in parts if p)}]
+        while True:
+            if helper:
+                conversation = helper.conversation(head + turns)
+            else:
+                conversation = {"messages": head + turns} | ({"tools": tools} if tools else {})
+            try:
+                ids, _ = chat.render(conversation, self.worker.tokenizer, for_generation=True)
+            except chat.ChatError as e:
+                raise ApiError(400, f"messages: {e}", param="messages", code="invalid_conversation") from None
+            room = self.context - len(ids)
+            if helper and room < min(max_tokens, 16):
+                helper = None
+                continue
+            if room >= min(max_tokens, 16) or not trim or len(turns) <= 1:
+                break
+            turns = turns[1:]
+            while len(turns) > 1 and turns[0]["role"] != "user":
+                turns = turns[1:]
+        if room < 1:
+            raise ApiError(400, f"the prompt is {len(ids)} tokens; this model reads at most {self.context - 1} "
+                           "plus the answer", param="messages", code="context_length_exceeded")  # fmt: skip
+        return ids, min(max_tokens, room), head + turns, helper
+
+    # --- generation
+    def start(self, request, member, prompt_ids, max_tokens, temperature, top_p, seed, turn=None):
+        count = self.pending.get(member["id"], 0)
+        if count >= self.settings["max_pending_per_member"]:
+            raise ApiError(429, f"{count} requests of yours are already waiting; wait for them to finish",
+                           code="too_many_requests", retry_after=self.settings["retry_after_s"])  # fmt: skip
+        loop = asyncio.get_running_loop()
+        job = Job(loop, prompt_ids, max_tokens, temperature, top_p, self.settings["top_k"], seed, turn)
+        self.worker.submit(job, self.settings["retry_after_s"])
+        self.pending[member["id"]] = count + 1
+        return job
+
+    def finished(self, member, job):
+        job.cancel()
+        left = self.pending.get(member["id"], 1) - 1
+        if left:
+            self.pending[member["id"]] = left
+        else:
+            self.pending.pop(member["id"], None)
+
+
+async def read_json(request, limit):
+    """The JSON body as a dict; 413 past `limit` bytes (the rest is read and dropped, so the client gets
+    the answer rather than a reset connection), 400 when it is not a JSON object."""
+    body, size = bytearray(), 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size <= limit:
+            body += chunk
+    if size > limit:
+        raise ApiError(413, f"the request body is {size} bytes; at most {limit} are accepted",
+                       code="request_too_large")  # fmt: skip
+    try:
+        value = json.loads(bytes(body))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"the body is not valid JSON: {e}", code="invalid_json") from None
+    return expect(value, dict, "body", "a JSON object")
+
+
+class ClientGone(Exception):
+    """The client closed the connection while waiting for an answer."""
+
+
+async def next_event(request, job):
+    while True:
+        try:
+            return await asyncio.wait_for(job.events.get(), 1.0)
+        except TimeoutError:
+            if await request.is_disconnected():
+                raise ClientGone from None
+
+
+async def answer_events(request, job, reply):
+    """("delta", text) as the answer grows, then ("end", finish_reason, completion tokens, tool calls,
+    prompt tokens)."""
+    while True:
+        event = await next_event(request, job)
+        if event[0] == "text":
+            delta = reply.add(event[1])
+            if delta:
+                yield "delta", delta
+            if reply.stopped:
+                job.cancel()  # the worker stops at its next token and still reports its count
+        elif event[0] == "error":
+            raise ApiError(500, event[1], code="generation_failed")
+        else:
+            _, finish, tokens, prompt_tokens = event
+            rest, calls = reply.finish()
+            if rest:
+                yield "delta", rest
+            finish = "tool_calls" if calls else "stop" if reply.stopped else finish
+            yield "end", finish, tokens, calls, prompt_tokens
+            return
+
+
+def sse(value):
+    return f"data: {json.dumps(value, ensure_ascii=False)}\n\n"
+
+
+def usage_of(prompt_tokens, completion_tokens):
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}  # fmt: skip
+
+
+async def stream_answer(request, server, member, job, reply, base, include_usage, on_end=None):
+    """SSE of one answer: role chunk, content deltas, tool calls, the finish_reason chunk, usage when asked,
+    then [DONE]. on_end(text) runs (storing the answer) before the client hears that it is complete."""
+    usage_field = {"usage": None} if include_usage else {}
+
+    def chunk(delta, finish=None):
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return sse(base | {"choices": [choice]} | usage_field)
+
+    text = ""
+    try:
+        yield chunk({"role": "assistant", "content": ""})
+        async for event in answer_events(request, job, reply):
+            if event[0] == "delta":
+                text += event[1]
+                yield chunk({"content": event[1]})
+                continue
+            _, finish, tokens, calls, prompt_tokens = event
+            if on_end:
+                on_end(text)
+                on_end = None
+            if calls:
+                yield chunk({"tool_calls": [call | {"index": i} for i, call in enumerate(calls)]})
+            yield chunk({}, finish)
+            if include_usage:
+                yield sse(base | {"choices": [], "usage": usage_of(prompt_tokens, tokens)})
+        yield "data: [DONE]\n\n"
+    except ApiError as e:
+        yield sse(e.body())
+        yield "data: [DONE]\n\n"
+    except ClientGone:
+        pass
+    finally:
+        server.finished(member, job)
+        if on_end and text:  # stopped or disconnected: keep what the member saw
+            on_end(text)
+
+
+async def complete(request, server, member, job, reply):
+    """(text, finish_reason, completion tokens, tool calls, prompt tokens) of a non-streamed answer."""
+    text = ""
+    try:
+        async for event in answer_events(request, job, reply):
+            if event[0] == "delta":
+                text += event[1]
+            else:
+                return (text, *event[1:])
+    finally:
+        server.finished(member, job)
+
+
+def check_tools(body):
+    tools = body.get("tools")
+    if tools is None or body.get("tool_choice") == "none":
+        return None
+    expect(tools, list, "tools", "a list of tool definitions")
+    for index, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise ApiError(400, f'tools.{index}: expected {{"type": "function", "function": {{"name": ...}}}}',
+                           param=f"tools.{index}", code="invalid_value")  # fmt: skip
+    return tools or None
+
+
+def streaming_response(generator):
+    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    return StreamingResponse(generator, media_type="text/event-stream", headers=headers)
+
+
+async def list_models(request):
+    server = request.app.state.server
+    server.member_of(request)
+    model = {"id": server.model_id, "object": "model", "created": server.created, "owned_by": "enlace"}
+    return JSONResponse({"object": "list", "data": [model]})
+
+
+async def chat_completions(request):
+    server = request.app.state.server
+    settings = server.settings
+    member = server.member_of(request)
+    body = await read_json(request, settings["max_body_bytes"])
+    model = expect(body.get("model"), str, "model", "the model id (GET /v1/models)")
+    if model != server.model_id:
+        raise ApiError(404, f"model {model!r} does not exist; this server has {server.model_id!r}",
+                       param="model", code="model_not_found")  # fmt: skip
+    system, turns = conversation_of(body.get("messages"), settings)
+    tools = check_tools(body)
+    stream = expect(body.get("stream", False), bool, "stream", "true or false")
+    options = expect(body.get("stream_options") or {}, dict, "stream_options", "an object")
+    include_usage = expect(
+        options.get("include_usage", False), bool, "stream_options.include_usage", "true or false"
+    )
+    max_tokens, temperature, top_p, seed, stop = sampling_of(body, settings, member)
+    server.check_hours(member)
+    helper = server.agent_for(member, tools, body.get("tool_choice"))
+    prompt_ids, max_tokens, messages, helper = server.prompt_of(
+        member, system, turns, tools, max_tokens, False, helper
+    )
+    turn = (helper, messages) if helper else None
+    job = server.start(request, member, prompt_ids, max_tokens, temperature, top_p, seed, turn)
+    reply = Reply(stop, tools)
+    base = {"id": "chatcmpl-" + uuid.uuid4().hex, "created": int(time.time()), "model": server.model_id,
+            "system_fingerprint": None}  # fmt: skip
+    if stream:
+        chunks = stream_answer(request, server, member, job, reply, base | {"object": "chat.completion.chunk"},
+                               include_usage)  # fmt: skip
+        return streaming_response(chunks)
+    try:
+        text, finish, tokens, calls, prompt_tokens = await complete(request, server, member, job, reply)
+    except ClientGone:
+        return Response(status_code=499)
+    message = {"role": "assistant", "content": text if text or not calls else None, "refusal": None}
+    if calls:
+        message["tool_calls"] = calls
+    choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
+    usage = usage_of(prompt_tokens, tokens)
+    return JSONResponse(base | {"object": "chat.completion", "choices": [choice], "usage": usage})
+
+
+# --- web sessions and stored conversations
+
+
+def me(member):
+    return {"name": member["name"], "role": member["role"]}
+
+
+async def login(request):
+    server = request.app.state.server
+    body = await read_json(request, 4096)
+    name = expect(body.get("name"), str, "name", "the member's name")
+    password = expect(body.get("password"), str, "password", "the password or PIN")
+    now, failures = time.monotonic(), server.failures
+    count, locked_until = failures.get(name.lower(), (0, 0.0))
+    if locked_until > now:
+        wait = int(locked_until - now) + 1
+        raise ApiError(429, f"too many failed logins for {name!r}; try again in {wait} s", code="login_locked",
+                       retry_after=wait)  # fmt: skip
+    member = server.store.member(name)
+    stored = (member or {}).get("password_hash") or server.dummy_hash  # same work for unknown names
+    matches = await asyncio.to_thread(accounts.password_matches, password, stored)
+    if not (member and member["password_hash"] and matches):
+        count += 1
+        locked = count >= server.settings["login_max_failures"]
+        failures[name.lower()] = (0, now + server.settings["login_lockout_s"]) if locked else (count, 0.0)
+        raise ApiError(401, "wrong name or password", code="invalid_login")
+    failures.pop(name.lower(), None)
+    days = server.settings["session_days"]
+    token = server.store.new_session(member["id"], days)
+    response = JSONResponse(me(member))
+    response.set_cookie(SESSION_COOKIE, token, max_age=int(days * 86400), path="/", httponly=True,
+                        samesite="strict")  # fmt: skip
+    return response
+
+
+async def logout(request):
+    token = request.cookies.get(SESSION_COOKIE)
+    if token:
+        request.app.state.server.store.end_session(token)
+    response = JSONResponse({"ok": True})
+    response.delete_cookie(SESSION_COOKIE, path="/", httponly=True, samesite="strict")
+    return response
+
+
+async def whoami(request):
+    return JSONResponse(me(request.app.state.server.member_of(request)))
+
+
+async def list_conversations(request):
+    server = request.app.state.server
+    member = server.member_of(request)
+    return JSONResponse({"data": server.store.conversations(member["id"])})
+
+
+async def new_conversation(request):
+    server = request.app.state.server
+    member = server.member_of(request)
+    body = await read_json(request, 4096) if int(request.headers.get("content-length") or 0) else {}
+    title = expect(body.get("title", "Nueva conversación"), str, "title", "a string")[:100]
+    conversation_id = server.store.new_conversation(member["id"], title)
+    return JSONResponse(server.store.conversation(member["id"], conversation_id), status_code=201)
+
+
+def owned(server, member, conversation_id):
+    conversation = server.store.conversation(member["id"], conversation_id)
+    if conversation is None:  # not theirs or not there: the same answer, so nothing leaks
+        raise ApiError(404, f"no conversation {conversation_id!r} of yours", code="conversation_not_found")
+    return conversation
+
+
+async def get_conversation(request):
+    server = request.app.state.server
+    member = server.member_of(request)
+    return JSONResponse(owned(server, member, request.path_params["id"]))
+
+
+async def delete_conversation(request):
+    server = request.app.state.server
+    member = server.member_of(request)
+    if not server.store.delete_conversation(member["id"], request.path_params["id"]):
+        owned(server, member, request.path_params["id"])  # raises the 404
+    return JSONResponse({"deleted": request.path_params["id"]})
+
+
+async def post_message(request):
+    """A turn of a stored conversation: the member's message is stored once the model has taken the
+    request, the answer once it is complete (or stopped), before the client is told it is done."""
+    server = request.app.state.server
+    settings = server.settings
+    member = server.member_of(request)
+    conversation = owned(server, member, request.path_params["id"])
+    body = await read_json(request, settings["max_body_bytes"])
+    content = expect(body.get("content"), str, "content", "the message text")
+    if not content.strip():
+        raise ApiError(400, "content: the message is empty", param="content", code="empty_message")
+    stream = expect(body.get("stream", True), bool, "stream", "true or false")
+    max_tokens, temperature, top_p, seed, stop = sampling_of(body, settings, member)
+    server.check_hours(member)
+    history = [{"role": m["role"], "content": m["content"]} for m in conversation["messages"]]
+    turns = history[-settings["max_messages"] :] + [{"role": "user", "content": content}]
+    helper = server.agent_for(member, None, None)
+    prompt_ids, max_tokens, messages, helper = server.prompt_of(
+        member, [], turns, None, max_tokens, True, helper
+    )
+    turn = (helper, messages) if helper else None
+    job = server.start(request, member, prompt_ids, max_tokens, temperature, top_p, seed, turn)
+    store, conversation_id = server.store, conversation["id"]
+    title = " ".join(content.split())[:60] if not conversation["messages"] else None
+    store.add_message(member["id"], conversation_id, "user", content, title)
+
+    def on_end(text):
+        store.add_message(member["id"], conversation_id, "assistant", text)
+
+    reply = Reply(stop, None)
+    base = {"id": "chatcmpl-" + uuid.uuid4().hex, "object": "chat.completion.chunk", "created": int(time.time()),
+            "model": server.model_id, "conversation_id": conversation_id}  # fmt: skip
+    if stream:
+        return streaming_response(stream_answer(request, server, member, job, reply, base, True, on_end))
+    try:
+        text, finish, tokens, _, prompt_tokens = await complete(request, server, member, job, reply)
+    except ClientGone:
+        return Response(status_code=499)
+    on_end(text)
+    message = {"role": "assistant", "content": text}
+    return JSONResponse({"conversation_id": conversation_id, "message": message, "finish_reason": finish,
+                         "usage": usage_of(prompt_tokens, tokens)})  # fmt: skip
+
+
+# --- accounts (admin)
+
+
+async def list_members(request):
+    server = request.app.state.server
+    server.admin_of(request)
+    return JSONResponse(
+        {"data": [me(m) | {"has_password": bool(m["has_password"])} for m in server.store.members()]}
+    )
+
+
+async def add_member(request):
+    server = request.app.state.server
+    server.admin_of(request)
+    body = await read_json(request, 4096)
+    name = expect(body.get("name"), str, "name", "the member's name")
+    role = expect(body.get("role"), str, "role", "admin, adult or child")
+    password = body.get("password")
+    if password is not None:
+        check_password(expect(password, str, "password", "a string"), server.settings)
+    try:
+        key = server.store.add_member(name, role)
+    except accounts.AccountError as e:
+        raise ApiError(400, str(e), code="invalid_member") from None
+    if password is not None:
+        server.store.set_password(
+            name, await asyncio.to_thread(accounts.hash_password, password, server.settings["scrypt"])
+        )
+    return JSONResponse({"name": name, "role": role, "api_key": key}, status_code=201)
+
+
+async def remove_member(request):
+    server = request.app.state.server
+    admin = server.admin_of(request)
+    name = request.path_params["name"]
+    if name.lower() == admin["name"].lower():
+        raise ApiError(400, "an admin cannot remove their own account", code="invalid_member")
+    if not server.store.remove_member(name):
+        raise ApiError(404, f"no member {name!r}", code="member_not_found")
+    return JSONResponse({"deleted": name})
+
+
+async def new_member_key(request):
+    server = request.app.state.server
+    server.admin_of(request)
+    key = server.store.new_key(request.path_params["name"])
+    if key is None:
+        raise ApiError(404, f"no member {request.path_params['name']!r}", code="member_not_found")
+    return JSONResponse({"name": request.path_params["name"], "api_key": key})
+
+
+async def server_status(request):
+    server = request.app.state.server
+    server.admin_of(request)
+    stats = dict(server.worker.stats) | {"queued": server.worker.jobs.qsize()}
+    return JSONResponse(stats | {"model": server.model_id})
+
+
+async def index(request):
+    return FileResponse(os.path.join(WEB_DIR, "index.html"), headers={"Cache-Control": "no-cache"})
+
+
+# --- errors and headers
+
+
+async def api_error(request, error):
+    headers = {"Retry-After": str(error.retry_after)} if error.retry_after else None
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)
+
+
+async def http_error(request, error):
+    """Starlette's own 404/405 in OpenAI's shape."""
+    if error.status_code == 404:
+        message = f"no route {request.method} {request.url.path}"
+    else:
+        message = f"{request.method} is not allowed on {request.url.path}"
+    code = "not_found" if error.status_code == 404 else "method_not_allowed"
+    return await api_error(request, ApiError(error.status_code, message, code=code))
+
+
+async def internal_error(request, error):
+    print(
+        f"serve: {request.method} {request.url.path} failed: {type(error).__name__}: {error}", file=sys.stderr
+    )
+    return JSONResponse(ApiError(500, "internal server error").body(), status_code=500)
+
+
+class SecurityHeaders:
+    """Adds SECURITY_HEADERS to every response (pure ASGI, so streaming and disconnects pass through)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def send_with_headers(message):
+            if message["type"] == "http.response.start":
+                message["headers"] = list(message.get("headers", [])) + SECURITY_HEADERS
+            await send(message)
+
+        return await self.app(scope, receive, send_with_headers)
+
+
+def routes():
+    return [
+        Route("/", index),
+        Route("/v1/models", list_models),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/api/login", login, methods=["POST"]),
+        Route("/api/logout", logout, methods=["POST"]),
+        Route("/api/me", whoami),
+        Route("/api/conversations", list_conversations),
+        Route("/api/conversations", new_conversation, methods=["POST"]),
+        Route("/api/conversations/{id}", get_conversation),
+        Route("/api/conversations/{id}", delete_conversation, methods=["DELETE"]),
+        Route("/api/conversations/{id}/messages", post_message, methods=["POST"]),
+        Route("/api/members", list_members),
+        Route("/api/members", add_member, methods=["POST"]),
+        Route("/api/members/{name}", remove_member, methods=["DELETE"]),
+        Route("/api/members/{name}/key", new_member_key, methods=["POST"]),
+        Route("/api/server", server_status),
+        Mount("/web", StaticFiles(directory=WEB_DIR)),
+    ]
+
+
+def build_app(server, extra_routes=()):
+    """The Starlette app; extra_routes (other features' endpoints) go before the static files."""
+    table = routes()
+    app = Starlette(
+        routes=table[:-1] + list(extra_routes) + table[-1:],
+        middleware=[Middleware(SecurityHeaders)],
+        exception_handlers={ApiError: api_error, HTTPException: http_error, Exception: internal_error},
+    )
+    app.state.server = server
+    return app
+
+
+# -----------------------------------------------------------------------------
+# Command line
+
+
+def check_password(password, settings):
+    problem = accounts.password_problem(password, settings)
+    if problem:
+        raise ApiError(400, problem, param="password", code="weak_password")
+
+
+def load_model(run, device):
+    """(model, tokenizer, model id, context length) of a run that can chat."""
+    import checkpoint
+
+    try:
+        model, cfg, tokenizer, ckpt_path = checkpoint.load_run(run, device)
+    except checkpoint.CheckpointError as e:
+        raise ServeError(str(e)) from None
+    if "<|end|>" not in tokenizer.special_ids:
+        raise ServeError(
+            f"{run}: trained with the {tokenizer.name} tokenizer, which has no chat control tokens; serve a run "
+            "with a sentencepiece tokenizer (make smoke-corpus, then make serve RUN=runs/smoke-corpus-cpu)"
+        )
+    print(f"serve: loaded {ckpt_path} ({model.num_params() / 1e6:.1f}M parameters)", file=sys.stderr)
+    return model, tokenizer, cfg["run_name"], cfg["model"]["seq_len"]
+
+
+def load_settings(path, overrides):
+    try:
+        return config.load_layer("serve", path, overrides)
+    except config.ConfigError as e:
+        raise ServeError(f"{path}: config problems:\n  " + "\n  ".join(e.problems)) from None
+
+
+def serve_main(argv):
+    parser = argparse.ArgumentParser(
+        description="Serve a run: OpenAI-compatible API and the family's web page."
+    )
+    parser.add_argument("run", help="run directory (newest checkpoint) or a checkpoint file")
+    parser.add_argument("--config", default=DEFAULT_CONFIG, help="serve layer file (configs/serve/*.yaml)")
+    parser.add_argument(
+        "--host", help="address to bind (default serve.host, 127.0.0.1); 0.0.0.0 = the whole LAN"
+    )
+    parser.add_argument("--port", type=int, help="TCP port (default serve.port); 0 = any free port")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.epilog = "Settings of the serve layer can follow as serve.key=value (e.g. serve.queue_size=4)."
+    overrides = [a for a in argv if accounts.OVERRIDE.match(a)]
+    args = parser.parse_args([a for a in argv if not accounts.OVERRIDE.match(a)])
+    settings = load_settings(args.config, overrides)
+    host = args.host or settings["host"]
+    port = settings["port"] if args.port is None else args.port
+    store = accounts.Store(settings["database"])
+    model, tokenizer, model_id, context = load_model(args.run, args.device)
+    worker = Worker(model, tokenizer, settings["queue_size"])
+    server = Server(settings, store, worker, model_id, context)
+    app = build_app(server)
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        raise ServeError(f"cannot listen on {host}:{port} ({e.strerror}); choose another --port") from None
+    sock.listen(2048)  # connections wait in the backlog until uvicorn accepts them
+    port = sock.getsockname()[1]
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"serve: WARNING: listening on {host}: every device on the network can reach this server, over "
+              "plain HTTP (passwords and chats cross the network unencrypted)", file=sys.stderr)  # fmt: skip
+    if not store.members():
+        print("serve: no members yet: python serve.py member add NAME --role admin", file=sys.stderr)
+    print(f"serve: model {model_id!r} at http://{host}:{port}/ (database {settings['database']})", flush=True)
+    uvicorn_config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=2)
+    uvicorn.Server(uvicorn_config).run(sockets=[sock])
+    return 0
+
+
+def main(argv):
+    try:
+        if argv and argv[0] == "member":
+            return accounts.member_main(argv[1:], load_settings, DEFAULT_CONFIG)
+        return serve_main(argv)
+    except (ServeError, accounts.AccountError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

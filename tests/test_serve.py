@@ -1,0 +1,600 @@
+"""serve.py: the OpenAI-compatible API (driven by the official openai client), accounts, stored
+conversations, and the server's behaviour under load and when killed. Every test talks HTTP to a real
+server on 127.0.0.1: uvicorn in a thread of this process (sharing one tiny model), or serve.py in
+a subprocess where a test needs the process itself (CLI, SIGKILL, memory)."""
+
+import contextlib
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from conftest import ROOT, ScriptedModel, live_server, serve_member, start_server, tiny_config
+
+import accounts
+import chat
+import config
+import serve
+
+NO_TOOLS = "serve.tools=false"  # prompts of exactly the request's messages, without the server's tools
+
+
+def member(server, name, role="adult", password=None):
+    key = server.store.add_member(name, role)
+    if password:
+        server.store.set_password(name, accounts.hash_password(password, server.settings["scrypt"]))
+    return key
+
+
+def client(url, key):
+    return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0)
+
+
+def ask(url, key, **body):
+    return httpx.post(url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"})
+
+
+USER = [{"role": "user", "content": "Hola, ¿qué tal?"}]
+
+
+# -----------------------------------------------------------------------------
+# The API with the openai client
+
+
+def test_models_lists_the_run_and_every_route_needs_a_valid_key(chat_model, tmp_path):
+    with live_server(chat_model, tmp_path) as (url, server):
+        key = member(server, "ana")
+        assert [m.id for m in client(url, key).models.list()] == ["chat"]
+        with pytest.raises(openai.AuthenticationError, match="invalid API key"):
+            client(url, "enl-not-a-key").models.list()
+        for path in ("/v1/models", "/api/conversations", "/api/me"):
+            answer = httpx.get(url + path)
+            assert answer.status_code == 401 and answer.json()["error"]["type"] == "authentication_error"
+
+
+def test_a_plain_completion_reports_its_usage_and_respects_max_tokens(chat_model, tmp_path):
+    with live_server(chat_model, tmp_path, NO_TOOLS) as (url, server):
+        answer = client(url, member(server, "ana")).chat.completions.create(
+            model="chat", messages=USER, max_completion_tokens=5, seed=3
+        )
+    choice = answer.choices[0]
+    assert answer.object == "chat.completion" and choice.message.role == "assistant"
+    assert isinstance(choice.message.content, str) and choice.finish_reason in ("stop", "length")
+    # The prompt is chat.render of the server's system prompt and the user's message.
+    tokenizer = chat_model[1]
+    system = serve.load_settings(serve.DEFAULT_CONFIG, [])["system_prompt"]
+    ids, _ = chat.render({"messages": [{"role": "system", "content": system}, *USER]}, tokenizer, True)
+    assert answer.usage.prompt_tokens == len(ids)
+    assert 1 <= answer.usage.completion_tokens <= 5
+    assert answer.usage.total_tokens == answer.usage.prompt_tokens + answer.usage.completion_tokens
+
+
+def test_text_parts_system_developer_tool_roles_and_unknown_fields_are_accepted(chat_model, tmp_path):
+    messages = [
+        {"role": "system", "content": [{"type": "text", "text": "Eres breve."}]},
+        {"role": "developer", "content": "Responde en español."},
+        {"role": "user", "content": [{"type": "text", "text": "¿Enciendes "}, {"type": "text", "text": "la luz?"}]},
+        {"role": "assistant", "content": None,
+         "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "luz", "arguments": "{\"on\": true}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "hecho"},
+    ]  # fmt: skip
+    with live_server(chat_model, tmp_path, NO_TOOLS) as (url, server):
+        answer = client(url, member(server, "ana")).chat.completions.create(
+            model="chat", messages=messages, max_tokens=3, temperature=0.5, top_p=0.9,
+            extra_body={"a_field_from_the_future": {"x": 1}, "logit_bias": {}},
+        )  # fmt: skip
+    assert answer.choices[0].finish_reason in ("stop", "length")
+    conversation = {"messages": [
+        {"role": "system", "content": "Eres breve.\n\nResponde en español."},
+        {"role": "user", "content": "¿Enciendes la luz?"},
+        {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "luz", "arguments": {"on": True}}}]},
+        {"role": "tool", "content": "hecho"},
+    ]}  # fmt: skip
+    assert answer.usage.prompt_tokens == len(chat.render(conversation, chat_model[1], True)[0])
+
+
+def test_a_streamed_answer_is_the_plain_answer_in_order_with_utf8_whole(chat_model, tmp_path):
+    with live_server(chat_model, tmp_path) as (url, server):
+        key = member(server, "ana")
+        plain = client(url, key).chat.completions.create(model="chat", messages=USER, max_tokens=40, seed=11)
+        stream = client(url, key).chat.completions.create(
+            model="chat",
+            messages=USER,
+            max_tokens=40,
+            seed=11,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        chunks = list(stream)
+        with httpx.stream("POST", url + "/v1/chat/completions", headers={"Authorization": f"Bearer {key}"},
+                          json={"model": "chat", "messages": USER, "max_tokens": 2, "stream": True}) as raw:  # fmt: skip
+            lines = [line for line in raw.iter_lines() if line]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    deltas = [c.choices[0].delta.content or "" for c in chunks if c.choices]
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == plain.choices[0].finish_reason and not any(finishes[:-1])
+    # Decoded all at once, the plain answer has every character whole: a character split across tokens
+    # and sent early would show up as an extra U+FFFD in the streamed text.
+    assert "".join(deltas) == plain.choices[0].message.content
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+    assert lines[-1] == "data: [DONE]" and all(line.startswith("data: ") for line in lines)
+    assert "usage" not in json.loads(lines[-2][6:])  # not asked for: no usage field
+
+
+def test_a_stop_string_ends_the_answer_before_it(chat_model, tmp_path):
+    with live_server(chat_model, tmp_path) as (url, server):
+        openai_client = client(url, member(server, "ana"))
+        full = openai_client.chat.completions.create(model="chat", messages=USER, max_tokens=30, seed=5)
+        text = full.choices[0].message.content
+        stop = text[6:9]
+        cut = openai_client.chat.completions.create(
+            model="chat", messages=USER, max_tokens=30, seed=5, stop=[stop]
+        )
+        streamed = openai_client.chat.completions.create(
+            model="chat", messages=USER, max_tokens=30, seed=5, stop=stop, stream=True
+        )
+        pieces = [c.choices[0].delta.content or "" for c in streamed if c.choices]
+    assert len(text) > 9
+    assert cut.choices[0].message.content == text[: text.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+    assert "".join(pieces) == text[: text.index(stop)]
+
+
+def test_client_tools_are_rendered_and_the_models_calls_come_back_as_tool_calls(chat_model, tmp_path):
+    tokenizer = chat_model[1]
+    call = '<tool_call>\n{"name": "encender_luz", "arguments": {"sala": "cocina"}}\n</tool_call>'
+    ids = tokenizer.encode("Vale.\n" + call) + [tokenizer.special_ids["<|end|>"]]
+    tools = [{"type": "function", "function": {"name": "encender_luz", "description": "Enciende una luz",
+                                               "parameters": {"type": "object"}}}]  # fmt: skip
+    with live_server(chat_model, tmp_path, NO_TOOLS, model=ScriptedModel(ids)) as (url, server):
+        openai_client = client(url, member(server, "ana"))
+        answer = openai_client.chat.completions.create(model="chat", messages=USER, tools=tools)
+        chunks = list(
+            openai_client.chat.completions.create(model="chat", messages=USER, tools=tools, stream=True)
+        )
+        without_tools = openai_client.chat.completions.create(model="chat", messages=USER)
+    message = answer.choices[0].message
+    assert answer.choices[0].finish_reason == "tool_calls"
+    assert message.content == "Vale."
+    [tool_call] = message.tool_calls
+    assert tool_call.type == "function" and tool_call.function.name == "encender_luz"
+    assert json.loads(tool_call.function.arguments) == {"sala": "cocina"}
+    rendered = {"messages": [{"role": "system", "content": serve.load_settings(serve.DEFAULT_CONFIG, [])["system_prompt"]},
+                             *USER], "tools": tools}  # fmt: skip
+    assert answer.usage.prompt_tokens == len(chat.render(rendered, tokenizer, True)[0])
+    streamed_calls = [
+        c.choices[0].delta.tool_calls for c in chunks if c.choices and c.choices[0].delta.tool_calls
+    ]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices).strip() == "Vale."
+    assert streamed_calls[0][0].function.name == "encender_luz" and streamed_calls[0][0].index == 0
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    # Without client tools the same text is just text.
+    assert (
+        without_tools.choices[0].finish_reason == "stop"
+        and "<tool_call>" in without_tools.choices[0].message.content
+    )
+
+
+def test_without_client_tools_the_servers_tools_run_between_generations(chat_model, tmp_path):
+    tokenizer = chat_model[1]
+    end = tokenizer.special_ids["<|end|>"]
+    call = '<tool_call>\n{"name": "calculadora", "arguments": {"expresion": "6*7"}}\n</tool_call>'
+    model = ScriptedModel(tokenizer.encode("Calculo.\n" + call) + [end], tokenizer.encode("Son 42.") + [end])
+    with live_server(chat_model, tmp_path, model=model, context=4096) as (url, server):
+        openai_client = client(url, member(server, "ana"))
+        answer = openai_client.chat.completions.create(model="chat", messages=USER)
+        chunks = list(openai_client.chat.completions.create(model="chat", messages=USER, stream=True))
+        offered = openai_client.chat.completions.create(
+            model="chat", messages=USER, tools=[{"type": "function", "function": {"name": "luz"}}]
+        )
+    # The client sees the text around the call, never the call; the model read the tool's result.
+    assert (
+        answer.choices[0].message.content == "Calculo.\n\nSon 42."
+        and answer.choices[0].finish_reason == "stop"
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Calculo.\n\nSon 42."
+    second_prompt = tokenizer.decode(model.prompts[1])
+    assert (
+        "<tools>" in tokenizer.decode(model.prompts[0])
+        and "<tool_response>\n42\n</tool_response>" in second_prompt
+    )
+    assert answer.usage.prompt_tokens == len(model.prompts[0]) + len(model.prompts[1])
+    # A request with its own tools gets them, not the server's: the call (to a tool it did not offer) is text.
+    assert offered.choices[0].finish_reason == "stop" and "calculadora" in offered.choices[0].message.content
+
+
+BAD_REQUESTS = [
+    ("not JSON", b'{"model": "chat", "messages": [', 400, "invalid_json"),
+    ("a list, not an object", b"[]", 400, "invalid_type"),
+    ("no model", {"messages": USER}, 400, "invalid_type"),
+    ("unknown model", {"model": "gpt-4o", "messages": USER}, 404, "model_not_found"),
+    ("empty messages", {"model": "chat", "messages": []}, 400, "empty_messages"),
+    ("messages as text", {"model": "chat", "messages": "hola"}, 400, "invalid_type"),
+    ("a bad role", {"model": "chat", "messages": [{"role": "robot", "content": "x"}]}, 400, "invalid_value"),
+    ("an image part", {"model": "chat", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     400, "unsupported_content"),
+    ("content as a number", {"model": "chat", "messages": [{"role": "user", "content": 7}]}, 400, "invalid_type"),
+    ("temperature as text", {"model": "chat", "messages": USER, "temperature": "hot"}, 400, "invalid_type"),
+    ("temperature too high", {"model": "chat", "messages": USER, "temperature": 9}, 400, "invalid_value"),
+    ("max_tokens 0", {"model": "chat", "messages": USER, "max_tokens": 0}, 400, "invalid_value"),
+    ("max_tokens a float", {"model": "chat", "messages": USER, "max_tokens": 2.5}, 400, "invalid_type"),
+    ("stream as text", {"model": "chat", "messages": USER, "stream": "yes"}, 400, "invalid_type"),
+    ("seed as a bool", {"model": "chat", "messages": USER, "seed": True}, 400, "invalid_type"),
+    ("five stops", {"model": "chat", "messages": USER, "stop": ["a", "b", "c", "d", "e"]}, 400, "invalid_value"),
+    ("tools not a list", {"model": "chat", "messages": USER, "tools": {"x": 1}}, 400, "invalid_type"),
+    ("a tool message without a call", {"model": "chat", "messages": [*USER, {"role": "tool", "content": "x"}]},
+     400, "invalid_conversation"),
+    ("too many messages", {"model": "chat", "messages": USER * 201}, 400, "too_many_messages"),
+    ("a prompt longer than the context", {"model": "chat", "messages": [{"role": "user", "content": "hola " * 400}]},
+     400, "context_length_exceeded"),
+    ("ten megabytes", b'{"model": "chat", "messages": "' + b"x" * 10_000_000 + b'"}', 413, "request_too_large"),
+]  # fmt: skip
+
+
+def test_bad_requests_get_the_right_4xx_with_a_clear_message_and_never_a_traceback(chat_model, tmp_path):
+    with live_server(chat_model, tmp_path) as (url, server):
+        headers = {"Authorization": f"Bearer {member(server, 'ana')}", "Content-Type": "application/json"}
+        for label, body, status, code in BAD_REQUESTS:
+            content = body if isinstance(body, bytes) else json.dumps(body).encode()
+            answer = httpx.post(url + "/v1/chat/completions", content=content, headers=headers, timeout=60)
+            error = answer.json()["error"]
+            assert (answer.status_code, error["code"]) == (status, code), (label, answer.text[:300])
+            assert error["message"] and "Traceback" not in answer.text, label
+        missing = httpx.get(url + "/v1/nothing", headers=headers)
+        wrong_method = httpx.delete(url + "/v1/models", headers=headers)
+        with pytest.raises(openai.NotFoundError, match="gpt-4o"):
+            client(url, headers["Authorization"][7:]).chat.completions.create(model="gpt-4o", messages=USER)
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+    assert wrong_method.status_code == 405 and wrong_method.json()["error"]["code"] == "method_not_allowed"
+
+
+def concurrent_answers(url, keys):
+    """One request per key, started 20 ms apart, all in flight together."""
+    answers = []
+    threads = [
+        threading.Thread(
+            target=lambda k: answers.append(ask(url, k, model="chat", messages=USER, max_tokens=8)),
+            args=(key,),
+        )
+        for key in keys
+    ]
+    for thread in threads:
+        thread.start()
+        time.sleep(0.02)
+    for thread in threads:
+        thread.join()
+    return answers
+
+
+def test_a_full_queue_answers_503_and_a_busy_member_429_both_with_retry_after(chat_model, tmp_path):
+    slow = ScriptedModel([100], delay=0.05)  # 8 tokens: 0.4 s per answer
+    with live_server(chat_model, tmp_path, "serve.queue_size=1", model=slow) as (url, server):
+        everyone = concurrent_answers(url, [member(server, f"m{i}") for i in range(4)])
+    with live_server(chat_model, tmp_path, "serve.max_pending_per_member=2", model=slow) as (url, server):
+        one_member = concurrent_answers(url, [member(server, "ana")] * 4)
+    # One running and one queued are answered; the rest are refused, never failed.
+    assert sorted(a.status_code for a in everyone) == [200, 200, 503, 503]
+    assert sorted(a.status_code for a in one_member) == [200, 200, 429, 429]
+    for answer in everyone + one_member:
+        if answer.status_code != 200:
+            assert int(answer.headers["Retry-After"]) >= 1
+            assert answer.json()["error"]["code"] in ("server_busy", "too_many_requests")
+
+
+def test_a_client_that_disconnects_stops_its_generation(chat_model, tmp_path):
+    slow = ScriptedModel([100], delay=0.01)
+    with live_server(chat_model, tmp_path, "serve.max_tokens=400", model=slow) as (url, server):
+        key = member(server, "ana", "admin")
+        body = {"model": "chat", "messages": USER, "max_tokens": 400, "stream": True}
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body,
+                          headers={"Authorization": f"Bearer {key}"}) as answer:  # fmt: skip
+            for _ in zip(range(3), answer.iter_lines(), strict=False):
+                pass  # three lines in, the client goes away
+        deadline = time.monotonic() + 10
+        while server.worker.stats["cancelled"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        stats = httpx.get(url + "/api/server", headers={"Authorization": f"Bearer {key}"}).json()
+    assert stats["cancelled"] == 1 and stats["answered"] == 0
+    assert stats["generated_tokens"] < 200  # 400 asked for, 4 s of generation; it stopped within ~1 s
+
+
+# -----------------------------------------------------------------------------
+# Family accounts
+
+
+def login(url, name, password):
+    session = httpx.Client(base_url=url)
+    answer = session.post("/api/login", json={"name": name, "password": password})
+    return session, answer
+
+
+def test_members_never_reach_each_others_conversations_and_admins_cannot_read_them(chat_model, tmp_path):
+    with live_server(chat_model, tmp_path) as (url, server):
+        keys = {name: member(server, name, role, "clave-" + name) for name, role in
+                [("ana", "adult"), ("beto", "adult"), ("carla", "admin"), ("dani", "child")]}  # fmt: skip
+        owner = {"Authorization": f"Bearer {keys['ana']}"}
+        made = httpx.post(url + "/api/conversations", headers=owner)
+        assert made.status_code == 201
+        cid = made.json()["id"]
+        reply = httpx.post(
+            f"{url}/api/conversations/{cid}/messages",
+            headers=owner,
+            json={"content": "secreto", "max_tokens": 3},
+        )
+        assert reply.status_code == 200
+        own = httpx.get(f"{url}/api/conversations/{cid}", headers=owner).json()
+        assert [m["role"] for m in own["messages"]] == ["user", "assistant"] and own["title"] == "secreto"
+        for name in ("beto", "carla", "dani"):
+            for by_key in (True, False):
+                if by_key:
+                    other = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {keys[name]}"})
+                else:
+                    other, answer = login(url, name, "clave-" + name)
+                    assert answer.status_code == 200
+                assert other.get("/api/conversations").json()["data"] == []
+                attempts = [other.get(f"/api/conversations/{cid}"), other.delete(f"/api/conversations/{cid}"),
+                            other.post(f"/api/conversations/{cid}/messages", json={"content": "hola"})]  # fmt: skip
+                for attempt in attempts:
+                    assert attempt.status_code == 404, (name, attempt.request.method, attempt.text)
+                    assert "secreto" not in attempt.text
+                other.close()
+        assert httpx.get(f"{url}/api/conversations/{cid}", headers=owner).json() == own  # untouched
+        assert httpx.delete(f"{url}/api/conversations/{cid}", headers=owner).status_code == 200
+        assert httpx.get(f"{url}/api/conversations/{cid}", headers=owner).status_code == 404
+
+
+def test_the_conversation_routes_refuse_bad_input_with_a_clear_4xx(chat_model, tmp_path):
+    with live_server(chat_model, tmp_path) as (url, server):
+        http = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {member(server, 'ana')}"})
+        cid = http.post("/api/conversations", json={"title": "mía"}).json()["id"]
+        cases = [
+            (http.post("/api/conversations", json={"title": 7}), 400, "invalid_type"),
+            (http.post(f"/api/conversations/{cid}/messages", json={"content": "   "}), 400, "empty_message"),
+            (http.post(f"/api/conversations/{cid}/messages", json={"text": "hola"}), 400, "invalid_type"),
+            (http.post(f"/api/conversations/{cid}/messages", content=b"{nope"), 400, "invalid_json"),
+            (http.post(f"/api/conversations/{cid}/messages", content=b"x" * 2_000_000), 413, "request_too_large"),
+            (http.post("/api/conversations/no-such-id/messages", json={"content": "hola"}), 404, "conversation_not_found"),
+            (http.post("/api/login", json={"name": "ana"}), 400, "invalid_type"),
+        ]  # fmt: skip
+        for answer, status, code in cases:
+            assert (answer.status_code, answer.json()["error"]["code"]) == (status, code), answer.request.url
+        assert http.get(f"/api/conversations/{cid}").json()["messages"] == []  # nothing half-stored
+        http.close()
+
+
+def test_only_an_admin_manages_accounts_and_keys_are_stored_only_as_hashes(chat_model, tmp_path):
+    with live_server(chat_model, tmp_path) as (url, server):
+        admin = {"Authorization": f"Bearer {member(server, 'carla', 'admin')}"}
+        adult = {"Authorization": f"Bearer {member(server, 'ana')}"}
+        for method, path in [("GET", "/api/members"), ("POST", "/api/members"), ("DELETE", "/api/members/carla"),
+                             ("POST", "/api/members/carla/key"), ("GET", "/api/server")]:  # fmt: skip
+            answer = httpx.request(method, url + path, headers=adult, json={"name": "x", "role": "admin"})
+            assert answer.status_code == 403 and answer.json()["error"]["code"] == "admin_only", path
+        made = httpx.post(
+            url + "/api/members", headers=admin, json={"name": "dani", "role": "child", "password": "1234"}
+        )
+        assert made.status_code == 201
+        new_key = made.json()["api_key"]
+        names = [m["name"] for m in httpx.get(url + "/api/members", headers=admin).json()["data"]]
+        assert names == ["ana", "carla", "dani"]
+        assert (
+            httpx.get(url + "/api/me", headers={"Authorization": f"Bearer {new_key}"}).json()["role"]
+            == "child"
+        )
+        replaced = httpx.post(url + "/api/members/dani/key", headers=admin).json()["api_key"]
+        assert httpx.get(url + "/api/me", headers={"Authorization": f"Bearer {new_key}"}).status_code == 401
+        assert httpx.get(url + "/api/me", headers={"Authorization": f"Bearer {replaced}"}).status_code == 200
+        assert httpx.delete(url + "/api/members/dani", headers=admin).status_code == 200
+        assert httpx.get(url + "/api/me", headers={"Authorization": f"Bearer {replaced}"}).status_code == 401
+        database = server.settings["database"]
+    with open(database, "rb") as f:
+        raw = f.read()
+    with contextlib.suppress(FileNotFoundError), open(database + "-wal", "rb") as f:
+        raw += f.read()
+    assert new_key.encode() not in raw and replaced.encode() not in raw and b"1234" not in raw
+    hashes = sqlite3.connect(database).execute(
+        "SELECT password_hash FROM members WHERE password_hash IS NOT NULL"
+    )
+    assert all(row[0].startswith("scrypt$") for row in hashes)
+
+
+def test_web_login_sets_a_strict_httponly_cookie_and_locks_out_guessing(chat_model, tmp_path):
+    with live_server(chat_model, tmp_path, "serve.login_max_failures=3") as (url, server):
+        member(server, "ana", "adult", "1357")
+        session, answer = login(url, "ana", "1357")
+        cookie = answer.headers["set-cookie"].lower()
+        assert answer.status_code == 200 and "httponly" in cookie and "samesite=strict" in cookie
+        assert session.get("/api/me").json() == {"name": "ana", "role": "adult"}
+        assert session.post("/api/logout").status_code == 200
+        assert session.get("/api/me").status_code == 401
+        wrong = [login(url, "ana", pin)[1] for pin in ("0000", "1111", "2222", "1357")]
+        assert [a.status_code for a in wrong] == [401, 401, 401, 429]  # locked even for the right PIN
+        assert int(wrong[-1].headers["Retry-After"]) > 0
+        assert login(url, "nadie", "1357")[1].status_code == 401
+
+
+def test_children_get_their_instruction_cap_and_hours(chat_model, tmp_path):
+    now = time.localtime().tm_hour
+    closed = [(now + 1) % 24, (now + 2) % 24]  # a window that excludes this hour
+    with live_server(
+        chat_model, tmp_path, "serve.child.max_tokens=3", f"serve.child.allowed_hours={closed}"
+    ) as (
+        url,
+        server,
+    ):
+        child, adult = member(server, "dani", "child"), member(server, "ana")
+        with pytest.raises(openai.PermissionDeniedError, match="children may chat"):
+            client(url, child).chat.completions.create(model="chat", messages=USER)
+        assert client(url, adult).chat.completions.create(model="chat", messages=USER, max_tokens=2).choices
+    with live_server(chat_model, tmp_path, "serve.child.max_tokens=3", "serve.temperature=0", NO_TOOLS) as (
+        url,
+        server,
+    ):
+        child, adult = member(server, "dani", "child"), member(server, "ana")
+        kid = client(url, child).chat.completions.create(model="chat", messages=USER, max_tokens=50)
+        grown = client(url, adult).chat.completions.create(model="chat", messages=USER, max_tokens=50)
+    settings = serve.load_settings(serve.DEFAULT_CONFIG, [])
+    system = settings["child"]["system_prompt"] + "\n\n" + settings["system_prompt"]
+    ids, _ = chat.render({"messages": [{"role": "system", "content": system}, *USER]}, chat_model[1], True)
+    assert kid.usage.prompt_tokens == len(ids) > grown.usage.prompt_tokens
+    assert kid.usage.completion_tokens <= 3 < grown.usage.completion_tokens
+
+
+# -----------------------------------------------------------------------------
+# The real process: CLI, load, SIGKILL
+
+
+def test_the_member_cli_prints_a_key_once_and_stores_its_hash(tmp_path):
+    database = str(tmp_path / "family.sqlite")
+    key = serve_member(database, "ana", "admin", password="una clave")
+    listing = subprocess.run([sys.executable, "serve.py", "member", "list", f"serve.database={database}"],
+                             cwd=ROOT, capture_output=True, text=True, check=True)  # fmt: skip
+    assert key.startswith("enl-") and key not in listing.stdout and "ana" in listing.stdout
+    again = subprocess.run([sys.executable, "serve.py", "member", "add", "ana", "--role", "child",
+                            f"serve.database={database}"], cwd=ROOT, capture_output=True, text=True)  # fmt: skip
+    assert again.returncode == 2 and "already exists" in again.stderr and "Traceback" not in again.stderr
+    row = sqlite3.connect(database).execute("SELECT key_hash, password_hash FROM members").fetchone()
+    assert row[0] == accounts.sha256(key) and row[1].startswith("scrypt$")
+    bad = subprocess.run([sys.executable, "serve.py", "member", "list", "serve.queue_sise=3"], cwd=ROOT,
+                         capture_output=True, text=True)  # fmt: skip
+    assert (
+        bad.returncode == 2 and "serve.queue_sise: unknown key; did you mean serve.queue_size?" in bad.stderr
+    )
+
+
+def test_a_byte_level_run_is_refused_with_the_run_to_use_instead(tmp_path, byte_data_dir):
+    import train
+
+    train.train(
+        tiny_config(tmp_path, "bytes", byte_data_dir, "run_name=bytes", "train.max_steps=2"),
+        log=lambda *a: None,
+    )
+    database = f"serve.database={tmp_path / 'x.sqlite'}"
+    started = subprocess.run([sys.executable, "serve.py", str(tmp_path / "bytes"), "--port", "0", database],
+                             cwd=ROOT, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert started.returncode == 2 and "Traceback" not in started.stderr
+    assert (
+        "no chat control tokens" in started.stderr
+        and "make serve RUN=runs/smoke-corpus-cpu" in started.stderr
+    )
+
+
+def test_the_shipped_serve_configs_are_valid_and_a_typo_names_its_file(tmp_path):
+    folder = os.path.join(ROOT, "configs", "serve")
+    for name in os.listdir(folder):
+        config.load_layer("serve", os.path.join(folder, name))
+    (tmp_path / "serve").mkdir()
+    bad = tmp_path / "serve" / "bad.yaml"
+    bad.write_text("include: serve/default.yaml\nserve:\n  queue_size: 0\n")
+    (tmp_path / "serve" / "default.yaml").write_text(open(os.path.join(folder, "default.yaml")).read())
+    with pytest.raises(
+        config.ConfigError, match=r"bad.yaml: serve.queue_size: 0 is out of range; expected >= 1"
+    ):
+        config.load_layer("serve", str(bad))
+
+
+def rss_kib(pid):
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+
+def converse(url, key, label, turns, results):
+    """One client: its own conversation, `turns` streamed messages, each answer checked to be its own."""
+    headers = {"Authorization": f"Bearer {key}"}
+    with httpx.Client(base_url=url, headers=headers, timeout=120) as http:
+        cid = http.post("/api/conversations").json()["id"]
+        sent, answers, busy = [], [], 0
+        while len(sent) < turns:
+            text = f"{label} mensaje {len(sent)}"
+            with http.stream(
+                "POST", f"/api/conversations/{cid}/messages", json={"content": text, "max_tokens": 4}
+            ) as r:
+                if r.status_code == 503:
+                    busy += 1
+                    r.read()
+                    time.sleep(0.05)
+                    continue
+                assert r.status_code == 200, r.read()
+                chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+            assert {c["conversation_id"] for c in chunks} == {cid}
+            sent.append(text)
+            answers.append(
+                "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+            )
+        stored = http.get(f"/api/conversations/{cid}").json()["messages"]
+    results.append((label, sent, answers, stored, busy))
+
+
+def load_round(url, keys, turns):
+    results = []
+    threads = [
+        threading.Thread(target=converse, args=(url, key, f"c{i}", turns, results))
+        for i, key in enumerate(keys)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return results
+
+
+def test_twenty_clients_get_their_own_answers_and_the_server_memory_stays_flat(chat_run, tmp_path):
+    database = str(tmp_path / "load.sqlite")
+    store = accounts.Store(database)  # `member add` itself has its own test; here it would cost 20 starts
+    keys = [store.add_member(f"c{i}", "adult") for i in range(20)]
+    proc, url = start_server(chat_run, database, "serve.queue_size=8", log_path=tmp_path / "server.log")
+    try:
+        rounds = []
+        for _ in range(2):
+            results = load_round(url, keys, 10)
+            rounds.append((results, rss_kib(proc.pid)))
+    finally:
+        proc.kill()
+        proc.wait()
+    log = (tmp_path / "server.log").read_text()
+    assert "Traceback" not in log and "failed" not in log
+    # Every answer a client saw is the one stored in its own conversation, in order, beside its own
+    # messages: nothing lost, nothing from another client.
+    for results, _ in rounds:
+        assert len(results) == 20
+        for _label, sent, answers, stored, _busy in results:
+            assert [m["role"] for m in stored] == ["user", "assistant"] * 10
+            assert [m["content"] for m in stored[0::2]] == sent
+            assert [m["content"] for m in stored[1::2]] == answers
+    growth = rounds[1][1] - rounds[0][1]
+    assert growth < 20 * 1024, f"server RSS grew {growth} KiB over a second round of 200 requests"
+
+
+def test_sigkill_mid_answer_loses_no_acknowledged_turn(chat_run, tmp_path):
+    database = str(tmp_path / "kill.sqlite")
+    key = accounts.Store(database).add_member("ana", "adult")
+    headers = {"Authorization": f"Bearer {key}"}
+    proc, url = start_server(chat_run, database, log_path=tmp_path / "server.log")
+    try:
+        cid = httpx.post(url + "/api/conversations", headers=headers).json()["id"]
+        first = httpx.post(f"{url}/api/conversations/{cid}/messages", headers=headers,
+                           json={"content": "primera", "stream": False, "max_tokens": 6}).json()  # fmt: skip
+        with httpx.stream("POST", f"{url}/api/conversations/{cid}/messages", headers=headers,
+                          json={"content": "segunda", "max_tokens": 200}) as answer:  # fmt: skip
+            next(answer.iter_lines())
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+    finally:
+        proc.kill()
+    proc, url = start_server(chat_run, database)
+    try:
+        stored = httpx.get(f"{url}/api/conversations/{cid}", headers=headers).json()["messages"]
+    finally:
+        proc.kill()
+        proc.wait()
+    assert stored[0] == stored[0] | {"role": "user", "content": "primera"}
+    assert stored[1] == stored[1] | {"role": "assistant", "content": first["message"]["content"]}
+    assert [m["role"] for m in stored[2:]] in ([], ["user"])  # the unanswered turn: at most its question

@@ -1,0 +1,368 @@
+"""Supervised fine-tuning: packing conversations, the chat loader, init_from, and the held-out evaluation."""
+
+import contextlib
+import io
+import json
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from conftest import (
+    CHAT_SEQ_LEN,
+    ROOT,
+    TINY,
+    chat_overrides,
+    example_conversations,
+    tiny_config,
+    write_jsonl,
+)
+
+import chat
+import config
+import data
+import sample
+import train
+from model import Transformer
+
+quiet = lambda *a, **k: None  # noqa: E731
+
+
+def sft_config(folder, shard_dir, *overrides):
+    """configs/sft-smoke-cpu.yaml made tiny, over conversations in folder/{train,val}.jsonl."""
+    args = [*TINY, *chat_overrides(str(folder), shard_dir), f"train.runs_dir={folder}/runs", *overrides]
+    return config.load(os.path.join(ROOT, "configs", "sft-smoke-cpu.yaml"), args)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(shard_data_dir):
+    return data.SentencePieceTokenizer(os.path.join(shard_data_dir, "tokenizer.model"))
+
+
+def packed(data_cfg, split):
+    record = data.read_manifest(data_cfg)["prepare"][split]
+    tokens = np.concatenate(
+        [data.read_shard(os.path.join(data_cfg["dir"], s["name"])) for s in record["shards"]]
+    )
+    masks = np.concatenate(
+        [data.read_shard(os.path.join(data_cfg["dir"], s["mask"])) for s in record["shards"]]
+    )
+    row_len = record["seq_len"] + 1
+    return tokens.reshape(-1, row_len), masks.reshape(-1, row_len), record
+
+
+def contains(row, ids):
+    return any(list(row[i : i + len(ids)]) == ids for i in range(len(row) - len(ids) + 1))
+
+
+# -----------------------------------------------------------------------------
+# Packing
+
+
+def test_best_fit_puts_each_conversation_in_the_fullest_row_it_fits():
+    assert chat.best_fit([5, 4, 3, 3, 1], 8) == [[0, 2], [1, 3, 4]]
+    assert chat.best_fit([8, 8], 8) == [[0], [1]]
+
+
+def test_packed_rows_start_with_bos_and_hold_whole_conversations_with_their_masks(
+    tmp_path, shard_data_dir, tokenizer
+):
+    conversations = example_conversations(30)
+    write_jsonl(tmp_path / "train.jsonl", conversations)
+    write_jsonl(tmp_path / "val.jsonl", example_conversations(5, start=50))
+    cfg = sft_config(tmp_path, shard_data_dir)
+    chat.prepare(cfg, log=quiet)
+    tokens, masks, record = packed(cfg["data"], "train")
+    assert (tokens[:, 0] == tokenizer.bos_id).all()
+    assert record["stats"]["packed"] == 30 and record["stats"]["rows"] == len(tokens) < 30
+    flat_tokens, flat_masks = tokens.ravel().tolist(), masks.ravel().tolist()
+    for conversation in conversations:  # each one contiguous, once, with the mask render() gives it
+        ids, mask = chat.render(conversation, tokenizer)
+        rows = [r for r in range(len(tokens)) if contains(tokens[r], ids)]
+        assert len(rows) >= 1
+        start = next(i for i in range(len(flat_tokens)) if flat_tokens[i : i + len(ids)] == ids)
+        assert flat_masks[start : start + len(ids)] == mask
+    used = sum(len(chat.render(c, tokenizer)[0]) for c in conversations)
+    assert record["stats"]["tokens"] == used
+    assert masks.sum() == sum(sum(chat.render(c, tokenizer)[1]) for c in conversations)  # padding: mask 0
+
+
+def test_too_long_conversations_are_dropped_and_counted_or_cut_after_an_answer(
+    tmp_path, shard_data_dir, tokenizer
+):
+    long_answer = "Había una vez un barco muy pequeño que navegaba por el mar. " * 20
+    too_long = {
+        "messages": [
+            {"role": "user", "content": "Hola"},
+            {"role": "assistant", "content": "Hola, ¿qué tal?"},
+            {"role": "user", "content": "Cuéntame un cuento"},
+            {"role": "assistant", "content": long_answer},
+        ]
+    }
+    write_jsonl(tmp_path / "train.jsonl", example_conversations(6) + [too_long])
+    write_jsonl(tmp_path / "val.jsonl", example_conversations(2))
+    cfg = sft_config(tmp_path, shard_data_dir, "data.chat.too_long=drop")
+    logs = []
+    chat.prepare(cfg, log=logs.append)
+    stats = packed(cfg["data"], "train")[2]["stats"]
+    assert (stats["dropped_too_long"], stats["truncated"], stats["packed"]) == (1, 0, 6)
+    assert any(f"{tmp_path}/train.jsonl:7" in line and "longer than a row" in line for line in logs)
+
+    cfg = sft_config(tmp_path, shard_data_dir, "data.chat.too_long=truncate")
+    chat.prepare(cfg, log=quiet)
+    tokens, _, record = packed(cfg["data"], "train")
+    assert (record["stats"]["dropped_too_long"], record["stats"]["truncated"]) == (0, 1)
+    first_turn = chat.render({"messages": too_long["messages"][:2]}, tokenizer)[0]
+    assert any(contains(row, first_turn) for row in tokens)
+
+
+def test_prepare_resumes_after_the_last_finished_shard_and_a_rerun_does_nothing(tmp_path, shard_data_dir):
+    write_jsonl(tmp_path / "train.jsonl", example_conversations(40))
+    write_jsonl(tmp_path / "val.jsonl", example_conversations(4))
+    cfg = sft_config(tmp_path, shard_data_dir, "data.chat.rows_per_shard=2")
+    chat.prepare(cfg, log=quiet)
+    tokens, masks, record = packed(cfg["data"], "train")
+    assert len(record["shards"]) >= 3
+    # An interruption after the second shard: the manifest lists two, the rest are gone or half-written.
+    manifest = data.read_manifest(cfg["data"])
+    manifest["prepare"]["train"] |= {"complete": False, "shards": record["shards"][:2]}
+    data.write_json(data.manifest_path(cfg["data"]), manifest)
+    os.remove(os.path.join(cfg["data"]["dir"], record["shards"][-1]["name"]))
+    logs = []
+    chat.prepare(cfg, log=logs.append)
+    assert any("train resuming after 2 finished shard(s)" in line for line in logs)
+    again = packed(cfg["data"], "train")
+    assert np.array_equal(again[0], tokens) and np.array_equal(again[1], masks) and again[2]["complete"]
+    logs = []
+    chat.prepare(cfg, log=logs.append)
+    assert any("train up to date" in line for line in logs) and any("val up to date" in line for line in logs)
+
+
+def test_a_bad_line_is_fatal_naming_file_and_line_or_skipped_when_configured(tmp_path, shard_data_dir):
+    bad = [
+        {"messages": [{"role": "robot", "content": "bip"}]},
+        {"messages": [{"role": "user", "content": "x"}, {"role": "tool", "content": "4"}]},
+    ]
+    write_jsonl(tmp_path / "train.jsonl", example_conversations(2) + bad + example_conversations(2))
+    write_jsonl(tmp_path / "val.jsonl", example_conversations(2))
+    cfg = sft_config(tmp_path, shard_data_dir)
+    with pytest.raises(
+        chat.ChatError, match=rf"{tmp_path}/train.jsonl:3: messages.0.role: 'robot' is not one of"
+    ):
+        chat.prepare(cfg, log=quiet)
+    assert not data.shard_paths(cfg["data"], "train")  # nothing half-written
+
+    cfg = sft_config(tmp_path, shard_data_dir, "data.chat.bad_lines=skip")
+    logs = []
+    chat.prepare(cfg, log=logs.append)
+    assert packed(cfg["data"], "train")[2]["stats"]["skipped_bad_lines"] == 2
+    assert any("train.jsonl:4: messages.1: a tool message without a preceding" in line for line in logs)
+
+
+def test_a_file_that_is_not_utf8_is_refused_naming_the_line(tmp_path, shard_data_dir):
+    good = json.dumps(example_conversations(1)[0]) + "\n"
+    (tmp_path / "train.jsonl").write_bytes(
+        good.encode() + '{"messages": [{"role": "user", "content": "caña"}]}\n'.encode("latin-1")
+    )
+    write_jsonl(tmp_path / "val.jsonl", example_conversations(2))
+    with pytest.raises(chat.ChatError, match=r"train.jsonl:2: not UTF-8 \(byte 0xf1 at column 46\)"):
+        chat.prepare(sft_config(tmp_path, shard_data_dir), log=quiet)
+
+
+# -----------------------------------------------------------------------------
+# The chat loader
+
+
+def chat_loader(chat_data_dir, shard_data_dir, split="train", rank=0, world_size=1, batch_size=4):
+    cfg = sft_config(chat_data_dir, shard_data_dir)
+    return data.build_loader(cfg["data"], split, batch_size, CHAT_SEQ_LEN, 7, rank, world_size)
+
+
+def test_targets_are_minus_one_exactly_where_the_mask_is_zero(chat_data_dir, shard_data_dir):
+    loader = chat_loader(chat_data_dir, shard_data_dir)
+    tokens, masks, _ = packed(sft_config(chat_data_dir, shard_data_dir)["data"], "train")
+    rows = {tuple(row[:-1]): (row, mask) for row, mask in zip(tokens.tolist(), masks.tolist(), strict=True)}
+    for _ in range(3):
+        x, y = loader.next_batch()
+        for xi, yi in zip(x.tolist(), y.tolist(), strict=True):
+            row, mask = rows[tuple(xi)]
+            assert yi == [t if m else -1 for t, m in zip(row[1:], mask[1:], strict=True)]
+            assert xi[0] == 1  # <|bos|>
+
+
+def test_the_chat_loader_restores_its_exact_position_and_covers_each_row_once_per_epoch(
+    chat_data_dir, shard_data_dir
+):
+    loader = chat_loader(chat_data_dir, shard_data_dir)
+    for _ in range(5):
+        loader.next_batch()
+    state = loader.state_dict()
+    expected = [loader.next_batch() for _ in range(4)]
+    restored = chat_loader(chat_data_dir, shard_data_dir)
+    restored.load_state_dict(state)
+    for (x, y), (rx, ry) in zip(expected, [restored.next_batch() for _ in range(4)], strict=True):
+        assert torch.equal(x, rx) and torch.equal(y, ry)
+
+    total = int(chat_loader(chat_data_dir, shard_data_dir).row_starts[-1])
+    seen = []
+    for rank in range(2):
+        ranked = chat_loader(chat_data_dir, shard_data_dir, rank=rank, world_size=2, batch_size=1)
+        seen += [int(ranked.rows_of_epoch()[i]) for i in range(ranked.rows_per_rank)]
+    assert len(set(seen)) == len(seen) == total - total % 2  # the ranks' rows never overlap
+
+    other = chat_loader(chat_data_dir, shard_data_dir, batch_size=2)
+    with pytest.raises(data.DataError, match="batch_size: state has 4, this loader has 2"):
+        other.load_state_dict(state)
+
+
+def test_a_batch_without_trained_tokens_gives_zero_loss_and_finite_gradients():
+    torch.manual_seed(0)
+    cfg = config.load(os.path.join(ROOT, "configs", "smoke-cpu.yaml"), TINY)
+    model = Transformer(cfg["model"])
+    x = torch.randint(0, 256, (2, 16))
+    _, losses = model(x, torch.full((2, 16), -1))
+    losses["loss"].backward()
+    assert losses["loss"].item() == 0.0
+    assert all(torch.isfinite(p.grad).all() and not p.grad.any() for p in model.parameters())
+
+
+# -----------------------------------------------------------------------------
+# init_from
+
+
+@pytest.fixture(scope="module")
+def base_run(tmp_path_factory, shard_data_dir):
+    runs = tmp_path_factory.mktemp("base")
+    cfg = tiny_config(runs, "shards", shard_data_dir, "run_name=base", "train.max_steps=4")
+    train.train(cfg, log=quiet)
+    return str(runs / "base")
+
+
+def test_init_from_starts_from_the_pretrained_weights_with_a_fresh_schedule(
+    chat_data_dir, shard_data_dir, base_run, tmp_path
+):
+    cfg = sft_config(
+        chat_data_dir,
+        shard_data_dir,
+        f"train.runs_dir={tmp_path}",
+        f"train.init_from={base_run}",
+        "train.max_steps=2",
+        "train.lr=1.0e-9",
+        "train.warmup_steps=0",
+        "train.decay_fraction=0",
+    )
+    logs = []
+    assert train.train(cfg, log=logs.append) == 2  # steps count from 0, not from the base run's 4
+    assert any(line.startswith(f"initialized from {base_run}/ckpt_0000004.pt (step 4)") for line in logs)
+    base = train.load_checkpoint(train.list_checkpoints(base_run)[0])
+    tuned = train.load_checkpoint(train.list_checkpoints(train.run_dir_of(cfg))[0])
+    assert tuned["optimizer"]["state"][0]["step"] == 2  # a fresh AdamW
+    for name, weight in base["model"].items():
+        assert torch.allclose(weight, tuned["model"][name], atol=1e-6), name
+
+
+def test_init_from_a_run_of_another_shape_or_tokenizer_is_refused_naming_the_setting(
+    chat_data_dir, shard_data_dir, base_run, tmp_path
+):
+    cfg = sft_config(
+        chat_data_dir,
+        shard_data_dir,
+        f"train.runs_dir={tmp_path}",
+        f"train.init_from={base_run}",
+        "model.d_model=64",
+    )
+    with pytest.raises(
+        train.TrainError,
+        match=r"train.init_from: .*ckpt_0000004.pt does not fit this run:\n  model.d_model: .* has 32, this run has 64",
+    ):
+        train.train(cfg, log=quiet)
+    assert not os.path.exists(train.run_dir_of(cfg))  # nothing half-written
+
+    state = train.load_checkpoint(train.list_checkpoints(base_run)[0])
+    state["tokenizer"]["sha256"] = "0" * 64
+    other = tmp_path / "other-tokenizer.pt"
+    torch.save(state, other)
+    cfg = sft_config(chat_data_dir, shard_data_dir, f"train.runs_dir={tmp_path}", f"train.init_from={other}")
+    with pytest.raises(
+        train.TrainError, match="tokenizer: .* was trained with 000000000000, this run's data gives"
+    ):
+        train.train(cfg, log=quiet)
+
+    cfg = sft_config(
+        chat_data_dir, shard_data_dir, f"train.runs_dir={tmp_path}", f"train.init_from={tmp_path}/nothing"
+    )
+    with pytest.raises(
+        train.TrainError, match="train.init_from: .*nothing: no such run directory or checkpoint file"
+    ):
+        train.train(cfg, log=quiet)
+
+
+# -----------------------------------------------------------------------------
+# Held-out evaluation (sample.py --chat-eval)
+
+
+@pytest.fixture(scope="module")
+def sft_run(tmp_path_factory, chat_data_dir, shard_data_dir):
+    runs = tmp_path_factory.mktemp("sft")
+    cfg = sft_config(chat_data_dir, shard_data_dir, f"train.runs_dir={runs}", "train.max_steps=4")
+    train.train(cfg, log=quiet)
+    return str(runs / cfg["run_name"])
+
+
+def test_chat_eval_scores_assistant_tokens_only_and_counts_answers_ending_with_end(sft_run, tmp_path):
+    model, cfg, tokenizer, _ = sample.load_run(sft_run)
+    conversation = example_conversations(1, start=4)[0]  # system, two exchanges
+    path = write_jsonl(tmp_path / "one.jsonl", [conversation])
+    args = SimpleNamespace(run=sft_run, chat_eval=path, max_new_tokens=5, show=1, limit=0)
+    out = io.StringIO()
+    result = sample.run_chat_eval(model, cfg, tokenizer, args, out=out)
+
+    ids, mask = chat.render(conversation, tokenizer)
+    with torch.no_grad():
+        logits, _ = model(torch.tensor([ids[:-1]]))
+    targets = torch.tensor([t if m else -1 for t, m in zip(ids[1:], mask[1:], strict=True)])
+    expected = torch.nn.functional.cross_entropy(logits[0], targets, ignore_index=-1).item()
+    assert result["assistant_tokens"] == sum(mask) and result["loss"] == pytest.approx(expected, rel=1e-5)
+    assert result["ended"] in (0.0, 1.0)
+    end = tokenizer.special_ids["<|end|>"]
+    ends = [p for p in range(len(ids) - 1) if ids[p + 1] == end and mask[p + 1]]
+    assert len(ends) == 2  # two answers
+    guessed = sum(int(logits[0, p].argmax()) == end for p in ends)
+    assert result["end_guessed"] == guessed / 2
+    assert "answers ending with <|end|> within 5 tokens" in out.getvalue()
+
+
+def test_chat_eval_of_the_runs_val_files_from_the_command_line(sft_run):
+    result = subprocess.run(
+        [
+            sys.executable,
+            "sample.py",
+            sft_run,
+            "--chat-eval",
+            "val",
+            "--max-new-tokens",
+            "4",
+            "--show",
+            "0",
+            "--limit",
+            "5",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "val.jsonl: 5 conversations" in result.stdout  # the first 5 of 12 and "| bpb " in result.stdout
+
+
+def test_the_final_sample_of_a_chat_run_answers_the_prompt_as_a_user_turn(sft_run):
+    cfg = train.load_checkpoint(train.list_checkpoints(sft_run)[0])["config"]
+    assert cfg["data"]["format"] == "chat"
+    model, _, tokenizer, _ = sample.load_run(sft_run)
+    hardware = SimpleNamespace(device=torch.device("cpu"), autocast=contextlib.nullcontext)
+    text = train.sample_text(model, tokenizer, cfg["train"] | {"sample_tokens": 5}, hardware, chat_run=True)
+    assert text.startswith(cfg["train"]["sample_prompt"] + " -> ")

@@ -1,0 +1,195 @@
+"""The web chat page in a real browser: Debian's headless Chromium driven by selenium, on a phone-sized
+window, against serve.py in a subprocess on 127.0.0.1. Screenshots go to test-artifacts/web/ (or
+$ENLACE_ARTIFACTS/web/), kept for people to look at, never committed."""
+
+import os
+import shutil
+import time
+
+import httpx
+import pytest
+from conftest import ROOT, ScriptedModel, live_server, start_server
+
+import accounts
+import serve
+
+CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
+ARTIFACTS = os.path.join(os.environ.get("ENLACE_ARTIFACTS", os.path.join(ROOT, "test-artifacts")), "web")
+COUNT_UPDATES = """
+window.updates = 0;
+new MutationObserver((changes) => { window.updates += changes.length; })
+  .observe(document.getElementById('messages'), {subtree: true, childList: true, characterData: true});
+"""
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if not (CHROMIUM and CHROMEDRIVER):
+        message = "needs Debian's chromium and chromium-driver (apt install chromium chromium-driver)"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for argument in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=390,844"):
+        options.add_argument(argument)
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    driver.set_window_size(390, 844)  # a phone
+    yield driver
+    driver.quit()
+
+
+@pytest.fixture(scope="module")
+def family(chat_run, tmp_path_factory):
+    """serve.py with two adults, ana and beto; yields (url, ana's API key)."""
+    folder = tmp_path_factory.mktemp("web")
+    database = str(folder / "family.sqlite")
+    store = accounts.Store(database)
+    keys = {}
+    for name in ("ana", "beto"):
+        keys[name] = store.add_member(name, "adult")
+        store.set_password(name, accounts.hash_password("clave-" + name, {"n": 1024, "r": 8, "p": 1}))
+    proc, url = start_server(
+        chat_run, database, "serve.default_max_tokens=24", log_path=folder / "server.log"
+    )
+    yield url, keys["ana"]
+    proc.kill()
+    proc.wait()
+
+
+def wait_for(driver, condition, timeout=30):
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    return WebDriverWait(driver, timeout).until(lambda d: condition(d))
+
+
+def by_id(driver, element_id):
+    from selenium.webdriver.common.by import By
+
+    return driver.find_element(By.ID, element_id)
+
+
+def all_of(driver, selector):
+    from selenium.webdriver.common.by import By
+
+    return driver.find_elements(By.CSS_SELECTOR, selector)
+
+
+def log_in(driver, url, name, password):
+    driver.get(url + "/")
+    wait_for(driver, lambda d: by_id(d, "login").is_displayed())
+    by_id(driver, "login-name").send_keys(name)
+    by_id(driver, "login-password").send_keys(password)
+    screenshot(driver, f"0-login-{name}.png")
+    by_id(driver, "login-button").click()
+    wait_for(driver, lambda d: by_id(d, "app").is_displayed())
+
+
+def screenshot(driver, name):
+    os.makedirs(ARTIFACTS, exist_ok=True)
+    driver.save_screenshot(os.path.join(ARTIFACTS, name))
+
+
+def test_a_member_chats_finds_the_conversation_after_a_reload_and_another_member_cannot_see_it(
+    browser, family
+):
+    url, ana_key = family
+    log_in(browser, url, "ana", "clave-ana")
+    cookie = next(c for c in browser.get_cookies() if c["name"] == serve.SESSION_COOKIE)
+    assert cookie["httpOnly"] and cookie["sameSite"] == "Strict"
+    assert browser.execute_script("return document.cookie") == ""  # the page's script cannot read it
+
+    browser.execute_script(COUNT_UPDATES)
+    by_id(browser, "input").send_keys("Hola, ¿quién eres?")
+    by_id(browser, "send").click()
+    wait_for(browser, lambda d: all_of(d, ".message.assistant[data-done='true']"))
+    [question] = all_of(browser, ".message.user")
+    [answer] = all_of(browser, ".message.assistant")
+    shown = browser.execute_script("return arguments[0].textContent", answer)
+    assert question.text == "Hola, ¿quién eres?" and by_id(browser, "chat-error").text == ""
+    assert browser.execute_script("return window.updates") > 3  # the answer arrived in pieces
+    wait_for(browser, lambda d: by_id(d, "title").text == "Hola, ¿quién eres?")
+    screenshot(browser, "1-streamed-answer.png")
+
+    # What the page showed is what the server stored, in ana's conversation.
+    headers = {"Authorization": f"Bearer {ana_key}"}
+    [listed] = httpx.get(url + "/api/conversations", headers=headers).json()["data"]
+    stored = httpx.get(f"{url}/api/conversations/{listed['id']}", headers=headers).json()["messages"]
+    assert [(m["role"], m["content"]) for m in stored] == [
+        ("user", "Hola, ¿quién eres?"),
+        ("assistant", shown),
+    ]
+
+    browser.refresh()  # the session cookie keeps ana logged in
+    wait_for(browser, lambda d: by_id(d, "app").is_displayed() and all_of(d, "#conversations li"))
+    by_id(browser, "menu").click()  # on a phone the list slides in
+    [item] = wait_for(browser, lambda d: [li for li in all_of(d, "#conversations li") if li.is_displayed()])
+    assert item.text == "Hola, ¿quién eres?"
+    screenshot(browser, "2-conversation-list.png")
+    item.click()
+    wait_for(browser, lambda d: len(all_of(d, ".message")) == 2)
+    reopened = [
+        browser.execute_script("return arguments[0].textContent", m) for m in all_of(browser, ".message")
+    ]
+    assert reopened == ["Hola, ¿quién eres?", shown]
+    screenshot(browser, "3-reopened-after-reload.png")
+
+    by_id(browser, "menu").click()
+    wait_for(browser, lambda d: by_id(d, "logout").is_displayed())
+    by_id(browser, "logout").click()
+    log_in(browser, url, "beto", "clave-beto")
+    assert all_of(browser, "#conversations li") == [] and all_of(browser, ".message") == []
+    status = browser.execute_async_script(
+        "const done = arguments[arguments.length - 1];"
+        f"fetch('/api/conversations/{listed['id']}').then((r) => done(r.status));"
+    )
+    assert status == 404
+    screenshot(browser, "4-second-member.png")
+
+
+def test_a_wrong_password_is_refused_in_spanish(browser, family):
+    url, _ = family
+    browser.delete_all_cookies()
+    browser.get(url + "/")
+    wait_for(browser, lambda d: by_id(d, "login").is_displayed())
+    by_id(browser, "login-name").send_keys("ana")
+    by_id(browser, "login-password").send_keys("no-es-esta")
+    by_id(browser, "login-button").click()
+    wait_for(browser, lambda d: by_id(d, "login-error").text)
+    assert by_id(browser, "login-error").text == "Nombre o contraseña incorrectos."
+    assert not by_id(browser, "app").is_displayed()
+
+
+def test_the_stop_button_ends_the_answer_and_keeps_what_was_shown(browser, chat_model, tmp_path):
+    tokenizer = chat_model[1]
+    slow = ScriptedModel(tokenizer.encode("Había una vez un perro que"), delay=0.05)  # ~10 s if not stopped
+    with live_server(chat_model, tmp_path, model=slow) as (url, server):
+        key = server.store.add_member("ana", "adult")
+        server.store.set_password("ana", accounts.hash_password("clave-ana", {"n": 1024, "r": 8, "p": 1}))
+        browser.delete_all_cookies()
+        log_in(browser, url, "ana", "clave-ana")
+        by_id(browser, "input").send_keys("Cuéntame un cuento")
+        by_id(browser, "send").click()
+        wait_for(
+            browser,
+            lambda d: by_id(d, "stop").is_displayed() and len(all_of(d, ".message.assistant")[0].text) > 10,
+        )
+        screenshot(browser, "5-answering-with-stop.png")
+        by_id(browser, "stop").click()
+        wait_for(browser, lambda d: all_of(d, ".message.assistant[data-done='true']"), timeout=5)
+        assert by_id(browser, "send").is_displayed() and not by_id(browser, "stop").is_displayed()
+        shown = browser.execute_script(
+            "return arguments[0].textContent", all_of(browser, ".message.assistant")[0]
+        )
+        deadline = time.monotonic() + 10
+        while server.worker.stats["cancelled"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert server.worker.stats["cancelled"] == 1 and server.worker.stats["answered"] == 0
+        headers = {"Authorization": f"Bearer {key}"}
+        [listed] = httpx.get(url + "/api/conversations", headers=headers).json()["data"]
+        stored = httpx.get(f"{url}/api/conversations/{listed['id']}", headers=headers).json()["messages"]
+    assert stored[0]["content"] == "Cuéntame un cuento" and stored[1]["content"].startswith(shown)
+    assert server.worker.stats["generated_tokens"] < 150  # stopped well before its ~190 tokens

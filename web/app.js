@@ -1,0 +1,230 @@
+// ENLACE web chat: plain JavaScript, no build step. Talks to serve.py's /api routes with the session
+// cookie (HttpOnly: this script never sees it). Text is always inserted with textContent, never as HTML.
+"use strict";
+
+const $ = (id) => document.getElementById(id);
+const state = { member: null, current: null, controller: null };
+
+async function api(method, path, body) {
+  const options = { method, headers: {}, credentials: "same-origin" };
+  if (body !== undefined) {
+    options.headers["Content-Type"] = "application/json";
+    options.body = JSON.stringify(body);
+  }
+  const response = await fetch(path, options);
+  if (!response.ok) throw await errorOf(response);
+  return response.json();
+}
+
+async function errorOf(response) {
+  let message = `Error ${response.status}`;
+  try {
+    message = (await response.json()).error.message || message;
+  } catch (_) { /* not JSON */ }
+  const error = new Error(message);
+  error.status = response.status;
+  return error;
+}
+
+// --- login ---------------------------------------------------------------------------------------
+
+function showLogin() {
+  state.member = null;
+  $("app").hidden = true;
+  $("login").hidden = false;
+  $("login-name").focus();
+}
+
+async function showApp(member) {
+  state.member = member;
+  $("member-name").textContent = member.name;
+  $("login").hidden = true;
+  $("app").hidden = false;
+  newConversation();
+  await loadConversations();
+}
+
+$("login-form").addEventListener("submit", async (event) => {
+  event.preventDefault();
+  $("login-error").textContent = "";
+  try {
+    const member = await api("POST", "/api/login", {
+      name: $("login-name").value.trim(),
+      password: $("login-password").value,
+    });
+    $("login-password").value = "";
+    await showApp(member);
+  } catch (error) {
+    $("login-error").textContent = error.status === 401 ? "Nombre o contraseña incorrectos." : error.message;
+  }
+});
+
+$("logout").addEventListener("click", async () => {
+  stopAnswer();
+  await api("POST", "/api/logout").catch(() => {});
+  $("conversations").replaceChildren();
+  $("messages").replaceChildren();
+  showLogin();
+});
+
+// --- conversations -------------------------------------------------------------------------------
+
+async function loadConversations() {
+  const { data } = await api("GET", "/api/conversations");
+  const current = data.find((conversation) => conversation.id === state.current);
+  if (current) $("title").textContent = current.title;
+  const list = $("conversations");
+  list.replaceChildren(...data.map((conversation) => {
+    const item = document.createElement("li");
+    item.textContent = conversation.title;
+    item.dataset.id = conversation.id;
+    item.classList.toggle("active", conversation.id === state.current);
+    item.addEventListener("click", () => openConversation(conversation.id));
+    return item;
+  }));
+}
+
+function newConversation() {
+  stopAnswer();
+  state.current = null;
+  $("title").textContent = "Nueva conversación";
+  $("delete-conversation").hidden = true;
+  $("messages").replaceChildren();
+  $("chat-error").textContent = "";
+  for (const item of $("conversations").children) item.classList.remove("active");
+  $("sidebar").classList.remove("open");
+  $("input").focus();
+}
+
+async function openConversation(id) {
+  stopAnswer();
+  $("chat-error").textContent = "";
+  try {
+    const conversation = await api("GET", `/api/conversations/${encodeURIComponent(id)}`);
+    state.current = conversation.id;
+    $("title").textContent = conversation.title;
+    $("delete-conversation").hidden = false;
+    $("messages").replaceChildren();
+    for (const message of conversation.messages) addMessage(message.role, message.content).dataset.done = "true";
+    for (const item of $("conversations").children) item.classList.toggle("active", item.dataset.id === id);
+    $("sidebar").classList.remove("open");
+  } catch (error) {
+    $("chat-error").textContent = error.message;
+  }
+}
+
+$("new-conversation").addEventListener("click", newConversation);
+$("menu").addEventListener("click", () => $("sidebar").classList.toggle("open"));
+$("delete-conversation").addEventListener("click", async () => {
+  if (!state.current || !confirm("¿Borrar esta conversación?")) return;
+  await api("DELETE", `/api/conversations/${encodeURIComponent(state.current)}`).catch((error) => {
+    $("chat-error").textContent = error.message;
+  });
+  newConversation();
+  await loadConversations();
+});
+
+// --- sending and streaming -----------------------------------------------------------------------
+
+function addMessage(role, text) {
+  const bubble = document.createElement("div");
+  bubble.className = `message ${role}`;
+  bubble.textContent = text;
+  $("messages").append(bubble);
+  bubble.scrollIntoView({ block: "end" });
+  return bubble;
+}
+
+function stopAnswer() {
+  if (state.controller) state.controller.abort();
+}
+
+function setBusy(busy) {
+  $("send").hidden = busy;
+  $("stop").hidden = !busy;
+  $("input").disabled = busy;
+}
+
+$("stop").addEventListener("click", stopAnswer);
+$("input").addEventListener("keydown", (event) => {
+  if (event.key === "Enter" && !event.shiftKey) {
+    event.preventDefault();
+    $("composer").requestSubmit();
+  }
+});
+
+$("composer").addEventListener("submit", async (event) => {
+  event.preventDefault();
+  const text = $("input").value.trim();
+  if (!text || state.controller) return;
+  $("chat-error").textContent = "";
+  try {
+    if (!state.current) {
+      const conversation = await api("POST", "/api/conversations", {});
+      state.current = conversation.id;
+      $("delete-conversation").hidden = false;
+    }
+  } catch (error) {
+    $("chat-error").textContent = error.message;
+    return;
+  }
+  $("input").value = "";
+  addMessage("user", text);
+  const bubble = addMessage("assistant", "");
+  const controller = new AbortController();
+  state.controller = controller;
+  setBusy(true);
+  try {
+    await streamAnswer(state.current, text, bubble, controller.signal);
+  } catch (error) {
+    if (error.name !== "AbortError") $("chat-error").textContent = error.message;
+  } finally {
+    bubble.dataset.done = "true";
+    state.controller = null;
+    setBusy(false);
+    $("input").focus();
+    loadConversations().catch(() => {});
+  }
+});
+
+// Reads the server-sent events of one answer: "data: {json}" blocks separated by a blank line, ending
+// with "data: [DONE]". Each chunk's choices[0].delta.content is appended as it arrives.
+async function streamAnswer(id, text, bubble, signal) {
+  const response = await fetch(`/api/conversations/${encodeURIComponent(id)}/messages`, {
+    method: "POST",
+    headers: { "Content-Type": "application/json" },
+    credentials: "same-origin",
+    body: JSON.stringify({ content: text, stream: true }),
+    signal,
+  });
+  if (!response.ok) throw await errorOf(response);
+  const reader = response.body.getReader();
+  const decoder = new TextDecoder();
+  let buffer = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) return;
+    buffer += decoder.decode(value, { stream: true });
+    let end;
+    while ((end = buffer.indexOf("\n\n")) >= 0) {
+      const block = buffer.slice(0, end);
+      buffer = buffer.slice(end + 2);
+      for (const line of block.split("\n")) {
+        if (!line.startsWith("data: ")) continue;
+        const data = line.slice(6);
+        if (data === "[DONE]") return;
+        const chunk = JSON.parse(data);
+        if (chunk.error) throw new Error(chunk.error.message);
+        const delta = chunk.choices && chunk.choices[0] && chunk.choices[0].delta;
+        if (delta && delta.content) {
+          bubble.textContent += delta.content;
+          bubble.scrollIntoView({ block: "end" });
+        }
+      }
+    }
+  }
+}
+
+// --- start -----------------------------------------------------------------------------------------
+
+api("GET", "/api/me").then(showApp, showLogin);
