@@ -420,6 +420,7 @@ def bench_corpus():
     """CPU seconds per stage on the same novelas text, single-threaded, as MB per CPU-second; the ratio of
     filters + near-dedup to encoding with a 32k BPE (trained here on the same text)."""
     import corpus
+    import corpus_encode
     import corpus_filters
 
     bench_language_id()
@@ -467,7 +468,7 @@ def bench_corpus():
         import sentencepiece as spm
 
         data_cfg = data_layer("corpus")
-        settings = corpus.trainer_settings(data_cfg)
+        settings = corpus_encode.trainer_settings(data_cfg)
         model = os.path.join(folder, "bpe.model")
         lines = (line for text in texts for line in text.split("\n") if line.strip())
         spm.SentencePieceTrainer.train(

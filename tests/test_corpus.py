@@ -18,6 +18,7 @@ from conftest import ROOT, data_layer, quiet, read_docs, shard_hashes, text_sour
 import config
 import corpus
 import corpus_filters
+import corpus_sources
 import data
 
 sys.path.insert(0, os.path.join(ROOT, "tests", "fixtures", "corpus"))
@@ -308,7 +309,7 @@ def source(name, kind, path, **settings):
 
 def read_source(src):
     stats = corpus.new_source_stats()
-    return list(corpus.READERS[src["kind"]](src["path"], src, stats)), stats
+    return list(corpus_sources.READERS[src["kind"]](src["path"], src, stats)), stats
 
 
 def test_parquet_is_read_by_row_group_with_fineweb2_metadata(fixtures):
