@@ -268,9 +268,9 @@ class MinHasher:
         documents land in the same bucket exactly when their band of hashes is equal, bar a 2^-64 chance);
         None for a text with fewer words than one n-gram."""
         if self.signer is None:
-            self.signer = MinhashDedupSignature(output_folder=os.devnull, config=self.config)
-            if not isinstance(self.word_tokenizer, str):
-                self.signer.word_tokenizer = self.word_tokenizer
+            self.signer = MinhashDedupSignature(
+                output_folder=os.devnull, config=self.config, language=self.word_tokenizer
+            )
         shingles = self.signer.get_shingles(text)
         if shingles.size == 0:
             return None
