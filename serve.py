@@ -127,6 +127,10 @@ class Cancelled(Exception):
     """The job was cancelled while the agent loop was generating."""
 
 
+class Busy(Exception):
+    """The worker's queue is full; the request may be retried shortly."""
+
+
 class Worker:
     def __init__(self, model, tokenizer, queue_size):
         self.model, self.tokenizer = model, tokenizer
@@ -143,13 +147,13 @@ class Worker:
         self.thread = threading.Thread(target=self.loop, name="model-worker", daemon=True)
         self.thread.start()
 
-    def submit(self, job, retry_after):
+    def submit(self, job):
+        """Queue the job, or raise Busy when the queue is full."""
         try:
             self.jobs.put_nowait(job)
         except queue.Full:
             self.stats["refused_busy"] += 1
-            raise ApiError(503, "the model is busy with other requests; retry shortly", code="server_busy",
-                           retry_after=retry_after) from None  # fmt: skip
+            raise Busy from None
 
     def close(self):
         """Let the worker finish its current answer and end (the queue's None)."""
@@ -559,7 +563,11 @@ class Server:
                            code="too_many_requests", retry_after=self.settings["retry_after_s"])  # fmt: skip
         loop = asyncio.get_running_loop()
         job = Job(loop, prompt_ids, max_tokens, temperature, top_p, self.settings["top_k"], seed, turn)
-        self.worker.submit(job, self.settings["retry_after_s"])
+        try:
+            self.worker.submit(job)
+        except Busy:
+            raise ApiError(503, "the model is busy with other requests; retry shortly", code="server_busy",
+                           retry_after=self.settings["retry_after_s"]) from None  # fmt: skip
         self.pending[member["id"]] = count + 1
         return job
 
