@@ -57,6 +57,7 @@ import accounts
 import agent
 import chat
 import config
+import fileio
 import memory
 import worker
 
@@ -979,14 +980,13 @@ def load_model(run, device):
 def serving_info(run, model, tokenizer, settings, memory_cfg):
     """What this server uses, for the snapshots of its database (memory.hold_lock writes it)."""
     import checkpoint
-    import data
 
     processor = getattr(tokenizer, "processor", None)  # sentencepiece, possibly from inside the checkpoint
     proto = processor.serialized_model_proto() if processor is not None else None
     return {
         "run": os.path.abspath(run),
         "checkpoint": os.path.abspath(model.checkpoint_path),
-        "checkpoint_sha256": data.sha256_of_file(model.checkpoint_path),
+        "checkpoint_sha256": fileio.sha256_of_file(model.checkpoint_path),
         "tokenizer": getattr(tokenizer, "path", tokenizer.name),
         "tokenizer_sha256": proto and hashlib.sha256(proto).hexdigest(),
         "config": {"serve": settings, "memory": memory_cfg},

@@ -18,6 +18,7 @@ import pytest
 import config
 import corpus
 import data
+import fileio
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -129,7 +130,7 @@ def read_docs(cfg, split):
 
 
 def shard_hashes(cfg, split):
-    return [data.sha256_of_file(p) for p in data.shard_paths(cfg, split)]
+    return [fileio.sha256_of_file(p) for p in data.shard_paths(cfg, split)]
 
 
 def shard_overrides(folder):
