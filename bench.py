@@ -309,7 +309,7 @@ def data_layer(name):
     """A shipped configs/data/<name>.yaml with the base layer it includes."""
     import config
 
-    return config._load_layer("data", f"data/{name}.yaml", os.path.join(ROOT, "configs"), None, [])[0]
+    return config.load_layer("data", os.path.join(ROOT, "configs", "data", f"{name}.yaml"))
 
 
 # -----------------------------------------------------------------------------

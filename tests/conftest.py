@@ -75,7 +75,7 @@ def shard_data_dir(tmp_path_factory):
 def data_layer(name, **changes):
     """The `data:` section of a shipped configs/data/<name>.yaml (with the base it includes), deep-updated
     and schema-checked."""
-    section, _ = config._load_layer("data", f"data/{name}.yaml", os.path.join(ROOT, "configs"), None, [])
+    section = config.load_layer("data", os.path.join(ROOT, "configs", "data", f"{name}.yaml"))
 
     def update(node, new):
         for key, value in new.items():

@@ -1,6 +1,7 @@
 """The corpus pipeline (corpus.py): reading, cleaning, dedup, split, tokenizer training, encoding."""
 
 import bz2
+import contextlib
 import copy
 import glob
 import gzip
@@ -8,6 +9,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -603,17 +605,19 @@ def test_a_killed_corpus_step_resumes_with_its_finished_tasks(tmp_path):
     run = os.path.join(ROOT, "configs", "smoke-corpus-cpu.yaml")
     cfg = bible_cfg(tmp_path, "killed", tasks=4)
     overrides = [f"data.dir={cfg['dir']}", "data.processes=1", f"data.corpus={json.dumps(cfg['corpus'])}"]
-    proc = subprocess.Popen(
-        [sys.executable, "corpus.py", "corpus", run, *overrides], cwd=ROOT, stderr=subprocess.DEVNULL
-    )
+    command = [sys.executable, "corpus.py", "corpus", run, *overrides]
+    proc = subprocess.Popen(command, cwd=ROOT, stderr=subprocess.DEVNULL, start_new_session=True)
     workdirs = os.path.join(cfg["dir"], "work")
     deadline = time.monotonic() + 120
-    while proc.poll() is None and time.monotonic() < deadline:
-        if glob.glob(os.path.join(workdirs, "*", "stats_00001.json")):
-            proc.kill()  # SIGKILL after two of four tasks: no cleanup runs
-            break
-        time.sleep(0.02)
-    proc.wait()
+    try:
+        while proc.poll() is None and time.monotonic() < deadline:
+            if glob.glob(os.path.join(workdirs, "*", "stats_00001.json")):
+                break
+            time.sleep(0.02)
+    finally:  # SIGKILL to the whole process group (datatrove's manager too) after two of four tasks
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
     assert not os.path.exists(corpus.docs_path(cfg, "train"))  # nothing a later step would trust
     said = []
     corpus.build_corpus(cfg, log=said.append)
