@@ -24,6 +24,7 @@ from torch.profiler import profile
 import config
 import corpus
 import data
+import fileio
 import model
 import search
 import train
@@ -249,7 +250,7 @@ def bench_data():
                 shutil.rmtree(os.path.join(folder, "work"), ignore_errors=True)
                 manifest = data.read_manifest(data_cfg)
                 manifest.pop("corpus"), manifest.pop("encode")
-                data.write_json(data.manifest_path(data_cfg), manifest)
+                fileio.write_json(data.manifest_path(data_cfg), manifest)
             stats, corpus_wall, corpus_cpu = timed(corpus.build_corpus, data_cfg, log=quiet)
             if not attempt:
                 _, tokenizer_wall, _ = timed(corpus.train_tokenizer, data_cfg, log=quiet)

@@ -22,6 +22,7 @@ import torch
 import chat
 import config
 import data
+import fileio
 from model import Transformer
 
 
@@ -62,7 +63,7 @@ def list_checkpoints(run_dir):
 
 def save_checkpoint(run_dir, step, state, keep_last):
     path = checkpoint_path(run_dir, step)
-    data.write_atomic(path, lambda f: torch.save(state, f))
+    fileio.write_atomic(path, lambda f: torch.save(state, f))
     for old in list_checkpoints(run_dir)[keep_last:]:
         os.unlink(old)
     # Temp files of writes that were killed (never trusted, since they never got the real name).

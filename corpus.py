@@ -41,17 +41,8 @@ from tqdm import tqdm
 
 import corpus_filters
 from corpus_sources import expand_sources, raw_documents
-from data import (
-    NEWLINE,
-    PIPELINE_VERSION,
-    SPLITS,
-    DataError,
-    fingerprint,
-    manifest_path,
-    read_manifest,
-    write_atomic,
-    write_json,
-)
+from data import NEWLINE, PIPELINE_VERSION, SPLITS, DataError, manifest_path, read_manifest
+from fileio import fingerprint, write_atomic, write_json
 
 DOCUMENT_SEPARATOR = "\n\n"  # between documents in the byte format
 

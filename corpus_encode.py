@@ -29,18 +29,15 @@ from data import (
     DataError,
     SentencePieceTokenizer,
     byte_path,
-    fingerprint,
     load_tokenizer,
     manifest_path,
     read_manifest,
-    sha256_of_file,
     shard_name,
     shard_paths,
     tokenizer_path,
-    write_atomic,
-    write_json,
     write_shard,
 )
+from fileio import fingerprint, sha256_of_file, write_atomic, write_json
 
 # -----------------------------------------------------------------------------
 # Tokenizer training

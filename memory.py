@@ -37,7 +37,6 @@ import contextlib
 import dataclasses
 import datetime
 import fcntl
-import hashlib
 import json
 import os
 import re
@@ -47,6 +46,7 @@ import sys
 import threading
 
 import config
+import fileio
 
 SCOPES = ("private", "family")
 SCOPE_WORDS = {"privado": "private", "familia": "family"}  # the tools' Spanish argument values
@@ -513,11 +513,6 @@ def server_info(db_path):
 # Snapshots
 
 
-def sha256_of(path):
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
 def integrity(path):
     """PRAGMA integrity_check of a database file opened read-only; 'ok' or the problems, one per line."""
     try:
@@ -529,14 +524,6 @@ def integrity(path):
     except sqlite3.DatabaseError as e:
         return f"not a readable SQLite database ({e})"
     return "\n".join(str(row[0]) for row in rows)
-
-
-def fsync_path(path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def list_snapshots(folder):
@@ -568,7 +555,7 @@ def snapshot(db_path, cfg, log=print):
             source.execute("VACUUM INTO ?", (copy,))
         finally:
             source.close()
-        fsync_path(copy)
+        fileio.fsync_path(copy)
         check = integrity(copy)
         if check != "ok":
             raise SnapshotError(f"{db_path}: the copy fails integrity_check: {check}")
@@ -578,21 +565,16 @@ def snapshot(db_path, cfg, log=print):
             "database": {
                 "file": "database.sqlite",
                 "bytes": os.path.getsize(copy),
-                "sha256": sha256_of(copy),
+                "sha256": fileio.sha256_of_file(copy),
                 "source": os.path.abspath(db_path),
             },
             "integrity_check": check,
             "server": server_info(db_path),
             "memory_config": cfg,
         }
-        manifest_file = os.path.join(tmp, "manifest.json")
-        with open(manifest_file, "w", encoding="utf-8") as f:
-            json.dump(manifest, f, ensure_ascii=False, indent=1)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
+        fileio.write_json(os.path.join(tmp, "manifest.json"), manifest)
         os.rename(tmp, final)
-        fsync_path(folder)
+        fileio.fsync_path(folder)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     for old in list_snapshots(folder)[: -snap_cfg["keep_last"]]:
@@ -623,7 +605,7 @@ def verify(snapshot_dir):
     size = os.path.getsize(path)
     if size != database.get("bytes"):
         raise SnapshotError(f"{path}: {size} bytes but the manifest says {database.get('bytes')}; truncated?")
-    digest = sha256_of(path)
+    digest = fileio.sha256_of_file(path)
     if digest != database.get("sha256"):
         raise SnapshotError(f"{path}: sha256 {digest} differs from the manifest's {database.get('sha256')}")
     check = integrity(path)
@@ -652,8 +634,8 @@ def restore(snapshot_dir, db_path, log=print):
         tmp = f"{db_path}.restore-{os.getpid()}.tmp"
         try:
             shutil.copyfile(source, tmp)
-            fsync_path(tmp)
-            if sha256_of(tmp) != manifest["database"]["sha256"]:
+            fileio.fsync_path(tmp)
+            if fileio.sha256_of_file(tmp) != manifest["database"]["sha256"]:
                 raise SnapshotError(f"{tmp}: the copy of {source} does not match its manifest")
             # Fold the live WAL into the live file first, so that removing it below loses nothing even if
             # we stop before the rename; a stale WAL must never meet the restored file.
@@ -668,7 +650,7 @@ def restore(snapshot_dir, db_path, log=print):
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(leftover)
             os.replace(tmp, db_path)
-            fsync_path(os.path.dirname(os.path.abspath(db_path)))
+            fileio.fsync_path(os.path.dirname(os.path.abspath(db_path)))
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(tmp)

@@ -8,8 +8,9 @@ chat page in web/.
     python serve.py member password NAME                        # sets the web password or PIN
     python serve.py member list | remove NAME | new-key NAME
 
-One process: uvicorn runs the Starlette app on the event loop, and one model worker thread generates one
-answer at a time, taking requests from a bounded queue (a full queue answers 503 with Retry-After).
+One process: uvicorn runs the Starlette app on the event loop, and one model worker thread (worker.py)
+generates one answer at a time, taking requests from a bounded queue (a full queue answers 503 with
+Retry-After).
 The server binds 127.0.0.1 unless --host says otherwise: --host 0.0.0.0 opens it to every device on the
 network, over plain HTTP (see the README before doing that).
 
@@ -37,7 +38,6 @@ import asyncio
 import hashlib
 import json
 import os
-import queue
 import secrets
 import socket
 import sys
@@ -57,13 +57,15 @@ import accounts
 import agent
 import chat
 import config
+import fileio
 import memory
+import worker
+from openai_shapes import ApiError, Reply, check_tools, conversation_of, expect, sampling_of
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 WEB_DIR = os.path.join(ROOT, "web")
 DEFAULT_CONFIG = os.path.join(ROOT, "configs", "serve", "default.yaml")
 SESSION_COOKIE = "enlace_session"
-MESSAGE_ROLES = ("system", "developer", "user", "assistant", "tool")
 SECURITY_HEADERS = [
     (b"x-content-type-options", b"nosniff"),
     (b"x-frame-options", b"DENY"),
@@ -74,364 +76,6 @@ SECURITY_HEADERS = [
 
 class ServeError(Exception):
     """A problem the person starting the server can fix; printed without a traceback, exit status 2."""
-
-
-class ApiError(Exception):
-    """An error answered in OpenAI's shape {"error": {"message", "type", "param", "code"}}."""
-
-    TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error"}
-    TYPES |= {
-        404: "not_found_error",
-        405: "invalid_request_error",
-        413: "invalid_request_error",
-        429: "rate_limit_error",
-    }
-    TYPES |= {503: "server_overloaded"}
-
-    def __init__(self, status, message, param=None, code=None, retry_after=None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-        self.retry_after = retry_after
-
-    def body(self):
-        kind = self.TYPES.get(self.status, "server_error")
-        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
-
-
-# -----------------------------------------------------------------------------
-# The model worker: one thread, one answer at a time, from a bounded queue
-
-
-class Job:
-    """One answer: the worker sends ("text", piece) events, then ("done", finish_reason, completion tokens,
-    prompt tokens) or ("error", message), to the request's event loop. cancel() makes the worker stop at
-    the next token (its "done" then has finish_reason None). With `turn` = (agent.Agent, messages) the
-    answer is an agent turn: the server's tools run between generations (prompt_ids is then only the first
-    prompt, already checked against the context)."""
-
-    def __init__(self, loop, prompt_ids, max_tokens, temperature, top_p, top_k, seed, turn=None):
-        self.loop, self.events = loop, asyncio.Queue()
-        self.prompt_ids, self.max_tokens, self.turn = prompt_ids, max_tokens, turn
-        self.temperature, self.top_p, self.top_k, self.seed = temperature, top_p, top_k, seed
-        self.cancelled = threading.Event()
-
-    def send(self, *event):
-        if not self.loop.is_closed():
-            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
-
-    def cancel(self):
-        self.cancelled.set()
-
-
-class Cancelled(Exception):
-    """The job was cancelled while the agent loop was generating."""
-
-
-class Worker:
-    def __init__(self, model, tokenizer, queue_size):
-        self.model, self.tokenizer = model, tokenizer
-        self.jobs = queue.Queue(maxsize=queue_size)
-        self.stop_ids = {tokenizer.special_ids["<|end|>"], tokenizer.eos_id}
-        self.stats = {
-            "answered": 0,
-            "cancelled": 0,
-            "refused_busy": 0,
-            "generated_tokens": 0,
-            "tool_calls": 0,
-        }
-        self.stats["generate_s"] = 0.0  # seconds spent generating (what the same answers cost without HTTP)
-        self.thread = threading.Thread(target=self.loop, name="model-worker", daemon=True)
-        self.thread.start()
-
-    def submit(self, job, retry_after):
-        try:
-            self.jobs.put_nowait(job)
-        except queue.Full:
-            self.stats["refused_busy"] += 1
-            raise ApiError(503, "the model is busy with other requests; retry shortly", code="server_busy",
-                           retry_after=retry_after) from None  # fmt: skip
-
-    def close(self):
-        """Let the worker finish its current answer and end (the queue's None)."""
-        self.jobs.put(None)
-        self.thread.join()
-
-    def loop(self):
-        while True:
-            job = self.jobs.get()
-            if job is None:
-                return
-            try:
-                self.run(job)
-            except Exception as e:  # a failed generation answers its own request, the worker lives on
-                print(f"serve: generation failed: {type(e).__name__}: {e}", file=sys.stderr)
-                job.send("error", "generation failed on the server")
-
-    def run(self, job):
-        finish, count, prompt_tokens = None, 0, len(job.prompt_ids)
-        if not job.cancelled.is_set():
-            if job.turn is None:
-                finish, count = self.generate(job, job.prompt_ids, lambda piece: job.send("text", piece))
-            else:
-                finish, count, prompt_tokens = self.agent_turn(job)
-        self.stats["answered" if finish else "cancelled"] += 1
-        job.send("done", finish, count, prompt_tokens)
-
-    def generate(self, job, prompt_ids, write):
-        """Sample from prompt_ids, handing whole-character text pieces to write. Returns (finish_reason,
-        tokens generated), finish_reason None when the job was cancelled."""
-        import torch
-
-        from sample import StreamDecoder
-
-        started = time.perf_counter()
-        decoder = StreamDecoder(self.tokenizer)
-        generator = torch.Generator().manual_seed(job.seed)
-        count, finish = 0, "length"
-        device = self.model.embed_tokens.weight.device
-        with torch.inference_mode():
-            prompt = torch.tensor(prompt_ids, device=device)
-            top_p = job.top_p if job.top_p < 1 else None
-            tokens = self.model.generate(prompt, job.max_tokens, job.temperature, job.top_k, top_p,
-                                         generator=generator)  # fmt: skip
-            for token in tokens:
-                if job.cancelled.is_set():
-                    finish = None
-                    break
-                count += 1
-                if token in self.stop_ids:
-                    finish = "stop"
-                    break
-                piece = decoder.push(token)
-                if piece:
-                    write(piece)
-        self.stats["generated_tokens"] += count
-        self.stats["generate_s"] += time.perf_counter() - started
-        if finish is not None:
-            tail = decoder.flush()
-            if tail:
-                write(tail)
-        return finish, count
-
-    def agent_turn(self, job):
-        """agent.py's loop with this model: each generation streams its text up to its first <tool_call>;
-        the tools run here, between generations. Returns (finish_reason, completion tokens, prompt tokens)."""
-        agent_of_turn, messages = job.turn
-        totals = {"prompt": 0, "completion": 0, "finish": "stop", "shown": "", "any": False}
-
-        def show(new, shown):
-            """Send new text; a blank line separates the texts of successive generations."""
-            job.send("text", ("\n\n" if totals["any"] and not shown else "") + new)
-            totals["any"] = True
-
-        def generate(conversation):
-            ids, _ = chat.render(conversation, self.tokenizer, for_generation=True)
-            pieces, shown = [], ""
-
-            def write(piece):
-                nonlocal shown
-                pieces.append(piece)
-                visible = "".join(pieces).split(agent.CALL_OPEN)[0].removesuffix("\n")
-                if len(visible) > len(shown):
-                    show(visible[len(shown) :], shown)
-                    shown = visible
-
-            finish, count = self.generate(job, ids, write)
-            totals["prompt"] += len(ids)
-            totals["completion"] += count
-            if finish is None:
-                raise Cancelled
-            text = "".join(pieces)
-            if agent.CALL_OPEN not in text and len(text) > len(shown):
-                show(text[len(shown) :], shown)
-                shown = text
-            else:
-                self.stats["tool_calls"] += text.count(agent.CALL_OPEN)
-            totals["finish"], totals["shown"] = finish, shown
-            return text
-
-        try:
-            answer = agent_of_turn.run_turn(messages, generate)[-1]["content"]
-        except Cancelled:
-            return None, totals["completion"], totals["prompt"]
-        shown = totals["shown"].strip()  # the final answer is the last reply, stripped, plus any sources
-        rest = answer[len(shown) :] if answer.startswith(shown) else ("\n\n" if shown else "") + answer
-        if rest:
-            show(rest, shown)
-        return totals["finish"], totals["completion"], totals["prompt"]
-
-
-# -----------------------------------------------------------------------------
-# Requests: checking OpenAI's fields, rendering the prompt, shaping the answer
-
-
-def expect(value, kinds, param, what):
-    """value if it has one of the types (bool is not a number here), else a 400 naming the field."""
-    kinds = kinds if isinstance(kinds, tuple) else (kinds,)
-    ok = isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds)
-    if not ok:
-        raise ApiError(400, f"{param}: expected {what}, got {json.dumps(value)[:80]}", param=param,
-                       code="invalid_type")  # fmt: skip
-    return value
-
-
-def text_of(content, param):
-    """A message's content as text: a string, null, or a list of {"type": "text", "text": ...} parts."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    expect(content, list, param, "a string or a list of text parts")
-    texts = []
-    for index, part in enumerate(content):
-        where = f"{param}.{index}"
-        expect(part, dict, where, 'a content part like {"type": "text", "text": "..."}')
-        if part.get("type") != "text":
-            raise ApiError(400, f"{where}: only text parts are supported, got type {part.get('type')!r}",
-                           param=where, code="unsupported_content")  # fmt: skip
-        texts.append(expect(part.get("text"), str, f"{where}.text", "a string"))
-    return "".join(texts)
-
-
-def conversation_of(messages, limits):
-    """OpenAI messages -> chat.py's conversation: system and developer texts become the one leading system
-    message, content parts are joined, assistant tool calls kept."""
-    expect(messages, list, "messages", "a list of messages")
-    if not messages:
-        raise ApiError(400, "messages: the list is empty; send at least one message", param="messages",
-                       code="empty_messages")  # fmt: skip
-    if len(messages) > limits["max_messages"]:
-        raise ApiError(400, f"messages: {len(messages)} messages; at most {limits['max_messages']} per request",
-                       param="messages", code="too_many_messages")  # fmt: skip
-    system, turns = [], []
-    for index, message in enumerate(messages):
-        where = f"messages.{index}"
-        expect(message, dict, where, "an object with role and content")
-        role = message.get("role")
-        if role not in MESSAGE_ROLES:
-            raise ApiError(400, f"{where}.role: {role!r} is not one of {', '.join(MESSAGE_ROLES)}",
-                           param=f"{where}.role", code="invalid_value")  # fmt: skip
-        content = text_of(message.get("content"), f"{where}.content")
-        if role in ("system", "developer"):
-            if turns:
-                raise ApiError(400, f"{where}: {role} messages must come before the conversation's turns",
-                               param=where, code="invalid_value")  # fmt: skip
-            system.append(content)
-            continue
-        turn = {"role": role, "content": content}
-        if role == "assistant" and message.get("tool_calls"):
-            calls = expect(message["tool_calls"], list, f"{where}.tool_calls", "a list of tool calls")
-            turn["tool_calls"] = [
-                {"type": "function", "function": {
-                    "name": call["function"]["name"], "arguments": call["function"]["arguments"]}}
-                for call in calls if isinstance(call, dict) and isinstance(call.get("function"), dict)
-                and "name" in call["function"] and "arguments" in call["function"]
-            ]  # fmt: skip
-            if len(turn["tool_calls"]) != len(calls):
-                raise ApiError(400, f"{where}.tool_calls: each call needs function.name and function.arguments",
-                               param=f"{where}.tool_calls", code="invalid_value")  # fmt: skip
-        turns.append(turn)
-    if not turns:
-        raise ApiError(400, "messages: only system messages; add a user message", param="messages",
-                       code="empty_messages")  # fmt: skip
-    return system, turns
-
-
-def sampling_of(body, limits, member):
-    """(max_tokens, temperature, top_p, seed, stop strings) of a request, with the config's defaults and
-    the member's cap."""
-    cap = limits["child"]["max_tokens"] if member["role"] == "child" else limits["max_tokens"]
-    max_tokens = limits["default_max_tokens"]
-    for key in ("max_completion_tokens", "max_tokens"):
-        if body.get(key) is not None:
-            max_tokens = expect(body[key], int, key, "an integer >= 1")
-            if max_tokens < 1:
-                raise ApiError(400, f"{key}: {max_tokens} must be >= 1", param=key, code="invalid_value")
-            break
-    temperature = body.get("temperature")
-    temperature = (
-        limits["temperature"]
-        if temperature is None
-        else expect(temperature, (int, float), "temperature", "a number")
-    )
-    if not 0 <= temperature <= 2:
-        raise ApiError(400, f"temperature: {temperature} must be between 0 and 2", param="temperature",
-                       code="invalid_value")  # fmt: skip
-    top_p = body.get("top_p")
-    top_p = limits["top_p"] if top_p is None else expect(top_p, (int, float), "top_p", "a number")
-    if not 0 < top_p <= 1:
-        raise ApiError(400, f"top_p: {top_p} must be in (0, 1]", param="top_p", code="invalid_value")
-    seed = body.get("seed")
-    seed = secrets.randbits(63) if seed is None else expect(seed, int, "seed", "an integer") % (1 << 63)
-    stop = body.get("stop")
-    stop = (
-        []
-        if stop is None
-        else [stop]
-        if isinstance(stop, str)
-        else expect(stop, list, "stop", "a string or a list of strings")
-    )
-    if len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
-        raise ApiError(400, "stop: expected up to 4 non-empty strings", param="stop", code="invalid_value")
-    if body.get("n") not in (None, 1):
-        raise ApiError(400, "n: only n=1 is supported", param="n", code="invalid_value")
-    return min(max_tokens, cap), float(temperature), float(top_p), seed, stop
-
-
-def tool_calls_of(text, tools):
-    """OpenAI tool_calls of a reply (agent.py's strict parser), or None unless every call is well formed
-    and names a tool the client offered."""
-    names = {tool["function"]["name"] for tool in tools}
-    calls = agent.parse_reply(text).calls
-    if not calls or any(call.error or call.name not in names for call in calls):
-        return None
-    return [
-        {"id": "call_" + secrets.token_hex(12), "type": "function",
-         "function": {"name": call.name, "arguments": json.dumps(call.arguments, ensure_ascii=False)}}
-        for call in calls
-    ]  # fmt: skip
-
-
-class Reply:
-    """The text of an answer as it streams: holds back what could still become a stop string, and, when the
-    client offered tools, everything from the model's first <tool_call>."""
-
-    TAG = "<tool_call>"
-
-    def __init__(self, stops, tools):
-        self.stops, self.tools = stops, tools
-        self.text, self.sent, self.stopped = "", 0, False
-        self.hold = max((len(s) for s in stops), default=1) - 1
-
-    def add(self, piece):
-        """The new text to show; sets stopped once a stop string appeared (the text ends before it)."""
-        if self.stopped:  # pieces the worker made before it saw the cancel
-            return ""
-        self.text += piece
-        end = len(self.text) - self.hold
-        for stop in self.stops:
-            at = self.text.find(stop)
-            if at >= 0:
-                self.text, self.stopped, end = self.text[:at], True, at
-        if self.tools:  # the "\n" before a call separates it from the text: not part of the content
-            before = self.text.split(self.TAG)[0]
-            end = min(end, len(before.removesuffix("\n")))
-        return self.take(end)
-
-    def take(self, end):
-        if end <= self.sent:
-            return ""
-        new, self.sent = self.text[self.sent : end], end
-        return new
-
-    def finish(self):
-        """(remaining text, tool calls or None) once generation ended."""
-        if self.tools and self.TAG in self.text:
-            at = self.text.index(self.TAG)
-            calls = tool_calls_of(self.text[at:], self.tools)
-            if calls:
-                return self.take(len(self.text[:at].removesuffix("\n"))), calls
-        return self.take(len(self.text)), None
 
 
 # -----------------------------------------------------------------------------
@@ -558,8 +202,12 @@ class Server:
             raise ApiError(429, f"{count} requests of yours are already waiting; wait for them to finish",
                            code="too_many_requests", retry_after=self.settings["retry_after_s"])  # fmt: skip
         loop = asyncio.get_running_loop()
-        job = Job(loop, prompt_ids, max_tokens, temperature, top_p, self.settings["top_k"], seed, turn)
-        self.worker.submit(job, self.settings["retry_after_s"])
+        job = worker.Job(loop, prompt_ids, max_tokens, temperature, top_p, self.settings["top_k"], seed, turn)
+        try:
+            self.worker.submit(job)
+        except worker.Busy:
+            raise ApiError(503, "the model is busy with other requests; retry shortly", code="server_busy",
+                           retry_after=self.settings["retry_after_s"]) from None  # fmt: skip
         self.pending[member["id"]] = count + 1
         return job
 
@@ -684,19 +332,6 @@ async def complete(request, server, member, job, reply):
                 return (text, *event[1:])
     finally:
         server.finished(member, job)
-
-
-def check_tools(body):
-    tools = body.get("tools")
-    if tools is None or body.get("tool_choice") == "none":
-        return None
-    expect(tools, list, "tools", "a list of tool definitions")
-    for index, tool in enumerate(tools):
-        function = tool.get("function") if isinstance(tool, dict) else None
-        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-            raise ApiError(400, f'tools.{index}: expected {{"type": "function", "function": {{"name": ...}}}}',
-                           param=f"tools.{index}", code="invalid_value")  # fmt: skip
-    return tools or None
 
 
 def streaming_response(generator):
@@ -1137,14 +772,13 @@ def load_model(run, device):
 def serving_info(run, model, tokenizer, settings, memory_cfg):
     """What this server uses, for the snapshots of its database (memory.hold_lock writes it)."""
     import checkpoint
-    import data
 
     processor = getattr(tokenizer, "processor", None)  # sentencepiece, possibly from inside the checkpoint
     proto = processor.serialized_model_proto() if processor is not None else None
     return {
         "run": os.path.abspath(run),
         "checkpoint": os.path.abspath(model.checkpoint_path),
-        "checkpoint_sha256": data.sha256_of_file(model.checkpoint_path),
+        "checkpoint_sha256": fileio.sha256_of_file(model.checkpoint_path),
         "tokenizer": getattr(tokenizer, "path", tokenizer.name),
         "tokenizer_sha256": proto and hashlib.sha256(proto).hexdigest(),
         "config": {"serve": settings, "memory": memory_cfg},
@@ -1179,8 +813,8 @@ def serve_main(argv):
     port = settings["port"] if args.port is None else args.port
     store = accounts.Store(settings["database"])
     model, tokenizer, model_id, context = load_model(args.run, args.device)
-    worker = Worker(model, tokenizer, settings["queue_size"])
-    server = Server(settings, store, worker, model_id, context)
+    model_worker = worker.Worker(model, tokenizer, settings["queue_size"])
+    server = Server(settings, store, model_worker, model_id, context)
     # memory.py: the database's lock, held until this process ends (restore refuses to run meanwhile, and
     # so does a second server on the same file), and the snapshot schedule on a daemon thread.
     try:

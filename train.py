@@ -34,6 +34,7 @@ import chat
 import checkpoint as ckpt
 import config
 import data
+import fileio
 from checkpoint import (
     code_version,
     list_checkpoints,
@@ -325,7 +326,7 @@ INIT_FREE_MODEL_KEYS = {"seq_len", "init_std", "z_loss_coef"}
 
 def tokenizer_sha256(tokenizer):
     path = getattr(tokenizer, "path", None)
-    return data.sha256_of_file(path) if path else tokenizer.name
+    return fileio.sha256_of_file(path) if path else tokenizer.name
 
 
 def init_checkpoint(cfg, log):
@@ -564,7 +565,9 @@ def _train(cfg, ctx, resume, stop_after, log, handle_signals):
     flops_per_token = raw_model.flops_per_token(seq_len)
     metrics_path = os.path.join(run_dir, "metrics.jsonl")
     if ctx.is_main:
-        data.write_atomic(os.path.join(run_dir, "config.yaml"), lambda f: f.write(config.dump(cfg).encode()))
+        fileio.write_atomic(
+            os.path.join(run_dir, "config.yaml"), lambda f: f.write(config.dump(cfg).encode())
+        )
         _truncate_metrics(metrics_path, step)
         log(
             f"run {cfg['run_name']}: {raw_model.num_params() / 1e6:.2f}M parameters on "
@@ -726,7 +729,7 @@ def _truncate_metrics(path, step):
         return
     with open(path, encoding="utf-8") as f:
         lines = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= step]
-    data.write_atomic(path, lambda f: f.write("".join(lines).encode()))
+    fileio.write_atomic(path, lambda f: f.write("".join(lines).encode()))
 
 
 def sample_text(model, tokenizer, train_cfg, hardware, chat_run=False):

@@ -18,6 +18,7 @@ import pytest
 import config
 import corpus
 import data
+import fileio
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -129,7 +130,7 @@ def read_docs(cfg, split):
 
 
 def shard_hashes(cfg, split):
-    return [data.sha256_of_file(p) for p in data.shard_paths(cfg, split)]
+    return [fileio.sha256_of_file(p) for p in data.shard_paths(cfg, split)]
 
 
 def shard_overrides(folder):
@@ -313,6 +314,7 @@ def live_server(chat_model, tmp_path, *overrides, model=None, context=None):
 
     import accounts
     import serve
+    import worker
 
     database = str(tmp_path / f"serve-{time.monotonic_ns()}.sqlite")
     settings = serve.load_settings(
@@ -320,8 +322,8 @@ def live_server(chat_model, tmp_path, *overrides, model=None, context=None):
     )
     real_model, tokenizer, model_id, run_context = chat_model
     context = context or run_context
-    worker = serve.Worker(model or real_model, tokenizer, settings["queue_size"])
-    server = serve.Server(settings, accounts.Store(database), worker, model_id, context)
+    model_worker = worker.Worker(model or real_model, tokenizer, settings["queue_size"])
+    server = serve.Server(settings, accounts.Store(database), model_worker, model_id, context)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     uv = uvicorn.Server(uvicorn.Config(serve.build_app(server), log_level="warning"))
@@ -334,4 +336,4 @@ def live_server(chat_model, tmp_path, *overrides, model=None, context=None):
     finally:
         uv.should_exit = True
         thread.join()
-        worker.close()
+        model_worker.close()

@@ -26,6 +26,8 @@ import data
 sys.path.insert(0, os.path.join(ROOT, "tests", "fixtures", "corpus"))
 import write_fixtures  # noqa: E402
 
+import fileio
+
 NOVELAS = os.path.join(ROOT, "..", "shared", "corpus", "novelas-cligs.jsonl.gz")
 
 
@@ -138,7 +140,7 @@ def test_the_tokenizer_info_records_settings_and_the_corpus_hash(pipeline):
     info = json.load(open(os.path.join(pipeline["dir"], "tokenizer_info.json")))
     corpus = json.load(open(data.manifest_path(pipeline)))["corpus"]
     assert info["corpus_sha256"] == corpus["outputs"]["train"]["sha256"]
-    assert info["sha256"] == data.sha256_of_file(data.tokenizer_path(pipeline))
+    assert info["sha256"] == fileio.sha256_of_file(data.tokenizer_path(pipeline))
     settings = info["settings"]
     assert (
         settings["byte_fallback"]
@@ -174,7 +176,7 @@ def test_encoding_is_identical_whatever_the_number_of_processes(pipeline, tmp_pa
         shutil.copytree(pipeline["dir"], cfg["dir"], ignore=shutil.ignore_patterns("*_0*.bin"))
         manifest = json.load(open(data.manifest_path(cfg)))
         del manifest["encode"]
-        data.write_json(data.manifest_path(cfg), manifest)
+        fileio.write_json(data.manifest_path(cfg), manifest)
         corpus.encode(cfg, log=quiet)
         for split in data.SPLITS:
             assert shard_hashes(cfg, split) == shard_hashes(pipeline, split)
@@ -188,7 +190,7 @@ def test_an_interrupted_encode_resumes_after_its_finished_shards(pipeline, tmp_p
     kept = train["shards"][:2]
     assert kept[-1]["next_token"] > 0  # the third shard starts inside a document: the harder resume
     train["shards"], train["complete"] = kept, False  # as if killed while writing the third shard
-    data.write_json(data.manifest_path(cfg), manifest)
+    fileio.write_json(data.manifest_path(cfg), manifest)
     finished = [os.stat(os.path.join(cfg["dir"], s["name"])) for s in kept]
     with open(os.path.join(cfg["dir"], data.shard_name("train", 2)), "r+b") as f:
         f.truncate(1500)  # the shard being written when the run died

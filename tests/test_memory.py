@@ -17,6 +17,7 @@ import yaml
 import agent
 import chat
 import config
+import fileio
 import memory
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -354,7 +355,7 @@ def test_restore_brings_back_exactly_the_snapshot(db, conn, cfg, family):
 
 
 def fingerprint(db):
-    return memory.sha256_of(db), rows_of(db)
+    return fileio.sha256_of_file(db), rows_of(db)
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "manifest", "no-manifest"])

@@ -18,7 +18,7 @@ from test_web import all_of, browser, by_id, log_in, screenshot, wait_for  # noq
 
 import accounts
 import checkpoint
-import data
+import fileio
 import memory
 
 SECRET = "A Lucía no le gusta el pescado"  # ana's private memory
@@ -226,7 +226,7 @@ def test_the_running_server_holds_its_database_and_snapshots_record_its_model(ch
         server = memory.verify(path)["server"]
         ckpt = server["checkpoint"]
         assert server["pid"] == proc.pid and os.path.dirname(ckpt) == os.path.abspath(chat_run)
-        assert server["checkpoint_sha256"] == data.sha256_of_file(ckpt)
+        assert server["checkpoint_sha256"] == fileio.sha256_of_file(ckpt)
         assert server["tokenizer_sha256"] == checkpoint.stored_tokenizer_sha256(
             checkpoint.load_checkpoint(ckpt)
         )

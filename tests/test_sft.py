@@ -24,6 +24,7 @@ from conftest import (
 import chat
 import config
 import data
+import fileio
 import sample
 import train
 from model import Transformer
@@ -129,7 +130,7 @@ def test_prepare_resumes_after_the_last_finished_shard_and_a_rerun_does_nothing(
     # An interruption after the second shard: the manifest lists two, the rest are gone or half-written.
     manifest = data.read_manifest(cfg["data"])
     manifest["prepare"]["train"] |= {"complete": False, "shards": record["shards"][:2]}
-    data.write_json(data.manifest_path(cfg["data"]), manifest)
+    fileio.write_json(data.manifest_path(cfg["data"]), manifest)
     os.remove(os.path.join(cfg["data"]["dir"], record["shards"][-1]["name"]))
     logs = []
     chat.prepare(cfg, log=logs.append)
