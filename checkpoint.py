@@ -14,6 +14,7 @@ This file knows nothing about the training loop; train.py, sample.py, serve.py a
 import contextlib
 import hashlib
 import os
+import subprocess
 import sys
 
 import torch
@@ -21,11 +22,27 @@ import torch
 import chat
 import config
 import data
+import fileio
 from model import Transformer
 
 
 class CheckpointError(Exception):
     """A checkpoint (or run directory) that cannot be used; the message names the file and why."""
+
+
+def code_version():
+    """The git commit of this code, with -dirty when tracked files differ; "unknown" outside git."""
+    try:
+        root = os.path.dirname(os.path.abspath(__file__))
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True, text=True
+        ).stdout.strip()
+        return (commit + ("-dirty" if dirty else "")) or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
 
 
 # -----------------------------------------------------------------------------
@@ -46,7 +63,7 @@ def list_checkpoints(run_dir):
 
 def save_checkpoint(run_dir, step, state, keep_last):
     path = checkpoint_path(run_dir, step)
-    data.write_atomic(path, lambda f: torch.save(state, f))
+    fileio.write_atomic(path, lambda f: torch.save(state, f))
     for old in list_checkpoints(run_dir)[keep_last:]:
         os.unlink(old)
     # Temp files of writes that were killed (never trusted, since they never got the real name).

@@ -36,6 +36,7 @@ import torch
 
 import chat
 import data
+import fileio
 from checkpoint import CheckpointError, load_run
 
 FORMATS = {"hf": ("f32", "f16", "bf16"), "gguf": ("f32", "f16", "q8_0"), "ollama": ("f32", "f16", "q8_0")}
@@ -271,16 +272,16 @@ def write_hf(folder, model, cfg, tokenizer, dtype):
     save_file(
         hf_state_dict(model, dtype), os.path.join(folder, "model.safetensors"), metadata={"format": "pt"}
     )
-    data.write_json(os.path.join(folder, "config.json"), hf_config(cfg, dtype))
+    fileio.write_json(os.path.join(folder, "config.json"), hf_config(cfg, dtype))
     table = data.TOKEN_TABLE
     generation = {"bos_token_id": table["<|bos|>"], "eos_token_id": [table[t] for t in STOP_TOKENS]}
-    data.write_json(os.path.join(folder, "generation_config.json"), generation)
-    data.write_json(os.path.join(folder, "tokenizer_config.json"), hf_tokenizer_config(cfg))
-    data.write_atomic(
+    fileio.write_json(os.path.join(folder, "generation_config.json"), generation)
+    fileio.write_json(os.path.join(folder, "tokenizer_config.json"), hf_tokenizer_config(cfg))
+    fileio.write_atomic(
         os.path.join(folder, "tokenizer.json"), lambda f: f.write(hf_tokenizer_json(tokenizer).encode())
     )
     proto = tokenizer.processor.serialized_model_proto()
-    data.write_atomic(os.path.join(folder, "tokenizer.model"), lambda f: f.write(proto))
+    fileio.write_atomic(os.path.join(folder, "tokenizer.model"), lambda f: f.write(proto))
 
 
 # llama.cpp's names of our tensors (arch qwen3); no permutation: both use rotate-half RoPE (NEOX).
@@ -379,7 +380,7 @@ def write_ollama(folder, model, cfg, tokenizer, dtype):
     lines += [f'PARAMETER stop "{token}"' for token in STOP_TOKENS]
     lines += [f"PARAMETER num_ctx {cfg['model']['seq_len']}"]
     text = "\n".join(lines) + "\n"
-    data.write_atomic(os.path.join(folder, "Modelfile"), lambda f: f.write(text.encode()))
+    fileio.write_atomic(os.path.join(folder, "Modelfile"), lambda f: f.write(text.encode()))
 
 
 # -----------------------------------------------------------------------------

@@ -21,6 +21,7 @@ import checkpoint
 import config
 import corpus
 import data
+import fileio
 import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -54,11 +55,11 @@ def test_only_the_newest_keep_last_checkpoints_stay(tmp_path):
 
 def test_a_writer_killed_mid_write_leaves_nothing_a_resume_would_trust(tmp_path):
     checkpoint.save_checkpoint(str(tmp_path), 10, fake_training_state(10), keep_last=3)
-    # A real writer process goes through data.write_atomic (what checkpoints use), writes half the checkpoint and is SIGKILLed.
+    # A real writer process goes through fileio.write_atomic (what checkpoints use), writes half the checkpoint and is SIGKILLed.
     writer = textwrap.dedent(f"""
         import io, sys, time, torch
         sys.path.insert(0, {ROOT!r})
-        import checkpoint, data
+        import checkpoint, fileio
         buffer = io.BytesIO()
         torch.save({{"step": 20, "model": {{"w": torch.zeros(256, 1024)}}}}, buffer)
         payload = buffer.getvalue()
@@ -69,7 +70,7 @@ def test_a_writer_killed_mid_write_leaves_nothing_a_resume_would_trust(tmp_path)
             print("half written", flush=True)
             time.sleep(60)
 
-        data.write_atomic(checkpoint.checkpoint_path({str(tmp_path)!r}, 20), write_half_then_hang)
+        fileio.write_atomic(checkpoint.checkpoint_path({str(tmp_path)!r}, 20), write_half_then_hang)
     """)
     proc = subprocess.Popen([sys.executable, "-c", writer], stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "half written"
@@ -141,13 +142,13 @@ def retrained_data(tmp_path_factory, shard_data_dir):
     shutil.copytree(shard_data_dir, data_dir)
     cfg = tiny_config(root / "runs", "shards", data_dir, "run_name=bpe", "train.max_steps=2")
     train.train(cfg, log=lambda *a, **k: None)
-    before = data.sha256_of_file(data_dir / "tokenizer.model")
+    before = fileio.sha256_of_file(data_dir / "tokenizer.model")
     other = config.load(
         os.path.join(ROOT, "configs", "smoke-corpus-cpu.yaml"),
         shard_overrides(str(data_dir)) + ["data.tokenizer.character_coverage=0.98"],
     )
     corpus.train_tokenizer(other["data"], log=lambda *a, **k: None)
-    after = data.sha256_of_file(data_dir / "tokenizer.model")
+    after = fileio.sha256_of_file(data_dir / "tokenizer.model")
     assert before != after, "the retrained tokenizer should differ"
     return cfg, before, after
 

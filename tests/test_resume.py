@@ -160,7 +160,9 @@ def test_resume_without_a_checkpoint_is_a_clear_error(tmp_path, byte_data_dir):
 
 
 def test_a_fresh_run_never_overwrites_a_run_with_checkpoints(tmp_path, byte_data_dir):
-    cfg = tiny_config(tmp_path, "bytes", byte_data_dir, "run_name=taken", "train.max_steps=2")
+    cfg = tiny_config(
+        tmp_path, "bytes", byte_data_dir, "run_name=taken", "train.max_steps=2", "train.replace_run=false"
+    )
     train.train(cfg, log=quiet)
     with pytest.raises(train.TrainError, match="already holds checkpoints; pass --resume"):
         train.train(cfg, log=quiet)
