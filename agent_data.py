@@ -37,6 +37,7 @@ import sys
 import agent
 import chat
 import config
+import fileio
 import search
 
 CITIES = {
@@ -484,10 +485,9 @@ def generate(settings):
 
 
 def write_jsonl(path, conversations):
-    import data  # the one atomic writer; data.py pulls in torch, so only when writing
 
     text = "".join(json.dumps(c, ensure_ascii=False) + "\n" for c in conversations)
-    data.write_atomic(path, lambda f: f.write(text.encode("utf-8")))
+    fileio.write_atomic(path, lambda f: f.write(text.encode("utf-8")))
 
 
 # -----------------------------------------------------------------------------
@@ -517,14 +517,18 @@ def result_fact(name, arguments, result, answer):
     return result.lower()
 
 
-def evaluate(conversations, reply, log=print):
-    """The four rates over the conversations; reply(conversation) -> generated text (the model)."""
+def evaluate(conversations, reply, log=print, examples=5):
+    """The four rates over the conversations; reply(conversation) -> generated text (the model). The
+    report keeps the counts and the first `examples` questions with the model's first reply."""
     counts = dict.fromkeys(("tool", "all", "valid", "right", "exact", "answered", "uses"), 0)
+    shown = []
     for index, conversation in enumerate(conversations):
         prompt, first, with_result, answer = reference_of(conversation)
         tools = conversation.get("tools")
-        parsed = agent.parse_reply(reply({"messages": prompt, "tools": tools}))
-        calls = parsed.calls
+        text = reply({"messages": prompt, "tools": tools})
+        if len(shown) < examples:
+            shown.append({"question": prompt[-1]["content"], "reply": text})
+        calls = agent.parse_reply(text).calls
         good = bool(calls) and all(call.error is None for call in calls)
         expected = first["tool_calls"][0]["function"] if "tool_calls" in first else None
         counts["all"] += 1
@@ -546,29 +550,46 @@ def evaluate(conversations, reply, log=print):
             log(f"  {index + 1}/{len(conversations)} conversations")
     rate = lambda part, whole: round(counts[part] / counts[whole], 4) if counts[whole] else None
     return {
+        "counts": counts,
         "conversations": counts["all"],
         "needing_a_tool": counts["tool"],
         "valid_syntax_rate": rate("valid", "tool"),
         "right_tool_rate": rate("right", "all"),
         "exact_argument_rate": rate("exact", "tool"),
         "uses_result_rate": rate("uses", "answered"),
+        "examples": shown,
     }
 
 
 def model_reply(model, tokenizer, max_new_tokens):
-    """Greedy generation of the next assistant turn, up to <|end|>: the model as a policy."""
+    """Greedy generation of the next assistant turn, up to <|end|>: the model as a policy. The KV cache of
+    the previous prompt is kept and rewound to the prefix the next prompt shares with it (the answer's
+    prompt extends the first reply's), which halves the prefill of the evaluation; the logits are those
+    of a full forward pass either way. Prompts longer than the context are cut from the left, as
+    model.generate does."""
     import torch
 
     end = tokenizer.special_ids["<|end|>"]
+    state = {"ids": [], "cache": model.new_kv_cache()}
 
     def reply(conversation):
         ids, _ = chat.render(conversation, tokenizer, for_generation=True)
+        ids = ids[-(model.seq_len - max_new_tokens) :]
+        cached, cache = state["ids"], state["cache"]
+        shared = 0
+        while shared < min(len(cached), len(ids) - 1) and cached[shared] == ids[shared]:
+            shared += 1
+        cache.length = shared  # later positions are overwritten
         out = []
         with torch.no_grad():
-            for token in model.generate(torch.tensor(ids), max_new_tokens, temperature=0.0, stop_token=end):
+            logits = model.forward_with_cache(torch.tensor([ids[shared:]]), cache)
+            for _ in range(max_new_tokens):
+                token = int(logits[0, -1].argmax())
                 if token in (end, tokenizer.eos_id):
                     break
                 out.append(token)
+                logits = model.forward_with_cache(torch.tensor([[token]]), cache)
+        state["ids"] = ids + out  # the tokens whose keys and values the cache holds
         return tokenizer.decode(out)
 
     return reply
@@ -588,7 +609,9 @@ def main(argv):
     check = commands.add_parser("eval", help="the tool-use rates of a run on held-out conversations")
     check.add_argument("run", help="run directory or checkpoint")
     check.add_argument("data", help="held-out conversations (eval.jsonl of generate)")
-    check.add_argument("--limit", type=int, default=0, help="only the first N conversations")
+    check.add_argument("--offset", type=int, default=0, help="skip the first N conversations")
+    check.add_argument("--limit", type=int, default=0, help="only N conversations")
+    check.add_argument("--report", help="where to write the JSON report (default <run>/agent_eval.json)")
     check.add_argument("--max-new-tokens", type=int, default=96)
     args = parser.parse_args(argv)
 
@@ -611,14 +634,13 @@ def main(argv):
     except SampleError as exc:
         print(f"agent_data.py: {exc}", file=sys.stderr)
         return 2
-    conversations = read_jsonl(args.data)[: args.limit or None]
+    conversations = read_jsonl(args.data)[args.offset :][: args.limit or None]
     report = evaluate(conversations, model_reply(model, tokenizer, args.max_new_tokens))
-    report.update(checkpoint=ckpt_path, data=args.data)
+    report.update(checkpoint=ckpt_path, data=args.data, offset=args.offset)
     print(json.dumps(report, indent=1, ensure_ascii=False))
-    import data
 
     folder = args.run if os.path.isdir(args.run) else os.path.dirname(args.run)
-    data.write_json(os.path.join(folder, "agent_eval.json"), report)
+    fileio.write_json(args.report or os.path.join(folder, "agent_eval.json"), report)
     return 0
 
 

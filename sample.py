@@ -4,16 +4,17 @@ Use a trained run: generate text, chat, or measure bits per byte.
     python sample.py runs/smoke-cpu --prompt "Había una vez" --max-new-tokens 200 --seed 1
     python sample.py runs/smoke-cpu/ckpt_0000300.pt --prompt-file prompt.txt --num-samples 3
     python sample.py runs/sft-smoke-cpu --chat --system "Eres un asistente amable."
-    python sample.py runs/sft-smoke-cpu --chat-eval val --max-new-tokens 64   # held-out conversations
+    python sample.py runs/sft-smoke-cpu --chat-eval val --max-new-tokens 400   # held-out conversations
     python sample.py runs/smoke-cpu --eval val            # the run's validation split
     python sample.py runs/smoke-cpu --eval texto.txt      # any UTF-8 text file
 
-A run directory means its newest checkpoint. The checkpoint carries the resolved config it was trained
-with (model shape, tokenizer), so nothing here depends on the training code's state. Inference runs in
-float32 on the CPU, or on CUDA with --device cuda.
+A run directory means its newest checkpoint. The checkpoint carries the resolved config and the tokenizer
+it was trained with (checkpoint.load_run), so nothing here depends on the training code or on data/.
+Inference runs in float32 on the CPU, or on CUDA with --device cuda.
 """
 
 import argparse
+import json
 import math
 import os
 import sys
@@ -21,54 +22,23 @@ import sys
 import torch
 import torch.nn.functional as F
 
+import agent
 import chat
+import checkpoint
 import data
-from model import Transformer
-from train import load_checkpoint, load_newest_checkpoint
+from checkpoint import CheckpointError
 
 
 class SampleError(Exception):
     """A problem the user can fix; printed without a traceback, exit status 2."""
 
 
-# -----------------------------------------------------------------------------
-# Loading a run
-
-
 def load_run(path, device="cpu"):
-    """(model in eval mode, resolved config, tokenizer, checkpoint path) of a run directory or file."""
-    if os.path.isdir(path):
-        try:
-            ckpt_path, checkpoint = load_newest_checkpoint(path, log=lambda m: print(m, file=sys.stderr))
-        except Exception as e:
-            raise SampleError(f"{path}: {e}") from None
-    elif os.path.isfile(path):
-        ckpt_path = path
-        try:
-            checkpoint = load_checkpoint(path)
-        except Exception as e:
-            raise SampleError(f"{path}: not a loadable ENLACE checkpoint ({type(e).__name__}: {e})") from None
-    else:
-        raise SampleError(f"{path}: no such run directory or checkpoint file")
-
-    cfg = checkpoint["config"]
+    """checkpoint.load_run with its errors as SampleError, which serve.py and agent_data.py catch."""
     try:
-        model = Transformer(cfg["model"])
-        model.load_state_dict(checkpoint["model"])
-    except (KeyError, ValueError, RuntimeError) as e:
-        first_lines = "\n  ".join(str(e).strip().splitlines()[:6])
-        raise SampleError(
-            f"{ckpt_path}: the weights do not fit the model config stored with them:\n  {first_lines}"
-        ) from None
-    tokenizer = data.load_tokenizer(cfg["data"])
-    trained_with = checkpoint.get("tokenizer", tokenizer.name)
-    if tokenizer.name != trained_with or tokenizer.vocab_size != cfg["model"]["vocab_size"]:
-        raise SampleError(
-            f"{ckpt_path}: trained with the {trained_with} tokenizer of {cfg['model']['vocab_size']} tokens, "
-            f"but data config gives the {tokenizer.name} tokenizer of {tokenizer.vocab_size}"
-        )
-    model.to(device).eval()
-    return model, cfg, tokenizer, ckpt_path
+        return checkpoint.load_run(path, device)
+    except CheckpointError as e:
+        raise SampleError(str(e)) from None
 
 
 # -----------------------------------------------------------------------------
@@ -186,7 +156,9 @@ def fit_history(system, history, tokenizer, budget):
             history.pop(0)
 
 
-def run_chat(model, tokenizer, cfg, args, stdin=sys.stdin, out=sys.stdout):
+def run_chat(model, tokenizer, cfg, args, stdin=sys.stdin, out=sys.stdout, policy=None):
+    """The REPL. With tools (the default; --no-tools to leave them out) each answer is agent.py's loop,
+    its calls and results shown; policy(conversation) -> text stands in for the model in tests."""
     end_id = check_chat_tokenizer(tokenizer, args.run)
     context = cfg["model"]["seq_len"]
     budget = context - args.max_new_tokens
@@ -198,6 +170,21 @@ def run_chat(model, tokenizer, cfg, args, stdin=sys.stdin, out=sys.stdout):
     history = []  # the conversation's messages after the system one
     told_about_trimming = False
     generator = torch.Generator().manual_seed(args.seed)
+    tools = None
+    if not args.no_tools:
+        settings = agent.load_settings(cfg.get("agent"))
+        count = lambda text: len(tokenizer.encode(text))
+        tools = agent.Agent(settings, count_tokens=count, on_event=show_tool_event(out))
+        needed = len(chat.render(tools.conversation([{"role": "user", "content": "hola"}]), tokenizer)[0])
+        if needed > budget:
+            out.write(
+                f"(tools off: their schemas need {needed} of the {budget} tokens this context leaves)\n"
+            )
+            tools = None
+        elif policy is not None:
+            policy = shown_reply(policy, out)
+        else:
+            policy = streamed_reply(model, tokenizer, args, generator, end_id, budget, out)
     out.write(f"chat with {args.run}; /reset clears the history, /exit quits\n")
     while True:
         out.write("> ")
@@ -220,6 +207,19 @@ def run_chat(model, tokenizer, cfg, args, stdin=sys.stdin, out=sys.stdout):
         if not line:
             continue
         history.append({"role": "user", "content": line})
+        if tools is not None:
+            while (
+                len(history) > 1
+                and len(chat.render(tools.conversation(system + history), tokenizer)[0]) > budget
+            ):
+                history.pop(0)  # the oldest exchange goes, up to the next user message
+                while history[0]["role"] != "user":
+                    history.pop(0)
+                if not told_about_trimming:
+                    out.write("(oldest turns dropped to fit the context window)\n")
+                    told_about_trimming = True
+            history += tools.run_turn(system + history, policy)
+            continue
         prompt, dropped = fit_history(system, history, tokenizer, budget)
         if dropped and not told_about_trimming:
             out.write("(oldest turns dropped to fit the context window)\n")
@@ -238,13 +238,75 @@ def run_chat(model, tokenizer, cfg, args, stdin=sys.stdin, out=sys.stdout):
             out.write("(empty reply)\n")
 
 
+def streamed_reply(model, tokenizer, args, generator, end_id, budget, out):
+    """agent.run_turn's generate: the model's next reply, streamed to out without its tool calls."""
+
+    def reply(conversation):
+        ids, _ = chat.render(conversation, tokenizer, for_generation=True)
+        if len(ids) > budget:
+            out.write(f"(the conversation is {len(ids)} tokens, over the {budget}-token budget; /reset)\n")
+            return ""
+        pieces, shown = [], [0]
+
+        def write(piece):
+            pieces.append(piece)
+            visible = agent.visible_text("".join(pieces))
+            out.write(visible[shown[0] :])
+            out.flush()
+            shown[0] = max(shown[0], len(visible))
+            return False
+
+        try:
+            stream_text(model, tokenizer, ids, args, generator, write, stop_token=end_id)
+        except KeyboardInterrupt:  # Ctrl-C ends this reply, not the session
+            out.write(" [interrupted]")
+        out.write("\n")
+        return "".join(pieces)
+
+    return reply
+
+
+def shown_reply(policy, out):
+    """A policy's replies written to out as the model's would be streamed (tests drive the REPL so)."""
+
+    def reply(conversation):
+        text = policy(conversation)
+        out.write(agent.visible_text(text) + "\n")
+        return text
+
+    return reply
+
+
+def show_tool_event(out):
+    """agent.Agent's on_event for a person: each call, each result, and what the loop added."""
+
+    def show(kind, info):
+        if kind == "call":
+            what = info["raw"].strip() if info["error"] else json.dumps(info["arguments"], ensure_ascii=False)
+            out.write(f"  [tool call] {info['name'] or '?'} {what}\n")
+        elif kind == "result":
+            text = info["text"] if len(info["text"]) <= 400 else info["text"][:400] + "…"
+            label = "tool result" if info["ok"] else "tool error"
+            out.write(f"  [{label}] " + text.replace("\n", "\n    ") + "\n")
+        elif kind == "dropped":
+            out.write(f"  [tool calls dropped: {info['reason']}]\n")
+        elif kind == "answer" and info["text"] == agent.NO_ANSWER:
+            out.write(info["text"] + "\n")
+        elif kind == "answer" and f"\n{agent.SOURCES_HEADER}\n" in info["text"]:
+            out.write(info["text"][info["text"].index(agent.SOURCES_HEADER) :] + "\n")
+        out.flush()
+
+    return show
+
+
 # -----------------------------------------------------------------------------
 # Held-out conversations: assistant-only loss and bpb, and whether answers end with <|end|>
 
 
 def run_chat_eval(model, cfg, tokenizer, args, out=sys.stdout):
-    """Loss and bits per byte on the assistant tokens (mask 1) of held-out conversations, and the share of
-    their first prompts whose greedy answer ends with <|end|> within --max-new-tokens."""
+    """Loss and bits per byte on the assistant tokens (mask 1) of held-out conversations, the share of
+    their first prompts whose greedy answer ends with <|end|> within --max-new-tokens, and (teacher-forced,
+    for conversations that fit the context) how often <|end|> is the most likely token where an answer ends."""
     end_id = check_chat_tokenizer(tokenizer, args.run)
     if args.chat_eval == "val":
         if cfg["data"]["format"] != "chat":
@@ -252,10 +314,11 @@ def run_chat_eval(model, cfg, tokenizer, args, out=sys.stdout):
         paths = chat.expand_paths(cfg["data"]["chat"]["val"], "data.chat.val")
     else:
         paths = [args.chat_eval]
-    conversations = [c for path in paths for c in chat.read_conversations(path)[0]]
+    conversations = [c for path in paths for c in chat.read_conversations(path)[0]][: args.limit or None]
     if not conversations:
         raise SampleError(f"{', '.join(paths)}: no conversations")
     nats, count, num_bytes, ended, examples = 0.0, 0, 0, 0, []
+    end_turns, end_guessed = 0, 0
     for where, conversation in conversations:
         ids, mask = chat.render(conversation, tokenizer)
         n, c, b = evaluate_tokens(
@@ -266,6 +329,12 @@ def run_chat_eval(model, cfg, tokenizer, args, out=sys.stdout):
             mask=torch.tensor(mask),
         )
         nats, count, num_bytes = nats + n, count + c, num_bytes + b
+        if len(ids) <= model.seq_len + 1:  # teacher-forced: is <|end|> the top guess where an answer ends?
+            with torch.no_grad():
+                logits, _ = model(torch.tensor([ids[:-1]], device=model.embed_tokens.weight.device))
+            ends = [p for p in range(len(ids) - 1) if ids[p + 1] == end_id and mask[p + 1]]
+            end_turns += len(ends)
+            end_guessed += sum(int(logits[0, p].argmax()) == end_id for p in ends)
         messages = conversation["messages"]
         first_answer = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
         prompt, _ = chat.render({"messages": messages[:first_answer]}, tokenizer, for_generation=True)
@@ -286,11 +355,13 @@ def run_chat_eval(model, cfg, tokenizer, args, out=sys.stdout):
         "loss": nats / max(count, 1),
         "bpb": nats / (math.log(2) * max(num_bytes, 1)),
         "ended": ended / len(conversations),
+        "end_guessed": end_guessed / max(end_turns, 1),
     }
     out.write(
         f"{', '.join(paths)}: {len(conversations)} conversations, {count} assistant tokens, {num_bytes} bytes | "
         f"loss {result['loss']:.4f} | bpb {result['bpb']:.4f} | answers ending with <|end|> within "
-        f"{args.max_new_tokens} tokens: {ended}/{len(conversations)} ({100 * result['ended']:.0f}%)\n"
+        f"{args.max_new_tokens} tokens: {ended}/{len(conversations)} ({100 * result['ended']:.0f}%) | "
+        f"<|end|> the top guess where an answer ends: {end_guessed}/{end_turns}\n"
     )
     return result
 
@@ -397,10 +468,12 @@ def parse_args(argv):
     parser.add_argument("--seed", type=int, default=1337)
     parser.add_argument("--num-samples", type=int, default=1)
     parser.add_argument("--system", default="", help="system prompt for --chat")
+    parser.add_argument("--no-tools", action="store_true", help="--chat without agent.py's tools")
     parser.add_argument("--stride", type=int, default=0, help="--eval window stride (default seq_len/2)")
     parser.add_argument("--max-tokens", type=int, default=0, help="--eval only the first N tokens")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--show", type=int, default=3, help="--chat-eval: print this many answers")
+    parser.add_argument("--limit", type=int, default=0, help="--chat-eval only the first N conversations")
     args = parser.parse_args(argv)
     if args.max_new_tokens < 1 or args.num_samples < 1:
         parser.error("--max-new-tokens and --num-samples must be >= 1")
@@ -419,7 +492,7 @@ def main(argv):
             run_chat(model, tokenizer, cfg, args)
         else:
             run_generation(model, tokenizer, args)
-    except (SampleError, chat.ChatError, data.DataError, ValueError) as e:
+    except (SampleError, CheckpointError, chat.ChatError, data.DataError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

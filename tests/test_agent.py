@@ -461,3 +461,66 @@ def test_a_run_file_may_include_the_agent_layer(tmp_path):
 )
 def test_a_reply_being_streamed_never_shows_its_calls(partial, shown):
     assert agent.visible_text(partial) == shown
+
+
+# --- sample.py --chat ----------------------------------------------------------------------------------
+
+
+def chat_session(shard_data_dir, lines, policy, seq_len=2048, **agent_overrides):
+    import io
+    from types import SimpleNamespace
+
+    import data
+    import sample
+    from model import Transformer
+
+    tokenizer = data.SentencePieceTokenizer(f"{shard_data_dir}/tokenizer.model")
+    model_cfg = config.load_layer("model", os.path.join(ROOT, "configs", "model", "smoke.yaml"))
+    model_cfg.update(vocab_size=tokenizer.vocab_size, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2)
+    model_cfg.update(ffn_hidden=64, seq_len=seq_len)
+    settings = agent.load_settings()
+    for key, value in agent_overrides.items():
+        settings[key].update(value)
+    args = SimpleNamespace(
+        run="tiny",
+        max_new_tokens=8,
+        temperature=1.0,
+        top_k=None,
+        top_p=None,
+        seed=0,
+        system="",
+        no_tools=False,
+    )
+    out = io.StringIO()
+    cfg = {"model": model_cfg, "agent": settings}
+    sample.run_chat(Transformer(model_cfg), tokenizer, cfg, args, io.StringIO(lines), out, policy=policy)
+    return out.getvalue()
+
+
+def test_the_chat_repl_shows_each_call_and_result_then_the_answer(shard_data_dir):
+    script = Script(call_text("calculadora", {"expresion": "6*7"}), "Son 42.")
+    shown = chat_session(shard_data_dir, "¿Cuánto es 6 por 7?\n/exit\n", script)
+    assert '  [tool call] calculadora {"expresion": "6*7"}\n  [tool result] 42\nSon 42.\n> ' in shown
+    assert "tools" in script.seen[0] and script.seen[1]["messages"][-1] == {
+        "role": "tool",
+        "content": "42",
+        "tool_call_id": "call_0_0",
+        "name": "calculadora",
+    }
+
+
+def test_the_chat_repl_lists_the_sources_of_a_search(shard_data_dir, server, monkeypatch):
+    server.route(DDG_PATH, 200, fixture("ddg_lite_results.html"))
+    monkeypatch.setenv("ENLACE_DDG_URL", server.url(DDG_PATH))
+    monkeypatch.setenv("ENLACE_ENV_FILE", os.devnull)
+    monkeypatch.setattr(agent, "_chains", {})
+    script = Script(call_text("buscar_web", {"consulta": "tiempo"}), "Según [1], hace sol.")
+    shown = chat_session(shard_data_dir, "¿Qué tiempo hace?\n/exit\n", script, search={"provider": "ddg"})
+    assert f"  [tool result] [1] {TEN_TITLES[0]} — {TEN_URLS[0]}\n    " in shown
+    assert f"Según [1], hace sol.\nFuentes:\n[1] {TEN_URLS[0]}\n> " in shown
+
+
+def test_the_chat_repl_turns_tools_off_when_their_schemas_do_not_fit_the_context(shard_data_dir):
+    shown = chat_session(shard_data_dir, "hola\n/exit\n", Script(), seq_len=64)
+    assert "(tools off: their schemas need " in shown and "of the 56 tokens this context leaves)" in shown
+    assert "[tool" not in shown

@@ -134,7 +134,7 @@ def test_generate_writes_both_files(tmp_path):
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["eval.jsonl", "train.jsonl"]
 
 
-def test_a_model_is_evaluated_through_chat_render_and_greedy_generation(generated, shard_data_dir):
+def test_the_model_policy_reuses_its_cache_and_generates_what_generate_does(generated, shard_data_dir):
     import torch
 
     import data
@@ -143,14 +143,22 @@ def test_a_model_is_evaluated_through_chat_render_and_greedy_generation(generate
     tokenizer = data.SentencePieceTokenizer(f"{shard_data_dir}/tokenizer.model")
     torch.manual_seed(0)
     cfg = config.load_layer("model", f"{agent.ROOT}/configs/model/smoke.yaml")
-    cfg.update(
-        vocab_size=tokenizer.vocab_size, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_hidden=64
-    )
+    cfg.update(vocab_size=tokenizer.vocab_size, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2)
+    cfg.update(ffn_hidden=64, seq_len=2048)
     model = Transformer(cfg).eval()
     _, held_out = generated
-    reply = agent_data.model_reply(model, tokenizer, max_new_tokens=4)
-    first = reply({"messages": held_out[0]["messages"][:2], "tools": held_out[0]["tools"]})
-    assert first == reply({"messages": held_out[0]["messages"][:2], "tools": held_out[0]["tools"]})  # greedy
-    assert len(tokenizer.encode(first)) <= 4 + 1
+    tool_conversation = next(c for c in held_out if "tool_calls" in c["messages"][2])
+    prompts = [
+        {"messages": tool_conversation["messages"][:2], "tools": tool_conversation["tools"]},
+        {"messages": tool_conversation["messages"][:4], "tools": tool_conversation["tools"]},  # extends it
+        {"messages": held_out[1]["messages"][:2], "tools": held_out[1]["tools"]},
+        {"messages": tool_conversation["messages"][:2], "tools": tool_conversation["tools"]},
+    ]
+    reply = agent_data.model_reply(model, tokenizer, max_new_tokens=6)
+    end = tokenizer.special_ids["<|end|>"]
+    for prompt in prompts:
+        ids, _ = chat.render(prompt, tokenizer, for_generation=True)
+        expected = list(model.generate(torch.tensor(ids), 6, temperature=0.0, stop_token=end))
+        assert reply(prompt) == tokenizer.decode([t for t in expected if t != end])
     report = agent_data.evaluate(held_out[:3], reply, log=lambda *a: None)
     assert report["conversations"] == 3 and 0.0 <= report["right_tool_rate"] <= 1.0
