@@ -42,23 +42,12 @@ def layer(kind, name):
 
 
 def qwen3_twin(model_cfg):
-    """transformers' Qwen3ForCausalLM with our config (the mapping in model.py's docstring), random init."""
+    """transformers' Qwen3ForCausalLM with our config (export.hf_config's mapping), random init."""
     from transformers import Qwen3Config, Qwen3ForCausalLM  # a development dependency: only this bench
 
-    hf_cfg = Qwen3Config(
-        vocab_size=model_cfg["vocab_size"],
-        hidden_size=model_cfg["d_model"],
-        intermediate_size=model_cfg["ffn_hidden"],
-        num_hidden_layers=model_cfg["n_layers"],
-        num_attention_heads=model_cfg["n_heads"],
-        num_key_value_heads=model_cfg["n_kv_heads"],
-        head_dim=model_cfg["d_model"] // model_cfg["n_heads"],
-        max_position_embeddings=model_cfg["seq_len"],
-        rms_norm_eps=model_cfg["norm_eps"],
-        rope_theta=model_cfg["rope_base"],
-        tie_word_embeddings=True,
-        use_cache=False,
-    )
+    import export
+
+    hf_cfg = Qwen3Config.from_dict(export.hf_config({"model": model_cfg}, "f32"), use_cache=False)
     return Qwen3ForCausalLM(hf_cfg)
 
 
