@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 import jsonschema
 
 import config
+import memory
 import search
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -81,6 +82,7 @@ class Tool:
     properties: dict  # JSON schema of each argument
     required: tuple
     run: object  # run(arguments, context) -> str
+    member_only: bool = False  # acts on a member's data: offered only when the Agent has a member
 
     def parameters(self, settings):
         properties = {key: dict(value) for key, value in self.properties.items()}
@@ -108,16 +110,21 @@ class Tool:
 TOOLS = {}
 
 
-def tool(name, description, properties, required=()):
+def tool(name, description, properties, required=(), member_only=False):
     def register(function):
-        TOOLS[name] = Tool(name, description, properties, tuple(required), function)
+        TOOLS[name] = Tool(name, description, properties, tuple(required), function, member_only)
         return function
 
     return register
 
 
+def default_tools(member=None):
+    """Every registered tool, but those that act on a member's data only when there is a member."""
+    return [name for name, entry in TOOLS.items() if member is not None or not entry.member_only]
+
+
 def tool_specs(settings, names=None):
-    return [TOOLS[name].spec(settings) for name in (names or TOOLS)]
+    return [TOOLS[name].spec(settings) for name in (names or default_tools())]
 
 
 @dataclass
@@ -495,6 +502,54 @@ def run_with_timeout(function, seconds):
 
 
 # -----------------------------------------------------------------------------
+# recordar, buscar_recuerdos, olvidar: the member's memories (memory.py). serve.py passes the member as a
+# memory.Caller; the access rules live in memory.py.
+
+
+def memory_call(context, tool_function, arguments):
+    if not isinstance(context.member, memory.Caller):
+        raise ToolFailure("los recuerdos solo están disponibles en el servidor de la familia")
+    try:
+        return context.member.run(tool_function, **arguments)
+    except memory.Refusal as exc:
+        raise ToolFailure(str(exc)) from None
+
+
+@tool(
+    "recordar",
+    "Guarda un recuerdo de la persona con quien hablas, cuando te pida que recuerdes algo. Ámbito "
+    "«privado» (por defecto, solo para ella) o «familia» (para todos; solo personas adultas).",
+    {"texto": {"type": "string"}, "ambito": {"type": "string", "enum": ["privado", "familia"]}},
+    required=("texto",),
+    member_only=True,
+)
+def recordar(arguments, context):
+    return memory_call(context, memory.recordar, arguments)
+
+
+@tool(
+    "buscar_recuerdos",
+    "Busca en los recuerdos guardados de esta persona y de la familia.",
+    {"consulta": {"type": "string"}},
+    required=("consulta",),
+    member_only=True,
+)
+def buscar_recuerdos(arguments, context):
+    return memory_call(context, memory.buscar_recuerdos, arguments)
+
+
+@tool(
+    "olvidar",
+    "Borra un recuerdo por su número (el que va entre corchetes), cuando te pidan olvidarlo.",
+    {"id": {"type": "integer", "minimum": 1}},
+    required=("id",),
+    member_only=True,
+)
+def olvidar(arguments, context):
+    return memory_call(context, memory.olvidar, arguments)
+
+
+# -----------------------------------------------------------------------------
 # The loop
 
 
@@ -519,7 +574,7 @@ class Agent:
     ):
         self.settings = settings
         self.tools_enabled = tools_enabled
-        self.tool_names = list(tool_names or TOOLS)
+        self.tool_names = list(tool_names or default_tools(member))
         unknown = [name for name in self.tool_names if name not in TOOLS]
         if unknown:
             raise ValueError(f"unknown tools {unknown}; registered: {', '.join(TOOLS)}")

@@ -37,6 +37,7 @@ import sys
 import agent
 import chat
 import config
+import fileio
 import search
 
 CITIES = {
@@ -484,10 +485,9 @@ def generate(settings):
 
 
 def write_jsonl(path, conversations):
-    import data  # the one atomic writer; data.py pulls in torch, so only when writing
 
     text = "".join(json.dumps(c, ensure_ascii=False) + "\n" for c in conversations)
-    data.write_atomic(path, lambda f: f.write(text.encode("utf-8")))
+    fileio.write_atomic(path, lambda f: f.write(text.encode("utf-8")))
 
 
 # -----------------------------------------------------------------------------
@@ -638,10 +638,9 @@ def main(argv):
     report = evaluate(conversations, model_reply(model, tokenizer, args.max_new_tokens))
     report.update(checkpoint=ckpt_path, data=args.data, offset=args.offset)
     print(json.dumps(report, indent=1, ensure_ascii=False))
-    import data
 
     folder = args.run if os.path.isdir(args.run) else os.path.dirname(args.run)
-    data.write_json(args.report or os.path.join(folder, "agent_eval.json"), report)
+    fileio.write_json(args.report or os.path.join(folder, "agent_eval.json"), report)
     return 0
 
 

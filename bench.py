@@ -8,7 +8,9 @@ import gzip
 import json
 import os
 import resource
+import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -19,8 +21,10 @@ import torch
 import yaml
 from torch.profiler import profile
 
+import config
 import corpus
 import data
+import fileio
 import model
 import search
 import train
@@ -29,36 +33,59 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 
 
 # -----------------------------------------------------------------------------
-# model: matmul peak and training-step throughput
+# model: training throughput against transformers' Qwen3 at the same shapes, MFU, where the time goes
 
 
-def matmul_peak_flops():
-    """The trainer's own MFU reference (train.measure_peak_tflops), measured longer for a steadier figure."""
-    return train.measure_peak_tflops(torch.device("cpu"), size=2048, seconds=2.0) * 1e12
+def layer(kind, name):
+    with open(os.path.join(ROOT, "configs", kind, f"{name}.yaml"), encoding="utf-8") as f:
+        return yaml.safe_load(f)[kind]
 
 
-def training_step_times(model_cfg, batch_size, attention_backend="math", warmup=2, steps=5):
-    """Seconds per optimizer step (forward + backward + AdamW) on random tokens, after warm-up steps."""
-    torch.manual_seed(0)
-    net = model.Transformer(model_cfg, attention_backend)
-    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3, weight_decay=0.1)
+def qwen3_twin(model_cfg):
+    """transformers' Qwen3ForCausalLM with our config (the mapping in model.py's docstring), random init."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM  # a development dependency: only this bench
+
+    hf_cfg = Qwen3Config(
+        vocab_size=model_cfg["vocab_size"],
+        hidden_size=model_cfg["d_model"],
+        intermediate_size=model_cfg["ffn_hidden"],
+        num_hidden_layers=model_cfg["n_layers"],
+        num_attention_heads=model_cfg["n_heads"],
+        num_key_value_heads=model_cfg["n_kv_heads"],
+        head_dim=model_cfg["d_model"] // model_cfg["n_heads"],
+        max_position_embeddings=model_cfg["seq_len"],
+        rms_norm_eps=model_cfg["norm_eps"],
+        rope_theta=model_cfg["rope_base"],
+        tie_word_embeddings=True,
+        use_cache=False,
+    )
+    return Qwen3ForCausalLM(hf_cfg)
+
+
+def training_steps(model_cfg, batch_size, contenders, train_cfg, warmup, rounds):
+    """Seconds per optimizer step (forward + backward + the trainer's AdamW) of each contender on the same
+    random tokens, timed in interleaved rounds so a neighbour process slows all of them alike. contenders:
+    {label: (module, loss_of(module, idx, targets))}. Returns {label: [seconds, ...]} and the step fns."""
     idx = torch.randint(0, model_cfg["vocab_size"], (batch_size, model_cfg["seq_len"]))
     targets = torch.randint(0, model_cfg["vocab_size"], (batch_size, model_cfg["seq_len"]))
+    steps = {}
+    for label, (net, loss_of) in contenders.items():
+        optimizer = train.build_optimizer(net, train_cfg, torch.device("cpu"))
 
-    def step():
-        _, losses = net(idx, targets)
-        losses["loss"].backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        def step(net=net, loss_of=loss_of, optimizer=optimizer):
+            loss_of(net, idx, targets).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
 
-    for _ in range(warmup):
-        step()
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return net, step, times
+        steps[label] = step
+    times = {label: [] for label in contenders}
+    for round_index in range(warmup + rounds):
+        for label, step in steps.items():
+            start = time.perf_counter()
+            step()
+            if round_index >= warmup:
+                times[label].append(time.perf_counter() - start)
+    return times, steps
 
 
 def where_time_goes(step, top=6):
@@ -72,43 +99,109 @@ def where_time_goes(step, top=6):
 
 
 def bench_model():
-    def load(name):
-        with open(os.path.join(ROOT, "configs", "model", f"{name}.yaml"), encoding="utf-8") as f:
-            return yaml.safe_load(f)["model"]
-
+    """ENLACE as the cpu profile trains it, the same model with the math kernel, and transformers' Qwen3
+    built from the same config, trained with the same AdamW on the same tokens. The MFU divides by
+    train.measure_peak_tflops, the figure a run's log uses."""
+    profile_cfg = layer("hardware", "cpu")
+    shapes = [("smoke", layer("train", "smoke")["micro_batch_size"], 2, 5), ("tiny-50m", 1, 1, 3)]
+    print(f"model: timing {len(shapes)} shapes x 3 contenders between two matmul peaks (minutes)", flush=True)
     # Measured before and after the steps and the higher one kept: a neighbour process that slows one
     # measurement must not shrink the peak and so flatter the MFU.
-    peak = matmul_peak_flops()
+    peak = train.measure_peak_tflops(torch.device("cpu")) * 1e12
     results = []
-    # The CPU profile's math kernel, and the CPU flash kernel (which skips the masked half of the scores).
-    shapes = [
-        ("smoke", 16, "math"),
-        ("smoke", 16, "flash"),
-        ("tiny-50m", 1, "math"),
-        ("tiny-50m", 1, "flash"),
-    ]
-    print(
-        f"model: timing {len(shapes)} training shapes between two matmul peaks (about a minute)", flush=True
-    )
-    for name, batch_size, backend in shapes:
-        cfg = load(name)
-        warmup, steps = (2, 5) if name == "smoke" else (1, 3)
-        net, step, times = training_step_times(cfg, batch_size, backend, warmup, steps)
-        seconds = statistics.median(times)
-        tokens_per_second = batch_size * cfg["seq_len"] / seconds
-        flops = net.flops_per_token(cfg["seq_len"]) * tokens_per_second
-        label = f"{name} B={batch_size} T={cfg['seq_len']} {backend}"
-        breakdown = where_time_goes(step) if backend == "math" else None
-        results.append((label, net.num_params(), seconds, len(times), tokens_per_second, flops, breakdown))
-    peak = max(peak, matmul_peak_flops())
-    print(f"model: float32 matmul peak {peak / 1e9:.1f} GFLOP/s ({torch.get_num_threads()} threads)")
-    for label, params, seconds, steps, tokens_per_second, flops, breakdown in results:
-        print(
-            f"model: {label:24s} | {params / 1e6:.1f}M params | step {seconds:.3f}s (median of {steps})"
-            f" | {tokens_per_second:,.0f} tok/s | {flops / 1e9:.1f} GFLOP/s | MFU {100 * flops / peak:.0f}%"
+    for name, batch_size, warmup, rounds in shapes:
+        cfg = layer("model", name)
+        backend = profile_cfg["attention_backend"]
+        torch.manual_seed(0)
+        contenders = {
+            f"ENLACE ({backend}, cpu profile)": (model.Transformer(cfg, backend), enlace_loss),
+            "ENLACE (math)": (model.Transformer(cfg, "math"), enlace_loss),
+            "transformers Qwen3": (qwen3_twin(cfg), qwen3_loss),
+        }
+        times, steps = training_steps(cfg, batch_size, contenders, layer("train", "smoke"), warmup, rounds)
+        first = next(iter(contenders))
+        flops_per_token = contenders[first][0].flops_per_token(cfg["seq_len"])
+        params = contenders[first][0].num_params()
+        rates = {label: batch_size * cfg["seq_len"] / statistics.median(t) for label, t in times.items()}
+        results.append(
+            (name, batch_size, cfg, params, flops_per_token, rates, rounds, where_time_goes(steps[first]))
         )
-        if breakdown:
-            print(f"model:   time per op: {breakdown}")
+    peak = max(peak, train.measure_peak_tflops(torch.device("cpu")) * 1e12)
+    print(f"model: float32 matmul peak {peak / 1e9:.1f} GFLOP/s ({torch.get_num_threads()} threads)")
+    for name, batch_size, cfg, params, flops_per_token, rates, rounds, breakdown in results:
+        print(
+            f"model: {name} B={batch_size} T={cfg['seq_len']} | {params / 1e6:.1f}M params | median of {rounds}"
+        )
+        reference = rates["transformers Qwen3"]
+        for label, rate in rates.items():
+            print(
+                f"model:   {label:28s} {rate:8,.0f} tok/s | MFU {100 * flops_per_token * rate / peak:3.0f}% | "
+                f"{rate / reference:.2f}x transformers"
+            )
+        print(f"model:   time per op (cpu profile): {breakdown}")
+
+
+def enlace_loss(net, idx, targets):
+    return net(idx, targets)[1]["loss"]
+
+
+def qwen3_loss(net, idx, targets):
+    # shift_labels: position t predicts targets[t], as in ENLACE (labels alone would be shifted by one).
+    return net(input_ids=idx, labels=targets, shift_labels=targets).loss
+
+
+# -----------------------------------------------------------------------------
+# decode: generation with the KV cache against a full forward pass per token, and past seq_len
+
+
+def decode_rates(net, prompt, new_tokens):
+    """(seconds to the first token, tokens/s after it) of greedy model.generate with the KV cache."""
+    start = time.perf_counter()
+    stream = net.generate(prompt, new_tokens, temperature=0)
+    next(stream)
+    first = time.perf_counter()
+    rest = sum(1 for _ in stream)
+    return first - start, rest / (time.perf_counter() - first)
+
+
+def uncached_rate(net, prompt, new_tokens):
+    """Tokens/s of greedy decoding without a cache: a full forward pass over the last seq_len tokens per
+    token (nanoGPT's sample loop)."""
+    sequence = prompt.tolist()
+    start = time.perf_counter()
+    with torch.no_grad():
+        for _ in range(new_tokens):
+            logits, _ = net(torch.tensor([sequence[-net.seq_len :]]))
+            sequence.append(int(logits[0, -1].argmax()))
+    return new_tokens / (time.perf_counter() - start)
+
+
+def bench_decode():
+    """tiny-50m (random weights, the cpu profile's kernel) at 128 and ~1024 tokens of context, and the
+    smoke model generating 4 x seq_len tokens, which makes generate restart its cache every seq_len / 2."""
+    backend = layer("hardware", "cpu")["attention_backend"]
+    torch.manual_seed(0)
+    tiny = model.Transformer(layer("model", "tiny-50m"), backend).eval()
+    generated, uncached_tokens = 32, 4
+    for context in (128, tiny.seq_len):
+        prompt = torch.randint(0, tiny.cfg["vocab_size"], (context - generated,))
+        first_s, cached = decode_rates(tiny, prompt, generated)
+        uncached = uncached_rate(tiny, prompt, uncached_tokens)
+        print(
+            f"decode: tiny-50m, {context - generated}-token prompt + {generated} new | KV cache "
+            f"{cached:,.1f} tok/s (prefill {first_s:.2f}s) | no cache {uncached:,.2f} tok/s | "
+            f"cache {cached / uncached:,.0f}x faster"
+        )
+    smoke = model.Transformer(layer("model", "smoke"), backend).eval()
+    long_run = 4 * smoke.seq_len
+    prompt = torch.randint(0, 256, (16,))
+    first_s, cached = decode_rates(smoke, prompt, long_run)
+    uncached = uncached_rate(smoke, prompt[-1:].repeat(smoke.seq_len), 16)  # a full window per token
+    print(
+        f"decode: smoke model, {long_run} tokens from a 16-token prompt (seq_len {smoke.seq_len}) | "
+        f"{cached:,.0f} tok/s | a full window per token (what each step past seq_len cost before) "
+        f"{uncached:,.0f} tok/s"
+    )
 
 
 # -----------------------------------------------------------------------------
@@ -149,15 +242,32 @@ def bench_data():
         data_cfg["dir"] = folder
         processes = corpus.processes_of(data_cfg)
 
-        stats, corpus_wall, corpus_cpu = timed(corpus.build_corpus, data_cfg, log=quiet)
-        _, tokenizer_wall, _ = timed(corpus.train_tokenizer, data_cfg, log=quiet)
-        _, encode_wall, encode_cpu = timed(corpus.encode, data_cfg, log=quiet)
-
+        # Three runs of the corpus and encode steps (and of raw sentencepiece), the median of each kept:
+        # one run on a shared machine can be off by a third. The tokenizer is trained once.
+        runs = []
+        for attempt in range(3):
+            if attempt:  # forget the finished steps (manifest entries, filter tasks): nothing is skipped
+                shutil.rmtree(os.path.join(folder, "work"), ignore_errors=True)
+                manifest = data.read_manifest(data_cfg)
+                manifest.pop("corpus"), manifest.pop("encode")
+                fileio.write_json(data.manifest_path(data_cfg), manifest)
+            stats, corpus_wall, corpus_cpu = timed(corpus.build_corpus, data_cfg, log=quiet)
+            if not attempt:
+                _, tokenizer_wall, _ = timed(corpus.train_tokenizer, data_cfg, log=quiet)
+                tokenizer = data.load_tokenizer(data_cfg)
+                texts = [
+                    t
+                    for split in data.SPLITS
+                    for t in corpus.iter_documents(corpus.docs_path(data_cfg, split))
+                ]
+                lines = [line for text in texts for line in text.split("\n")]
+            _, encode_wall, encode_cpu = timed(corpus.encode, data_cfg, log=quiet)
+            _, raw_wall, raw_cpu = timed(tokenizer.processor.encode, lines, num_threads=1)
+            runs.append((corpus_wall, corpus_cpu, encode_wall, encode_cpu, raw_wall, raw_cpu))
+        corpus_wall, corpus_cpu, encode_wall, encode_cpu, raw_wall, raw_cpu = map(
+            statistics.median, zip(*runs, strict=True)
+        )
         megabytes = stats["bytes_out"] / 1e6  # UTF-8 text of the kept documents, both splits
-        tokenizer = data.load_tokenizer(data_cfg)
-        texts = [t for split in data.SPLITS for t in corpus.iter_documents(corpus.docs_path(data_cfg, split))]
-        lines = [line for text in texts for line in text.split("\n")]
-        _, raw_wall, raw_cpu = timed(tokenizer.processor.encode, lines, num_threads=1)
 
         val = list(corpus.iter_documents(corpus.docs_path(data_cfg, "val")))
         val_tokens = [tokenizer.encode(text) for text in val]
@@ -171,7 +281,8 @@ def bench_data():
     encode_rate_cpu = megabytes / encode_cpu
     print(
         f"data: {stats['documents_out']:,} documents, {megabytes:.1f} MB of text, {processes} processes, "
-        f"{tokenizer.vocab_size:,}-token BPE, load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
+        f"{tokenizer.vocab_size:,}-token BPE, load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; "
+        f"medians of {len(runs)} runs"
     )
     print(
         f"data: corpus step {megabytes / corpus_wall:.1f} MB/s ({megabytes / corpus_cpu:.1f} MB per CPU-s) | "
@@ -198,7 +309,7 @@ def data_layer(name):
     """A shipped configs/data/<name>.yaml with the base layer it includes."""
     import config
 
-    return config._load_layer("data", f"data/{name}.yaml", os.path.join(ROOT, "configs"), None, [])[0]
+    return config.load_layer("data", os.path.join(ROOT, "configs", "data", f"{name}.yaml"))
 
 
 # -----------------------------------------------------------------------------
@@ -263,6 +374,8 @@ def bench_language_id():
     print(
         "corpus: language-ID calibration documents: " + ", ".join(f"{k} {len(v)}" for k, v in texts.items())
     )
+    missed = collections.Counter(found for truth, found, _ in scored if truth == "es" and found != "es")
+    print(f"corpus: Spanish documents identified as another language: {dict(missed) or 'none'}")
     for threshold in (0.0, 0.5, 0.8, 0.9, 0.95, 0.99, 0.999):
         predicted = [(truth, found == "es" and score >= threshold) for truth, found, score in scored]
         true_positive = sum(truth == "es" and yes for truth, yes in predicted)
@@ -275,10 +388,40 @@ def bench_language_id():
         )
 
 
+def bench_word_split(texts, cfg):
+    """The datatrove filters' verdicts and CPU time with corpus_filters.RegexWords against datatrove's spaCy
+    tokenizer (FineWeb-2's word split for spa_Latn), on ~2,000-character slices of the texts."""
+    import corpus_filters
+
+    try:
+        import spacy  # noqa: F401
+    except ImportError:
+        print("corpus: spaCy is not installed (pip install spacy==3.8.18); word-split comparison skipped")
+        return
+    import datatrove.utils.text
+
+    slices = [text[i : i + 2000] for text in texts for i in range(0, min(len(text), 60_000), 2000)]
+    verdicts, seconds = {}, {}
+    for name in ("regex", "spacy"):
+        stages = corpus_filters.quality_stages(cfg["filters"] | {"word_tokenizer": name})
+        datatrove.utils.text.split_into_parts.cache_clear()
+        start = time.process_time()
+        verdicts[name] = [[stage(corpus_filters.document(s))[0] for stage in stages] for s in slices]
+        seconds[name] = time.process_time() - start
+    same = sum(a == b for a, b in zip(verdicts["regex"], verdicts["spacy"], strict=True))
+    kept = {name: sum(all(v) for v in verdicts[name]) for name in verdicts}
+    print(
+        f"corpus: word split regex vs spaCy on {len(slices)} slices of 2,000 characters: the three filters agree "
+        f"on {100 * same / len(slices):.1f}% (kept {kept['regex']} vs {kept['spacy']}); regex is "
+        f"{seconds['spacy'] / seconds['regex']:.0f}x faster ({seconds['regex']:.1f} vs {seconds['spacy']:.1f} CPU-s)"
+    )
+
+
 def bench_corpus():
     """CPU seconds per stage on the same novelas text, single-threaded, as MB per CPU-second; the ratio of
     filters + near-dedup to encoding with a 32k BPE (trained here on the same text)."""
     import corpus
+    import corpus_encode
     import corpus_filters
 
     bench_language_id()
@@ -292,6 +435,7 @@ def bench_corpus():
         texts = [
             corpus.clean_text(json.loads(line)["text"]) for _, line in zip(range(limit), f, strict=False)
         ]
+    bench_word_split(texts, cfg)
     megabytes = sum(len(t.encode("utf-8")) for t in texts) / 1e6
     documents = [corpus_filters.document(t) for t in texts]
     stages = {"language": corpus_filters.LanguageStage(cfg["filters"]["language"])}
@@ -299,7 +443,9 @@ def bench_corpus():
     words = corpus_filters.word_splitter(cfg["filters"]["word_tokenizer"])
     hasher = corpus_filters.MinHasher(cfg["near_dedup"], words)
     scrub = corpus_filters.PiiScrubber(cfg["pii"])
-    guard = corpus_filters.Decontaminator(cfg["decontamination"]["ngram"], None)
+    guard = corpus_filters.Decontaminator(
+        cfg["decontamination"]["ngram"], None, cfg["decontamination"]["val_max_overlap"]
+    )
     seconds = {}
 
     def timed_cpu(name, function):
@@ -323,7 +469,7 @@ def bench_corpus():
         import sentencepiece as spm
 
         data_cfg = data_layer("corpus")
-        settings = corpus.trainer_settings(data_cfg)
+        settings = corpus_encode.trainer_settings(data_cfg)
         model = os.path.join(folder, "bpe.model")
         lines = (line for text in texts for line in text.split("\n") if line.strip())
         spm.SentencePieceTrainer.train(
@@ -428,12 +574,204 @@ def bench_search():
 
 
 # -----------------------------------------------------------------------------
+# serve: the server under 20 concurrent clients, against the same generations done directly
+
+
+def serve_bench_run(folder):
+    """runs/smoke-corpus-cpu when it exists (make smoke-corpus), else a 2-step run of the smoke model shape
+    on a small 512-token BPE of the embedded corpus, built in `folder` (about a minute)."""
+    shipped = os.path.join(ROOT, "runs", "smoke-corpus-cpu")
+    if os.path.isdir(shipped):
+        return shipped
+    print(
+        "serve: runs/smoke-corpus-cpu not found (make smoke-corpus); training a 2-step stand-in", flush=True
+    )
+    overrides = [f"data.dir={folder}/data", "data.corpus.max_documents_per_file=400",
+                 "data.tokenizer.vocab_size=512", "model.vocab_size=512", "data.encode.tokens_per_shard=8000",
+                 f"train.runs_dir={folder}/runs", "train.max_steps=2", "train.warmup_steps=0",
+                 "train.eval_interval=0", "train.sample_tokens=0"]  # fmt: skip
+    cfg = config.load(os.path.join(ROOT, "configs", "smoke-corpus-cpu.yaml"), overrides)
+    quiet = lambda *args, **kwargs: None  # noqa: E731
+    corpus.build_corpus(cfg["data"], log=quiet)
+    corpus.train_tokenizer(cfg["data"], log=quiet)
+    corpus.encode(cfg["data"], log=quiet)
+    train.train(cfg, log=quiet)
+    return os.path.join(folder, "runs", cfg["run_name"])
+
+
+def percentile(values, fraction):
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
+
+
+def bench_serve(clients=20, requests_per_client=10, max_tokens=8):
+    """requests/s and latency of serve.py (a real process on 127.0.0.1) with `clients` threads, one member
+    each, sending `requests_per_client` greedy chat completions; and the server's wall seconds per answer
+    over the seconds its worker spent generating them (the same answers without HTTP, queue or JSON),
+    both from the same run."""
+    import httpx
+
+    import accounts
+
+    with tempfile.TemporaryDirectory(prefix="bench-serve-") as folder:
+        run = serve_bench_run(folder)
+        database = os.path.join(folder, "bench.sqlite")
+        store = accounts.Store(database)
+        admin = store.add_member("admin", "admin")
+        keys = [store.add_member(f"c{i}", "adult") for i in range(clients)]
+        command = [sys.executable, "serve.py", run, "--port", "0", f"serve.database={database}",
+                   f"serve.queue_size={clients}"]  # fmt: skip
+        proc = subprocess.Popen(
+            command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+        )
+        try:
+            url = proc.stdout.readline().split(" at ")[1].split()[0].rstrip("/")
+            admin_headers = {"Authorization": f"Bearer {admin}"}
+            model_id = httpx.get(url + "/v1/models", headers=admin_headers).json()["data"][0]["id"]
+            messages = [{"role": "user", "content": "Hola, ¿me cuentas un cuento corto?"}]
+            body = {"model": model_id, "messages": messages, "max_tokens": max_tokens, "temperature": 0}
+            latencies, statuses, lock = [], [], threading.Lock()
+
+            def client(key, count):
+                with httpx.Client(headers={"Authorization": f"Bearer {key}"}, timeout=300) as http:
+                    for _ in range(count):
+                        start = time.perf_counter()
+                        status = http.post(url + "/v1/chat/completions", json=body).status_code
+                        with lock:
+                            latencies.append(time.perf_counter() - start)
+                            statuses.append(status)
+
+            client(admin, 3)  # warm-up, not counted
+            latencies.clear()
+            statuses.clear()
+            before = httpx.get(url + "/api/server", headers=admin_headers).json()
+            rss_before = serve_rss_kib(proc.pid)
+            threads = [threading.Thread(target=client, args=(key, requests_per_client)) for key in keys]
+            started = time.perf_counter()
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            wall = time.perf_counter() - started
+            after = httpx.get(url + "/api/server", headers=admin_headers).json()
+            rss_after = serve_rss_kib(proc.pid)
+        finally:
+            proc.kill()
+            proc.wait()
+    answered = statuses.count(200)
+    served_s = wall / max(answered, 1)
+    generate_s = (after["generate_s"] - before["generate_s"]) / max(after["answered"] - before["answered"], 1)
+    others = len(statuses) - answered - statuses.count(503)
+    print(
+        f"serve: {clients} clients x {requests_per_client} requests, {max_tokens} greedy tokens each, run "
+        f"{os.path.basename(run)}, load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
+    )
+    print(
+        f"serve: {answered}/{len(statuses)} answered ({statuses.count(503)} refused 503, {others} other) | "
+        f"{answered / wall:.1f} requests/s | latency p50 {1e3 * percentile(latencies, 0.5):.0f} ms, p95 "
+        f"{1e3 * percentile(latencies, 0.95):.0f} ms | server RSS {rss_before / 1024:.0f} -> {rss_after / 1024:.0f} MiB"
+    )
+    print(
+        f"serve: {1e3 * served_s:.1f} ms of wall time per answer through the server vs {1e3 * generate_s:.1f} ms "
+        f"generating it in the worker -> overhead ratio {served_s / generate_s:.2f}"
+    )
+
+
+def serve_rss_kib(pid):
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+
+# memory: retrieval for a turn among 100k memories, against the time of the turn itself
+
+
+def bench_memory(count=100_000, members=6, queries=300, new_tokens=64):
+    """Retrieval latency (memory.context_for_turn: pinned + top-k bm25 within the token budget) over
+    `count` memories of `members` members, queries being other sentences of the embedded corpus; and its
+    share of a whole turn with the smoke model's shape (vocab 4096 as make smoke-corpus trains it): a
+    prompt filling the window but `new_tokens`, then `new_tokens` generated with the KV cache."""
+    import gzip
+    import random
+
+    import memory
+
+    with gzip.open(os.path.join(ROOT, "corpus", "fortunes-es.txt.gz"), "rt", encoding="utf-8") as f:
+        sentences = [s.strip() for s in f.read().replace("\n", " ").split(".") if 20 < len(s.strip()) < 300]
+    rng = random.Random(0)
+    names = [f"miembro{i}" for i in range(members)]
+    cfg = memory.load_config()
+    count_tokens = lambda text: len(data.ByteTokenizer().encode(text))  # noqa: E731 - >= a BPE's count
+    with tempfile.TemporaryDirectory(prefix="bench-memory-") as folder:
+        conn = memory.connect(os.path.join(folder, "familia.db"), cfg)
+        stamp = memory.now_text()
+        rows = [
+            (
+                rng.choice(names),
+                "family" if rng.random() < 0.2 else "private",
+                rng.choice(sentences),
+                int(rng.random() < 3e-4),
+                "manual",
+                stamp,
+                stamp,
+            )
+            for _ in range(count)
+        ]
+        with conn:
+            conn.executemany(
+                "INSERT INTO memories (member, scope, text, pinned, source, created, updated) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                rows,
+            )
+        times, lengths = [], []
+        for _ in range(queries):
+            question = rng.choice(sentences)
+            start = time.perf_counter()
+            context = memory.context_for_turn(conn, rng.choice(names), "adult", question, cfg, count_tokens)
+            times.append(time.perf_counter() - start)
+            lengths.append(context.count("\n- ["))
+        conn.close()
+    times.sort()
+    p50, p95 = times[len(times) // 2], times[int(0.95 * len(times))]
+
+    with open(os.path.join(ROOT, "configs", "model", "smoke.yaml"), encoding="utf-8") as f:
+        model_cfg = dict(yaml.safe_load(f)["model"], vocab_size=4096)
+    torch.manual_seed(0)
+    net = model.Transformer(model_cfg).eval()
+    prompt = torch.randint(0, model_cfg["vocab_size"], (model_cfg["seq_len"] - new_tokens,))
+
+    def turn():
+        with torch.no_grad():
+            for _ in net.generate(prompt, new_tokens, temperature=1.0, top_k=50):
+                pass
+
+    # One thread, like the retrieval: a loaded machine stretches a multi-threaded turn far more, which
+    # would flatter the share.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        turn_s = per_call_seconds(turn, repeats=5)
+    finally:
+        torch.set_num_threads(threads)
+    print(
+        f"memory: {count:,} memories of {members} members, {queries} queries: retrieval p50 "
+        f"{1000 * p50:.1f} ms, p95 {1000 * p95:.1f} ms ({statistics.mean(lengths):.1f} memories per turn)"
+    )
+    print(
+        f"memory: a smoke-model turn ({len(prompt)}-token prompt + {new_tokens} tokens, 1 thread) takes "
+        f"{1000 * turn_s:.0f} ms; retrieval p95 is {100 * p95 / (p95 + turn_s):.1f}% of the turn (target < 5%)"
+    )
+
+
+# -----------------------------------------------------------------------------
 
 SECTIONS = {
     "model": bench_model,
+    "decode": bench_decode,
     "data": bench_data,
     "corpus": bench_corpus,
     "search": bench_search,
+    "serve": bench_serve,
+    "memory": bench_memory,
 }
 
 

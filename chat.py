@@ -38,8 +38,12 @@ import jsonschema
 import numpy as np
 
 import config
+import fileio
 
 ROLES = ("system", "user", "assistant", "tool")
+# Bump when segments() changes what a conversation renders to: checkpoints record the version they
+# were trained with, and the export writes it beside the Jinja copy of the template.
+CHAT_TEMPLATE_VERSION = 1
 
 
 class ChatError(Exception):
@@ -344,27 +348,27 @@ def prepare(cfg, log=print):
             f"model.vocab_size is {cfg['model']['vocab_size']}"
         )
     os.makedirs(directory, exist_ok=True)
-    tokenizer_sha = data.sha256_of_file(chat_cfg["tokenizer"])
+    tokenizer_sha = fileio.sha256_of_file(chat_cfg["tokenizer"])
     copy = data.tokenizer_path(data_cfg)
-    if not os.path.exists(copy) or data.sha256_of_file(copy) != tokenizer_sha:
+    if not os.path.exists(copy) or fileio.sha256_of_file(copy) != tokenizer_sha:
         manifest = data.read_manifest(data_cfg)
         if manifest.pop("prepare", None) is not None:  # shards of another tokenizer are no longer valid
-            data.write_json(data.manifest_path(data_cfg), manifest)
+            fileio.write_json(data.manifest_path(data_cfg), manifest)
         info = os.path.join(os.path.dirname(chat_cfg["tokenizer"]), "tokenizer_info.json")
         for source, name in ((chat_cfg["tokenizer"], "tokenizer.model"), (info, "tokenizer_info.json")):
             if os.path.exists(source):
                 with open(source, "rb") as f:
                     content = f.read()
-                data.write_atomic(os.path.join(directory, name), lambda out, c=content: out.write(c))
+                fileio.write_atomic(os.path.join(directory, name), lambda out, c=content: out.write(c))
         log(f"prepare: tokenizer {chat_cfg['tokenizer']} -> {copy}")
 
     row_len = seq_len + 1
     for split in data.SPLITS:
         paths = expand_paths(chat_cfg[split], f"data.chat.{split}")
-        key = data.fingerprint(
+        key = fileio.fingerprint(
             {
                 "version": PREPARE_VERSION,
-                "files": [[path, data.sha256_of_file(path)] for path in paths],
+                "files": [[path, fileio.sha256_of_file(path)] for path in paths],
                 "tokenizer": tokenizer_sha,
                 "seq_len": seq_len,
                 "too_long": chat_cfg["too_long"],
@@ -377,13 +381,12 @@ def prepare(cfg, log=print):
 
 def intact_shards(data_cfg, record, log):
     """The prefix of a manifest record's shards whose two files are unchanged on disk."""
-    import data
 
     kept = []
     for shard in record["shards"]:
         for name, sha in ((shard["name"], shard["sha256"]), (shard["mask"], shard["mask_sha256"])):
             path = os.path.join(data_cfg["dir"], name)
-            if not os.path.exists(path) or data.sha256_of_file(path) != sha:
+            if not os.path.exists(path) or fileio.sha256_of_file(path) != sha:
                 log(f"prepare: {path} is missing or changed; packing again from there")
                 return kept
         kept.append(shard)
@@ -420,7 +423,7 @@ def prepare_split(data_cfg, split, key, paths, tokenizer, row_len, log):
         manifest = data.read_manifest(data_cfg)
         record = {"fingerprint": key, "complete": complete, "seq_len": row_len - 1, "stats": stats}
         manifest.setdefault("prepare", {})[split] = record | {"shards": shards}
-        data.write_json(data.manifest_path(data_cfg), manifest)
+        fileio.write_json(data.manifest_path(data_cfg), manifest)
 
     per_shard = chat_cfg["rows_per_shard"]
     if shards:
@@ -597,7 +600,6 @@ IMPORTERS = {"alpaca": from_alpaca, "sharegpt": from_sharegpt, "oasst": from_oas
 
 def import_file(kind, path, out_path, skip_bad=False, lang=None, log=print):
     """Convert a public data file to our conversations JSONL (written atomically). Returns (written, skipped)."""
-    import data
 
     source = f"{kind}:{os.path.basename(path)}"
     records = read_records(path)
@@ -618,7 +620,7 @@ def import_file(kind, path, out_path, skip_bad=False, lang=None, log=print):
             skipped += 1
             continue
         lines.append(json.dumps(conversation, ensure_ascii=False) + "\n")
-    data.write_atomic(out_path, lambda f: f.write("".join(lines).encode("utf-8")))
+    fileio.write_atomic(out_path, lambda f: f.write("".join(lines).encode("utf-8")))
     log(f"import: {len(lines):,} conversations from {path} ({kind}) -> {out_path}; {skipped} skipped")
     return len(lines), skipped
 

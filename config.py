@@ -37,9 +37,9 @@ import sys
 import jsonschema
 import yaml
 
-LAYERS = ("hardware", "model", "train", "data", "agent", "serve")
+LAYERS = ("hardware", "model", "train", "data", "agent", "serve", "memory")
 # A run file may leave these out; their users then read a default layer file (configs/<layer>/default.yaml).
-OPTIONAL_LAYERS = ("agent", "serve")
+OPTIONAL_LAYERS = ("agent", "serve", "memory")
 SCHEMA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "schema")
 COMMAND_LINE = "command line"
 EXPONENT_NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+")
@@ -154,14 +154,17 @@ def compose(path, overrides=()):
     """Compose a run file, its layers and the overrides. Returns (config, origins), unvalidated."""
     configs_root = os.path.dirname(os.path.abspath(path)) or "."
     run = _read_yaml(path)
-    includes = run.pop("include", None)
+    # A run's saved config.yaml is a run file too: every layer written out, nothing to include.
+    required = [layer for layer in LAYERS if layer not in OPTIONAL_LAYERS]
+    resolved = "include" not in run and all(isinstance(run.get(layer), dict) for layer in required)
+    includes = run.pop("include", {} if resolved else None)
     if not isinstance(includes, dict):
         raise ConfigError(
             [f"{path}: include: expected a mapping of layer to file, e.g. 'model: model/smoke.yaml'"]
         )
     problems = []
     for layer in LAYERS:
-        if layer not in includes and layer not in OPTIONAL_LAYERS:
+        if layer not in includes and layer not in OPTIONAL_LAYERS and not resolved:
             problems.append(f"{path}: include.{layer}: missing; name the {layer} layer file")
     for layer in includes:
         if layer not in LAYERS:

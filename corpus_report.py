@@ -17,7 +17,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 import corpus  # noqa: E402
-from data import DataError, load_tokenizer, read_manifest, write_atomic  # noqa: E402
+from data import DataError, load_tokenizer, read_manifest  # noqa: E402
+from fileio import write_atomic  # noqa: E402
 
 STAGES = (
     "min_chars",

@@ -36,6 +36,8 @@ import numpy as np
 import sentencepiece as spm
 import torch
 
+import fileio
+
 SHARD_MAGIC = 20240520
 SHARD_VERSION = 1
 HEADER_INTS = 256
@@ -77,45 +79,7 @@ class DataError(Exception):
 
 
 # -----------------------------------------------------------------------------
-# Small file helpers
-
-
-def write_atomic(path, write):
-    """Call write(f) on a temp file beside `path`, fsync it, then rename it over `path`."""
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-    dir_fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-
-
-def write_json(path, obj):
-    text = json.dumps(obj, indent=1, ensure_ascii=False) + "\n"
-    write_atomic(path, lambda f: f.write(text.encode("utf-8")))
-
-
-def sha256_of_file(path):
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def fingerprint(obj):
-    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode("utf-8")).hexdigest()
+# Manifests (the atomic writer and file digests are fileio.py's)
 
 
 def manifest_path(data_cfg):
@@ -167,13 +131,18 @@ class SentencePieceTokenizer:
 
     name = "sentencepiece"
 
-    def __init__(self, model_path):
-        if not os.path.exists(model_path):
+    def __init__(self, model_path, model_proto=None):
+        """From the file model_path, or from model_proto (the file's bytes, as a checkpoint carries
+        them; model_path then only names where they came from)."""
+        if model_proto is None and not os.path.exists(model_path):
             raise DataError(
                 f"{model_path}: tokenizer not found; build it with `python corpus.py tokenizer CONFIG`"
             )
         try:
-            self.processor = spm.SentencePieceProcessor(model_file=model_path)
+            if model_proto is None:
+                self.processor = spm.SentencePieceProcessor(model_file=model_path)
+            else:
+                self.processor = spm.SentencePieceProcessor(model_proto=model_proto)
         except (OSError, RuntimeError) as e:
             raise DataError(f"{model_path}: not a sentencepiece model ({e})") from None
         processor = self.processor
@@ -262,7 +231,7 @@ def write_shard(path, tokens, vocab_size):
             digest.update(part)
             f.write(part)
 
-    write_atomic(path, write)
+    fileio.write_atomic(path, write)
     return digest.hexdigest()
 
 

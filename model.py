@@ -18,7 +18,6 @@ The model knows nothing about devices, dtypes or files: the caller moves it and 
 """
 
 import math
-from collections import deque
 
 import torch
 import torch.nn as nn
@@ -276,9 +275,15 @@ class Transformer(nn.Module):
         softmax(logits / temperature), restricted to the top_k tokens and/or the smallest set whose
         probability reaches top_p, drawing with `generator` (sampling runs on the generator's device, so a
         CPU generator gives the same draws whatever the model's device). The stop token is yielded, then
-        generation ends. Past seq_len the context is the last seq_len tokens, exactly as a full forward pass
-        over the cropped window would see it: the cache is rebuilt from that window at every further step
-        (exact, and as slow as decoding without a cache from then on)."""
+        generation ends.
+
+        Each step's logits are exactly those of a full forward pass over a window of the most recent
+        tokens. The first window is the prompt's last seq_len tokens; each step adds the new token to it
+        until it holds seq_len; the next step's window is then the last seq_len // 2 tokens (the cache
+        restarts from them with one batched prefill) and it grows again. So past seq_len every token is
+        predicted from at least seq_len // 2 tokens, and a long chat costs one prefill of seq_len // 2
+        tokens every seq_len // 2 steps instead of a full window at every step. (A rolling cache would
+        keep keys computed while older tokens were still in view: no forward pass computes those.)"""
         if idx.dim() == 2 and idx.shape[0] == 1:
             idx = idx[0]
         if idx.dim() != 1 or idx.numel() == 0:
@@ -287,9 +292,9 @@ class Transformer(nn.Module):
             )
         check_sampling(temperature, top_k, top_p)
         device = self.embed_tokens.weight.device
-        window = deque(idx.tolist()[-self.seq_len :], maxlen=self.seq_len)
+        window = idx.tolist()[-self.seq_len :]
         cache = self.new_kv_cache()
-        logits = self.forward_with_cache(torch.tensor([list(window)], device=device), cache)
+        logits = self.forward_with_cache(torch.tensor([window], device=device), cache)
         for step in range(max_new_tokens):
             token = sample_token(logits[0, -1], temperature, top_k, top_p, generator)
             yield token
@@ -299,8 +304,9 @@ class Transformer(nn.Module):
             if cache.length < self.seq_len:
                 logits = self.forward_with_cache(torch.tensor([[token]], device=device), cache)
             else:
+                window = window[-(self.seq_len // 2) :]
                 cache = self.new_kv_cache()
-                logits = self.forward_with_cache(torch.tensor([list(window)], device=device), cache)
+                logits = self.forward_with_cache(torch.tensor([window], device=device), cache)
 
 
 def check_sampling(temperature, top_k, top_p):

@@ -18,7 +18,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only, no display needed
 import matplotlib.pyplot as plt  # noqa: E402
 
-import data  # noqa: E402
+import fileio
 
 
 class PlotError(Exception):
@@ -77,7 +77,7 @@ def plot(runs, out):
     png = io.BytesIO()
     figure.savefig(png, format="png", dpi=100)
     plt.close(figure)
-    data.write_atomic(out, lambda f: f.write(png.getvalue()))
+    fileio.write_atomic(out, lambda f: f.write(png.getvalue()))
     return out
 
 

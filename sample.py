@@ -4,13 +4,13 @@ Use a trained run: generate text, chat, or measure bits per byte.
     python sample.py runs/smoke-cpu --prompt "Había una vez" --max-new-tokens 200 --seed 1
     python sample.py runs/smoke-cpu/ckpt_0000300.pt --prompt-file prompt.txt --num-samples 3
     python sample.py runs/sft-smoke-cpu --chat --system "Eres un asistente amable."
-    python sample.py runs/sft-smoke-cpu --chat-eval val --max-new-tokens 64   # held-out conversations
+    python sample.py runs/sft-smoke-cpu --chat-eval val --max-new-tokens 400   # held-out conversations
     python sample.py runs/smoke-cpu --eval val            # the run's validation split
     python sample.py runs/smoke-cpu --eval texto.txt      # any UTF-8 text file
 
-A run directory means its newest checkpoint. The checkpoint carries the resolved config it was trained
-with (model shape, tokenizer), so nothing here depends on the training code's state. Inference runs in
-float32 on the CPU, or on CUDA with --device cuda.
+A run directory means its newest checkpoint. The checkpoint carries the resolved config and the tokenizer
+it was trained with (checkpoint.load_run), so nothing here depends on the training code or on data/.
+Inference runs in float32 on the CPU, or on CUDA with --device cuda.
 """
 
 import argparse
@@ -24,53 +24,21 @@ import torch.nn.functional as F
 
 import agent
 import chat
+import checkpoint
 import data
-from model import Transformer
-from train import load_checkpoint, load_newest_checkpoint
+from checkpoint import CheckpointError
 
 
 class SampleError(Exception):
     """A problem the user can fix; printed without a traceback, exit status 2."""
 
 
-# -----------------------------------------------------------------------------
-# Loading a run
-
-
 def load_run(path, device="cpu"):
-    """(model in eval mode, resolved config, tokenizer, checkpoint path) of a run directory or file."""
-    if os.path.isdir(path):
-        try:
-            ckpt_path, checkpoint = load_newest_checkpoint(path, log=lambda m: print(m, file=sys.stderr))
-        except Exception as e:
-            raise SampleError(f"{path}: {e}") from None
-    elif os.path.isfile(path):
-        ckpt_path = path
-        try:
-            checkpoint = load_checkpoint(path)
-        except Exception as e:
-            raise SampleError(f"{path}: not a loadable ENLACE checkpoint ({type(e).__name__}: {e})") from None
-    else:
-        raise SampleError(f"{path}: no such run directory or checkpoint file")
-
-    cfg = checkpoint["config"]
+    """checkpoint.load_run with its errors as SampleError, which serve.py and agent_data.py catch."""
     try:
-        model = Transformer(cfg["model"])
-        model.load_state_dict(checkpoint["model"])
-    except (KeyError, ValueError, RuntimeError) as e:
-        first_lines = "\n  ".join(str(e).strip().splitlines()[:6])
-        raise SampleError(
-            f"{ckpt_path}: the weights do not fit the model config stored with them:\n  {first_lines}"
-        ) from None
-    tokenizer = data.load_tokenizer(cfg["data"])
-    trained_with = checkpoint.get("tokenizer", tokenizer.name)
-    if tokenizer.name != trained_with or tokenizer.vocab_size != cfg["model"]["vocab_size"]:
-        raise SampleError(
-            f"{ckpt_path}: trained with the {trained_with} tokenizer of {cfg['model']['vocab_size']} tokens, "
-            f"but data config gives the {tokenizer.name} tokenizer of {tokenizer.vocab_size}"
-        )
-    model.to(device).eval()
-    return model, cfg, tokenizer, ckpt_path
+        return checkpoint.load_run(path, device)
+    except CheckpointError as e:
+        raise SampleError(str(e)) from None
 
 
 # -----------------------------------------------------------------------------
@@ -336,8 +304,9 @@ def show_tool_event(out):
 
 
 def run_chat_eval(model, cfg, tokenizer, args, out=sys.stdout):
-    """Loss and bits per byte on the assistant tokens (mask 1) of held-out conversations, and the share of
-    their first prompts whose greedy answer ends with <|end|> within --max-new-tokens."""
+    """Loss and bits per byte on the assistant tokens (mask 1) of held-out conversations, the share of
+    their first prompts whose greedy answer ends with <|end|> within --max-new-tokens, and (teacher-forced,
+    for conversations that fit the context) how often <|end|> is the most likely token where an answer ends."""
     end_id = check_chat_tokenizer(tokenizer, args.run)
     if args.chat_eval == "val":
         if cfg["data"]["format"] != "chat":
@@ -345,10 +314,11 @@ def run_chat_eval(model, cfg, tokenizer, args, out=sys.stdout):
         paths = chat.expand_paths(cfg["data"]["chat"]["val"], "data.chat.val")
     else:
         paths = [args.chat_eval]
-    conversations = [c for path in paths for c in chat.read_conversations(path)[0]]
+    conversations = [c for path in paths for c in chat.read_conversations(path)[0]][: args.limit or None]
     if not conversations:
         raise SampleError(f"{', '.join(paths)}: no conversations")
     nats, count, num_bytes, ended, examples = 0.0, 0, 0, 0, []
+    end_turns, end_guessed = 0, 0
     for where, conversation in conversations:
         ids, mask = chat.render(conversation, tokenizer)
         n, c, b = evaluate_tokens(
@@ -359,6 +329,12 @@ def run_chat_eval(model, cfg, tokenizer, args, out=sys.stdout):
             mask=torch.tensor(mask),
         )
         nats, count, num_bytes = nats + n, count + c, num_bytes + b
+        if len(ids) <= model.seq_len + 1:  # teacher-forced: is <|end|> the top guess where an answer ends?
+            with torch.no_grad():
+                logits, _ = model(torch.tensor([ids[:-1]], device=model.embed_tokens.weight.device))
+            ends = [p for p in range(len(ids) - 1) if ids[p + 1] == end_id and mask[p + 1]]
+            end_turns += len(ends)
+            end_guessed += sum(int(logits[0, p].argmax()) == end_id for p in ends)
         messages = conversation["messages"]
         first_answer = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
         prompt, _ = chat.render({"messages": messages[:first_answer]}, tokenizer, for_generation=True)
@@ -379,11 +355,13 @@ def run_chat_eval(model, cfg, tokenizer, args, out=sys.stdout):
         "loss": nats / max(count, 1),
         "bpb": nats / (math.log(2) * max(num_bytes, 1)),
         "ended": ended / len(conversations),
+        "end_guessed": end_guessed / max(end_turns, 1),
     }
     out.write(
         f"{', '.join(paths)}: {len(conversations)} conversations, {count} assistant tokens, {num_bytes} bytes | "
         f"loss {result['loss']:.4f} | bpb {result['bpb']:.4f} | answers ending with <|end|> within "
-        f"{args.max_new_tokens} tokens: {ended}/{len(conversations)} ({100 * result['ended']:.0f}%)\n"
+        f"{args.max_new_tokens} tokens: {ended}/{len(conversations)} ({100 * result['ended']:.0f}%) | "
+        f"<|end|> the top guess where an answer ends: {end_guessed}/{end_turns}\n"
     )
     return result
 
@@ -495,6 +473,7 @@ def parse_args(argv):
     parser.add_argument("--max-tokens", type=int, default=0, help="--eval only the first N tokens")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--show", type=int, default=3, help="--chat-eval: print this many answers")
+    parser.add_argument("--limit", type=int, default=0, help="--chat-eval only the first N conversations")
     args = parser.parse_args(argv)
     if args.max_new_tokens < 1 or args.num_samples < 1:
         parser.error("--max-new-tokens and --num-samples must be >= 1")
@@ -513,7 +492,7 @@ def main(argv):
             run_chat(model, tokenizer, cfg, args)
         else:
             run_generation(model, tokenizer, args)
-    except (SampleError, chat.ChatError, data.DataError, ValueError) as e:
+    except (SampleError, CheckpointError, chat.ChatError, data.DataError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

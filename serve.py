@@ -8,12 +8,13 @@ chat page in web/.
     python serve.py member password NAME                        # sets the web password or PIN
     python serve.py member list | remove NAME | new-key NAME
 
-One process: uvicorn runs the Starlette app on the event loop, and one model worker thread generates one
-answer at a time, taking requests from a bounded queue (a full queue answers 503 with Retry-After).
+One process: uvicorn runs the Starlette app on the event loop, and one model worker thread (worker.py)
+generates one answer at a time, taking requests from a bounded queue (a full queue answers 503 with
+Retry-After).
 The server binds 127.0.0.1 unless --host says otherwise: --host 0.0.0.0 opens it to every device on the
 network, over plain HTTP (see the README before doing that).
 
-Routes (ROUTES below; other features add theirs with build_app(..., extra_routes)):
+Routes (routes() below; other features add theirs with build_app(..., extra_routes)):
     GET  /v1/models                        the run, as the one model id
     POST /v1/chat/completions              OpenAI chat completions, plain or streamed (SSE); stateless
     POST /api/login, /api/logout; GET /api/me            web sessions (HttpOnly, SameSite=Strict cookie)
@@ -21,25 +22,24 @@ Routes (ROUTES below; other features add theirs with build_app(..., extra_routes
     POST /api/conversations/{id}/messages  a turn of a stored conversation, streamed like the API
     GET|POST /api/members; DELETE /api/members/{name}; POST /api/members/{name}/key     admin only
     GET  /api/server                       queue and worker counters, admin only
+    GET|POST|DELETE /api/memories; GET /api/memories/export; PATCH|DELETE /api/memories/{id}
+                                           the member's memories (memory.py), never the admin's business
 Every request is authenticated by `Authorization: Bearer <API key>` or the session cookie. A member only
-ever reaches their own conversations (anything else is 404, whoever asks, admins included).
+ever reaches their own conversations (anything else is 404, whoever asks, admins included). Members,
+sessions and conversations are accounts.py's (SQLite).
 
-Members, sessions and conversations live in one SQLite file (WAL): API keys are stored as SHA-256 hashes
-(they are random 256-bit secrets), passwords and PINs as salted scrypt hashes.
+A request that brings its own `tools` gets them rendered by chat.render and the model's calls back as
+OpenAI tool_calls; any other request runs agent.py's loop with the server's tools (search, calculator,
+date) in the worker, when their schemas fit the model's context and serve.tools is on.
 """
 
 import argparse
 import asyncio
-import getpass
 import hashlib
-import hmac
 import json
 import os
-import queue
-import re
 import secrets
 import socket
-import sqlite3
 import sys
 import threading
 import time
@@ -53,17 +53,19 @@ from starlette.responses import FileResponse, JSONResponse, Response, StreamingR
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
+import accounts
 import agent
+import chat
 import config
+import fileio
+import memory
+import worker
+from openai_shapes import ApiError, Reply, check_tools, conversation_of, expect, sampling_of
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 WEB_DIR = os.path.join(ROOT, "web")
 DEFAULT_CONFIG = os.path.join(ROOT, "configs", "serve", "default.yaml")
-ROLES = ("admin", "adult", "child")
 SESSION_COOKIE = "enlace_session"
-NAME_PATTERN = re.compile(r"^[A-Za-z0-9ÁÉÍÓÚÜÑáéíóúüñ][A-Za-z0-9ÁÉÍÓÚÜÑáéíóúüñ._-]{0,39}$")
-OVERRIDE = re.compile(r"^serve\.[A-Za-z_.]+=")
-MESSAGE_ROLES = ("system", "developer", "user", "assistant", "tool")
 SECURITY_HEADERS = [
     (b"x-content-type-options", b"nosniff"),
     (b"x-frame-options", b"DENY"),
@@ -76,466 +78,6 @@ class ServeError(Exception):
     """A problem the person starting the server can fix; printed without a traceback, exit status 2."""
 
 
-class ApiError(Exception):
-    """An error answered in OpenAI's shape {"error": {"message", "type", "param", "code"}}."""
-
-    TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error"}
-    TYPES |= {
-        404: "not_found_error",
-        405: "invalid_request_error",
-        413: "invalid_request_error",
-        429: "rate_limit_error",
-    }
-    TYPES |= {503: "server_overloaded"}
-
-    def __init__(self, status, message, param=None, code=None, retry_after=None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-        self.retry_after = retry_after
-
-    def body(self):
-        kind = self.TYPES.get(self.status, "server_error")
-        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
-
-
-# -----------------------------------------------------------------------------
-# Accounts, sessions and conversations (SQLite)
-
-SCHEMA_SQL = """
-CREATE TABLE IF NOT EXISTS members (
-    id INTEGER PRIMARY KEY, name TEXT NOT NULL UNIQUE COLLATE NOCASE, role TEXT NOT NULL,
-    key_hash TEXT NOT NULL UNIQUE, password_hash TEXT, created REAL NOT NULL);
-CREATE TABLE IF NOT EXISTS sessions (
-    token_hash TEXT PRIMARY KEY, member_id INTEGER NOT NULL REFERENCES members(id) ON DELETE CASCADE,
-    expires REAL NOT NULL);
-CREATE TABLE IF NOT EXISTS conversations (
-    id TEXT PRIMARY KEY, member_id INTEGER NOT NULL REFERENCES members(id) ON DELETE CASCADE,
-    title TEXT NOT NULL, created REAL NOT NULL, updated REAL NOT NULL);
-CREATE INDEX IF NOT EXISTS conversations_of_member ON conversations(member_id, updated);
-CREATE TABLE IF NOT EXISTS messages (
-    id INTEGER PRIMARY KEY, conversation_id TEXT NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
-    role TEXT NOT NULL, content TEXT NOT NULL, created REAL NOT NULL);
-CREATE INDEX IF NOT EXISTS messages_of_conversation ON messages(conversation_id, id);
-"""
-
-
-def sha256(text):
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()
-
-
-def hash_password(password, cost):
-    salt = secrets.token_bytes(16)
-    digest = hashlib.scrypt(password.encode("utf-8"), salt=salt, n=cost["n"], r=cost["r"], p=cost["p"],
-                            maxmem=256 * 1024 * 1024)  # fmt: skip
-    return f"scrypt${cost['n']}${cost['r']}${cost['p']}${salt.hex()}${digest.hex()}"
-
-
-def password_matches(password, stored):
-    _, n, r, p, salt, digest = stored.split("$")
-    candidate = hashlib.scrypt(password.encode("utf-8"), salt=bytes.fromhex(salt), n=int(n), r=int(r),
-                               p=int(p), maxmem=256 * 1024 * 1024)  # fmt: skip
-    return hmac.compare_digest(candidate.hex(), digest)
-
-
-class Store:
-    """The SQLite database. One connection shared under a lock: every statement here takes microseconds,
-    so the event loop calls it directly. Each write is one committed transaction (synchronous=FULL)."""
-
-    def __init__(self, path):
-        folder = os.path.dirname(os.path.abspath(path))
-        os.makedirs(folder, exist_ok=True)
-        self.db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
-        self.db.row_factory = sqlite3.Row
-        self.lock = threading.Lock()
-        self.db.execute("PRAGMA journal_mode=WAL")
-        self.db.execute("PRAGMA synchronous=FULL")
-        self.db.execute("PRAGMA foreign_keys=ON")
-        self.db.executescript(SCHEMA_SQL)
-
-    def query(self, sql, args=()):
-        with self.lock:
-            return [dict(row) for row in self.db.execute(sql, args)]
-
-    def write(self, *statements):
-        """Run (sql, args) statements in one transaction; returns the last cursor's rowcount."""
-        with self.lock:
-            self.db.execute("BEGIN IMMEDIATE")
-            try:
-                count = 0
-                for sql, args in statements:
-                    count = self.db.execute(sql, args).rowcount
-                self.db.execute("COMMIT")
-                return count
-            except BaseException:
-                self.db.execute("ROLLBACK")
-                raise
-
-    # members
-    def add_member(self, name, role):
-        """Create a member; returns their new API key (shown once, stored as a hash)."""
-        if not NAME_PATTERN.match(name):
-            raise ServeError(f"member name {name!r}: use 1-40 letters, digits, '.', '_' or '-'")
-        if role not in ROLES:
-            raise ServeError(f"role {role!r}: expected one of {', '.join(ROLES)}")
-        if self.member(name):
-            raise ServeError(f"member {name!r} already exists")
-        key = "enl-" + secrets.token_urlsafe(32)
-        sql = "INSERT INTO members (name, role, key_hash, created) VALUES (?, ?, ?, ?)"
-        self.write((sql, (name, role, sha256(key), time.time())))
-        return key
-
-    def member(self, name):
-        rows = self.query("SELECT * FROM members WHERE name = ?", (name,))
-        return rows[0] if rows else None
-
-    def members(self):
-        return self.query("SELECT id, name, role, password_hash IS NOT NULL AS has_password, created "
-                          "FROM members ORDER BY name")  # fmt: skip
-
-    def remove_member(self, name):
-        return self.write(("DELETE FROM members WHERE name = ?", (name,))) > 0
-
-    def new_key(self, name):
-        key = "enl-" + secrets.token_urlsafe(32)
-        if not self.write(("UPDATE members SET key_hash = ? WHERE name = ?", (sha256(key), name))):
-            return None
-        return key
-
-    def set_password(self, name, password_hash):
-        return self.write(("UPDATE members SET password_hash = ? WHERE name = ?", (password_hash, name))) > 0
-
-    def member_by_key(self, key):
-        rows = self.query("SELECT * FROM members WHERE key_hash = ?", (sha256(key),))
-        return rows[0] if rows else None
-
-    # sessions
-    def new_session(self, member_id, days):
-        token = secrets.token_urlsafe(32)
-        sql = "INSERT INTO sessions (token_hash, member_id, expires) VALUES (?, ?, ?)"
-        self.write((sql, (sha256(token), member_id, time.time() + days * 86400)))
-        return token
-
-    def member_by_session(self, token):
-        sql = "SELECT m.* FROM sessions s JOIN members m ON m.id = s.member_id WHERE s.token_hash = ? AND s.expires > ?"
-        rows = self.query(sql, (sha256(token), time.time()))
-        return rows[0] if rows else None
-
-    def end_session(self, token):
-        self.write(("DELETE FROM sessions WHERE token_hash = ?", (sha256(token),)))
-
-    # conversations: every query names the owner, so nobody else's rows can come back
-    def conversations(self, member_id):
-        sql = (
-            "SELECT id, title, created, updated FROM conversations WHERE member_id = ? ORDER BY updated DESC"
-        )
-        return self.query(sql, (member_id,))
-
-    def conversation(self, member_id, conversation_id):
-        rows = self.query(
-            "SELECT id, title, created, updated FROM conversations WHERE id = ? AND member_id = ?",
-            (conversation_id, member_id),
-        )
-        if not rows:
-            return None
-        sql = "SELECT role, content, created FROM messages WHERE conversation_id = ? ORDER BY id"
-        return rows[0] | {"messages": self.query(sql, (conversation_id,))}
-
-    def new_conversation(self, member_id, title):
-        conversation_id = uuid.uuid4().hex
-        now = time.time()
-        sql = "INSERT INTO conversations (id, member_id, title, created, updated) VALUES (?, ?, ?, ?, ?)"
-        self.write((sql, (conversation_id, member_id, title, now, now)))
-        return conversation_id
-
-    def delete_conversation(self, member_id, conversation_id):
-        sql = "DELETE FROM conversations WHERE id = ? AND member_id = ?"
-        return self.write((sql, (conversation_id, member_id))) > 0
-
-    def add_message(self, member_id, conversation_id, role, content, title=None):
-        """Append one message (and retitle) in one transaction; False if the conversation is not theirs."""
-        now = time.time()
-        owned = "SELECT 1 FROM conversations WHERE id = ? AND member_id = ?"
-        statements = [
-            (f"INSERT INTO messages (conversation_id, role, content, created) SELECT ?, ?, ?, ? WHERE EXISTS ({owned})",
-             (conversation_id, role, content, now, conversation_id, member_id)),
-        ]  # fmt: skip
-        sql = (
-            "UPDATE conversations SET updated = ?, title = COALESCE(?, title) WHERE id = ? AND member_id = ?"
-        )
-        statements.append((sql, (now, title, conversation_id, member_id)))
-        return self.write(*statements) > 0
-
-
-# -----------------------------------------------------------------------------
-# The model worker: one thread, one answer at a time, from a bounded queue
-
-
-class Job:
-    """One generation: the worker sends ("text", piece) events, then ("done", finish_reason, tokens) or
-    ("error", message), to the request's event loop. cancel() makes the worker stop at the next token
-    (its "done" then has finish_reason None)."""
-
-    def __init__(self, loop, prompt_ids, max_tokens, temperature, top_p, top_k, seed):
-        self.loop, self.events = loop, asyncio.Queue()
-        self.prompt_ids, self.max_tokens = prompt_ids, max_tokens
-        self.temperature, self.top_p, self.top_k, self.seed = temperature, top_p, top_k, seed
-        self.cancelled = threading.Event()
-
-    def send(self, *event):
-        if not self.loop.is_closed():
-            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
-
-    def cancel(self):
-        self.cancelled.set()
-
-
-class Worker:
-    def __init__(self, model, tokenizer, queue_size):
-        self.model, self.tokenizer = model, tokenizer
-        self.jobs = queue.Queue(maxsize=queue_size)
-        self.stop_ids = {tokenizer.special_ids["<|end|>"], tokenizer.eos_id}
-        self.stats = {"answered": 0, "cancelled": 0, "refused_busy": 0, "generated_tokens": 0}
-        self.thread = threading.Thread(target=self.loop, name="model-worker", daemon=True)
-        self.thread.start()
-
-    def submit(self, job, retry_after):
-        try:
-            self.jobs.put_nowait(job)
-        except queue.Full:
-            self.stats["refused_busy"] += 1
-            raise ApiError(503, "the model is busy with other requests; retry shortly", code="server_busy",
-                           retry_after=retry_after) from None  # fmt: skip
-
-    def close(self):
-        """Let the worker finish its current answer and end (the queue's None)."""
-        self.jobs.put(None)
-        self.thread.join()
-
-    def loop(self):
-        while True:
-            job = self.jobs.get()
-            if job is None:
-                return
-            try:
-                self.run(job)
-            except Exception as e:  # a failed generation answers its own request, the worker lives on
-                print(f"serve: generation failed: {type(e).__name__}: {e}", file=sys.stderr)
-                job.send("error", "generation failed on the server")
-
-    def run(self, job):
-        import torch
-
-        from sample import StreamDecoder
-
-        if job.cancelled.is_set():
-            self.stats["cancelled"] += 1
-            job.send("done", None, 0)
-            return
-        decoder = StreamDecoder(self.tokenizer)
-        generator = torch.Generator().manual_seed(job.seed)
-        count, finish = 0, "length"
-        device = self.model.embed_tokens.weight.device
-        with torch.inference_mode():
-            prompt = torch.tensor(job.prompt_ids, device=device)
-            top_p = job.top_p if job.top_p < 1 else None
-            tokens = self.model.generate(prompt, job.max_tokens, job.temperature, job.top_k, top_p,
-                                         generator=generator)  # fmt: skip
-            for token in tokens:
-                if job.cancelled.is_set():
-                    finish = None
-                    break
-                count += 1
-                if token in self.stop_ids:
-                    finish = "stop"
-                    break
-                piece = decoder.push(token)
-                if piece:
-                    job.send("text", piece)
-        self.stats["generated_tokens"] += count
-        if finish is None:
-            self.stats["cancelled"] += 1
-            job.send("done", None, count)
-            return
-        tail = decoder.flush()
-        if tail:
-            job.send("text", tail)
-        self.stats["answered"] += 1
-        job.send("done", finish, count)
-
-
-# -----------------------------------------------------------------------------
-# Requests: checking OpenAI's fields, rendering the prompt, shaping the answer
-
-
-def expect(value, kinds, param, what):
-    """value if it has one of the types (bool is not a number here), else a 400 naming the field."""
-    kinds = kinds if isinstance(kinds, tuple) else (kinds,)
-    ok = isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds)
-    if not ok:
-        raise ApiError(400, f"{param}: expected {what}, got {json.dumps(value)[:80]}", param=param,
-                       code="invalid_type")  # fmt: skip
-    return value
-
-
-def text_of(content, param):
-    """A message's content as text: a string, null, or a list of {"type": "text", "text": ...} parts."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    expect(content, list, param, "a string or a list of text parts")
-    texts = []
-    for index, part in enumerate(content):
-        where = f"{param}.{index}"
-        expect(part, dict, where, 'a content part like {"type": "text", "text": "..."}')
-        if part.get("type") != "text":
-            raise ApiError(400, f"{where}: only text parts are supported, got type {part.get('type')!r}",
-                           param=where, code="unsupported_content")  # fmt: skip
-        texts.append(expect(part.get("text"), str, f"{where}.text", "a string"))
-    return "".join(texts)
-
-
-def conversation_of(messages, limits):
-    """OpenAI messages -> chat.py's conversation: system and developer texts become the one leading system
-    message, content parts are joined, assistant tool calls kept."""
-    expect(messages, list, "messages", "a list of messages")
-    if not messages:
-        raise ApiError(400, "messages: the list is empty; send at least one message", param="messages",
-                       code="empty_messages")  # fmt: skip
-    if len(messages) > limits["max_messages"]:
-        raise ApiError(400, f"messages: {len(messages)} messages; at most {limits['max_messages']} per request",
-                       param="messages", code="too_many_messages")  # fmt: skip
-    system, turns = [], []
-    for index, message in enumerate(messages):
-        where = f"messages.{index}"
-        expect(message, dict, where, "an object with role and content")
-        role = message.get("role")
-        if role not in MESSAGE_ROLES:
-            raise ApiError(400, f"{where}.role: {role!r} is not one of {', '.join(MESSAGE_ROLES)}",
-                           param=f"{where}.role", code="invalid_value")  # fmt: skip
-        content = text_of(message.get("content"), f"{where}.content")
-        if role in ("system", "developer"):
-            if turns:
-                raise ApiError(400, f"{where}: {role} messages must come before the conversation's turns",
-                               param=where, code="invalid_value")  # fmt: skip
-            system.append(content)
-            continue
-        turn = {"role": role, "content": content}
-        if role == "assistant" and message.get("tool_calls"):
-            calls = expect(message["tool_calls"], list, f"{where}.tool_calls", "a list of tool calls")
-            turn["tool_calls"] = [
-                {"type": "function", "function": {
-                    "name": call["function"]["name"], "arguments": call["function"]["arguments"]}}
-                for call in calls if isinstance(call, dict) and isinstance(call.get("function"), dict)
-                and "name" in call["function"] and "arguments" in call["function"]
-            ]  # fmt: skip
-            if len(turn["tool_calls"]) != len(calls):
-                raise ApiError(400, f"{where}.tool_calls: each call needs function.name and function.arguments",
-                               param=f"{where}.tool_calls", code="invalid_value")  # fmt: skip
-        turns.append(turn)
-    if not turns:
-        raise ApiError(400, "messages: only system messages; add a user message", param="messages",
-                       code="empty_messages")  # fmt: skip
-    return system, turns
-
-
-def sampling_of(body, limits, member):
-    """(max_tokens, temperature, top_p, seed, stop strings) of a request, with the config's defaults and
-    the member's cap."""
-    cap = limits["child"]["max_tokens"] if member["role"] == "child" else limits["max_tokens"]
-    max_tokens = limits["default_max_tokens"]
-    for key in ("max_completion_tokens", "max_tokens"):
-        if body.get(key) is not None:
-            max_tokens = expect(body[key], int, key, "an integer >= 1")
-            if max_tokens < 1:
-                raise ApiError(400, f"{key}: {max_tokens} must be >= 1", param=key, code="invalid_value")
-            break
-    temperature = body.get("temperature")
-    temperature = (
-        limits["temperature"]
-        if temperature is None
-        else expect(temperature, (int, float), "temperature", "a number")
-    )
-    if not 0 <= temperature <= 2:
-        raise ApiError(400, f"temperature: {temperature} must be between 0 and 2", param="temperature",
-                       code="invalid_value")  # fmt: skip
-    top_p = body.get("top_p")
-    top_p = limits["top_p"] if top_p is None else expect(top_p, (int, float), "top_p", "a number")
-    if not 0 < top_p <= 1:
-        raise ApiError(400, f"top_p: {top_p} must be in (0, 1]", param="top_p", code="invalid_value")
-    seed = body.get("seed")
-    seed = secrets.randbits(63) if seed is None else expect(seed, int, "seed", "an integer") % (1 << 63)
-    stop = body.get("stop")
-    stop = (
-        []
-        if stop is None
-        else [stop]
-        if isinstance(stop, str)
-        else expect(stop, list, "stop", "a string or a list of strings")
-    )
-    if len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
-        raise ApiError(400, "stop: expected up to 4 non-empty strings", param="stop", code="invalid_value")
-    if body.get("n") not in (None, 1):
-        raise ApiError(400, "n: only n=1 is supported", param="n", code="invalid_value")
-    return min(max_tokens, cap), float(temperature), float(top_p), seed, stop
-
-
-def tool_calls_of(text, tools):
-    """OpenAI tool_calls of a reply (agent.py's strict parser), or None unless every call is well formed
-    and names a tool the client offered."""
-    names = {tool["function"]["name"] for tool in tools}
-    calls = agent.parse_reply(text).calls
-    if not calls or any(call.error or call.name not in names for call in calls):
-        return None
-    return [
-        {"id": "call_" + secrets.token_hex(12), "type": "function",
-         "function": {"name": call.name, "arguments": json.dumps(call.arguments, ensure_ascii=False)}}
-        for call in calls
-    ]  # fmt: skip
-
-
-class Reply:
-    """The text of an answer as it streams: holds back what could still become a stop string, and, when the
-    client offered tools, everything from the model's first <tool_call>."""
-
-    TAG = "<tool_call>"
-
-    def __init__(self, stops, tools):
-        self.stops, self.tools = stops, tools
-        self.text, self.sent, self.stopped = "", 0, False
-        self.hold = max((len(s) for s in stops), default=1) - 1
-
-    def add(self, piece):
-        """The new text to show; sets stopped once a stop string appeared (the text ends before it)."""
-        if self.stopped:  # pieces the worker made before it saw the cancel
-            return ""
-        self.text += piece
-        end = len(self.text) - self.hold
-        for stop in self.stops:
-            at = self.text.find(stop)
-            if at >= 0:
-                self.text, self.stopped, end = self.text[:at], True, at
-        if self.tools:  # the "\n" before a call separates it from the text: not part of the content
-            before = self.text.split(self.TAG)[0]
-            end = min(end, len(before.removesuffix("\n")))
-        return self.take(end)
-
-    def take(self, end):
-        if end <= self.sent:
-            return ""
-        new, self.sent = self.text[self.sent : end], end
-        return new
-
-    def finish(self):
-        """(remaining text, tool calls or None) once generation ended."""
-        if self.tools and self.TAG in self.text:
-            at = self.text.index(self.TAG)
-            calls = tool_calls_of(self.text[at:], self.tools)
-            if calls:
-                return self.take(len(self.text[:at].removesuffix("\n"))), calls
-        return self.take(len(self.text)), None
-
-
 # -----------------------------------------------------------------------------
 # The application
 
@@ -543,13 +85,15 @@ class Reply:
 class Server:
     """Everything a request handler needs: settings, database, model worker, tokenizer, model id."""
 
-    def __init__(self, settings, store, worker, model_id, context):
+    def __init__(self, settings, store, worker, model_id, context, agent_settings=None):
         self.settings, self.store, self.worker = settings, store, worker
+        self.agent_settings = agent_settings or agent.load_settings()
         self.model_id, self.context = model_id, context
         self.created = int(time.time())
-        self.dummy_hash = hash_password(secrets.token_hex(8), settings["scrypt"])
+        self.dummy_hash = accounts.hash_password(secrets.token_hex(8), settings["scrypt"])
         self.pending = {}  # member id -> requests queued or running
         self.failures = {}  # lowercased name -> (failed logins, locked until)
+        self.memory_cfg = memory.load_config()
 
     # --- who is asking
     def member_of(self, request):
@@ -587,22 +131,42 @@ class Server:
                 )
 
     # --- prompts
-    def prompt_of(self, member, system, turns, tools, max_tokens, trim):
-        """Token ids of the conversation with the <|assistant|> opener, and the tokens left to generate.
-        trim drops the oldest turns that do not fit the context (web conversations); otherwise a prompt too
-        long is a 400 as in OpenAI's API."""
-        import chat
+    def agent_for(self, member, client_tools, tool_choice):
+        """An agent.Agent running the server's tools for this request, or None: when the client brings its
+        own tools, asks for none (tool_choice "none"), or serve.tools is off."""
+        if client_tools or tool_choice == "none" or not self.settings["tools"]:
+            return None
+        count_tokens = lambda text: len(self.worker.tokenizer.encode(text))  # noqa: E731
+        return agent.Agent(
+            self.agent_settings,
+            count_tokens=count_tokens,
+            member=self.memory_caller(member) if member["role"] != "admin" else None,
+        )
 
+    def prompt_of(self, member, system, turns, tools, max_tokens, trim, helper=None):
+        """(token ids of the conversation with the <|assistant|> opener, tokens left to generate, its
+        messages, the helper). The system turn is the child instruction (for children), then the request's
+        system text or the configured prompt; an agent turn (helper) adds the date and the server's tools,
+        unless they do not fit the context (a small model): then the helper is dropped. trim drops the
+        oldest turns that do not fit (web conversations); otherwise a prompt too long is a 400 as in
+        OpenAI's API."""
         parts = [self.settings["child"]["system_prompt"]] if member["role"] == "child" else []
         parts += system or [self.settings["system_prompt"]]
+        parts.append(self.memory_context(member, turns))
         head = [{"role": "system", "content": "\n\n".join(p for p in parts if p)}]
         while True:
-            conversation = {"messages": head + turns} | ({"tools": tools} if tools else {})
+            if helper:
+                conversation = helper.conversation(head + turns)
+            else:
+                conversation = {"messages": head + turns} | ({"tools": tools} if tools else {})
             try:
                 ids, _ = chat.render(conversation, self.worker.tokenizer, for_generation=True)
             except chat.ChatError as e:
                 raise ApiError(400, f"messages: {e}", param="messages", code="invalid_conversation") from None
             room = self.context - len(ids)
+            if helper and room < min(max_tokens, 16):
+                helper = None
+                continue
             if room >= min(max_tokens, 16) or not trim or len(turns) <= 1:
                 break
             turns = turns[1:]
@@ -611,17 +175,39 @@ class Server:
         if room < 1:
             raise ApiError(400, f"the prompt is {len(ids)} tokens; this model reads at most {self.context - 1} "
                            "plus the answer", param="messages", code="context_length_exceeded")  # fmt: skip
-        return ids, min(max_tokens, room)
+        return ids, min(max_tokens, room), head + turns, helper
+
+    # --- memories (memory.py decides who reads and changes what; this only binds the caller)
+    def memories(self, member, function, *args, **kwargs):
+        """function(connection, name, role, *args, **kwargs) of memory.py, as this member."""
+        with self.store.lock:
+            return function(self.store.db, member["name"], member["role"], *args, **kwargs)
+
+    def memory_context(self, member, turns):
+        """The member's pinned memories and those matching their last message, for the system turn."""
+        last = next((turn["content"] for turn in reversed(turns) if turn["role"] == "user"), "")
+        count_tokens = lambda text: len(self.worker.tokenizer.encode(text))  # noqa: E731
+        return self.memories(
+            member, memory.context_for_turn, last, self.memory_cfg, count_tokens, self.context
+        )
+
+    def memory_caller(self, member):
+        """The member as agent.py's memory tools take them: agent.Agent(..., member=this)."""
+        return memory.Caller(member["name"], member["role"], self.store.db, self.store.lock, self.memory_cfg)
 
     # --- generation
-    def start(self, request, member, prompt_ids, max_tokens, temperature, top_p, seed):
+    def start(self, request, member, prompt_ids, max_tokens, temperature, top_p, seed, turn=None):
         count = self.pending.get(member["id"], 0)
         if count >= self.settings["max_pending_per_member"]:
             raise ApiError(429, f"{count} requests of yours are already waiting; wait for them to finish",
                            code="too_many_requests", retry_after=self.settings["retry_after_s"])  # fmt: skip
         loop = asyncio.get_running_loop()
-        job = Job(loop, prompt_ids, max_tokens, temperature, top_p, self.settings["top_k"], seed)
-        self.worker.submit(job, self.settings["retry_after_s"])
+        job = worker.Job(loop, prompt_ids, max_tokens, temperature, top_p, self.settings["top_k"], seed, turn)
+        try:
+            self.worker.submit(job)
+        except worker.Busy:
+            raise ApiError(503, "the model is busy with other requests; retry shortly", code="server_busy",
+                           retry_after=self.settings["retry_after_s"]) from None  # fmt: skip
         self.pending[member["id"]] = count + 1
         return job
 
@@ -666,7 +252,8 @@ async def next_event(request, job):
 
 
 async def answer_events(request, job, reply):
-    """("delta", text) as the answer grows, then ("end", finish_reason, completion tokens, tool calls)."""
+    """("delta", text) as the answer grows, then ("end", finish_reason, completion tokens, tool calls,
+    prompt tokens)."""
     while True:
         event = await next_event(request, job)
         if event[0] == "text":
@@ -678,12 +265,12 @@ async def answer_events(request, job, reply):
         elif event[0] == "error":
             raise ApiError(500, event[1], code="generation_failed")
         else:
-            _, finish, tokens = event
+            _, finish, tokens, prompt_tokens = event
             rest, calls = reply.finish()
             if rest:
                 yield "delta", rest
             finish = "tool_calls" if calls else "stop" if reply.stopped else finish
-            yield "end", finish, tokens, calls
+            yield "end", finish, tokens, calls, prompt_tokens
             return
 
 
@@ -713,7 +300,7 @@ async def stream_answer(request, server, member, job, reply, base, include_usage
                 text += event[1]
                 yield chunk({"content": event[1]})
                 continue
-            _, finish, tokens, calls = event
+            _, finish, tokens, calls, prompt_tokens = event
             if on_end:
                 on_end(text)
                 on_end = None
@@ -721,7 +308,7 @@ async def stream_answer(request, server, member, job, reply, base, include_usage
                 yield chunk({"tool_calls": [call | {"index": i} for i, call in enumerate(calls)]})
             yield chunk({}, finish)
             if include_usage:
-                yield sse(base | {"choices": [], "usage": usage_of(len(job.prompt_ids), tokens)})
+                yield sse(base | {"choices": [], "usage": usage_of(prompt_tokens, tokens)})
         yield "data: [DONE]\n\n"
     except ApiError as e:
         yield sse(e.body())
@@ -735,7 +322,7 @@ async def stream_answer(request, server, member, job, reply, base, include_usage
 
 
 async def complete(request, server, member, job, reply):
-    """(text, finish_reason, completion tokens, tool calls) of a non-streamed answer."""
+    """(text, finish_reason, completion tokens, tool calls, prompt tokens) of a non-streamed answer."""
     text = ""
     try:
         async for event in answer_events(request, job, reply):
@@ -745,19 +332,6 @@ async def complete(request, server, member, job, reply):
                 return (text, *event[1:])
     finally:
         server.finished(member, job)
-
-
-def check_tools(body):
-    tools = body.get("tools")
-    if tools is None or body.get("tool_choice") == "none":
-        return None
-    expect(tools, list, "tools", "a list of tool definitions")
-    for index, tool in enumerate(tools):
-        function = tool.get("function") if isinstance(tool, dict) else None
-        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-            raise ApiError(400, f'tools.{index}: expected {{"type": "function", "function": {{"name": ...}}}}',
-                           param=f"tools.{index}", code="invalid_value")  # fmt: skip
-    return tools or None
 
 
 def streaming_response(generator):
@@ -790,8 +364,12 @@ async def chat_completions(request):
     )
     max_tokens, temperature, top_p, seed, stop = sampling_of(body, settings, member)
     server.check_hours(member)
-    prompt_ids, max_tokens = server.prompt_of(member, system, turns, tools, max_tokens, trim=False)
-    job = server.start(request, member, prompt_ids, max_tokens, temperature, top_p, seed)
+    helper = server.agent_for(member, tools, body.get("tool_choice"))
+    prompt_ids, max_tokens, messages, helper = server.prompt_of(
+        member, system, turns, tools, max_tokens, False, helper
+    )
+    turn = (helper, messages) if helper else None
+    job = server.start(request, member, prompt_ids, max_tokens, temperature, top_p, seed, turn)
     reply = Reply(stop, tools)
     base = {"id": "chatcmpl-" + uuid.uuid4().hex, "created": int(time.time()), "model": server.model_id,
             "system_fingerprint": None}  # fmt: skip
@@ -800,14 +378,14 @@ async def chat_completions(request):
                                include_usage)  # fmt: skip
         return streaming_response(chunks)
     try:
-        text, finish, tokens, calls = await complete(request, server, member, job, reply)
+        text, finish, tokens, calls, prompt_tokens = await complete(request, server, member, job, reply)
     except ClientGone:
         return Response(status_code=499)
     message = {"role": "assistant", "content": text if text or not calls else None, "refusal": None}
     if calls:
         message["tool_calls"] = calls
     choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
-    usage = usage_of(len(prompt_ids), tokens)
+    usage = usage_of(prompt_tokens, tokens)
     return JSONResponse(base | {"object": "chat.completion", "choices": [choice], "usage": usage})
 
 
@@ -831,7 +409,7 @@ async def login(request):
                        retry_after=wait)  # fmt: skip
     member = server.store.member(name)
     stored = (member or {}).get("password_hash") or server.dummy_hash  # same work for unknown names
-    matches = await asyncio.to_thread(password_matches, password, stored)
+    matches = await asyncio.to_thread(accounts.password_matches, password, stored)
     if not (member and member["password_hash"] and matches):
         count += 1
         locked = count >= server.settings["login_max_failures"]
@@ -911,8 +489,12 @@ async def post_message(request):
     server.check_hours(member)
     history = [{"role": m["role"], "content": m["content"]} for m in conversation["messages"]]
     turns = history[-settings["max_messages"] :] + [{"role": "user", "content": content}]
-    prompt_ids, max_tokens = server.prompt_of(member, [], turns, None, max_tokens, trim=True)
-    job = server.start(request, member, prompt_ids, max_tokens, temperature, top_p, seed)
+    helper = server.agent_for(member, None, None)
+    prompt_ids, max_tokens, messages, helper = server.prompt_of(
+        member, [], turns, None, max_tokens, True, helper
+    )
+    turn = (helper, messages) if helper else None
+    job = server.start(request, member, prompt_ids, max_tokens, temperature, top_p, seed, turn)
     store, conversation_id = server.store, conversation["id"]
     title = " ".join(content.split())[:60] if not conversation["messages"] else None
     store.add_message(member["id"], conversation_id, "user", content, title)
@@ -926,13 +508,13 @@ async def post_message(request):
     if stream:
         return streaming_response(stream_answer(request, server, member, job, reply, base, True, on_end))
     try:
-        text, finish, tokens, _ = await complete(request, server, member, job, reply)
+        text, finish, tokens, _, prompt_tokens = await complete(request, server, member, job, reply)
     except ClientGone:
         return Response(status_code=499)
     on_end(text)
     message = {"role": "assistant", "content": text}
     return JSONResponse({"conversation_id": conversation_id, "message": message, "finish_reason": finish,
-                         "usage": usage_of(len(prompt_ids), tokens)})  # fmt: skip
+                         "usage": usage_of(prompt_tokens, tokens)})  # fmt: skip
 
 
 # --- accounts (admin)
@@ -957,11 +539,11 @@ async def add_member(request):
         check_password(expect(password, str, "password", "a string"), server.settings)
     try:
         key = server.store.add_member(name, role)
-    except ServeError as e:
+    except accounts.AccountError as e:
         raise ApiError(400, str(e), code="invalid_member") from None
     if password is not None:
         server.store.set_password(
-            name, await asyncio.to_thread(hash_password, password, server.settings["scrypt"])
+            name, await asyncio.to_thread(accounts.hash_password, password, server.settings["scrypt"])
         )
     return JSONResponse({"name": name, "role": role, "api_key": key}, status_code=201)
 
@@ -991,6 +573,85 @@ async def server_status(request):
     server.admin_of(request)
     stats = dict(server.worker.stats) | {"queued": server.worker.jobs.qsize()}
     return JSONResponse(stats | {"model": server.model_id})
+
+
+# --- memories: the logged-in member's own (memory.py); the admin has none
+
+
+def memory_member(server, request):
+    member = server.member_of(request)
+    if member["role"] == "admin":
+        raise ApiError(403, "the admin role manages accounts and does not read memories", code="admin_only")
+    return member
+
+
+def memory_call(server, member, function, *args, **kwargs):
+    try:
+        return server.memories(member, function, *args, **kwargs)
+    except memory.MemoryNotFound as e:  # not there or not theirs: the same answer
+        raise ApiError(404, str(e), code="memory_not_found") from None
+    except memory.MemoryPermissionError as e:
+        raise ApiError(403, str(e), code="memory_forbidden") from None
+    except memory.MemoryStoreError as e:
+        raise ApiError(400, str(e), code="invalid_memory") from None
+
+
+async def memory_changes(request, server):
+    body = await read_json(request, 4 * server.memory_cfg["max_text_chars"] + 1024)  # UTF-8: <= 4 bytes/char
+    changes = {}
+    if "text" in body:
+        changes["text"] = expect(body["text"], str, "text", "the memory's text")
+    if "scope" in body:
+        changes["scope"] = expect(body["scope"], str, "scope", "'private' or 'family'")
+    if "pinned" in body:
+        changes["pinned"] = expect(body["pinned"], bool, "pinned", "true or false")
+    return changes
+
+
+async def list_memories(request):
+    server = request.app.state.server
+    member = memory_member(server, request)
+    return JSONResponse({"data": memory_call(server, member, memory.list_memories)})
+
+
+async def add_memory(request):
+    server = request.app.state.server
+    member = memory_member(server, request)
+    changes = await memory_changes(request, server)
+    if "text" not in changes:
+        raise ApiError(400, "text: required", param="text", code="invalid_memory")
+    text = changes.pop("text")
+    memory_id = memory_call(server, member, memory.add, text, server.memory_cfg, **changes)
+    return JSONResponse(memory_call(server, member, memory.get, memory_id), status_code=201)
+
+
+async def edit_memory(request):
+    server = request.app.state.server
+    member = memory_member(server, request)
+    changes = await memory_changes(request, server)
+    edited = memory_call(server, member, memory.edit, request.path_params["id"], server.memory_cfg, **changes)
+    return JSONResponse(edited)
+
+
+async def delete_memory(request):
+    server = request.app.state.server
+    member = memory_member(server, request)
+    return JSONResponse(
+        {"deleted": memory_call(server, member, memory.forget, request.path_params["id"])["id"]}
+    )
+
+
+async def delete_all_memories(request):
+    server = request.app.state.server
+    member = memory_member(server, request)
+    return JSONResponse({"deleted": memory_call(server, member, memory.forget_all)})
+
+
+async def export_memories(request):
+    server = request.app.state.server
+    member = memory_member(server, request)
+    disposition = {"Content-Disposition": 'attachment; filename="recuerdos.json"'}
+    return JSONResponse(memory_call(server, member, memory.export), headers=disposition)
 
 
 async def index(request):
@@ -1058,6 +719,12 @@ def routes():
         Route("/api/members/{name}", remove_member, methods=["DELETE"]),
         Route("/api/members/{name}/key", new_member_key, methods=["POST"]),
         Route("/api/server", server_status),
+        Route("/api/memories", list_memories),
+        Route("/api/memories", add_memory, methods=["POST"]),
+        Route("/api/memories", delete_all_memories, methods=["DELETE"]),
+        Route("/api/memories/export", export_memories),
+        Route("/api/memories/{id:int}", edit_memory, methods=["PATCH"]),
+        Route("/api/memories/{id:int}", delete_memory, methods=["DELETE"]),
         Mount("/web", StaticFiles(directory=WEB_DIR)),
     ]
 
@@ -1079,18 +746,18 @@ def build_app(server, extra_routes=()):
 
 
 def check_password(password, settings):
-    if len(password) < settings["min_password_chars"]:
-        raise ApiError(400, f"password: at least {settings['min_password_chars']} characters", param="password",
-                       code="weak_password")  # fmt: skip
+    problem = accounts.password_problem(password, settings)
+    if problem:
+        raise ApiError(400, problem, param="password", code="weak_password")
 
 
 def load_model(run, device):
     """(model, tokenizer, model id, context length) of a run that can chat."""
-    import sample
+    import checkpoint
 
     try:
-        model, cfg, tokenizer, ckpt_path = sample.load_run(run, device)
-    except sample.SampleError as e:
+        model, cfg, tokenizer, ckpt_path = checkpoint.load_run(run, device)
+    except checkpoint.CheckpointError as e:
         raise ServeError(str(e)) from None
     if "<|end|>" not in tokenizer.special_ids:
         raise ServeError(
@@ -1098,7 +765,26 @@ def load_model(run, device):
             "with a sentencepiece tokenizer (make smoke-corpus, then make serve RUN=runs/smoke-corpus-cpu)"
         )
     print(f"serve: loaded {ckpt_path} ({model.num_params() / 1e6:.1f}M parameters)", file=sys.stderr)
+    model.checkpoint_path = ckpt_path  # what snapshots of the database record (serving_info)
     return model, tokenizer, cfg["run_name"], cfg["model"]["seq_len"]
+
+
+def serving_info(run, model, tokenizer, settings, memory_cfg):
+    """What this server uses, for the snapshots of its database (memory.hold_lock writes it)."""
+    import checkpoint
+
+    processor = getattr(tokenizer, "processor", None)  # sentencepiece, possibly from inside the checkpoint
+    proto = processor.serialized_model_proto() if processor is not None else None
+    return {
+        "run": os.path.abspath(run),
+        "checkpoint": os.path.abspath(model.checkpoint_path),
+        "checkpoint_sha256": fileio.sha256_of_file(model.checkpoint_path),
+        "tokenizer": getattr(tokenizer, "path", tokenizer.name),
+        "tokenizer_sha256": proto and hashlib.sha256(proto).hexdigest(),
+        "config": {"serve": settings, "memory": memory_cfg},
+        "code_version": checkpoint.code_version(),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
 
 
 def load_settings(path, overrides):
@@ -1106,60 +792,6 @@ def load_settings(path, overrides):
         return config.load_layer("serve", path, overrides)
     except config.ConfigError as e:
         raise ServeError(f"{path}: config problems:\n  " + "\n  ".join(e.problems)) from None
-
-
-def read_password(settings, stream=sys.stdin):
-    if stream.isatty():
-        password = getpass.getpass("password or PIN: ")
-        if getpass.getpass("again: ") != password:
-            raise ServeError("the two passwords differ")
-    else:
-        password = stream.readline().rstrip("\n")
-    try:
-        check_password(password, settings)
-    except ApiError as e:
-        raise ServeError(e.message) from None
-    return password
-
-
-def member_main(argv):
-    parser = argparse.ArgumentParser(prog="serve.py member", description="Family accounts.")
-    parser.add_argument("--config", default=DEFAULT_CONFIG, help="serve layer file (configs/serve/*.yaml)")
-    commands = parser.add_subparsers(dest="command", required=True)
-    add = commands.add_parser("add", help="create a member and print their API key once")
-    add.add_argument("name")
-    add.add_argument("--role", choices=ROLES, required=True)
-    for name, text in (("remove", "delete a member and their conversations"),
-                       ("new-key", "replace a member's API key and print the new one"),
-                       ("password", "set the web password or PIN (asked twice, or one line on stdin)")):  # fmt: skip
-        commands.add_parser(name, help=text).add_argument("name")
-    commands.add_parser("list", help="members and roles")
-    overrides = [a for a in argv if OVERRIDE.match(a)]  # serve.key=value anywhere on the line
-    args = parser.parse_args([a for a in argv if not OVERRIDE.match(a)])
-    settings = load_settings(args.config, overrides)
-    store = Store(settings["database"])
-    if args.command == "add":
-        key = store.add_member(args.name, args.role)
-        print(f"member {args.name} ({args.role}) added; API key (shown only now):\n{key}")
-    elif args.command == "list":
-        for m in store.members():
-            web = "web password set" if m["has_password"] else "no web password"
-            print(f"{m['name']:20s} {m['role']:6s} {web}")
-    elif args.command == "remove":
-        if not store.remove_member(args.name):
-            raise ServeError(f"no member {args.name!r}")
-        print(f"member {args.name} removed with their conversations")
-    elif args.command == "new-key":
-        key = store.new_key(args.name)
-        if key is None:
-            raise ServeError(f"no member {args.name!r}")
-        print(f"new API key of {args.name} (the old one no longer works):\n{key}")
-    else:
-        if store.member(args.name) is None:
-            raise ServeError(f"no member {args.name!r}")
-        store.set_password(args.name, hash_password(read_password(settings), settings["scrypt"]))
-        print(f"web password of {args.name} set")
-    return 0
 
 
 def serve_main(argv):
@@ -1174,15 +806,25 @@ def serve_main(argv):
     parser.add_argument("--port", type=int, help="TCP port (default serve.port); 0 = any free port")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.epilog = "Settings of the serve layer can follow as serve.key=value (e.g. serve.queue_size=4)."
-    overrides = [a for a in argv if OVERRIDE.match(a)]
-    args = parser.parse_args([a for a in argv if not OVERRIDE.match(a)])
+    overrides = [a for a in argv if accounts.OVERRIDE.match(a)]
+    args = parser.parse_args([a for a in argv if not accounts.OVERRIDE.match(a)])
     settings = load_settings(args.config, overrides)
     host = args.host or settings["host"]
     port = settings["port"] if args.port is None else args.port
-    store = Store(settings["database"])
+    store = accounts.Store(settings["database"])
     model, tokenizer, model_id, context = load_model(args.run, args.device)
-    worker = Worker(model, tokenizer, settings["queue_size"])
-    server = Server(settings, store, worker, model_id, context)
+    model_worker = worker.Worker(model, tokenizer, settings["queue_size"])
+    server = Server(settings, store, model_worker, model_id, context)
+    # memory.py: the database's lock, held until this process ends (restore refuses to run meanwhile, and
+    # so does a second server on the same file), and the snapshot schedule on a daemon thread.
+    try:
+        memory.hold_lock(
+            settings["database"], serving_info(args.run, model, tokenizer, settings, server.memory_cfg)
+        )
+    except memory.SnapshotError as e:
+        raise ServeError(str(e)) from None
+    log = lambda message: print(f"serve: {message}", file=sys.stderr)  # noqa: E731
+    memory.snapshot_every(settings["database"], server.memory_cfg, threading.Event(), log)
     app = build_app(server)
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -1206,9 +848,9 @@ def serve_main(argv):
 def main(argv):
     try:
         if argv and argv[0] == "member":
-            return member_main(argv[1:])
+            return accounts.member_main(argv[1:], load_settings, DEFAULT_CONFIG)
         return serve_main(argv)
-    except ServeError as e:
+    except (ServeError, accounts.AccountError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

@@ -19,7 +19,6 @@ import math
 import os
 import random
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -32,8 +31,17 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import chat
+import checkpoint as ckpt
 import config
 import data
+import fileio
+from checkpoint import (
+    code_version,
+    list_checkpoints,
+    load_checkpoint,
+    load_newest_checkpoint,
+    save_checkpoint,
+)
 from model import Transformer
 
 # Keys that fix tensor shapes or the meaning of a step: a resume that changes one of them cannot
@@ -111,20 +119,33 @@ def check_hardware(profile, caps):
     return problems
 
 
-def measure_peak_tflops(device, dtype=torch.float32, size=1024, seconds=0.3):
-    """Dense matmul throughput actually reached on this device: the reference for MFU on the CPU."""
+def measure_peak_tflops(device, dtype=torch.float32, size=2048, seconds=1.0, min_timings=5):
+    """Dense matmul throughput actually reached on this device: the reference for MFU where the hardware
+    profile gives none, and the figure `make bench` divides by, so a run's logged MFU and the bench's
+    agree. Square matmuls of `size` (large enough that the BLAS kernel runs at full speed), one untimed
+    for warm-up, then the best of repeated timings for `seconds` and at least `min_timings`: a neighbour
+    process can only slow a timing down, never speed it up."""
     a = torch.randn(size, size, device=device, dtype=dtype)
     b = torch.randn(size, size, device=device, dtype=dtype)
-    best = 0.0
-    deadline = time.perf_counter() + seconds
-    while time.perf_counter() < deadline or best == 0.0:
+
+    def timed_matmul():
         start = time.perf_counter()
-        for _ in range(4):
-            a @ b
+        a @ b
         if device.type == "cuda":
             torch.cuda.synchronize()
-        best = max(best, 4 * 2 * size**3 / (time.perf_counter() - start))
-    return best / 1e12
+        return time.perf_counter() - start
+
+    timed_matmul()
+    timings = []
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline or len(timings) < min_timings:
+        timings.append(timed_matmul())
+    return 2 * size**3 / min(timings) / 1e12
+
+
+# Measured once per process and device: a --resume-check's three runs, or a test session's many tiny
+# runs, share one figure instead of paying for it each time.
+_measured_peak_tflops = {}
 
 
 @dataclass
@@ -157,9 +178,12 @@ def setup_hardware(profile, local_rank=0, caps=None):
     else:
         autocast = lambda: torch.autocast(device_type=device.type, dtype=dtype)
     scaler = torch.amp.GradScaler(device.type, enabled=profile["grad_scaler"])
-    peak = profile["peak_tflops"] or measure_peak_tflops(
-        device, dtype if device.type == "cuda" else torch.float32
-    )
+    peak = profile["peak_tflops"]
+    if not peak:
+        key = (str(device), dtype if device.type == "cuda" else torch.float32)
+        if key not in _measured_peak_tflops:
+            _measured_peak_tflops[key] = measure_peak_tflops(device, key[1])
+        peak = _measured_peak_tflops[key]
     return Hardware(device, autocast, scaler, profile["attention_backend"], peak, description)
 
 
@@ -233,12 +257,12 @@ def build_optimizer(model, train, device):
         lr=train["lr"],
         betas=(train["beta1"], train["beta2"]),
         eps=train["adam_eps"],
-        fused=device.type == "cuda",
+        fused=True,  # one kernel per step on CUDA and on the CPU: 4x faster than foreach on the CPU
     )
 
 
 # -----------------------------------------------------------------------------
-# RNG state and checkpoints
+# RNG state (the checkpoint files themselves: checkpoint.py)
 
 
 def rng_state():
@@ -274,48 +298,16 @@ def set_rng_state(state):
         torch.cuda.set_rng_state_all([_cpu_bytes(s) for s in state["torch_cuda"]])
 
 
-def checkpoint_path(run_dir, step):
-    return os.path.join(run_dir, f"ckpt_{step:07d}.pt")
-
-
-def list_checkpoints(run_dir):
-    """Complete checkpoints, newest first. Temp files of an interrupted write never match."""
-    if not os.path.isdir(run_dir):
-        return []
-    names = [n for n in os.listdir(run_dir) if n.startswith("ckpt_") and n.endswith(".pt")]
-    return sorted((os.path.join(run_dir, n) for n in names), reverse=True)
-
-
-def save_checkpoint(run_dir, step, state, keep_last):
-    path = checkpoint_path(run_dir, step)
-    data.write_atomic(path, lambda f: torch.save(state, f))
-    for old in list_checkpoints(run_dir)[keep_last:]:
-        os.unlink(old)
-    # Temp files of writes that were killed (never trusted, since they never got the real name).
+def replace_run(run_dir):
+    """Delete what a run wrote in run_dir (checkpoints, their temp files, metrics, resolved config) and
+    nothing else; returns what was removed, for the log."""
+    checkpoints = list_checkpoints(run_dir)
+    for path in checkpoints:
+        os.unlink(path)
     for name in os.listdir(run_dir):
-        if name.startswith(".ckpt_") and name.endswith(".tmp"):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(run_dir, name))
-    return path
-
-
-def load_checkpoint(path):
-    # map_location="cpu": RNG states must stay CPU tensors, and any rank can read any checkpoint.
-    state = torch.load(path, map_location="cpu", weights_only=True)
-    missing = {"step", "model", "optimizer", "ranks", "config"} - set(state)
-    if missing:
-        raise ValueError(f"not a training checkpoint (missing {', '.join(sorted(missing))})")
-    return state
-
-
-def load_newest_checkpoint(run_dir, log=print):
-    """The newest checkpoint that loads; a truncated or corrupt one is reported and skipped."""
-    for path in list_checkpoints(run_dir):
-        try:
-            return path, load_checkpoint(path)
-        except Exception as e:  # noqa: BLE001 - any unreadable file is skipped, and said so
-            log(f"warning: skipping unreadable checkpoint {path}: {type(e).__name__}: {e}")
-    raise TrainError(f"--resume: no usable checkpoint in {run_dir}/ (expected ckpt_<step>.pt files)")
+        if (name.startswith(".ckpt_") and name.endswith(".tmp")) or name in ("metrics.jsonl", "config.yaml"):
+            os.unlink(os.path.join(run_dir, name))
+    return f"removed {len(checkpoints)} checkpoint(s) and its metrics"
 
 
 def shape_differences(saved, current):
@@ -334,7 +326,7 @@ INIT_FREE_MODEL_KEYS = {"seq_len", "init_std", "z_loss_coef"}
 
 def tokenizer_sha256(tokenizer):
     path = getattr(tokenizer, "path", None)
-    return data.sha256_of_file(path) if path else tokenizer.name
+    return fileio.sha256_of_file(path) if path else tokenizer.name
 
 
 def init_checkpoint(cfg, log):
@@ -344,7 +336,7 @@ def init_checkpoint(cfg, log):
     if os.path.isdir(source):
         try:
             path, state = load_newest_checkpoint(source, log)
-        except TrainError as e:
+        except ckpt.CheckpointError as e:
             raise TrainError(f"train.init_from: {e}") from None
     elif os.path.isfile(source):
         path = source
@@ -361,7 +353,7 @@ def init_checkpoint(cfg, log):
         if key not in INIT_FREE_MODEL_KEYS and saved["model"].get(key) != model_cfg.get(key)
     ]
     ours = tokenizer_sha256(data.load_tokenizer(cfg["data"]))
-    theirs = state.get("tokenizer_sha256")
+    theirs = ckpt.stored_tokenizer_sha256(state)
     if theirs is None:  # an older checkpoint: its tokenizer is the one its data config names
         try:
             theirs = tokenizer_sha256(data.load_tokenizer(saved["data"]))
@@ -375,20 +367,6 @@ def init_checkpoint(cfg, log):
     if differences:
         raise TrainError(f"train.init_from: {path} does not fit this run:\n  " + "\n  ".join(differences))
     return path, state
-
-
-def code_version():
-    try:
-        root = os.path.dirname(os.path.abspath(__file__))
-        commit = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True, text=True
-        ).stdout.strip()
-        return (commit + ("-dirty" if dirty else "")) or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
 
 
 # -----------------------------------------------------------------------------
@@ -415,12 +393,14 @@ def format_rate(tokens_per_second):
 class StopRequest:
     """SIGINT/SIGTERM: finish the optimizer step in flight, write a checkpoint, exit 0."""
 
-    def __init__(self):
+    def __init__(self, enabled=True):
+        self.enabled = enabled  # False: leave signals to the caller's handlers (--resume-check)
         self.signal_name = None
         self.previous = {}
 
     def __enter__(self):
-        if threading.current_thread() is threading.main_thread():  # signals only reach the main thread
+        # Signals only reach the main thread.
+        if self.enabled and threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 self.previous[sig] = signal.signal(sig, self.handle)
         return self
@@ -480,25 +460,30 @@ def evaluate(model, cfg, hardware, ctx, token_bytes):
     return {"val_loss": nats / max(tokens, 1.0), "val_bpb": nats / (math.log(2) * max(num_bytes, 1.0))}
 
 
-def train(cfg, resume=False, stop_after=None, log=print):
+def train(cfg, resume=False, stop_after=None, log=print, handle_signals=True):
     """Train `cfg` (a resolved config). Returns the final step. `stop_after` ends the run as an
-    interruption would (checkpoint, no final eval): used by --resume-check."""
+    interruption would (checkpoint, no final eval): used by --resume-check, which also passes
+    handle_signals=False so that SIGINT/SIGTERM reach its own handler instead of ending one phase."""
     train_cfg, profile = cfg["train"], cfg["hardware"]
     ctx = init_distributed(profile["device"], train_cfg["dist_timeout_s"])
     try:
-        return _train(cfg, ctx, resume, stop_after, log if ctx.is_main else (lambda *a, **k: None))
+        quiet = lambda *a, **k: None
+        return _train(cfg, ctx, resume, stop_after, log if ctx.is_main else quiet, handle_signals)
     finally:
         if ctx.enabled:
             dist.destroy_process_group()
 
 
-def _train(cfg, ctx, resume, stop_after, log):
+def _train(cfg, ctx, resume, stop_after, log, handle_signals):
     model_cfg, train_cfg, profile = cfg["model"], cfg["train"], cfg["hardware"]
     hardware = setup_hardware(profile, ctx.local_rank)
     run_dir = run_dir_of(cfg)
     checkpoint = None
     if resume:
-        ckpt_path, checkpoint = load_newest_checkpoint(run_dir, log)
+        try:
+            ckpt_path, checkpoint = load_newest_checkpoint(run_dir, log)
+        except ckpt.CheckpointError as e:
+            raise TrainError(f"--resume: {e}") from None
         differences = shape_differences(checkpoint["config"], cfg)
         if checkpoint.get("world_size", 1) != ctx.world_size:
             differences.append(
@@ -509,10 +494,15 @@ def _train(cfg, ctx, resume, stop_after, log):
             raise TrainError(
                 f"cannot resume {ckpt_path}: shape-defining settings changed:\n  " + "\n  ".join(differences)
             )
+    elif train_cfg["replace_run"]:
+        if ctx.is_main and list_checkpoints(run_dir):
+            log(f"replacing the previous run in {run_dir}/ (train.replace_run: true): {replace_run(run_dir)}")
+        if ctx.enabled:
+            dist.barrier()  # no rank goes on before the old run is gone
     elif list_checkpoints(run_dir):
         raise TrainError(
             f"{run_dir}/ already holds checkpoints; pass --resume to continue it, or choose another run "
-            f"name (run_name=...)"
+            f"name (run_name=...), or set train.replace_run=true to start it afresh"
         )
     init = init_checkpoint(cfg, log) if checkpoint is None and train_cfg["init_from"] else None
 
@@ -528,6 +518,14 @@ def _train(cfg, ctx, resume, stop_after, log):
         raise TrainError(
             f"model.vocab_size is {model_cfg['vocab_size']} but the {tokenizer.name} tokenizer has "
             f"{tokenizer.vocab_size} tokens; set model.vocab_size={tokenizer.vocab_size}"
+        )
+    tokenizer_record = ckpt.tokenizer_record(tokenizer)
+    trained_with = ckpt.stored_tokenizer_sha256(checkpoint) if checkpoint is not None else None
+    if trained_with and trained_with != tokenizer_record.get("sha256"):
+        raise TrainError(
+            f"cannot resume {ckpt_path}: it was trained with the tokenizer of sha256 {trained_with}, but "
+            f"{tokenizer.path} has sha256 {tokenizer_record['sha256']}; point data.dir at the data it was "
+            "trained on (or start a new run)"
         )
     token_bytes = torch.as_tensor(tokenizer.token_bytes, dtype=torch.float64, device=hardware.device)
     model = Transformer(model_cfg, attention_backend=hardware.attention_backend).to(hardware.device)
@@ -567,12 +565,14 @@ def _train(cfg, ctx, resume, stop_after, log):
     flops_per_token = raw_model.flops_per_token(seq_len)
     metrics_path = os.path.join(run_dir, "metrics.jsonl")
     if ctx.is_main:
-        data.write_atomic(os.path.join(run_dir, "config.yaml"), lambda f: f.write(config.dump(cfg).encode()))
+        fileio.write_atomic(
+            os.path.join(run_dir, "config.yaml"), lambda f: f.write(config.dump(cfg).encode())
+        )
         _truncate_metrics(metrics_path, step)
         log(
             f"run {cfg['run_name']}: {raw_model.num_params() / 1e6:.2f}M parameters on "
             f"{hardware.description}, {profile['dtype']}, attention {hardware.attention_backend}, "
-            f"peak {hardware.peak_tflops:.2f} TFLOP/s"
+            f"matmul peak {hardware.peak_tflops:.3g} TFLOP/s (MFU reference)"
         )
         log(
             f"global batch {tokens_per_step} tokens = {ctx.world_size} ranks x {batch} sequences x "
@@ -601,8 +601,7 @@ def _train(cfg, ctx, resume, stop_after, log):
                 "ranks": ranks,
                 "skipped_steps": skipped_steps,
                 "world_size": ctx.world_size,
-                "tokenizer": tokenizer.name,
-                "tokenizer_sha256": tokenizer_sha256(tokenizer),
+                "tokenizer": tokenizer_record,
                 "config": cfg,
                 "code_version": code_version(),
             }
@@ -616,7 +615,7 @@ def _train(cfg, ctx, resume, stop_after, log):
     window_start, window_steps = time.perf_counter(), 0
     run_start = time.perf_counter()
     stopped_by = None
-    with StopRequest() as stop:
+    with StopRequest(enabled=handle_signals) as stop:
         while step < train_cfg["max_steps"]:
             lr = lr_at(step, train_cfg)
             for group in optimizer.param_groups:
@@ -730,7 +729,7 @@ def _truncate_metrics(path, step):
         return
     with open(path, encoding="utf-8") as f:
         lines = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= step]
-    data.write_atomic(path, lambda f: f.write("".join(lines).encode()))
+    fileio.write_atomic(path, lambda f: f.write("".join(lines).encode()))
 
 
 def sample_text(model, tokenizer, train_cfg, hardware, chat_run=False):
@@ -799,14 +798,51 @@ def compare_states(a, b):
     return len(ta), differing, largest
 
 
+class CheckInterrupted(BaseException):
+    """SIGINT/SIGTERM during --resume-check: the check ends with no verdict. A BaseException, like
+    KeyboardInterrupt, so that no `except Exception` on the way (a skipped unreadable checkpoint) eats it."""
+
+    def __init__(self, signum):
+        self.signum = signum
+        super().__init__(signal.Signals(signum).name)
+
+
+class InterruptCheck:
+    """While the check runs, SIGINT/SIGTERM raise CheckInterrupted at once (the phases run with
+    handle_signals=False, so no phase turns the signal into a graceful stop and lets the next phase
+    start). Further signals are ignored while the scratch runs are removed."""
+
+    def __init__(self):
+        self.previous = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self.previous[sig] = signal.signal(sig, self.handle)
+        return self
+
+    def handle(self, signum, frame):
+        for sig in self.previous:
+            signal.signal(sig, signal.SIG_IGN)
+        raise CheckInterrupted(signum)
+
+    def __exit__(self, *exc):
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
 def resume_check(cfg, log=print):
     """Uninterrupted N steps vs N/2 + resume to N: every parameter and optimizer tensor must be equal."""
     total = cfg["train"]["max_steps"]
     if total < 2:
         raise TrainError("--resume-check needs train.max_steps >= 2")
     quiet = lambda *a, **k: None
+    train_phase = lambda run_cfg, **kwargs: train(run_cfg, log=quiet, handle_signals=False, **kwargs)
     os.makedirs(cfg["train"]["runs_dir"], exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="resume-check-", dir=cfg["train"]["runs_dir"]) as scratch:
+    with (
+        InterruptCheck(),
+        tempfile.TemporaryDirectory(prefix="resume-check-", dir=cfg["train"]["runs_dir"]) as scratch,
+    ):
         runs = {}
         for name in ("uninterrupted", "resumed"):
             run_cfg = json.loads(json.dumps(cfg))
@@ -816,10 +852,10 @@ def resume_check(cfg, log=print):
             run_cfg["train"]["keep_last"] = max(run_cfg["train"]["keep_last"], 2)
             runs[name] = run_cfg
         log(f"resume-check: {total} steps uninterrupted ...")
-        train(runs["uninterrupted"], log=quiet)
+        train_phase(runs["uninterrupted"])
         log(f"resume-check: {total // 2} steps, stop, resume to {total} ...")
-        train(runs["resumed"], stop_after=total // 2, log=quiet)
-        train(runs["resumed"], resume=True, log=quiet)
+        train_phase(runs["resumed"], stop_after=total // 2)
+        train_phase(runs["resumed"], resume=True)
         a = load_checkpoint(list_checkpoints(run_dir_of(runs["uninterrupted"]))[0])
         b = load_checkpoint(list_checkpoints(run_dir_of(runs["resumed"]))[0])
     count, differing, largest = compare_states(a, b)
@@ -856,6 +892,9 @@ def main(argv):
     except (TrainError, data.DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except CheckInterrupted as e:
+        print(f"resume-check interrupted by {e}: no verdict; its scratch runs were removed", file=sys.stderr)
+        return 128 + e.signum
     return 0
 
 

@@ -1,12 +1,16 @@
 """Shared fixtures: tiny runs built from the shipped run files plus overrides (a config is data)."""
 
+import contextlib
 import copy
 import gzip
 import json
 import os
+import socket
 import subprocess
 import sys
+import threading
 import time
+import types
 
 import jsonschema
 import pytest
@@ -14,6 +18,7 @@ import pytest
 import config
 import corpus
 import data
+import fileio
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -36,6 +41,7 @@ TINY = [
     "train.ckpt_interval=2",
     "train.keep_last=2",
     "train.sample_tokens=0",
+    "hardware.peak_tflops=1.0",  # skips the ~1 s start-up matmul that measures the MFU reference
 ]
 
 
@@ -69,7 +75,7 @@ def shard_data_dir(tmp_path_factory):
 def data_layer(name, **changes):
     """The `data:` section of a shipped configs/data/<name>.yaml (with the base it includes), deep-updated
     and schema-checked."""
-    section, _ = config._load_layer("data", f"data/{name}.yaml", os.path.join(ROOT, "configs"), None, [])
+    section = config.load_layer("data", os.path.join(ROOT, "configs", "data", f"{name}.yaml"))
 
     def update(node, new):
         for key, value in new.items():
@@ -124,7 +130,7 @@ def read_docs(cfg, split):
 
 
 def shard_hashes(cfg, split):
-    return [data.sha256_of_file(p) for p in data.shard_paths(cfg, split)]
+    return [fileio.sha256_of_file(p) for p in data.shard_paths(cfg, split)]
 
 
 def shard_overrides(folder):
@@ -269,3 +275,65 @@ def serve_member(database, name, role, password=None):
         subprocess.run([sys.executable, "serve.py", "member", "password", name, db], cwd=ROOT, input=password + "\n",
                        capture_output=True, text=True, check=True)  # fmt: skip
     return key
+
+
+FAST_SCRYPT = "serve.scrypt.n=1024"  # the test passwords need no production cost
+
+
+@pytest.fixture(scope="session")
+def chat_model(chat_run):
+    """serve.load_model of chat_run: (model, tokenizer, model id, context), shared by in-process servers."""
+    import serve
+
+    return serve.load_model(chat_run, "cpu")
+
+
+class ScriptedModel:
+    """Stands in for the model's choices: its generations yield the scripts in turn (round robin), each
+    repeating its last id, `delay` s per token. It keeps the prompts it got."""
+
+    def __init__(self, *scripts, delay=0.0):
+        self.scripts, self.delay, self.prompts = scripts, delay, []
+        import torch
+
+        self.embed_tokens = types.SimpleNamespace(weight=torch.zeros(1))
+
+    def generate(self, prompt, max_new_tokens, temperature, top_k, top_p, generator=None):
+        ids = self.scripts[len(self.prompts) % len(self.scripts)]
+        self.prompts.append(prompt.tolist())
+        for step in range(max_new_tokens):
+            time.sleep(self.delay)
+            yield ids[min(step, len(ids) - 1)]
+
+
+@contextlib.contextmanager
+def live_server(chat_model, tmp_path, *overrides, model=None, context=None):
+    """uvicorn serving build_app() on a free port of 127.0.0.1 in a thread; yields (url, Server). A scripted
+    model may claim a longer context than the tiny run's."""
+    import uvicorn
+
+    import accounts
+    import serve
+    import worker
+
+    database = str(tmp_path / f"serve-{time.monotonic_ns()}.sqlite")
+    settings = serve.load_settings(
+        serve.DEFAULT_CONFIG, [f"serve.database={database}", FAST_SCRYPT, *overrides]
+    )
+    real_model, tokenizer, model_id, run_context = chat_model
+    context = context or run_context
+    model_worker = worker.Worker(model or real_model, tokenizer, settings["queue_size"])
+    server = serve.Server(settings, accounts.Store(database), model_worker, model_id, context)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    uv = uvicorn.Server(uvicorn.Config(serve.build_app(server), log_level="warning"))
+    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not uv.started:
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}", server
+    finally:
+        uv.should_exit = True
+        thread.join()
+        model_worker.close()

@@ -1,8 +1,11 @@
 """Checkpoints: atomic on disk, loadable with weights_only, RNG states handed back as CPU bytes."""
 
+import hashlib
 import io
+import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -11,7 +14,14 @@ import textwrap
 import numpy as np
 import pytest
 import torch
+from conftest import shard_overrides, tiny_config
 
+import chat
+import checkpoint
+import config
+import corpus
+import data
+import fileio
 import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -29,27 +39,27 @@ def fake_training_state(step):
 
 
 def test_a_checkpoint_round_trips_through_weights_only_loading(tmp_path):
-    path = train.save_checkpoint(str(tmp_path), 3, fake_training_state(3), keep_last=2)
-    state = train.load_checkpoint(path)  # torch.load(..., weights_only=True) inside
+    path = checkpoint.save_checkpoint(str(tmp_path), 3, fake_training_state(3), keep_last=2)
+    state = checkpoint.load_checkpoint(path)  # torch.load(..., weights_only=True) inside
     assert state["step"] == 3 and torch.equal(state["model"]["w"], torch.full((4, 4), 3.0))
 
 
 def test_only_the_newest_keep_last_checkpoints_stay(tmp_path):
     for step in (10, 20, 30, 40):
-        train.save_checkpoint(str(tmp_path), step, fake_training_state(step), keep_last=2)
-    assert [os.path.basename(p) for p in train.list_checkpoints(str(tmp_path))] == [
+        checkpoint.save_checkpoint(str(tmp_path), step, fake_training_state(step), keep_last=2)
+    assert [os.path.basename(p) for p in checkpoint.list_checkpoints(str(tmp_path))] == [
         "ckpt_0000040.pt",
         "ckpt_0000030.pt",
     ]
 
 
 def test_a_writer_killed_mid_write_leaves_nothing_a_resume_would_trust(tmp_path):
-    train.save_checkpoint(str(tmp_path), 10, fake_training_state(10), keep_last=3)
-    # A real writer process goes through data.write_atomic (what checkpoints use), writes half the checkpoint and is SIGKILLed.
+    checkpoint.save_checkpoint(str(tmp_path), 10, fake_training_state(10), keep_last=3)
+    # A real writer process goes through fileio.write_atomic (what checkpoints use), writes half the checkpoint and is SIGKILLed.
     writer = textwrap.dedent(f"""
         import io, sys, time, torch
         sys.path.insert(0, {ROOT!r})
-        import data, train
+        import checkpoint, fileio
         buffer = io.BytesIO()
         torch.save({{"step": 20, "model": {{"w": torch.zeros(256, 1024)}}}}, buffer)
         payload = buffer.getvalue()
@@ -60,7 +70,7 @@ def test_a_writer_killed_mid_write_leaves_nothing_a_resume_would_trust(tmp_path)
             print("half written", flush=True)
             time.sleep(60)
 
-        data.write_atomic(train.checkpoint_path({str(tmp_path)!r}, 20), write_half_then_hang)
+        fileio.write_atomic(checkpoint.checkpoint_path({str(tmp_path)!r}, 20), write_half_then_hang)
     """)
     proc = subprocess.Popen([sys.executable, "-c", writer], stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "half written"
@@ -68,27 +78,27 @@ def test_a_writer_killed_mid_write_leaves_nothing_a_resume_would_trust(tmp_path)
     proc.wait(timeout=10)
     leftovers = [n for n in os.listdir(tmp_path) if n.endswith(".tmp")]
     assert leftovers, "the killed writer should have left its temp file behind"
-    assert [os.path.basename(p) for p in train.list_checkpoints(str(tmp_path))] == ["ckpt_0000010.pt"]
-    path, state = train.load_newest_checkpoint(str(tmp_path))
+    assert [os.path.basename(p) for p in checkpoint.list_checkpoints(str(tmp_path))] == ["ckpt_0000010.pt"]
+    path, state = checkpoint.load_newest_checkpoint(str(tmp_path))
     assert state["step"] == 10
-    train.save_checkpoint(str(tmp_path), 30, fake_training_state(30), keep_last=3)
+    checkpoint.save_checkpoint(str(tmp_path), 30, fake_training_state(30), keep_last=3)
     assert not [n for n in os.listdir(tmp_path) if n.endswith(".tmp")], "stale temp files are cleaned up"
 
 
 def test_a_truncated_newest_checkpoint_is_reported_and_the_previous_one_used(tmp_path):
-    train.save_checkpoint(str(tmp_path), 10, fake_training_state(10), keep_last=3)
-    newest = train.save_checkpoint(str(tmp_path), 20, fake_training_state(20), keep_last=3)
+    checkpoint.save_checkpoint(str(tmp_path), 10, fake_training_state(10), keep_last=3)
+    newest = checkpoint.save_checkpoint(str(tmp_path), 20, fake_training_state(20), keep_last=3)
     with open(newest, "r+b") as f:
         f.truncate(os.path.getsize(newest) // 3)
     messages = []
-    path, state = train.load_newest_checkpoint(str(tmp_path), log=messages.append)
+    path, state = checkpoint.load_newest_checkpoint(str(tmp_path), log=messages.append)
     assert state["step"] == 10
     assert len(messages) == 1 and "skipping unreadable checkpoint" in messages[0] and newest in messages[0]
 
 
 def test_resume_without_any_checkpoint_is_a_clear_error(tmp_path):
-    with pytest.raises(train.TrainError, match="no usable checkpoint"):
-        train.load_newest_checkpoint(str(tmp_path))
+    with pytest.raises(checkpoint.CheckpointError, match="no usable checkpoint"):
+        checkpoint.load_newest_checkpoint(str(tmp_path))
 
 
 def test_rng_states_reach_the_setters_as_cpu_uint8(tmp_path, monkeypatch):
@@ -96,8 +106,10 @@ def test_rng_states_reach_the_setters_as_cpu_uint8(tmp_path, monkeypatch):
     # raises "RNG state must be a torch.ByteTensor". Whatever the stored form, the setters get CPU bytes.
     state = train.rng_state()
     state["torch_cpu"] = state["torch_cpu"].to(torch.int64)  # a state that lost its dtype on the way
-    path = train.save_checkpoint(str(tmp_path), 1, fake_training_state(1) | {"ranks": [{"rng": state}]}, 2)
-    loaded = train.load_checkpoint(path)["ranks"][0]["rng"]
+    path = checkpoint.save_checkpoint(
+        str(tmp_path), 1, fake_training_state(1) | {"ranks": [{"rng": state}]}, 2
+    )
+    loaded = checkpoint.load_checkpoint(path)["ranks"][0]["rng"]
     received = []
     real_setter = torch.set_rng_state
     monkeypatch.setattr(torch, "set_rng_state", lambda s: (received.append(s), real_setter(s)))
@@ -115,3 +127,78 @@ def test_restored_rng_states_replay_the_same_random_numbers():
     train.set_rng_state(torch.load(buffer, weights_only=True))
     replay = (random.random(), np.random.rand(), torch.rand(3))
     assert replay[:2] == expected[:2] and torch.equal(replay[2], expected[2])
+
+
+# -----------------------------------------------------------------------------
+# Self-contained checkpoints: the tokenizer travels inside
+
+
+@pytest.fixture(scope="module")
+def retrained_data(tmp_path_factory, shard_data_dir):
+    """A tiny run on a copy of the shard data, then that copy's tokenizer retrained (same vocabulary size,
+    other pieces): the situation in which a checkpoint must not trust data/."""
+    root = tmp_path_factory.mktemp("retrained")
+    data_dir = root / "data"
+    shutil.copytree(shard_data_dir, data_dir)
+    cfg = tiny_config(root / "runs", "shards", data_dir, "run_name=bpe", "train.max_steps=2")
+    train.train(cfg, log=lambda *a, **k: None)
+    before = fileio.sha256_of_file(data_dir / "tokenizer.model")
+    other = config.load(
+        os.path.join(ROOT, "configs", "smoke-corpus-cpu.yaml"),
+        shard_overrides(str(data_dir)) + ["data.tokenizer.character_coverage=0.98"],
+    )
+    corpus.train_tokenizer(other["data"], log=lambda *a, **k: None)
+    after = fileio.sha256_of_file(data_dir / "tokenizer.model")
+    assert before != after, "the retrained tokenizer should differ"
+    return cfg, before, after
+
+
+def test_a_run_decodes_with_the_tokenizer_inside_its_checkpoint_not_the_retrained_one(retrained_data):
+    cfg, trained_with, retrained = retrained_data
+    state = checkpoint.load_checkpoint(checkpoint.list_checkpoints(train.run_dir_of(cfg))[0])
+    record = state["tokenizer"]
+    assert record["sha256"] == trained_with and hashlib.sha256(record["model"]).hexdigest() == trained_with
+    assert record["chat_template_version"] == chat.CHAT_TEMPLATE_VERSION
+    warnings = []
+    model, run_cfg, tokenizer, _ = checkpoint.load_run(train.run_dir_of(cfg), log=warnings.append)
+    assert hashlib.sha256(tokenizer.processor.serialized_model_proto()).hexdigest() == trained_with
+    assert not warnings
+    from_data_dir = data.load_tokenizer(run_cfg["data"])
+    text = "¿Dónde está el niño? ¡Aquí!"
+    assert tokenizer.encode(text) != from_data_dir.encode(text), "the two tokenizers should disagree"
+
+
+def test_resuming_on_a_data_dir_with_another_tokenizer_is_refused_naming_both_hashes(retrained_data):
+    cfg, trained_with, retrained = retrained_data
+    more = json.loads(json.dumps(cfg))
+    more["train"]["max_steps"] = 4
+    with pytest.raises(train.TrainError) as excinfo:
+        train.train(more, resume=True, log=lambda *a, **k: None)
+    assert trained_with in str(excinfo.value) and retrained in str(excinfo.value)
+    assert len(checkpoint.list_checkpoints(train.run_dir_of(cfg))) == 1, "nothing new was written"
+
+
+def test_an_old_checkpoint_without_its_tokenizer_loads_from_the_data_dir_with_a_warning(
+    tmp_path, shard_data_dir
+):
+    cfg = tiny_config(tmp_path, "shards", shard_data_dir, "run_name=old", "train.max_steps=2")
+    train.train(cfg, log=lambda *a, **k: None)
+    path = checkpoint.list_checkpoints(train.run_dir_of(cfg))[0]
+    state = checkpoint.load_checkpoint(path)
+    state["tokenizer"] = "sentencepiece"  # what checkpoints carried before
+    torch.save(state, path)
+    warnings = []
+    _, _, tokenizer, _ = checkpoint.load_run(path, log=warnings.append)
+    assert tokenizer.path == os.path.join(shard_data_dir, "tokenizer.model")
+    assert len(warnings) == 1 and "predates self-contained checkpoints" in warnings[0]
+
+
+def test_a_checkpoint_whose_stored_tokenizer_was_altered_is_refused(tmp_path, shard_data_dir):
+    cfg = tiny_config(tmp_path, "shards", shard_data_dir, "run_name=altered", "train.max_steps=2")
+    train.train(cfg, log=lambda *a, **k: None)
+    path = checkpoint.list_checkpoints(train.run_dir_of(cfg))[0]
+    state = checkpoint.load_checkpoint(path)
+    state["tokenizer"]["model"] = state["tokenizer"]["model"][:-1] + b"x"
+    torch.save(state, path)
+    with pytest.raises(checkpoint.CheckpointError, match="does not match its sha256"):
+        checkpoint.load_run(path)

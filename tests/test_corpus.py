@@ -1,6 +1,7 @@
 """The corpus pipeline (corpus.py): reading, cleaning, dedup, split, tokenizer training, encoding."""
 
 import bz2
+import contextlib
 import copy
 import glob
 import gzip
@@ -8,6 +9,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -18,10 +20,13 @@ from conftest import ROOT, data_layer, quiet, read_docs, shard_hashes, text_sour
 import config
 import corpus
 import corpus_filters
+import corpus_sources
 import data
 
 sys.path.insert(0, os.path.join(ROOT, "tests", "fixtures", "corpus"))
 import write_fixtures  # noqa: E402
+
+import fileio
 
 NOVELAS = os.path.join(ROOT, "..", "shared", "corpus", "novelas-cligs.jsonl.gz")
 
@@ -135,7 +140,7 @@ def test_the_tokenizer_info_records_settings_and_the_corpus_hash(pipeline):
     info = json.load(open(os.path.join(pipeline["dir"], "tokenizer_info.json")))
     corpus = json.load(open(data.manifest_path(pipeline)))["corpus"]
     assert info["corpus_sha256"] == corpus["outputs"]["train"]["sha256"]
-    assert info["sha256"] == data.sha256_of_file(data.tokenizer_path(pipeline))
+    assert info["sha256"] == fileio.sha256_of_file(data.tokenizer_path(pipeline))
     settings = info["settings"]
     assert (
         settings["byte_fallback"]
@@ -171,7 +176,7 @@ def test_encoding_is_identical_whatever_the_number_of_processes(pipeline, tmp_pa
         shutil.copytree(pipeline["dir"], cfg["dir"], ignore=shutil.ignore_patterns("*_0*.bin"))
         manifest = json.load(open(data.manifest_path(cfg)))
         del manifest["encode"]
-        data.write_json(data.manifest_path(cfg), manifest)
+        fileio.write_json(data.manifest_path(cfg), manifest)
         corpus.encode(cfg, log=quiet)
         for split in data.SPLITS:
             assert shard_hashes(cfg, split) == shard_hashes(pipeline, split)
@@ -185,7 +190,7 @@ def test_an_interrupted_encode_resumes_after_its_finished_shards(pipeline, tmp_p
     kept = train["shards"][:2]
     assert kept[-1]["next_token"] > 0  # the third shard starts inside a document: the harder resume
     train["shards"], train["complete"] = kept, False  # as if killed while writing the third shard
-    data.write_json(data.manifest_path(cfg), manifest)
+    fileio.write_json(data.manifest_path(cfg), manifest)
     finished = [os.stat(os.path.join(cfg["dir"], s["name"])) for s in kept]
     with open(os.path.join(cfg["dir"], data.shard_name("train", 2)), "r+b") as f:
         f.truncate(1500)  # the shard being written when the run died
@@ -308,7 +313,7 @@ def source(name, kind, path, **settings):
 
 def read_source(src):
     stats = corpus.new_source_stats()
-    return list(corpus.READERS[src["kind"]](src["path"], src, stats)), stats
+    return list(corpus_sources.READERS[src["kind"]](src["path"], src, stats)), stats
 
 
 def test_parquet_is_read_by_row_group_with_fineweb2_metadata(fixtures):
@@ -506,23 +511,33 @@ def proverb_documents(count):
     return [" ".join(fortunes[i : i + 6]) for i in range(0, 6 * count, 6)]
 
 
-def test_train_documents_sharing_a_13_gram_with_an_eval_file_or_val_are_dropped(tmp_path):
+def in_train(text, val_fraction):
+    """The text, with a suffix if needed so that it lands in the train split."""
+    suffix = 0
+    while corpus.split_of(f"{text} ({suffix})", val_fraction) != "train":
+        suffix += 1
+    return f"{text} ({suffix})"
+
+
+def test_train_documents_sharing_a_13_gram_with_an_eval_file_or_copying_val_are_dropped(tmp_path):
     chapters = proverb_documents(40)
-    cfg = corpus_cfg(tmp_path, [text_source("biblia", str(tmp_path / "a.txt"))], val_fraction=0.2)
+    cfg = corpus_cfg(tmp_path, [text_source("refranes", str(tmp_path / "a.txt"))], val_fraction=0.2)
     val_chapter = next(c for c in chapters if corpus.split_of(c, 0.2) == "val")
     train_chapters = [c for c in chapters if corpus.split_of(c, 0.2) == "train"]
-    quote = " ".join(re.findall(r"\w+", train_chapters[0])[10:23])  # 13 words of a train document
-    (tmp_path / "eval.txt").write_text(f"Pregunta: ¿quién dijo «{quote}»?\n")
+    words = re.findall(r"\w+", train_chapters[0])
+    (tmp_path / "eval.txt").write_text(f"Pregunta: ¿quién dijo «{' '.join(words[10:23])}»?\n")  # 13 words
+    near_miss = in_train("Otro texto distinto. " + " ".join(words[10:22]) + " y nada más que decir.", 0.2)
     val_words = re.findall(r"\w+", val_chapter)
-    borrowed = "Prólogo nuevo. " + " ".join(val_words[5:18]) + " Y otras palabras distintas aquí."
-    near_miss = "Prólogo otro. " + " ".join(val_words[5:17]) + " Y otras palabras distintas aquí."  # 12 words
-    (tmp_path / "a.txt").write_text("\n\n".join(chapters + [borrowed, near_miss]))
+    copied = in_train("Refranes de la abuela: " + " ".join(val_words[8:]), 0.2)  # val minus its first 8 words
+    borrowed = in_train(train_chapters[1] + " " + " ".join(val_words[5:18]), 0.2)  # one 13-gram of val
+    (tmp_path / "a.txt").write_text("\n\n".join(chapters + [near_miss, copied, borrowed]))
     cfg["corpus"]["decontamination"]["eval_files"] = [str(tmp_path / "eval.txt")]
     stats = corpus.build_corpus(cfg, log=quiet)
     train = read_docs(cfg, "train")
-    assert train_chapters[0] not in train and borrowed not in train and near_miss in train
+    assert train_chapters[0] not in train and near_miss in train  # any 13-gram of an eval file; 12 are fine
+    assert copied not in train and borrowed in train  # a near-copy of val goes; one shared phrase does not
     assert stats["decontamination"] == {str(tmp_path / "eval.txt"): 1, "val": 1}
-    assert drops(stats, "biblia") == {"contaminated": 2}
+    assert drops(stats, "refranes") == {"contaminated": 2}
 
 
 # -----------------------------------------------------------------------------
@@ -590,17 +605,19 @@ def test_a_killed_corpus_step_resumes_with_its_finished_tasks(tmp_path):
     run = os.path.join(ROOT, "configs", "smoke-corpus-cpu.yaml")
     cfg = bible_cfg(tmp_path, "killed", tasks=4)
     overrides = [f"data.dir={cfg['dir']}", "data.processes=1", f"data.corpus={json.dumps(cfg['corpus'])}"]
-    proc = subprocess.Popen(
-        [sys.executable, "corpus.py", "corpus", run, *overrides], cwd=ROOT, stderr=subprocess.DEVNULL
-    )
+    command = [sys.executable, "corpus.py", "corpus", run, *overrides]
+    proc = subprocess.Popen(command, cwd=ROOT, stderr=subprocess.DEVNULL, start_new_session=True)
     workdirs = os.path.join(cfg["dir"], "work")
     deadline = time.monotonic() + 120
-    while proc.poll() is None and time.monotonic() < deadline:
-        if glob.glob(os.path.join(workdirs, "*", "stats_00001.json")):
-            proc.kill()  # SIGKILL after two of four tasks: no cleanup runs
-            break
-        time.sleep(0.02)
-    proc.wait()
+    try:
+        while proc.poll() is None and time.monotonic() < deadline:
+            if glob.glob(os.path.join(workdirs, "*", "stats_00001.json")):
+                break
+            time.sleep(0.02)
+    finally:  # SIGKILL to the whole process group (datatrove's manager too) after two of four tasks
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
     assert not os.path.exists(corpus.docs_path(cfg, "train"))  # nothing a later step would trust
     said = []
     corpus.build_corpus(cfg, log=said.append)
@@ -608,6 +625,9 @@ def test_a_killed_corpus_step_resumes_with_its_finished_tasks(tmp_path):
     assert resumed and int(resumed.group(1)) >= 2  # the finished tasks are not redone
     for split in data.SPLITS:
         assert read_docs(cfg, split) == read_docs(reference, split)
+    cfg["corpus"]["decontamination"]["val_max_overlap"] = 0.5  # merging again needs no filtering again
+    corpus.build_corpus(cfg, log=said.append)
+    assert "4 filter task(s) on the local executor, 4 already finished" in said[-2]
 
 
 def test_the_report_shows_sources_drops_and_plots_of_a_built_corpus(pipeline, tmp_path):
@@ -637,3 +657,10 @@ def test_a_source_runs_only_the_filter_stages_it_lists(tmp_path):
         "near_dedup",
         "decontamination",
     }
+
+
+def test_the_slurm_example_builds_datatrove_slurm_executor_with_its_settings(tmp_path):
+    cfg = data_layer("corpus-slurm", dir=str(tmp_path))  # schema-checked
+    executor, tasks = corpus.executor_for(corpus.FilterTask(cfg, str(tmp_path)), cfg, str(tmp_path))
+    assert type(executor).__name__ == "SlurmPipelineExecutor" and tasks == executor.world_size == 64
+    assert (executor.partition, executor.time, executor.mem_per_cpu_gb) == ("cpu", "02:00:00", 4)

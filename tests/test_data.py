@@ -10,6 +10,7 @@ import torch
 from conftest import data_layer, read_docs
 
 import data
+import fileio
 
 # -----------------------------------------------------------------------------
 # Loaders
@@ -154,7 +155,7 @@ def test_a_shard_round_trips_its_tokens_and_header(tmp_path):
     path = str(tmp_path / "train_000000.bin")
     tokens = np.array([0, 1, 65535, 300, 7], dtype=np.uint16)
     sha256 = data.write_shard(path, tokens, 65536)
-    assert sha256 == data.sha256_of_file(path)
+    assert sha256 == fileio.sha256_of_file(path)
     assert data.read_shard_header(path) == (5, 65536)
     assert np.array_equal(data.read_shard(path), tokens)
     header = np.fromfile(path, dtype="<i4", count=4)

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 import yaml
 from torch.profiler import profile
 
+import bench
 import config
 from model import Transformer, apply_rope, rope_tables, sample_token
 
@@ -121,6 +122,22 @@ def test_grouped_query_attention_equals_multi_head_attention_with_each_kv_head_c
     idx = tokens(2, 16)
     with torch.no_grad():
         torch.testing.assert_close(mha(idx)[0], gqa(idx)[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["math", "flash"])
+def test_logits_equal_transformers_qwen3_with_the_same_weights(backend):
+    # The model.py docstring's mapping: every name but lm_head gains `model.`; the weights load one to one.
+    cfg = tiny(n_layers=2, n_heads=4, n_kv_heads=2)
+    net = build(cfg, backend)
+    for param in net.parameters():  # norm weights away from 1, so a skipped norm would show
+        if param.dim() == 1:
+            param.data.uniform_(0.5, 1.5)
+    twin = bench.qwen3_twin(cfg).eval()
+    state = {(n if n == "lm_head.weight" else f"model.{n}"): t for n, t in net.state_dict().items()}
+    twin.load_state_dict(state)
+    idx = tokens(2, cfg["seq_len"])
+    with torch.no_grad():
+        torch.testing.assert_close(net(idx)[0], twin(input_ids=idx).logits, rtol=0, atol=2e-5)
 
 
 def test_rope_makes_query_key_products_depend_only_on_their_relative_offset():
@@ -361,22 +378,42 @@ def test_the_cache_refuses_to_grow_past_seq_len():
 
 
 def greedy_by_full_forward(net, prompt, steps):
-    """nanoGPT-style decoding without a cache: the window is the last seq_len tokens."""
-    sequence = prompt.tolist()
+    """Decoding without a cache, by generate's documented window rule: a full forward pass over the most
+    recent `length` tokens, where length starts at the prompt's (at most seq_len), grows by one per step
+    up to seq_len and then drops to seq_len // 2."""
+    sequence, length = prompt.tolist(), min(len(prompt), net.seq_len)
     for _ in range(steps):
-        window = torch.tensor([sequence[-net.seq_len :]])
         with torch.no_grad():
-            logits, _ = net(window)
+            logits, _ = net(torch.tensor([sequence[-length:]]))
         sequence.append(int(logits[0, -1].argmax()))
+        length = length + 1 if length < net.seq_len else net.seq_len // 2
     return sequence[len(prompt) :]
 
 
 def test_greedy_generation_with_the_cache_equals_full_forward_decoding_also_past_seq_len():
     net = build(tiny(seq_len=16))
     prompt = tokens(1, 10)[0]
-    want = greedy_by_full_forward(net, prompt, 20)  # 10 + 20 tokens: the window slides past 16
-    assert list(net.generate(prompt, 20, temperature=0)) == want
-    assert list(net.generate(prompt[None], 20, top_k=1)) == want  # top_k 1 is greedy too; (1, T) accepted
+    want = greedy_by_full_forward(net, prompt, 40)  # 10 + 40 tokens: the window restarts three times
+    assert list(net.generate(prompt, 40, temperature=0)) == want
+    assert list(net.generate(prompt[None], 40, top_k=1)) == want  # top_k 1 is greedy too; (1, T) accepted
+    long_prompt = tokens(1, 21)[0]  # longer than seq_len: only its last 16 tokens are read
+    assert list(net.generate(long_prompt, 12, temperature=0)) == greedy_by_full_forward(net, long_prompt, 12)
+
+
+def test_past_seq_len_generation_prefills_once_every_half_window_not_at_every_step(monkeypatch):
+    net = build(tiny(seq_len=16))
+    prefill_lengths = []
+    forward_with_cache = net.forward_with_cache
+
+    def counting(idx, cache):
+        if idx.shape[1] > 1:
+            prefill_lengths.append(idx.shape[1])
+        return forward_with_cache(idx, cache)
+
+    monkeypatch.setattr(net, "forward_with_cache", counting)
+    assert len(list(net.generate(tokens(1, 10)[0], 6 + 8 * 3 + 1, temperature=0))) == 31
+    # The prompt; then at 16 tokens the window restarts from the last 8, three times in 24 steps.
+    assert prefill_lengths == [10, 8, 8, 8]
 
 
 def test_generate_streams_one_int_per_step_and_stops_after_the_stop_token():

@@ -1,10 +1,13 @@
 """The owner's acceptance criterion: resuming from a checkpoint reproduces an uninterrupted run, every
 parameter and every optimizer tensor bit for bit, for both loaders, with gradient accumulation."""
 
+import glob
+import json
 import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -93,6 +96,42 @@ def test_resume_check_command_prints_pass(tmp_path, byte_data_dir):
     assert os.listdir(tmp_path) == [], "the check cleans up its scratch runs"
 
 
+@pytest.mark.parametrize("sig, phase", [(signal.SIGTERM, "uninterrupted"), (signal.SIGINT, "resumed")])
+def test_a_signal_ends_the_resume_check_at_once_without_a_verdict_or_leftovers(
+    tmp_path, byte_data_dir, sig, phase
+):
+    steps = 40  # the signal lands while the phase under test still has steps to go
+    args = tiny_args(tmp_path, "bytes", byte_data_dir, f"train.max_steps={steps}", "train.eval_interval=0")
+    proc = subprocess.Popen(
+        [sys.executable, "train.py", *args, "train.ckpt_interval=1000", "--resume-check"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 600  # generous: a loaded 2-core machine runs these steps slowly
+    metrics = []
+    while not metrics or not wait_until_step(metrics[0], steps // 2 + 2 if phase == "resumed" else 2):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"the check ended or stalled before the signal: {proc.communicate()}")
+        metrics = glob.glob(os.path.join(tmp_path, "resume-check-*", phase, "metrics.jsonl"))
+        time.sleep(0.01)
+    proc.send_signal(sig)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + sig, stderr
+    assert f"resume-check interrupted by {sig.name}: no verdict" in stderr
+    assert "PASS" not in stdout + stderr and "FAIL" not in stdout + stderr
+    if phase == "uninterrupted":
+        assert "resume to" not in stdout, "the check went on to its next phase"
+    assert os.listdir(tmp_path) == [], "the scratch runs are removed"
+
+
+def wait_until_step(metrics_path, step):
+    with open(metrics_path) as f:
+        return any(json.loads(line).get("step", 0) >= step for line in f if line.strip())
+
+
 def test_resume_check_reports_fail_with_the_largest_difference(tmp_path):
     a = {"step": 2, "model": {"w": torch.zeros(3)}, "optimizer": {"state": {0: {"exp_avg": torch.ones(3)}}}}
     b = {"step": 2, "model": {"w": torch.tensor([0.0, 0.5, 0.0])}, "optimizer": a["optimizer"]}
@@ -121,7 +160,9 @@ def test_resume_without_a_checkpoint_is_a_clear_error(tmp_path, byte_data_dir):
 
 
 def test_a_fresh_run_never_overwrites_a_run_with_checkpoints(tmp_path, byte_data_dir):
-    cfg = tiny_config(tmp_path, "bytes", byte_data_dir, "run_name=taken", "train.max_steps=2")
+    cfg = tiny_config(
+        tmp_path, "bytes", byte_data_dir, "run_name=taken", "train.max_steps=2", "train.replace_run=false"
+    )
     train.train(cfg, log=quiet)
     with pytest.raises(train.TrainError, match="already holds checkpoints; pass --resume"):
         train.train(cfg, log=quiet)

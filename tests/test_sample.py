@@ -10,6 +10,7 @@ import torch
 from conftest import ROOT, tiny_config
 
 import chat
+import checkpoint
 import sample
 import train
 
@@ -120,8 +121,8 @@ def test_a_checkpoint_whose_config_does_not_fit_its_weights_is_refused(byte_run,
     state["config"]["model"]["d_model"] = 64
     broken = tmp_path / "ckpt_0000006.pt"
     torch.save(state, broken)
-    with pytest.raises(sample.SampleError, match="do not fit the model config stored with them"):
-        sample.load_run(str(broken))
+    with pytest.raises(checkpoint.CheckpointError, match="do not fit the model config stored with them"):
+        checkpoint.load_run(str(broken))
 
 
 def test_a_byte_level_model_cannot_chat_and_says_why(byte_run):

@@ -1,81 +1,35 @@
 """serve.py: the OpenAI-compatible API (driven by the official openai client), accounts, stored
 conversations, and the server's behaviour under load and when killed. Every test talks HTTP to a real
-server on 127.0.0.1: uvicorn in a thread of this process (sharing one loaded tiny model), or serve.py in
+server on 127.0.0.1: uvicorn in a thread of this process (sharing one tiny model), or serve.py in
 a subprocess where a test needs the process itself (CLI, SIGKILL, memory)."""
 
 import contextlib
 import json
 import os
 import signal
-import socket
 import sqlite3
 import subprocess
 import sys
 import threading
 import time
-from types import SimpleNamespace
 
 import httpx
 import openai
 import pytest
-import torch
-import uvicorn
-from conftest import ROOT, serve_member, start_server
+from conftest import ROOT, ScriptedModel, live_server, serve_member, start_server, tiny_config
 
+import accounts
 import chat
 import config
 import serve
 
-FAST_SCRYPT = "serve.scrypt.n=1024"  # the test passwords need no production cost
-
-
-@pytest.fixture(scope="module")
-def loaded(chat_run):
-    return serve.load_model(chat_run, "cpu")
-
-
-class ScriptedModel:
-    """Stands in for the model's choices: yields `ids` (then repeats the last one), `delay` s per token."""
-
-    def __init__(self, ids, delay=0.0):
-        self.ids, self.delay = ids, delay
-        self.embed_tokens = SimpleNamespace(weight=torch.zeros(1))
-
-    def generate(self, prompt, max_new_tokens, temperature, top_k, top_p, generator=None):
-        for step in range(max_new_tokens):
-            time.sleep(self.delay)
-            yield self.ids[min(step, len(self.ids) - 1)]
-
-
-@contextlib.contextmanager
-def live_server(loaded, tmp_path, *overrides, model=None):
-    """uvicorn serving build_app() on a free port of 127.0.0.1 in a thread; yields (url, Server)."""
-    database = str(tmp_path / f"serve-{time.monotonic_ns()}.sqlite")
-    settings = serve.load_settings(
-        serve.DEFAULT_CONFIG, [f"serve.database={database}", FAST_SCRYPT, *overrides]
-    )
-    real_model, tokenizer, model_id, context = loaded
-    worker = serve.Worker(model or real_model, tokenizer, settings["queue_size"])
-    server = serve.Server(settings, serve.Store(database), worker, model_id, context)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    uv = uvicorn.Server(uvicorn.Config(serve.build_app(server), log_level="warning"))
-    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not uv.started:
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}", server
-    finally:
-        uv.should_exit = True
-        thread.join()
-        worker.close()
+NO_TOOLS = "serve.tools=false"  # prompts of exactly the request's messages, without the server's tools
 
 
 def member(server, name, role="adult", password=None):
     key = server.store.add_member(name, role)
     if password:
-        server.store.set_password(name, serve.hash_password(password, server.settings["scrypt"]))
+        server.store.set_password(name, accounts.hash_password(password, server.settings["scrypt"]))
     return key
 
 
@@ -94,8 +48,8 @@ USER = [{"role": "user", "content": "Hola, ¿qué tal?"}]
 # The API with the openai client
 
 
-def test_models_lists_the_run_and_every_route_needs_a_valid_key(loaded, tmp_path):
-    with live_server(loaded, tmp_path) as (url, server):
+def test_models_lists_the_run_and_every_route_needs_a_valid_key(chat_model, tmp_path):
+    with live_server(chat_model, tmp_path) as (url, server):
         key = member(server, "ana")
         assert [m.id for m in client(url, key).models.list()] == ["chat"]
         with pytest.raises(openai.AuthenticationError, match="invalid API key"):
@@ -105,8 +59,8 @@ def test_models_lists_the_run_and_every_route_needs_a_valid_key(loaded, tmp_path
             assert answer.status_code == 401 and answer.json()["error"]["type"] == "authentication_error"
 
 
-def test_a_plain_completion_reports_its_usage_and_respects_max_tokens(loaded, tmp_path):
-    with live_server(loaded, tmp_path) as (url, server):
+def test_a_plain_completion_reports_its_usage_and_respects_max_tokens(chat_model, tmp_path):
+    with live_server(chat_model, tmp_path, NO_TOOLS) as (url, server):
         answer = client(url, member(server, "ana")).chat.completions.create(
             model="chat", messages=USER, max_completion_tokens=5, seed=3
         )
@@ -114,7 +68,7 @@ def test_a_plain_completion_reports_its_usage_and_respects_max_tokens(loaded, tm
     assert answer.object == "chat.completion" and choice.message.role == "assistant"
     assert isinstance(choice.message.content, str) and choice.finish_reason in ("stop", "length")
     # The prompt is chat.render of the server's system prompt and the user's message.
-    tokenizer = loaded[1]
+    tokenizer = chat_model[1]
     system = serve.load_settings(serve.DEFAULT_CONFIG, [])["system_prompt"]
     ids, _ = chat.render({"messages": [{"role": "system", "content": system}, *USER]}, tokenizer, True)
     assert answer.usage.prompt_tokens == len(ids)
@@ -122,7 +76,7 @@ def test_a_plain_completion_reports_its_usage_and_respects_max_tokens(loaded, tm
     assert answer.usage.total_tokens == answer.usage.prompt_tokens + answer.usage.completion_tokens
 
 
-def test_text_parts_system_developer_tool_roles_and_unknown_fields_are_accepted(loaded, tmp_path):
+def test_text_parts_system_developer_tool_roles_and_unknown_fields_are_accepted(chat_model, tmp_path):
     messages = [
         {"role": "system", "content": [{"type": "text", "text": "Eres breve."}]},
         {"role": "developer", "content": "Responde en español."},
@@ -131,7 +85,7 @@ def test_text_parts_system_developer_tool_roles_and_unknown_fields_are_accepted(
          "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "luz", "arguments": "{\"on\": true}"}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "hecho"},
     ]  # fmt: skip
-    with live_server(loaded, tmp_path) as (url, server):
+    with live_server(chat_model, tmp_path, NO_TOOLS) as (url, server):
         answer = client(url, member(server, "ana")).chat.completions.create(
             model="chat", messages=messages, max_tokens=3, temperature=0.5, top_p=0.9,
             extra_body={"a_field_from_the_future": {"x": 1}, "logit_bias": {}},
@@ -143,11 +97,11 @@ def test_text_parts_system_developer_tool_roles_and_unknown_fields_are_accepted(
         {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "luz", "arguments": {"on": True}}}]},
         {"role": "tool", "content": "hecho"},
     ]}  # fmt: skip
-    assert answer.usage.prompt_tokens == len(chat.render(conversation, loaded[1], True)[0])
+    assert answer.usage.prompt_tokens == len(chat.render(conversation, chat_model[1], True)[0])
 
 
-def test_a_streamed_answer_is_the_plain_answer_in_order_with_utf8_whole(loaded, tmp_path):
-    with live_server(loaded, tmp_path) as (url, server):
+def test_a_streamed_answer_is_the_plain_answer_in_order_with_utf8_whole(chat_model, tmp_path):
+    with live_server(chat_model, tmp_path) as (url, server):
         key = member(server, "ana")
         plain = client(url, key).chat.completions.create(model="chat", messages=USER, max_tokens=40, seed=11)
         stream = client(url, key).chat.completions.create(
@@ -175,8 +129,8 @@ def test_a_streamed_answer_is_the_plain_answer_in_order_with_utf8_whole(loaded, 
     assert "usage" not in json.loads(lines[-2][6:])  # not asked for: no usage field
 
 
-def test_a_stop_string_ends_the_answer_before_it(loaded, tmp_path):
-    with live_server(loaded, tmp_path) as (url, server):
+def test_a_stop_string_ends_the_answer_before_it(chat_model, tmp_path):
+    with live_server(chat_model, tmp_path) as (url, server):
         openai_client = client(url, member(server, "ana"))
         full = openai_client.chat.completions.create(model="chat", messages=USER, max_tokens=30, seed=5)
         text = full.choices[0].message.content
@@ -194,13 +148,13 @@ def test_a_stop_string_ends_the_answer_before_it(loaded, tmp_path):
     assert "".join(pieces) == text[: text.index(stop)]
 
 
-def test_client_tools_are_rendered_and_the_models_calls_come_back_as_tool_calls(loaded, tmp_path):
-    tokenizer = loaded[1]
+def test_client_tools_are_rendered_and_the_models_calls_come_back_as_tool_calls(chat_model, tmp_path):
+    tokenizer = chat_model[1]
     call = '<tool_call>\n{"name": "encender_luz", "arguments": {"sala": "cocina"}}\n</tool_call>'
     ids = tokenizer.encode("Vale.\n" + call) + [tokenizer.special_ids["<|end|>"]]
     tools = [{"type": "function", "function": {"name": "encender_luz", "description": "Enciende una luz",
                                                "parameters": {"type": "object"}}}]  # fmt: skip
-    with live_server(loaded, tmp_path, model=ScriptedModel(ids)) as (url, server):
+    with live_server(chat_model, tmp_path, NO_TOOLS, model=ScriptedModel(ids)) as (url, server):
         openai_client = client(url, member(server, "ana"))
         answer = openai_client.chat.completions.create(model="chat", messages=USER, tools=tools)
         chunks = list(
@@ -227,6 +181,34 @@ def test_client_tools_are_rendered_and_the_models_calls_come_back_as_tool_calls(
         without_tools.choices[0].finish_reason == "stop"
         and "<tool_call>" in without_tools.choices[0].message.content
     )
+
+
+def test_without_client_tools_the_servers_tools_run_between_generations(chat_model, tmp_path):
+    tokenizer = chat_model[1]
+    end = tokenizer.special_ids["<|end|>"]
+    call = '<tool_call>\n{"name": "calculadora", "arguments": {"expresion": "6*7"}}\n</tool_call>'
+    model = ScriptedModel(tokenizer.encode("Calculo.\n" + call) + [end], tokenizer.encode("Son 42.") + [end])
+    with live_server(chat_model, tmp_path, model=model, context=4096) as (url, server):
+        openai_client = client(url, member(server, "ana"))
+        answer = openai_client.chat.completions.create(model="chat", messages=USER)
+        chunks = list(openai_client.chat.completions.create(model="chat", messages=USER, stream=True))
+        offered = openai_client.chat.completions.create(
+            model="chat", messages=USER, tools=[{"type": "function", "function": {"name": "luz"}}]
+        )
+    # The client sees the text around the call, never the call; the model read the tool's result.
+    assert (
+        answer.choices[0].message.content == "Calculo.\n\nSon 42."
+        and answer.choices[0].finish_reason == "stop"
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Calculo.\n\nSon 42."
+    second_prompt = tokenizer.decode(model.prompts[1])
+    assert (
+        "<tools>" in tokenizer.decode(model.prompts[0])
+        and "<tool_response>\n42\n</tool_response>" in second_prompt
+    )
+    assert answer.usage.prompt_tokens == len(model.prompts[0]) + len(model.prompts[1])
+    # A request with its own tools gets them, not the server's: the call (to a tool it did not offer) is text.
+    assert offered.choices[0].finish_reason == "stop" and "calculadora" in offered.choices[0].message.content
 
 
 BAD_REQUESTS = [
@@ -257,8 +239,8 @@ BAD_REQUESTS = [
 ]  # fmt: skip
 
 
-def test_bad_requests_get_the_right_4xx_with_a_clear_message_and_never_a_traceback(loaded, tmp_path):
-    with live_server(loaded, tmp_path) as (url, server):
+def test_bad_requests_get_the_right_4xx_with_a_clear_message_and_never_a_traceback(chat_model, tmp_path):
+    with live_server(chat_model, tmp_path) as (url, server):
         headers = {"Authorization": f"Bearer {member(server, 'ana')}", "Content-Type": "application/json"}
         for label, body, status, code in BAD_REQUESTS:
             content = body if isinstance(body, bytes) else json.dumps(body).encode()
@@ -292,11 +274,11 @@ def concurrent_answers(url, keys):
     return answers
 
 
-def test_a_full_queue_answers_503_and_a_busy_member_429_both_with_retry_after(loaded, tmp_path):
+def test_a_full_queue_answers_503_and_a_busy_member_429_both_with_retry_after(chat_model, tmp_path):
     slow = ScriptedModel([100], delay=0.05)  # 8 tokens: 0.4 s per answer
-    with live_server(loaded, tmp_path, "serve.queue_size=1", model=slow) as (url, server):
+    with live_server(chat_model, tmp_path, "serve.queue_size=1", model=slow) as (url, server):
         everyone = concurrent_answers(url, [member(server, f"m{i}") for i in range(4)])
-    with live_server(loaded, tmp_path, "serve.max_pending_per_member=2", model=slow) as (url, server):
+    with live_server(chat_model, tmp_path, "serve.max_pending_per_member=2", model=slow) as (url, server):
         one_member = concurrent_answers(url, [member(server, "ana")] * 4)
     # One running and one queued are answered; the rest are refused, never failed.
     assert sorted(a.status_code for a in everyone) == [200, 200, 503, 503]
@@ -307,9 +289,9 @@ def test_a_full_queue_answers_503_and_a_busy_member_429_both_with_retry_after(lo
             assert answer.json()["error"]["code"] in ("server_busy", "too_many_requests")
 
 
-def test_a_client_that_disconnects_stops_its_generation(loaded, tmp_path):
+def test_a_client_that_disconnects_stops_its_generation(chat_model, tmp_path):
     slow = ScriptedModel([100], delay=0.01)
-    with live_server(loaded, tmp_path, "serve.max_tokens=400", model=slow) as (url, server):
+    with live_server(chat_model, tmp_path, "serve.max_tokens=400", model=slow) as (url, server):
         key = member(server, "ana", "admin")
         body = {"model": "chat", "messages": USER, "max_tokens": 400, "stream": True}
         with httpx.stream("POST", url + "/v1/chat/completions", json=body,
@@ -334,8 +316,8 @@ def login(url, name, password):
     return session, answer
 
 
-def test_members_never_reach_each_others_conversations_and_admins_cannot_read_them(loaded, tmp_path):
-    with live_server(loaded, tmp_path) as (url, server):
+def test_members_never_reach_each_others_conversations_and_admins_cannot_read_them(chat_model, tmp_path):
+    with live_server(chat_model, tmp_path) as (url, server):
         keys = {name: member(server, name, role, "clave-" + name) for name, role in
                 [("ana", "adult"), ("beto", "adult"), ("carla", "admin"), ("dani", "child")]}  # fmt: skip
         owner = {"Authorization": f"Bearer {keys['ana']}"}
@@ -369,8 +351,27 @@ def test_members_never_reach_each_others_conversations_and_admins_cannot_read_th
         assert httpx.get(f"{url}/api/conversations/{cid}", headers=owner).status_code == 404
 
 
-def test_only_an_admin_manages_accounts_and_keys_are_stored_only_as_hashes(loaded, tmp_path):
-    with live_server(loaded, tmp_path) as (url, server):
+def test_the_conversation_routes_refuse_bad_input_with_a_clear_4xx(chat_model, tmp_path):
+    with live_server(chat_model, tmp_path) as (url, server):
+        http = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {member(server, 'ana')}"})
+        cid = http.post("/api/conversations", json={"title": "mía"}).json()["id"]
+        cases = [
+            (http.post("/api/conversations", json={"title": 7}), 400, "invalid_type"),
+            (http.post(f"/api/conversations/{cid}/messages", json={"content": "   "}), 400, "empty_message"),
+            (http.post(f"/api/conversations/{cid}/messages", json={"text": "hola"}), 400, "invalid_type"),
+            (http.post(f"/api/conversations/{cid}/messages", content=b"{nope"), 400, "invalid_json"),
+            (http.post(f"/api/conversations/{cid}/messages", content=b"x" * 2_000_000), 413, "request_too_large"),
+            (http.post("/api/conversations/no-such-id/messages", json={"content": "hola"}), 404, "conversation_not_found"),
+            (http.post("/api/login", json={"name": "ana"}), 400, "invalid_type"),
+        ]  # fmt: skip
+        for answer, status, code in cases:
+            assert (answer.status_code, answer.json()["error"]["code"]) == (status, code), answer.request.url
+        assert http.get(f"/api/conversations/{cid}").json()["messages"] == []  # nothing half-stored
+        http.close()
+
+
+def test_only_an_admin_manages_accounts_and_keys_are_stored_only_as_hashes(chat_model, tmp_path):
+    with live_server(chat_model, tmp_path) as (url, server):
         admin = {"Authorization": f"Bearer {member(server, 'carla', 'admin')}"}
         adult = {"Authorization": f"Bearer {member(server, 'ana')}"}
         for method, path in [("GET", "/api/members"), ("POST", "/api/members"), ("DELETE", "/api/members/carla"),
@@ -405,8 +406,8 @@ def test_only_an_admin_manages_accounts_and_keys_are_stored_only_as_hashes(loade
     assert all(row[0].startswith("scrypt$") for row in hashes)
 
 
-def test_web_login_sets_a_strict_httponly_cookie_and_locks_out_guessing(loaded, tmp_path):
-    with live_server(loaded, tmp_path, "serve.login_max_failures=3") as (url, server):
+def test_web_login_sets_a_strict_httponly_cookie_and_locks_out_guessing(chat_model, tmp_path):
+    with live_server(chat_model, tmp_path, "serve.login_max_failures=3") as (url, server):
         member(server, "ana", "adult", "1357")
         session, answer = login(url, "ana", "1357")
         cookie = answer.headers["set-cookie"].lower()
@@ -420,10 +421,12 @@ def test_web_login_sets_a_strict_httponly_cookie_and_locks_out_guessing(loaded, 
         assert login(url, "nadie", "1357")[1].status_code == 401
 
 
-def test_children_get_their_instruction_cap_and_hours(loaded, tmp_path):
+def test_children_get_their_instruction_cap_and_hours(chat_model, tmp_path):
     now = time.localtime().tm_hour
     closed = [(now + 1) % 24, (now + 2) % 24]  # a window that excludes this hour
-    with live_server(loaded, tmp_path, "serve.child.max_tokens=3", f"serve.child.allowed_hours={closed}") as (
+    with live_server(
+        chat_model, tmp_path, "serve.child.max_tokens=3", f"serve.child.allowed_hours={closed}"
+    ) as (
         url,
         server,
     ):
@@ -431,13 +434,16 @@ def test_children_get_their_instruction_cap_and_hours(loaded, tmp_path):
         with pytest.raises(openai.PermissionDeniedError, match="children may chat"):
             client(url, child).chat.completions.create(model="chat", messages=USER)
         assert client(url, adult).chat.completions.create(model="chat", messages=USER, max_tokens=2).choices
-    with live_server(loaded, tmp_path, "serve.child.max_tokens=3", "serve.temperature=0") as (url, server):
+    with live_server(chat_model, tmp_path, "serve.child.max_tokens=3", "serve.temperature=0", NO_TOOLS) as (
+        url,
+        server,
+    ):
         child, adult = member(server, "dani", "child"), member(server, "ana")
         kid = client(url, child).chat.completions.create(model="chat", messages=USER, max_tokens=50)
         grown = client(url, adult).chat.completions.create(model="chat", messages=USER, max_tokens=50)
     settings = serve.load_settings(serve.DEFAULT_CONFIG, [])
     system = settings["child"]["system_prompt"] + "\n\n" + settings["system_prompt"]
-    ids, _ = chat.render({"messages": [{"role": "system", "content": system}, *USER]}, loaded[1], True)
+    ids, _ = chat.render({"messages": [{"role": "system", "content": system}, *USER]}, chat_model[1], True)
     assert kid.usage.prompt_tokens == len(ids) > grown.usage.prompt_tokens
     assert kid.usage.completion_tokens <= 3 < grown.usage.completion_tokens
 
@@ -456,11 +462,28 @@ def test_the_member_cli_prints_a_key_once_and_stores_its_hash(tmp_path):
                             f"serve.database={database}"], cwd=ROOT, capture_output=True, text=True)  # fmt: skip
     assert again.returncode == 2 and "already exists" in again.stderr and "Traceback" not in again.stderr
     row = sqlite3.connect(database).execute("SELECT key_hash, password_hash FROM members").fetchone()
-    assert row[0] == serve.sha256(key) and row[1].startswith("scrypt$")
+    assert row[0] == accounts.sha256(key) and row[1].startswith("scrypt$")
     bad = subprocess.run([sys.executable, "serve.py", "member", "list", "serve.queue_sise=3"], cwd=ROOT,
                          capture_output=True, text=True)  # fmt: skip
     assert (
         bad.returncode == 2 and "serve.queue_sise: unknown key; did you mean serve.queue_size?" in bad.stderr
+    )
+
+
+def test_a_byte_level_run_is_refused_with_the_run_to_use_instead(tmp_path, byte_data_dir):
+    import train
+
+    train.train(
+        tiny_config(tmp_path, "bytes", byte_data_dir, "run_name=bytes", "train.max_steps=2"),
+        log=lambda *a: None,
+    )
+    database = f"serve.database={tmp_path / 'x.sqlite'}"
+    started = subprocess.run([sys.executable, "serve.py", str(tmp_path / "bytes"), "--port", "0", database],
+                             cwd=ROOT, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert started.returncode == 2 and "Traceback" not in started.stderr
+    assert (
+        "no chat control tokens" in started.stderr
+        and "make serve RUN=runs/smoke-corpus-cpu" in started.stderr
     )
 
 
@@ -525,7 +548,7 @@ def load_round(url, keys, turns):
 
 def test_twenty_clients_get_their_own_answers_and_the_server_memory_stays_flat(chat_run, tmp_path):
     database = str(tmp_path / "load.sqlite")
-    store = serve.Store(database)  # `member add` itself has its own test; here it would cost 20 starts
+    store = accounts.Store(database)  # `member add` itself has its own test; here it would cost 20 starts
     keys = [store.add_member(f"c{i}", "adult") for i in range(20)]
     proc, url = start_server(chat_run, database, "serve.queue_size=8", log_path=tmp_path / "server.log")
     try:
@@ -552,7 +575,7 @@ def test_twenty_clients_get_their_own_answers_and_the_server_memory_stays_flat(c
 
 def test_sigkill_mid_answer_loses_no_acknowledged_turn(chat_run, tmp_path):
     database = str(tmp_path / "kill.sqlite")
-    key = serve.Store(database).add_member("ana", "adult")
+    key = accounts.Store(database).add_member("ana", "adult")
     headers = {"Authorization": f"Bearer {key}"}
     proc, url = start_server(chat_run, database, log_path=tmp_path / "server.log")
     try:

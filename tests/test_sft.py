@@ -24,6 +24,7 @@ from conftest import (
 import chat
 import config
 import data
+import fileio
 import sample
 import train
 from model import Transformer
@@ -129,7 +130,7 @@ def test_prepare_resumes_after_the_last_finished_shard_and_a_rerun_does_nothing(
     # An interruption after the second shard: the manifest lists two, the rest are gone or half-written.
     manifest = data.read_manifest(cfg["data"])
     manifest["prepare"]["train"] |= {"complete": False, "shards": record["shards"][:2]}
-    data.write_json(data.manifest_path(cfg["data"]), manifest)
+    fileio.write_json(data.manifest_path(cfg["data"]), manifest)
     os.remove(os.path.join(cfg["data"]["dir"], record["shards"][-1]["name"]))
     logs = []
     chat.prepare(cfg, log=logs.append)
@@ -282,7 +283,7 @@ def test_init_from_a_run_of_another_shape_or_tokenizer_is_refused_naming_the_set
     assert not os.path.exists(train.run_dir_of(cfg))  # nothing half-written
 
     state = train.load_checkpoint(train.list_checkpoints(base_run)[0])
-    state["tokenizer_sha256"] = "0" * 64
+    state["tokenizer"]["sha256"] = "0" * 64
     other = tmp_path / "other-tokenizer.pt"
     torch.save(state, other)
     cfg = sft_config(chat_data_dir, shard_data_dir, f"train.runs_dir={tmp_path}", f"train.init_from={other}")
@@ -316,7 +317,7 @@ def test_chat_eval_scores_assistant_tokens_only_and_counts_answers_ending_with_e
     model, cfg, tokenizer, _ = sample.load_run(sft_run)
     conversation = example_conversations(1, start=4)[0]  # system, two exchanges
     path = write_jsonl(tmp_path / "one.jsonl", [conversation])
-    args = SimpleNamespace(run=sft_run, chat_eval=path, max_new_tokens=5, show=1)
+    args = SimpleNamespace(run=sft_run, chat_eval=path, max_new_tokens=5, show=1, limit=0)
     out = io.StringIO()
     result = sample.run_chat_eval(model, cfg, tokenizer, args, out=out)
 
@@ -327,19 +328,36 @@ def test_chat_eval_scores_assistant_tokens_only_and_counts_answers_ending_with_e
     expected = torch.nn.functional.cross_entropy(logits[0], targets, ignore_index=-1).item()
     assert result["assistant_tokens"] == sum(mask) and result["loss"] == pytest.approx(expected, rel=1e-5)
     assert result["ended"] in (0.0, 1.0)
+    end = tokenizer.special_ids["<|end|>"]
+    ends = [p for p in range(len(ids) - 1) if ids[p + 1] == end and mask[p + 1]]
+    assert len(ends) == 2  # two answers
+    guessed = sum(int(logits[0, p].argmax()) == end for p in ends)
+    assert result["end_guessed"] == guessed / 2
     assert "answers ending with <|end|> within 5 tokens" in out.getvalue()
 
 
 def test_chat_eval_of_the_runs_val_files_from_the_command_line(sft_run):
     result = subprocess.run(
-        [sys.executable, "sample.py", sft_run, "--chat-eval", "val", "--max-new-tokens", "4", "--show", "0"],
+        [
+            sys.executable,
+            "sample.py",
+            sft_run,
+            "--chat-eval",
+            "val",
+            "--max-new-tokens",
+            "4",
+            "--show",
+            "0",
+            "--limit",
+            "5",
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert result.returncode == 0, result.stderr
-    assert "val.jsonl: 12 conversations" in result.stdout and "| bpb " in result.stdout
+    assert "val.jsonl: 5 conversations" in result.stdout  # the first 5 of 12 and "| bpb " in result.stdout
 
 
 def test_the_final_sample_of_a_chat_run_answers_the_prompt_as_a_user_turn(sft_run):

@@ -145,3 +145,22 @@ def test_the_command_line_reports_config_errors_without_a_traceback(tmp_path):
     )
     assert result.returncode == 2
     assert "did you mean train.seed?" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_smoke_run_started_again_replaces_the_previous_one_and_says_so(tmp_path, byte_data_dir):
+    first = tiny_config(tmp_path, "bytes", byte_data_dir, "run_name=again", "train.max_steps=4")
+    assert first["train"]["replace_run"] is True  # the smoke layer's setting (real runs: false)
+    train.train(first, log=quiet)
+    run_dir = tmp_path / "again"
+    (run_dir / "notes.txt").write_text("not the run's: stays")
+    lines = []
+    train.train(
+        tiny_config(tmp_path, "bytes", byte_data_dir, "run_name=again", "train.max_steps=2"), log=lines.append
+    )
+    assert (
+        f"replacing the previous run in {run_dir}/ (train.replace_run: true): removed 2 checkpoint(s) and its metrics"
+        in lines
+    )
+    assert sorted(os.listdir(run_dir)) == ["ckpt_0000002.pt", "config.yaml", "metrics.jsonl", "notes.txt"]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == [1, 2]  # nothing left of the 4-step run

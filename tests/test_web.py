@@ -4,11 +4,13 @@ $ENLACE_ARTIFACTS/web/), kept for people to look at, never committed."""
 
 import os
 import shutil
+import time
 
 import httpx
 import pytest
-from conftest import ROOT, start_server
+from conftest import ROOT, ScriptedModel, live_server, start_server
 
+import accounts
 import serve
 
 CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
@@ -45,11 +47,11 @@ def family(chat_run, tmp_path_factory):
     """serve.py with two adults, ana and beto; yields (url, ana's API key)."""
     folder = tmp_path_factory.mktemp("web")
     database = str(folder / "family.sqlite")
-    store = serve.Store(database)
+    store = accounts.Store(database)
     keys = {}
     for name in ("ana", "beto"):
         keys[name] = store.add_member(name, "adult")
-        store.set_password(name, serve.hash_password("clave-" + name, {"n": 1024, "r": 8, "p": 1}))
+        store.set_password(name, accounts.hash_password("clave-" + name, {"n": 1024, "r": 8, "p": 1}))
     proc, url = start_server(
         chat_run, database, "serve.default_max_tokens=24", log_path=folder / "server.log"
     )
@@ -159,3 +161,35 @@ def test_a_wrong_password_is_refused_in_spanish(browser, family):
     wait_for(browser, lambda d: by_id(d, "login-error").text)
     assert by_id(browser, "login-error").text == "Nombre o contraseña incorrectos."
     assert not by_id(browser, "app").is_displayed()
+
+
+def test_the_stop_button_ends_the_answer_and_keeps_what_was_shown(browser, chat_model, tmp_path):
+    tokenizer = chat_model[1]
+    slow = ScriptedModel(tokenizer.encode("Había una vez un perro que"), delay=0.05)  # ~10 s if not stopped
+    with live_server(chat_model, tmp_path, model=slow) as (url, server):
+        key = server.store.add_member("ana", "adult")
+        server.store.set_password("ana", accounts.hash_password("clave-ana", {"n": 1024, "r": 8, "p": 1}))
+        browser.delete_all_cookies()
+        log_in(browser, url, "ana", "clave-ana")
+        by_id(browser, "input").send_keys("Cuéntame un cuento")
+        by_id(browser, "send").click()
+        wait_for(
+            browser,
+            lambda d: by_id(d, "stop").is_displayed() and len(all_of(d, ".message.assistant")[0].text) > 10,
+        )
+        screenshot(browser, "5-answering-with-stop.png")
+        by_id(browser, "stop").click()
+        wait_for(browser, lambda d: all_of(d, ".message.assistant[data-done='true']"), timeout=5)
+        assert by_id(browser, "send").is_displayed() and not by_id(browser, "stop").is_displayed()
+        shown = browser.execute_script(
+            "return arguments[0].textContent", all_of(browser, ".message.assistant")[0]
+        )
+        deadline = time.monotonic() + 10
+        while server.worker.stats["cancelled"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert server.worker.stats["cancelled"] == 1 and server.worker.stats["answered"] == 0
+        headers = {"Authorization": f"Bearer {key}"}
+        [listed] = httpx.get(url + "/api/conversations", headers=headers).json()["data"]
+        stored = httpx.get(f"{url}/api/conversations/{listed['id']}", headers=headers).json()["messages"]
+    assert stored[0]["content"] == "Cuéntame un cuento" and stored[1]["content"].startswith(shown)
+    assert server.worker.stats["generated_tokens"] < 150  # stopped well before its ~190 tokens

@@ -1,0 +1,182 @@
+"""
+Checkpoint files: writing, finding, reading, and loading a run for inference.
+
+A checkpoint is runs/<run>/ckpt_<step>.pt, written atomically by train.py through save_checkpoint. It is
+self-contained: besides weights, optimizer and loader state it carries the resolved config and the
+tokenizer it was trained with (the sentencepiece model's bytes, their sha256 and the chat template
+version), so sample.py, serve.py and export.py decode with exactly that tokenizer even when the data
+directory's one has been retrained since. Checkpoints written before this carried only the tokenizer's
+name: they still load, with the tokenizer of their data directory and a warning.
+
+This file knows nothing about the training loop; train.py, sample.py, serve.py and export.py import it.
+"""
+
+import contextlib
+import hashlib
+import os
+import subprocess
+import sys
+
+import torch
+
+import chat
+import config
+import data
+import fileio
+from model import Transformer
+
+
+class CheckpointError(Exception):
+    """A checkpoint (or run directory) that cannot be used; the message names the file and why."""
+
+
+def code_version():
+    """The git commit of this code, with -dirty when tracked files differ; "unknown" outside git."""
+    try:
+        root = os.path.dirname(os.path.abspath(__file__))
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True, text=True
+        ).stdout.strip()
+        return (commit + ("-dirty" if dirty else "")) or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+# -----------------------------------------------------------------------------
+# Files
+
+
+def checkpoint_path(run_dir, step):
+    return os.path.join(run_dir, f"ckpt_{step:07d}.pt")
+
+
+def list_checkpoints(run_dir):
+    """Complete checkpoints, newest first. Temp files of an interrupted write never match."""
+    if not os.path.isdir(run_dir):
+        return []
+    names = [n for n in os.listdir(run_dir) if n.startswith("ckpt_") and n.endswith(".pt")]
+    return sorted((os.path.join(run_dir, n) for n in names), reverse=True)
+
+
+def save_checkpoint(run_dir, step, state, keep_last):
+    path = checkpoint_path(run_dir, step)
+    fileio.write_atomic(path, lambda f: torch.save(state, f))
+    for old in list_checkpoints(run_dir)[keep_last:]:
+        os.unlink(old)
+    # Temp files of writes that were killed (never trusted, since they never got the real name).
+    for name in os.listdir(run_dir):
+        if name.startswith(".ckpt_") and name.endswith(".tmp"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(run_dir, name))
+    return path
+
+
+def load_checkpoint(path):
+    # map_location="cpu": RNG states must stay CPU tensors, and any rank can read any checkpoint.
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    missing = {"step", "model", "optimizer", "ranks", "config"} - set(state)
+    if missing:
+        raise ValueError(f"not a training checkpoint (missing {', '.join(sorted(missing))})")
+    return state
+
+
+def load_newest_checkpoint(run_dir, log=print):
+    """The newest checkpoint that loads; a truncated or corrupt one is reported and skipped."""
+    for path in list_checkpoints(run_dir):
+        try:
+            return path, load_checkpoint(path)
+        except Exception as e:  # noqa: BLE001 - any unreadable file is skipped, and said so
+            log(f"warning: skipping unreadable checkpoint {path}: {type(e).__name__}: {e}")
+    raise CheckpointError(f"no usable checkpoint in {run_dir}/ (expected ckpt_<step>.pt files)")
+
+
+def read_run(path, log=print):
+    """(checkpoint path, checkpoint) of a run directory (its newest checkpoint) or a checkpoint file."""
+    if os.path.isdir(path):
+        return load_newest_checkpoint(path, log)
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{path}: no such run directory or checkpoint file")
+    try:
+        return path, load_checkpoint(path)
+    except Exception as e:  # noqa: BLE001 - whatever torch raises, the file is not usable
+        raise CheckpointError(f"{path}: not a loadable ENLACE checkpoint ({type(e).__name__}: {e})") from None
+
+
+# -----------------------------------------------------------------------------
+# The tokenizer inside a checkpoint
+
+
+def tokenizer_record(tokenizer):
+    """What a checkpoint stores about its tokenizer: the model file's bytes for sentencepiece."""
+    record = {"name": tokenizer.name, "chat_template_version": chat.CHAT_TEMPLATE_VERSION}
+    if tokenizer.name == "sentencepiece":
+        with open(tokenizer.path, "rb") as f:
+            model_bytes = f.read()
+        record |= {"model": model_bytes, "sha256": hashlib.sha256(model_bytes).hexdigest()}
+    return record
+
+
+def stored_tokenizer_sha256(checkpoint):
+    """The sha256 of the sentencepiece model a checkpoint was trained with; None for old or byte-level
+    ones. (Checkpoints written between the SFT stage and self-contained checkpoints kept only the hash,
+    under "tokenizer_sha256".)"""
+    record = checkpoint.get("tokenizer")
+    if isinstance(record, dict):
+        return record.get("sha256")
+    return checkpoint.get("tokenizer_sha256")
+
+
+def tokenizer_of(checkpoint, ckpt_path, log=print):
+    """The tokenizer a checkpoint was trained with: the one inside it, or (old checkpoints) the data dir's."""
+    cfg = checkpoint["config"]
+    record = checkpoint.get("tokenizer")
+    if isinstance(record, dict) and record.get("name") == "bytes":
+        tokenizer = data.ByteTokenizer()
+    elif isinstance(record, dict) and "model" in record:
+        model_bytes = bytes(record["model"])
+        if hashlib.sha256(model_bytes).hexdigest() != record.get("sha256"):
+            raise CheckpointError(f"{ckpt_path}: the tokenizer stored inside does not match its sha256")
+        tokenizer = data.SentencePieceTokenizer(f"{ckpt_path}:tokenizer", model_proto=model_bytes)
+    else:
+        tokenizer = data.load_tokenizer(cfg["data"])
+        trained_with = record if isinstance(record, str) else tokenizer.name
+        if tokenizer.name != trained_with:
+            raise CheckpointError(
+                f"{ckpt_path}: trained with the {trained_with} tokenizer, but its data config gives "
+                f"the {tokenizer.name} tokenizer"
+            )
+        if tokenizer.name != "bytes":
+            log(
+                f"warning: {ckpt_path} predates self-contained checkpoints; using the tokenizer of "
+                f"{tokenizer.path}, which must be the one it was trained with"
+            )
+    if tokenizer.vocab_size != cfg["model"]["vocab_size"]:
+        raise CheckpointError(
+            f"{ckpt_path}: the model has {cfg['model']['vocab_size']} tokens but its tokenizer has "
+            f"{tokenizer.vocab_size}"
+        )
+    return tokenizer
+
+
+# -----------------------------------------------------------------------------
+# A run for inference
+
+
+def load_run(path, device="cpu", log=lambda message: print(message, file=sys.stderr)):
+    """(model in eval mode, resolved config, tokenizer, checkpoint path) of a run directory or file."""
+    ckpt_path, checkpoint = read_run(path, log)
+    cfg = checkpoint["config"]
+    try:
+        model = Transformer(cfg["model"])
+        model.load_state_dict(checkpoint["model"])
+    except (KeyError, TypeError, ValueError, RuntimeError, config.ConfigError) as e:
+        first_lines = "\n  ".join(str(e).strip().splitlines()[:6])
+        raise CheckpointError(
+            f"{ckpt_path}: the weights do not fit the model config stored with them:\n  {first_lines}"
+        ) from None
+    tokenizer = tokenizer_of(checkpoint, ckpt_path, log)
+    model.to(device).eval()
+    return model, cfg, tokenizer, ckpt_path

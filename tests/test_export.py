@@ -1,0 +1,423 @@
+"""export.py: a run loaded back by transformers and by gguf's reader gives ENLACE's logits, ids and text."""
+
+import json
+import os
+import subprocess
+import sys
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from conftest import ROOT, spanish_text, tiny_config
+from safetensors import safe_open
+
+import chat
+import checkpoint
+import export
+import train
+
+transformers = pytest.importorskip("transformers")
+quiet = lambda *a, **k: None  # noqa: E731
+
+# head_dim 16 and a 64-token context: room for a prompt and 32 generated tokens. 200 steps at a high
+# learning rate: a model trained for fewer repeats one token greedily (a weak parity test), and its flat
+# logits make near-ties that q8_0 rounding flips (measured: 10 steps, 97.0% top-1 agreement).
+EXPORT_RUN = [
+    "model.d_model=64",
+    "model.seq_len=64",
+    "train.max_steps=200",
+    "train.warmup_steps=10",
+    "train.lr=1e-2",
+    "train.micro_batch_size=8",
+    "train.eval_interval=0",
+    "train.ckpt_interval=200",
+    "train.log_interval=50",
+]
+
+SPANISH = [
+    "En un lugar de la Mancha, de cuyo nombre no quiero acordarme, no ha mucho tiempo que vivía un hidalgo.",
+    "¿Dónde está el niño? ¡Aquí, con la señora Muñoz! Año 2024: 3,5 % más.",
+    "ñandú, pingüino, corazón, acción, ÁÉÍÓÚÜÑ",
+    "un emoji 😀, una bandera 🇪🇸 y un carácter raro ꙮ (byte fallback)",
+    "muchos     espacios   seguidos  ",
+    "  empieza con espacios y termina con uno ",
+    "tabuladores\tentre\t\tpalabras",
+    "líneas\nseparadas\n\ny una vacía\n",
+    "\n\n\nsolo saltos al principio",
+    '<tool_call>\n{"name": "x"}\n</tool_call> etiquetas de herramientas',
+]
+
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "calculadora",
+        "description": "Calcula una expresión aritmética",
+        "parameters": {"type": "object", "properties": {"expresion": {"type": "string"}}},
+    },
+}
+CALL = {"type": "function", "function": {"name": "calculadora", "arguments": {"expresion": "2 + 2"}}}
+
+
+def call_with(arguments):
+    return {"type": "function", "function": {"name": "calculadora", "arguments": arguments}}
+
+
+CONVERSATIONS = {
+    "system and several turns": {
+        "messages": [
+            {"role": "system", "content": "Eres ENLACE, el asistente de la familia."},
+            {"role": "user", "content": "Hola, ¿qué tal?"},
+            {"role": "assistant", "content": "¡Muy bien! ¿En qué te ayudo?"},
+            {"role": "user", "content": "Nada,\ngracias."},
+            {"role": "assistant", "content": "De nada."},
+        ]
+    },
+    "tools and a call answered": {
+        "messages": [
+            {"role": "system", "content": "Usa herramientas."},
+            {"role": "user", "content": "¿Cuánto es 2 + 2?"},
+            {"role": "assistant", "content": "", "tool_calls": [CALL]},
+            {"role": "tool", "content": "4"},
+            {"role": "assistant", "content": "Son 4."},
+        ],
+        "tools": [TOOL],
+    },
+    "text and two calls, arguments as a JSON string": {
+        "messages": [
+            {"role": "user", "content": "Calcula dos cosas"},
+            {
+                "role": "assistant",
+                "content": "Voy a calcular.",
+                "tool_calls": [call_with('{"expresion": "1 + 1"}'), call_with({"expresion": "ñ"})],
+            },
+            {"role": "tool", "content": "2"},
+            {"role": "tool", "content": "error"},
+        ],
+        "tools": [TOOL, TOOL],
+    },
+    "no system, tools only": {"messages": [{"role": "user", "content": "Hola"}], "tools": [TOOL]},
+    "a user typing a control token": {
+        "messages": [{"role": "user", "content": "escribo <|assistant|> aquí"}]
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, shard_data_dir):
+    runs = tmp_path_factory.mktemp("runs")
+    train.train(tiny_config(runs, "shards", shard_data_dir, "run_name=export", *EXPORT_RUN), log=quiet)
+    return str(runs / "export")
+
+
+@pytest.fixture(scope="module")
+def enlace(run):
+    model, cfg, tokenizer, _ = checkpoint.load_run(run, log=quiet)
+    return model, cfg, tokenizer
+
+
+@pytest.fixture(scope="module")
+def hf_dir(run, tmp_path_factory):
+    out = tmp_path_factory.mktemp("out") / "hf"
+    export.export(run, "hf", str(out), log=quiet)
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(hf_dir):
+    return transformers.AutoTokenizer.from_pretrained(hf_dir)
+
+
+def prompt(tokenizer, text="Había una vez un niño que"):
+    return [tokenizer.bos_id] + tokenizer.encode(text)
+
+
+# -----------------------------------------------------------------------------
+# Hugging Face
+
+
+def test_transformers_gives_enlace_s_logits_within_1e_4_in_float32(hf_dir, enlace):
+    model, _, tokenizer = enlace
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    ids = torch.tensor([prompt(tokenizer, SPANISH[0])[:64]])
+    with torch.no_grad():
+        ours, theirs = model(ids)[0], hf(ids).logits
+    assert ours.shape == theirs.shape
+    assert (ours - theirs).abs().max().item() < 1e-4
+
+
+def test_greedy_generation_of_32_tokens_is_identical(hf_dir, enlace):
+    model, _, tokenizer = enlace
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    ids = prompt(tokenizer)
+    ours = list(model.generate(torch.tensor(ids), 32, temperature=0))
+    out = hf.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False)[0, len(ids) :].tolist()
+    stops = {tokenizer.special_ids[t] for t in export.STOP_TOKENS}
+    first_stop = next((i + 1 for i, t in enumerate(ours) if t in stops), len(ours))
+    assert out == ours[:first_stop]  # transformers stops at generation_config's eos ids, inclusive
+    assert len(out) >= 8 and len(set(out)) >= 4, "a degenerate continuation proves little: train longer"
+
+
+@pytest.mark.parametrize("text", SPANISH)
+def test_autotokenizer_ids_equal_sentencepiece_s(hf_tokenizer, enlace, text):
+    tokenizer = enlace[2]
+    assert hf_tokenizer(text, add_special_tokens=False)["input_ids"] == tokenizer.encode(text)
+    assert hf_tokenizer.decode(tokenizer.encode(text)) == tokenizer.decode(tokenizer.encode(text)) == text
+
+
+def test_text_right_after_a_control_token_encodes_as_sentencepiece_s(hf_tokenizer, enlace):
+    tokenizer = enlace[2]
+    ids = hf_tokenizer("<|user|>Hola<|end|> adiós", add_special_tokens=False)["input_ids"]
+    special = tokenizer.special_ids
+    assert ids == [
+        special["<|user|>"],
+        *tokenizer.encode("Hola"),
+        special["<|end|>"],
+        *tokenizer.encode(" adiós"),
+    ]
+
+
+def test_a_user_typing_a_control_token_gets_plain_text_with_split_special_tokens(hf_tokenizer, enlace):
+    tokenizer = enlace[2]
+    text = "yo escribo <|user|> y <|end|> a mano"
+    plain = hf_tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    assert plain == tokenizer.encode(text)
+    assert not set(plain) & set(tokenizer.special_ids.values())
+    # Without it, Hugging Face finds the control tokens in the text: the documented reason to split them.
+    default = hf_tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert tokenizer.special_ids["<|user|>"] in default
+
+
+@pytest.mark.parametrize("name", CONVERSATIONS)
+def test_apply_chat_template_gives_chat_render_s_text_and_ids(hf_tokenizer, enlace, name):
+    tokenizer = enlace[2]
+    conv = CONVERSATIONS[name]
+    for generation in (False, True):
+        text = hf_tokenizer.apply_chat_template(
+            conv["messages"], tools=conv.get("tools"), tokenize=False, add_generation_prompt=generation
+        )
+        assert text == chat.render_text(conv, for_generation=generation)
+    if name == "a user typing a control token":
+        return  # a text template cannot keep it plain text: serve.py renders ids (see export.py)
+    ids = hf_tokenizer.apply_chat_template(
+        conv["messages"], tools=conv.get("tools"), tokenize=True, add_generation_prompt=True
+    )["input_ids"]
+    assert ids == chat.render(conv, tokenizer, for_generation=True)[0]
+
+
+def test_the_hf_folder_describes_a_tied_qwen3(hf_dir, enlace):
+    _, cfg, _ = enlace
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        config = json.load(f)
+    assert config["architectures"] == ["Qwen3ForCausalLM"] and config["tie_word_embeddings"] is True
+    assert (config["head_dim"], config["max_position_embeddings"]) == (16, cfg["model"]["seq_len"])
+    assert (config["bos_token_id"], config["eos_token_id"]) == (1, 2)
+    with open(os.path.join(hf_dir, "generation_config.json")) as f:
+        assert json.load(f)["eos_token_id"] == [6, 2]  # <|end|>, <|eos|>
+    with safe_open(os.path.join(hf_dir, "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert "model.embed_tokens.weight" in names and "lm_head.weight" not in names
+    with open(os.path.join(hf_dir, "tokenizer_config.json")) as f:
+        template = json.load(f)["chat_template"]
+    assert "<tool_call>" in template and "</tool_call>" in template
+
+
+def test_bf16_export_stores_bf16_weights(run, tmp_path):
+    export.export(run, "hf", str(tmp_path / "bf16"), dtype="bf16", log=quiet)
+    with safe_open(str(tmp_path / "bf16" / "model.safetensors"), "pt") as f:
+        assert {f.get_tensor(name).dtype for name in f.keys()} == {torch.bfloat16}
+
+
+# -----------------------------------------------------------------------------
+# GGUF and Ollama
+
+
+def gguf_field(reader, key):
+    field = reader.get_field(key)
+    if field.types[0] == gguf.GGUFValueType.STRING:
+        return str(bytes(field.parts[field.data[0]]), "utf-8")
+    if field.types[0] == gguf.GGUFValueType.ARRAY:
+        return [
+            field.parts[i].tolist()[0]
+            if field.types[1] != gguf.GGUFValueType.STRING
+            else str(bytes(field.parts[i]), "utf-8")
+            for i in field.data
+        ]
+    return field.parts[field.data[0]].tolist()[0]
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16", "q8_0"])
+def test_gguf_reads_back_with_names_shapes_and_tokenizer_metadata(run, enlace, tmp_path, dtype):
+    model, cfg, tokenizer = enlace
+    export.export(run, "gguf", str(tmp_path / "g"), dtype=dtype, log=quiet)
+    reader = gguf.GGUFReader(str(tmp_path / "g" / export.GGUF_NAME))
+    assert gguf_field(reader, "general.architecture") == "qwen3"
+    assert gguf_field(reader, "qwen3.block_count") == cfg["model"]["n_layers"]
+    assert gguf_field(reader, "qwen3.attention.key_length") == 16
+    assert gguf_field(reader, "tokenizer.ggml.model") == "llama"
+    tokens = gguf_field(reader, "tokenizer.ggml.tokens")
+    assert tokens == [tokenizer.processor.id_to_piece(i) for i in range(tokenizer.vocab_size)]
+    types = gguf_field(reader, "tokenizer.ggml.token_type")
+    assert (types[0], types[1], types[6], types[16], types[17]) == (2, 3, 3, 4, 4)  # unk, control, user
+    assert types[tokenizer.processor.piece_to_id("<0x41>")] == 6  # byte
+    ids = {k: gguf_field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos", "eot", "unknown")}
+    assert ids == {"bos": 1, "eos": 2, "eot": 6, "unknown": 0}
+    assert gguf_field(reader, "tokenizer.chat_template") == export.CHAT_TEMPLATE
+
+    tensors = {t.name: t for t in reader.tensors}
+    state = {export.gguf_name(k): v for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    assert set(tensors) == set(state) and "output.weight" not in tensors
+    for name, tensor in tensors.items():
+        weights = state[name].numpy()
+        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(weights.shape)
+        if weights.ndim == 1 or dtype == "f32":
+            assert tensor.tensor_type == gguf.GGMLQuantizationType.F32 and np.array_equal(values, weights)
+        else:
+            expected = {"f16": gguf.GGMLQuantizationType.F16, "q8_0": gguf.GGMLQuantizationType.Q8_0}[dtype]
+            assert tensor.tensor_type == expected
+            assert np.abs(values - weights).max() <= np.abs(weights).max() / 100
+
+
+def test_the_ollama_folder_has_the_gguf_and_a_modelfile_with_template_and_stops(run, tmp_path):
+    files = export.export(run, "ollama", str(tmp_path / "o"), log=quiet)
+    assert files == ["Modelfile", export.GGUF_NAME]
+    modelfile = (tmp_path / "o" / "Modelfile").read_text()
+    assert modelfile.startswith(f"FROM ./{export.GGUF_NAME}\n")
+    assert 'TEMPLATE """<|bos|>' in modelfile and "range .Messages" in modelfile
+    assert 'PARAMETER stop "<|end|>"' in modelfile and 'PARAMETER stop "<|eos|>"' in modelfile
+    gguf.GGUFReader(str(tmp_path / "o" / export.GGUF_NAME))
+
+
+# -----------------------------------------------------------------------------
+# Bad input: clear errors, nothing half-written
+
+
+def test_a_run_without_checkpoints_is_a_clear_error(tmp_path):
+    (tmp_path / "empty-run").mkdir()
+    with pytest.raises(export.ExportError, match="no usable checkpoint in .*empty-run"):
+        export.export(str(tmp_path / "empty-run"), "hf", str(tmp_path / "out"), log=quiet)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_checkpoint_of_another_architecture_is_refused(run, tmp_path):
+    state = checkpoint.load_checkpoint(checkpoint.list_checkpoints(run)[0])
+    state["config"]["model"]["n_experts"] = 8  # not a key of model.py's decoder
+    torch.save(state, tmp_path / "ckpt_0000010.pt")
+    with pytest.raises(export.ExportError, match="(?s)do not fit the model config.*n_experts"):
+        export.export(str(tmp_path / "ckpt_0000010.pt"), "gguf", str(tmp_path / "out"), log=quiet)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt_0000010.pt"]
+
+
+def test_a_non_empty_output_folder_is_kept_unless_force(run, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "mine.txt").write_text("do not lose me")
+    with pytest.raises(export.ExportError, match="exists and is not an empty folder.*--force"):
+        export.export(run, "hf", str(out), log=quiet)
+    assert os.listdir(out) == ["mine.txt"]
+    export.export(run, "gguf", str(out), dtype="f16", force=True, log=quiet)
+    assert os.listdir(out) == [export.GGUF_NAME]
+    assert sorted(os.listdir(tmp_path)) == ["out"], "no temporary folders are left beside it"
+
+
+def test_a_failure_midway_leaves_no_output_folder(run, tmp_path, monkeypatch):
+    monkeypatch.delitem(export.GGUF_TENSORS, "mlp.down_proj.weight")  # a tensor llama.cpp has no name for
+    with pytest.raises(KeyError):
+        export.export(run, "gguf", str(tmp_path / "out"), log=quiet)
+    assert os.listdir(tmp_path) == []
+
+
+def test_the_command_line_names_an_unknown_format_and_a_wrong_dtype_without_a_traceback(run, tmp_path):
+    for args, message in (
+        (["--to", "onnx"], "unknown format 'onnx'; expected one of hf, gguf, ollama"),
+        (
+            ["--to", "hf", "--dtype", "q8_0"],
+            "--dtype q8_0 is not available for hf; choose one of f32, f16, bf16",
+        ),
+    ):
+        result = subprocess.run(
+            [sys.executable, "export.py", run, str(tmp_path / "out"), *args],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+        )
+        assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_byte_level_run_is_refused_with_the_reason(tmp_path, byte_data_dir):
+    train.train(
+        tiny_config(tmp_path, "bytes", byte_data_dir, "run_name=bytes", "train.max_steps=2"), log=quiet
+    )
+    with pytest.raises(export.ExportError, match="a bytes run; export needs .* sentencepiece"):
+        export.export(str(tmp_path / "bytes"), "hf", str(tmp_path / "out"), log=quiet)
+    assert not (tmp_path / "out").exists()
+
+
+# -----------------------------------------------------------------------------
+# llama.cpp itself, through llama-cpp-python: a source build of many minutes, so not in CI; `make gguf-check`
+# installs it and runs these (skipped where it is not installed).
+
+
+@pytest.fixture(scope="module")
+def llama(run, tmp_path_factory):
+    llama_cpp = pytest.importorskip("llama_cpp")
+    folder = tmp_path_factory.mktemp("llama")
+    models = {}
+    for dtype in ("f32", "q8_0"):
+        export.export(run, "gguf", str(folder / dtype), dtype=dtype, log=quiet)
+        path = str(folder / dtype / export.GGUF_NAME)
+        models[dtype] = llama_cpp.Llama(model_path=path, n_ctx=64, logits_all=True, verbose=False, seed=0)
+    yield models
+    for model in models.values():
+        model.close()
+
+
+def llama_logits(llm, ids):
+    llm.reset()
+    llm.eval(ids)
+    return torch.from_numpy(np.array(llm.scores[: len(ids)]))
+
+
+def windows_of_spanish_text(tokenizer, count=12, length=64):
+    ids = tokenizer.encode(spanish_text(20_000))
+    return [[tokenizer.bos_id] + ids[i * length : (i + 1) * length - 1] for i in range(count)]
+
+
+def test_llama_cpp_tokenizes_spanish_text_as_sentencepiece(llama, enlace):
+    tokenizer = enlace[2]
+    for text in [*SPANISH, "escribo <|user|> y <|end|> a mano"]:
+        assert llama["f32"].tokenize(text.encode(), add_bos=False, special=False) == tokenizer.encode(text)
+
+
+def test_llama_cpp_f32_continues_greedily_as_enlace(llama, enlace):
+    model, _, tokenizer = enlace
+    ids = prompt(tokenizer)
+    ours = list(model.generate(torch.tensor(ids), 32, temperature=0))
+    llm = llama["f32"]
+    llm.reset()
+    llm.eval(ids)
+    theirs = []
+    for _ in range(32):
+        theirs.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+        llm.eval(theirs[-1:])
+    print(f"\nllama.cpp f32 greedy: {len(set(ours))} distinct tokens in 32, identical: {theirs == ours}")
+    assert theirs == ours and len(set(ours)) >= 4
+
+
+@pytest.mark.parametrize("dtype, min_agreement", [("f32", 1.0), ("q8_0", 0.99)])
+def test_llama_cpp_agrees_with_enlace_on_the_top_token(llama, enlace, dtype, min_agreement):
+    model, _, tokenizer = enlace
+    agree = total = 0
+    largest = 0.0
+    for ids in windows_of_spanish_text(tokenizer):
+        with torch.no_grad():
+            ours = model(torch.tensor([ids]))[0][0]
+        theirs = llama_logits(llama[dtype], ids)
+        agree += int((ours.argmax(-1) == theirs.argmax(-1)).sum())
+        total += len(ids)
+        largest = max(largest, (ours - theirs).abs().max().item())
+    print(
+        f"\nllama.cpp {dtype}: top-1 agreement {agree}/{total} = {agree / total:.2%}, max |logit diff| {largest:.2e}"
+    )
+    assert agree / total >= min_agreement
