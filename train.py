@@ -468,7 +468,12 @@ def train(cfg, resume=False, stop_after=None, log=print, handle_signals=True):
     ctx = init_distributed(profile["device"], train_cfg["dist_timeout_s"])
     try:
         quiet = lambda *a, **k: None
-        return _train(cfg, ctx, resume, stop_after, log if ctx.is_main else quiet, handle_signals)
+        step = _train(cfg, ctx, resume, stop_after, log if ctx.is_main else quiet, handle_signals)
+        if ctx.enabled:
+            # Rank 0 may still be sampling: a rank that tears down gloo while its peer is busy can abort
+            # ("terminate called without an active exception", seen under CPU load), so finish together.
+            dist.barrier()
+        return step
     finally:
         if ctx.enabled:
             dist.destroy_process_group()

@@ -49,7 +49,8 @@ def test_ddp_resume_is_bit_exact(tmp_path, shard_data_dir):
     def args(*extra):
         return tiny_args(tmp_path, "shards", shard_data_dir, "train.decay_fraction=0", *extra)
 
-    assert torchrun(args("run_name=full")).returncode == 0
+    full = torchrun(args("run_name=full"))
+    assert full.returncode == 0, full.stderr
     first = torchrun(args("run_name=split", "train.max_steps=4"))
     assert first.returncode == 0, first.stderr
     assert len(newest(tmp_path / "split")["ranks"]) == 2, "every rank's RNG and loader state is saved"
