@@ -27,12 +27,14 @@ Files in DIR
 """
 
 import collections
+import contextlib
 import hashlib
 import heapq
 import json
 import os
 import re
 import shutil
+import socket
 import sys
 import unicodedata
 
@@ -162,6 +164,7 @@ class FilterTask:
 
     def __init__(self, data_cfg, workdir):
         self.corpus_cfg, self.workdir = data_cfg["corpus"], workdir
+        self.root = os.getcwd()  # the config's paths are relative to where the step was started
 
     def paths(self, rank):
         return {
@@ -170,6 +173,7 @@ class FilterTask:
         }
 
     def __call__(self, data, rank=0, world_size=1):
+        os.chdir(self.root)  # a Ray worker on another node starts where `ray start` ran
         paths = self.paths(rank)
         if os.path.exists(paths["stats"]):  # finished by an earlier run of the same config
             return
@@ -297,12 +301,76 @@ def executor_for(task, data_cfg, workdir):
             venv_path=slurm["venv_path"],
         )
     else:
-        from datatrove.executor import RayPipelineExecutor  # needs `pip install ray`
+        from datatrove.executor import RayPipelineExecutor  # imports ray only when it runs
 
+        ray_cfg = executor_cfg["ray"]
         executor = RayPipelineExecutor(
-            pipeline=[task], tasks=tasks, logging_dir=logging_dir, skip_completed=False
+            pipeline=[task],
+            tasks=tasks,
+            logging_dir=logging_dir,
+            skip_completed=False,
+            cpus_per_task=ray_cfg["cpus_per_task"],
+            mem_per_cpu_gb=ray_cfg["mem_per_cpu_gb"],
+            time=ray_cfg["time_s"],
         )
     return executor, tasks
+
+
+@contextlib.contextmanager
+def ray_session(data_cfg):
+    """Connect to the cluster at data.corpus.executor.ray.address, or start a local Ray instance, for the
+    filter tasks (datatrove's RayPipelineExecutor expects Ray to be initialised); disconnect after."""
+    ray_cfg = data_cfg["corpus"]["executor"]["ray"]
+    address = ray_cfg["address"]
+    try:
+        import ray
+    except ImportError:
+        raise DataError(
+            "data.corpus.executor.kind: ray needs Ray (pip install ray==2.60.0, the version tested) or kind: local"
+        ) from None
+    if address not in (None, "auto"):  # Ray retries an unreachable head for minutes before it gives up
+        host, port = address.rsplit(":", 1)
+        try:
+            socket.create_connection((host, int(port)), timeout=ray_cfg["connect_timeout_s"]).close()
+        except OSError as e:
+            raise DataError(
+                f"data.corpus.executor.ray.address: {address}: no Ray head answers ({e}); start one there "
+                "with `ray start --head`, or set address: null for a local instance"
+            ) from None
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # nothing leaves the machine
+    try:
+        if address is None:
+            num_cpus = ray_cfg["num_cpus"] or processes_of(data_cfg)
+            ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+        else:
+            ray.init(address=address, log_to_driver=False)
+    except ConnectionError as e:
+        raise DataError(f"data.corpus.executor.ray.address: {address}: {e}") from None
+    try:
+        # A task no node can hold would wait for its resources forever.
+        cpus, gb = ray_cfg["cpus_per_task"], ray_cfg["cpus_per_task"] * ray_cfg["mem_per_cpu_gb"]
+        nodes = [node["Resources"] for node in ray.nodes() if node["Alive"]]
+        if not any(r.get("CPU", 0) >= cpus and r.get("memory", 0) >= gb * 2**30 for r in nodes):
+            largest = max(nodes, key=lambda r: (r.get("CPU", 0), r.get("memory", 0)))
+            more_cpus = address is None and largest.get("CPU", 0) < cpus
+            raise DataError(
+                f"data.corpus.executor.ray: a task needs cpus_per_task={cpus} CPU(s) and "
+                f"cpus_per_task x mem_per_cpu_gb = {gb:g} GB, but the largest Ray node has "
+                f"{largest.get('CPU', 0):g} CPU(s) and {largest.get('memory', 0) / 2**30:.1f} GB; lower them"
+                + (" or raise num_cpus" if more_cpus else "")
+            )
+        yield
+    finally:
+        ray.shutdown()
+
+
+def task_error(log_path):
+    """The DataError a failed task logged (datatrove's Ray executor logs it instead of raising), or None."""
+    if not os.path.exists(log_path):
+        return None
+    with open(log_path, encoding="utf-8", errors="replace") as f:
+        errors = re.findall(r"^\S*DataError: (.+)$", f.read(), re.MULTILINE)
+    return errors[-1] if errors else None
 
 
 def run_tasks(task, data_cfg, workdir, log):
@@ -316,8 +384,10 @@ def run_tasks(task, data_cfg, workdir, log):
         f"corpus: {tasks} filter task(s) on the {executor_cfg['kind']} executor, {finished} already finished "
         f"(logs in {logging_dir})"
     )
+    session = ray_session(data_cfg) if executor_cfg["kind"] == "ray" else contextlib.nullcontext()
     try:
-        executor.run()
+        with session:
+            executor.run()
     except DataError:
         raise
     except Exception as e:  # a task's DataError may come back wrapped by the executor's pool
@@ -325,8 +395,16 @@ def run_tasks(task, data_cfg, workdir, log):
         while cause is not None and not isinstance(cause, DataError):
             cause = cause.__cause__ or cause.__context__
         raise (cause or e) from None
-    done = [os.path.exists(task.paths(rank)["stats"]) for rank in range(tasks)]
-    return tasks if all(done) else None
+    failed = [rank for rank in range(tasks) if not os.path.exists(task.paths(rank)["stats"])]
+    if failed and executor_cfg["kind"] == "ray":  # Ray waited for every task: these failed
+        logs = [os.path.join(logging_dir, "logs", f"task_{rank:05d}.log") for rank in failed]
+        error = next(filter(None, map(task_error, logs)), None)
+        raise DataError(
+            error
+            or f"corpus: filter task(s) {failed} of {tasks} did not finish on the ray executor (killed after "
+            f"data.corpus.executor.ray.time_s, or lost); see {logs[0]}"
+        )
+    return None if failed else tasks
 
 
 # -----------------------------------------------------------------------------

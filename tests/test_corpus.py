@@ -5,11 +5,13 @@ import contextlib
 import copy
 import glob
 import gzip
+import importlib.util
 import json
 import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -664,3 +666,63 @@ def test_the_slurm_example_builds_datatrove_slurm_executor_with_its_settings(tmp
     executor, tasks = corpus.executor_for(corpus.FilterTask(cfg, str(tmp_path)), cfg, str(tmp_path))
     assert type(executor).__name__ == "SlurmPipelineExecutor" and tasks == executor.world_size == 64
     assert (executor.partition, executor.time, executor.mem_per_cpu_gb) == ("cpu", "02:00:00", 4)
+
+
+def test_the_ray_example_builds_datatrove_ray_executor_with_its_settings(tmp_path):
+    cfg = data_layer("corpus-ray", dir=str(tmp_path))  # schema-checked
+    executor, tasks = corpus.executor_for(corpus.FilterTask(cfg, str(tmp_path)), cfg, str(tmp_path))
+    assert type(executor).__name__ == "RayPipelineExecutor" and tasks == executor.world_size == 64
+    assert (executor.cpus_per_task, executor.mem_per_cpu_gb, executor.time) == (1, 4, 7200)
+
+
+needs_ray = pytest.mark.skipif(
+    importlib.util.find_spec("ray") is None, reason="ray is not installed (requirements-dev.txt pins it)"
+)
+
+
+def smoke_cfg(tmp_path, name, **executor):
+    """The embedded smoke corpus and fixtures, its first documents only (the Ray instance takes seconds)."""
+    return data_layer(
+        "corpus-smoke",
+        dir=str(tmp_path / name),
+        processes=2,
+        corpus={"max_documents_per_file": 1500, "executor": executor},
+    )
+
+
+@needs_ray
+def test_the_ray_executor_on_a_local_instance_gives_the_same_corpus_as_the_local_executor(tmp_path):
+    import ray
+
+    local = smoke_cfg(tmp_path, "local", kind="local", tasks=2)
+    on_ray = smoke_cfg(tmp_path, "ray", kind="ray", tasks=2)
+    said = []
+    first, second = corpus.build_corpus(local, log=quiet), corpus.build_corpus(on_ray, log=said.append)
+    assert not ray.is_initialized()  # the local instance was stopped
+    assert "2 filter task(s) on the ray executor, 0 already finished" in said[0]
+    for split in data.SPLITS:
+        assert read_docs(on_ray, split) == read_docs(local, split)
+    assert second["sources"] == first["sources"] and len(second["sources"]) == 5
+    assert sum(s["documents_in"] for s in second["sources"].values()) == first["documents_in"] > 1000
+    assert second == first
+    assert corpus.build_corpus(on_ray, log=said.append) == first and "up to date" in said[-1]
+
+
+@needs_ray
+def test_ray_errors_name_the_unreachable_address_the_failing_file_and_the_oversized_task(tmp_path):
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = smoke_cfg(tmp_path, "out", kind="ray", tasks=2)
+    cfg["corpus"]["executor"]["ray"]["address"] = f"127.0.0.1:{port}"
+    with pytest.raises(data.DataError, match=rf"data.corpus.executor.ray.address: 127.0.0.1:{port}: no Ray"):
+        corpus.build_corpus(cfg, log=quiet)
+    (tmp_path / "bad.txt.gz").write_bytes(gzip.compress(b"Un texto largo para leer.\n" * 100)[:60])
+    cfg["corpus"]["sources"] = [text_source("bad", str(tmp_path / "bad.txt.gz"))]
+    cfg["corpus"]["executor"]["ray"]["address"] = None
+    with pytest.raises(data.DataError, match=r"bad.txt.gz: cannot read \(.*\) \[data.corpus.sources\[0\]\]"):
+        corpus.build_corpus(cfg, log=quiet)  # a task's error, not "submitted, run again"
+    assert not os.path.exists(corpus.docs_path(cfg, "train"))
+    cfg["corpus"]["executor"]["ray"]["mem_per_cpu_gb"] = 10**6  # no node holds it: it would wait forever
+    with pytest.raises(data.DataError, match=r"data.corpus.executor.ray: a task needs .* = 1e\+06 GB"):
+        corpus.build_corpus(cfg, log=quiet)
