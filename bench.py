@@ -77,6 +77,17 @@ def training_steps(model_cfg, batch_size, contenders, train_cfg, warmup, rounds)
     return times, steps
 
 
+def compile_seconds(compiled, model_cfg, batch_size):
+    """Seconds of the first two forward + backward passes of a torch.compile'd model: the compile (the
+    second pass may still recompile for the training-mode guards), not yet steady training."""
+    idx = torch.randint(0, model_cfg["vocab_size"], (batch_size, model_cfg["seq_len"]))
+    start = time.perf_counter()
+    for _ in range(2):
+        enlace_loss(compiled, idx, idx).backward()
+    compiled.zero_grad(set_to_none=True)
+    return time.perf_counter() - start
+
+
 def where_time_goes(step, top=6):
     """Share of one step's CPU time per aten op, largest first."""
     with profile() as prof:
@@ -107,6 +118,14 @@ def bench_model():
             "ENLACE (math)": (model.Transformer(cfg, "math"), enlace_loss),
             "transformers Qwen3": (qwen3_twin(cfg), qwen3_loss),
         }
+        # hardware.compile: true on the same model; its first two steps (the compile) timed apart, with an
+        # empty inductor cache, as a first run sees it (a warm cache makes it look 5x cheaper).
+        compiled = torch.compile(model.Transformer(cfg, backend))
+        with tempfile.TemporaryDirectory(prefix="bench-inductor-") as cache:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
+            compile_s = compile_seconds(compiled, cfg, batch_size)
+            del os.environ["TORCHINDUCTOR_CACHE_DIR"]
+        contenders[f"ENLACE ({backend}, compiled)"] = (compiled, enlace_loss)
         times, steps = training_steps(cfg, batch_size, contenders, layer("train", "smoke"), warmup, rounds)
         first = next(iter(contenders))
         flops_per_token = contenders[first][0].flops_per_token(cfg["seq_len"])
@@ -115,9 +134,10 @@ def bench_model():
         results.append(
             (name, batch_size, cfg, params, flops_per_token, rates, rounds, where_time_goes(steps[first]))
         )
+        results[-1] += (compile_s,)
     peak = max(peak, train.measure_peak_tflops(torch.device("cpu")) * 1e12)
     print(f"model: float32 matmul peak {peak / 1e9:.1f} GFLOP/s ({torch.get_num_threads()} threads)")
-    for name, batch_size, cfg, params, flops_per_token, rates, rounds, breakdown in results:
+    for name, batch_size, cfg, params, flops_per_token, rates, rounds, breakdown, compile_s in results:
         print(
             f"model: {name} B={batch_size} T={cfg['seq_len']} | {params / 1e6:.1f}M params | median of {rounds}"
         )
@@ -128,6 +148,18 @@ def bench_model():
                 f"{rate / reference:.2f}x transformers"
             )
         print(f"model:   time per op (cpu profile): {breakdown}")
+        backend = profile_cfg["attention_backend"]
+        eager_s, compiled_s = (
+            batch_size * cfg["seq_len"] / rates[f"ENLACE ({backend}, {kind})"]
+            for kind in ("cpu profile", "compiled")
+        )
+        overhead_s = compile_s - 2 * compiled_s  # the two compiling passes less two ordinary steps
+        pays = (
+            f"pays for itself after {overhead_s / (eager_s - compiled_s):,.0f} steps"
+            if compiled_s < eager_s
+            else "never pays"
+        )
+        print(f"model:   torch.compile: {overhead_s:.0f} s of compiling before the first step, {pays}")
 
 
 def enlace_loss(net, idx, targets):
@@ -198,7 +230,7 @@ def bench_decode():
 
 
 def cpu_seconds():
-    """CPU time of this process and of its finished children (the pool workers), user + system."""
+    """CPU time of this process and of its finished, waited-for children, user + system."""
     own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
@@ -229,6 +261,9 @@ def bench_data():
             data_cfg = data_layer("corpus-smoke")
             data_cfg["corpus"]["sources"] = data_cfg["corpus"]["sources"][:2]
         data_cfg["dir"] = folder
+        # One process: datatrove's pool workers are children of its forkserver, so getrusage never sees
+        # their CPU time, and the per-CPU-second rates would flatter the corpus step.
+        data_cfg["processes"] = 1
         processes = corpus.processes_of(data_cfg)
 
         # Three runs of the corpus and encode steps (and of raw sentencepiece), the median of each kept:
