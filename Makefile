@@ -99,6 +99,71 @@ chat-prepare: $(STAMP)
 sft: chat-prepare
 	$(TRAIN) $(SFT_CONFIG) $(ARGS) $(RESUME_FLAG)
 
+# corpus-smoke tokenizer -> the smoke-corpus-cpu pretraining (kept when it already has a checkpoint)
+# -> SFT on the seed conversations (from scratch each time) -> held-out evaluation. The held-out first
+# answers are 237-380 tokens of this tokenizer (median 294): a 400-token budget lets a reply end.
+sft-smoke: corpus-smoke
+	ls runs/smoke-corpus-cpu/ckpt_*.pt >/dev/null 2>&1 || $(PY) train.py configs/smoke-corpus-cpu.yaml
+	$(PY) chat.py prepare configs/sft-smoke-cpu.yaml
+	rm -rf runs/sft-smoke-cpu
+	$(PY) train.py configs/sft-smoke-cpu.yaml $(ARGS)
+	$(PY) sample.py runs/sft-smoke-cpu --chat-eval val --max-new-tokens 400
+
+# --- using a model --------------------------------------------------------------------------------
+
+sample: $(STAMP)
+	$(PY) sample.py $(RUN) $(ARGS)
+
+chat: $(STAMP)
+	$(PY) sample.py $(RUN) --chat $(ARGS)
+
+RUN_DIR = $(if $(filter %.pt,$(RUN)),$(patsubst %/,%,$(dir $(RUN))),$(RUN))
+
+# Pretraining data is rebuilt from the run's saved config (chat data comes from `chat.py prepare`); a
+# config saved by an older version may no longer validate: then the data already there is used.
+eval: $(STAMP)
+	if [ -f $(RUN_DIR)/config.yaml ] && ! grep -q '^  format: chat$$' $(RUN_DIR)/config.yaml; then \
+		$(PY) corpus.py all $(RUN_DIR)/config.yaml || echo "eval: could not rebuild the run's data (above)"; fi
+	$(PY) sample.py $(RUN) --eval val $(ARGS)
+
+plot: $(STAMP)
+	$(PY) plot.py $(RUN)
+
+# make export RUN=runs/sft TO=gguf ARGS="--dtype q8_0"   (TO: hf, gguf or ollama; OUT defaults to out/)
+TO ?= hf
+OUT ?= out/$(notdir $(RUN_DIR))-$(TO)
+export: $(STAMP)
+	$(PY) export.py $(RUN) $(OUT) --to $(TO) $(ARGS)
+
+# llama.cpp parity of the GGUF export (tests/test_export.py -k llama). The first run builds
+# llama-cpp-python from source for the CPU: about half an hour, which is why CI does not run it.
+gguf-check: $(STAMP)
+	CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_BLAS=OFF" \
+		$(PY) -m pip install --quiet -r requirements-gguf-check.txt
+	$(VENV)/bin/pytest -q -s tests/test_export.py -k llama
+
+search: $(STAMP)
+	$(PY) search.py "$(Q)" $(ARGS)
+
+# The family's server (API + web page) on http://127.0.0.1:8000/. Chat needs a sentencepiece run: without
+# RUN= it serves runs/smoke-corpus-cpu, training it first on a fresh clone. Accounts: python serve.py member.
+SERVE_RUN = $(if $(filter command line environment,$(origin RUN)),$(RUN),runs/smoke-corpus-cpu)
+serve: $(STAMP)
+	@test -e $(SERVE_RUN) || test "$(SERVE_RUN)" != runs/smoke-corpus-cpu || $(MAKE) smoke-corpus ARGS=
+	$(PY) serve.py $(SERVE_RUN) $(ARGS)
+
+# --- tools (agent.py) -----------------------------------------------------------------------------
+
+AGENT_DATA ?= data/agent
+
+agent-data: $(AGENT_DATA)/eval.jsonl
+
+$(AGENT_DATA)/eval.jsonl: $(STAMP) agent.py agent_data.py configs/agent/default.yaml
+	$(PY) agent_data.py generate $(AGENT_DATA)
+
+agent-eval: agent-data
+	$(PY) agent_data.py eval $(RUN) $(AGENT_DATA)/eval.jsonl $(ARGS)
+
 # corpus-smoke tokenizer -> the generated tool-use conversations and the seed set, packed -> the tiny
 # agent model trained on them from scratch (one epoch, minutes; a second run replaces the first) -> the
 # tool-use rates on every held-out conversation.
