@@ -470,9 +470,7 @@ def train(cfg, resume=False, stop_after=None, log=print, handle_signals=True):
         quiet = lambda *a, **k: None
         step = _train(cfg, ctx, resume, stop_after, log if ctx.is_main else quiet, handle_signals)
         if ctx.enabled:
-            # Rank 0 may still be sampling: a rank that tears down gloo while its peer is busy can abort
-            # ("terminate called without an active exception", seen under CPU load), so finish together.
-            dist.barrier()
+            dist.barrier()  # rank 0 may still be sampling: no rank tears down gloo under a busy peer
         return step
     finally:
         if ctx.enabled:
@@ -904,4 +902,13 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    exit_code = main(sys.argv[1:])
+    if "RANK" in os.environ:
+        # A torchrun worker ends here without interpreter finalization: gloo's worker threads may still
+        # hold tensors whose release needs the GIL while the interpreter is torn down, which aborts the
+        # process (SIGABRT, "terminate called without an active exception"; seen under CPU load after a
+        # complete run). Checkpoints and metrics are written, synced and closed by now.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(exit_code)
+    sys.exit(exit_code)
