@@ -99,19 +99,19 @@ def where_time_goes(step, top=6):
 
 
 def bench_model():
-    """ENLACE as the cpu profile trains it, the same model with the math kernel, and transformers' Qwen3
-    built from the same config, trained with the same AdamW on the same tokens. The MFU divides by
-    train.measure_peak_tflops, the figure a run's log uses."""
+    """ENLACE as the cpu profile trains it, the same model with the math kernel and torch.compile'd, and
+    transformers' Qwen3 built from the same config, trained with the same AdamW on the same tokens. The
+    MFU divides by train.measure_peak_tflops, the figure a run's log uses."""
     profile_cfg = layer("hardware", "cpu")
     shapes = [("smoke", layer("train", "smoke")["micro_batch_size"], 2, 5), ("tiny-50m", 1, 1, 3)]
-    print(f"model: timing {len(shapes)} shapes x 3 contenders between two matmul peaks (minutes)", flush=True)
+    print(f"model: timing {len(shapes)} shapes x 4 contenders between two matmul peaks (minutes)", flush=True)
     # Measured before and after the steps and the higher one kept: a neighbour process that slows one
     # measurement must not shrink the peak and so flatter the MFU.
     peak = train.measure_peak_tflops(torch.device("cpu")) * 1e12
+    backend = profile_cfg["attention_backend"]
     results = []
     for name, batch_size, warmup, rounds in shapes:
         cfg = layer("model", name)
-        backend = profile_cfg["attention_backend"]
         torch.manual_seed(0)
         contenders = {
             f"ENLACE ({backend}, cpu profile)": (model.Transformer(cfg, backend), enlace_loss),
@@ -123,18 +123,18 @@ def bench_model():
         compiled = torch.compile(model.Transformer(cfg, backend))
         with tempfile.TemporaryDirectory(prefix="bench-inductor-") as cache:
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
-            compile_s = compile_seconds(compiled, cfg, batch_size)
-            del os.environ["TORCHINDUCTOR_CACHE_DIR"]
+            try:
+                compile_s = compile_seconds(compiled, cfg, batch_size)
+            finally:
+                del os.environ["TORCHINDUCTOR_CACHE_DIR"]
         contenders[f"ENLACE ({backend}, compiled)"] = (compiled, enlace_loss)
         times, steps = training_steps(cfg, batch_size, contenders, layer("train", "smoke"), warmup, rounds)
         first = next(iter(contenders))
         flops_per_token = contenders[first][0].flops_per_token(cfg["seq_len"])
         params = contenders[first][0].num_params()
         rates = {label: batch_size * cfg["seq_len"] / statistics.median(t) for label, t in times.items()}
-        results.append(
-            (name, batch_size, cfg, params, flops_per_token, rates, rounds, where_time_goes(steps[first]))
-        )
-        results[-1] += (compile_s,)
+        breakdown = where_time_goes(steps[first])
+        results.append((name, batch_size, cfg, params, flops_per_token, rates, rounds, breakdown, compile_s))
     peak = max(peak, train.measure_peak_tflops(torch.device("cpu")) * 1e12)
     print(f"model: float32 matmul peak {peak / 1e9:.1f} GFLOP/s ({torch.get_num_threads()} threads)")
     for name, batch_size, cfg, params, flops_per_token, rates, rounds, breakdown, compile_s in results:
@@ -148,7 +148,6 @@ def bench_model():
                 f"{rate / reference:.2f}x transformers"
             )
         print(f"model:   time per op (cpu profile): {breakdown}")
-        backend = profile_cfg["attention_backend"]
         eager_s, compiled_s = (
             batch_size * cfg["seq_len"] / rates[f"ENLACE ({backend}, {kind})"]
             for kind in ("cpu profile", "compiled")
