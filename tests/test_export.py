@@ -33,6 +33,8 @@ EXPORT_RUN = [
     "train.eval_interval=0",
     "train.ckpt_interval=200",
     "train.log_interval=50",
+    "model.rope_base=50000.0",  # not transformers' or llama.cpp's default: the logit tests prove it is read
+    "model.norm_eps=1.0e-5",
 ]
 
 SPANISH = [
@@ -212,6 +214,16 @@ def test_the_hf_folder_describes_a_tied_qwen3(hf_dir, enlace):
     assert config["architectures"] == ["Qwen3ForCausalLM"] and config["tie_word_embeddings"] is True
     assert (config["head_dim"], config["max_position_embeddings"]) == (16, cfg["model"]["seq_len"])
     assert (config["bos_token_id"], config["eos_token_id"]) == (1, 2)
+    assert (
+        (config["rope_theta"], config["rms_norm_eps"])
+        == (50000.0, 1e-5)
+        == (
+            cfg["model"]["rope_base"],
+            cfg["model"]["norm_eps"],
+        )
+    )
+    loaded = transformers.AutoConfig.from_pretrained(hf_dir)  # the names transformers reads
+    assert (loaded.rope_parameters["rope_theta"], loaded.rms_norm_eps) == (50000.0, 1e-5)
     with open(os.path.join(hf_dir, "generation_config.json")) as f:
         assert json.load(f)["eos_token_id"] == [6, 2]  # <|end|>, <|eos|>
     with safe_open(os.path.join(hf_dir, "model.safetensors"), "pt") as f:
@@ -222,10 +234,12 @@ def test_the_hf_folder_describes_a_tied_qwen3(hf_dir, enlace):
     assert "<tool_call>" in template and "</tool_call>" in template
 
 
-def test_bf16_export_stores_bf16_weights(run, tmp_path):
-    export.export(run, "hf", str(tmp_path / "bf16"), dtype="bf16", log=quiet)
-    with safe_open(str(tmp_path / "bf16" / "model.safetensors"), "pt") as f:
-        assert {f.get_tensor(name).dtype for name in f.keys()} == {torch.bfloat16}
+@pytest.mark.parametrize("dtype, torch_dtype", [("bf16", torch.bfloat16), ("f16", torch.float16)])
+def test_a_half_precision_export_stores_its_dtype_and_says_so(run, tmp_path, dtype, torch_dtype):
+    export.export(run, "hf", str(tmp_path / dtype), dtype=dtype, log=quiet)
+    with safe_open(str(tmp_path / dtype / "model.safetensors"), "pt") as f:
+        assert {f.get_tensor(name).dtype for name in f.keys()} == {torch_dtype}
+    assert transformers.AutoConfig.from_pretrained(str(tmp_path / dtype)).dtype == torch_dtype
 
 
 # -----------------------------------------------------------------------------
@@ -260,6 +274,12 @@ def test_gguf_reads_back_with_names_shapes_and_tokenizer_metadata(run, enlace, t
     types = gguf_field(reader, "tokenizer.ggml.token_type")
     assert (types[0], types[1], types[6], types[16], types[17]) == (2, 3, 3, 4, 4)  # unk, control, user
     assert types[tokenizer.processor.piece_to_id("<0x41>")] == 6  # byte
+    scores = gguf_field(reader, "tokenizer.ggml.scores")
+    assert scores == [np.float32(tokenizer.processor.get_score(i)) for i in range(tokenizer.vocab_size)]
+    normal = [score for score, kind in zip(scores, types, strict=True) if kind == 1]
+    assert len(set(normal)) == len(normal) > 200, "each merged piece has its own rank"
+    assert gguf_field(reader, "qwen3.rope.freq_base") == pytest.approx(50000.0)
+    assert gguf_field(reader, "qwen3.attention.layer_norm_rms_epsilon") == pytest.approx(1e-5)
     ids = {k: gguf_field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos", "eot", "unknown")}
     assert ids == {"bos": 1, "eos": 2, "eot": 6, "unknown": 0}
     assert gguf_field(reader, "tokenizer.chat_template") == export.CHAT_TEMPLATE
