@@ -294,6 +294,8 @@ def test_gguf_reads_back_with_names_shapes_and_tokenizer_metadata(run, enlace, t
             assert tensor.tensor_type == gguf.GGMLQuantizationType.F32 and np.array_equal(values, weights)
         else:
             expected = {"f16": gguf.GGMLQuantizationType.F16, "q8_0": gguf.GGMLQuantizationType.Q8_0}[dtype]
+            if name == "token_embd.weight":  # also the output layer: f16 in q8_0 files (see export.py)
+                expected = gguf.GGMLQuantizationType.F16
             assert tensor.tensor_type == expected
             assert np.abs(values - weights).max() <= np.abs(weights).max() / 100
 
@@ -380,10 +382,10 @@ def test_a_byte_level_run_is_refused_with_the_reason(tmp_path, byte_data_dir):
 
 
 # The llama.cpp checks run on their own, wider model (trained only where llama-cpp-python is installed).
-# q8_0 quantizes weights and, in llama.cpp's matmuls, activations in blocks of 32: the 64-wide model above
-# has flat logits (median top-2 margin 0.18) and agreed on the top token at 2532/2560 = 98.9% of positions
-# (99.4% with q8_0 weights alone in ENLACE), every disagreement a near-tie (margin <= 0.044); 128 wide, at
-# 99.5%. Real ENLACE models are 256 (smoke) to 512+ wide.
+# q8_0 quantizes weights and, in llama.cpp's matmuls, activations in 8-bit blocks of 32, which flips
+# near-tied top tokens: the 64-wide model above has flat logits (median top-2 margin 0.18) and agreed at
+# 99.26% of 2560 positions (98.9% before the embedding stayed f16), too near the 99% bar to be a steady
+# test; 128 wide, 99.7%.
 LLAMA_RUN = [*EXPORT_RUN, "model.d_model=128", "model.ffn_hidden=256"]
 
 
