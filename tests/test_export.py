@@ -412,6 +412,11 @@ def llama(llama_run, tmp_path_factory):
         export.export(llama_run, "gguf", str(folder / dtype), dtype=dtype, log=quiet)
         path = str(folder / dtype / export.GGUF_NAME)
         models[dtype] = llama_cpp.Llama(model_path=path, n_ctx=64, logits_all=True, verbose=False, seed=0)
+    # llama.cpp keeps the KV cache in f16 by default, the source of its f32 logit differences.
+    f32_kv = {"type_k": llama_cpp.GGML_TYPE_F32, "type_v": llama_cpp.GGML_TYPE_F32}
+    models["f32, f32 KV cache"] = llama_cpp.Llama(
+        model_path=path.replace("q8_0", "f32"), n_ctx=64, logits_all=True, verbose=False, seed=0, **f32_kv
+    )
     yield models
     for model in models.values():
         model.close()
@@ -465,3 +470,14 @@ def test_llama_cpp_agrees_with_enlace_on_the_top_token(llama, llama_enlace, dtyp
         f"\nllama.cpp {dtype}: top-1 agreement {agree}/{total} = {agree / total:.2%}, max |logit diff| {largest:.2e}"
     )
     assert agree / total >= min_agreement
+
+
+def test_llama_cpp_f32_with_an_f32_kv_cache_gives_enlace_s_logits(llama, llama_enlace):
+    model, _, tokenizer = llama_enlace
+    largest = 0.0
+    for ids in windows_of_spanish_text(tokenizer, count=8):
+        with torch.no_grad():
+            ours = model(torch.tensor([ids]))[0][0]
+        largest = max(largest, (ours - llama_logits(llama["f32, f32 KV cache"], ids)).abs().max().item())
+    print(f"\nllama.cpp f32 with an f32 KV cache: max |logit diff| {largest:.2e}")
+    assert largest < 1e-3
