@@ -112,14 +112,20 @@ def test_bad_input_is_refused_with_the_reason(conn, cfg):
         memory.recordar(conn, "ana", "adult", cfg, "hola", "todos")
 
 
-def test_forget_deletes_for_real(db, conn, cfg):
+@pytest.mark.parametrize("how", ["forget", "edit", "forget_all"])
+def test_deleted_text_is_gone_from_the_files_and_the_index(db, conn, cfg, how):
     secret = "zanahoriazul"
     memory_id = memory.add(conn, "ana", "adult", f"la clave del wifi es {secret}", cfg)
-    memory.add(conn, "ana", "adult", "el wifi de casa se llama Hogar", cfg)
+    memory.add(conn, "luis", "child", "el wifi de casa se llama Hogar", cfg)
     conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
     assert secret.encode() in pathlib.Path(db).read_bytes()
     conn.execute("PRAGMA secure_delete = OFF")  # as a connection opened elsewhere in the server may be
-    memory.forget(conn, "ana", "adult", memory_id)
+    if how == "forget":
+        memory.forget(conn, "ana", "adult", memory_id)
+    elif how == "edit":
+        memory.edit(conn, "ana", "adult", memory_id, cfg, text="la clave del wifi la sabe papá")
+    else:
+        memory.forget_all(conn, "ana", "adult")
     conn.execute("CREATE VIRTUAL TABLE IF NOT EXISTS temp.vocab USING fts5vocab(main, memories_fts, row)")
     assert conn.execute("SELECT count(*) FROM temp.vocab WHERE term = ?", (secret,)).fetchone()[0] == 0
     assert (
@@ -131,6 +137,19 @@ def test_forget_deletes_for_real(db, conn, cfg):
     for path in (db, db + "-wal"):
         if os.path.exists(path):
             assert secret.encode() not in pathlib.Path(path).read_bytes(), path
+    assert [m["text"] for m in memory.list_memories(conn, "luis", "child")] == [
+        "el wifi de casa se llama Hogar"
+    ]
+
+
+def test_the_store_is_one_wal_table_with_the_issues_fields(db, conn):
+    assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    columns = [row["name"] for row in conn.execute("PRAGMA table_info(memories)")]
+    assert columns == ["id", "member", "scope", "text", "pinned", "source", "created", "updated"]
+    fts = conn.execute("SELECT sql FROM sqlite_master WHERE name = 'memories_fts'").fetchone()[0]
+    assert "tokenize = 'unicode61 remove_diacritics 2'" in fts
+    triggers = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'trigger'")}
+    assert triggers == {"memories_ai", "memories_ad", "memories_au"}
 
 
 def test_forget_all_deletes_only_the_callers_memories(conn, cfg):
@@ -244,6 +263,23 @@ def test_turn_context_puts_pinned_first_and_keeps_the_budget(conn, cfg):
     assert lines[0] == cfg["header"] and lines[1] == f"- [{pinned}] ana es alérgica a las nueces"
     assert 2 < len(lines) <= 2 + cfg["top_k"] and WORDS(context) <= budget
     assert memory.context_for_turn(conn, "ana", "adult", "bizcocho", dict(cfg, token_budget=5), WORDS) == ""
+
+
+def test_turn_context_takes_the_top_k_best_matches_first(conn, cfg):
+    best = memory.add(conn, "ana", "adult", "bizcocho de limón", cfg)  # short and all about the query
+    for i in range(20):
+        memory.add(
+            conn, "ana", "adult", f"receta {i} de bizcocho con mucha harina, azúcar, huevos y leche", cfg
+        )
+    memory.add(conn, "ana", "adult", "la bicicleta tiene la rueda pinchada", cfg)
+    context = memory.context_for_turn(conn, "ana", "adult", "¿cómo hago el bizcocho de limón?", cfg, WORDS)
+    lines = context.split("\n")
+    assert len(lines) == 1 + cfg["top_k"] and lines[1] == f"- [{best}] bizcocho de limón"
+    assert "bicicleta" not in context
+    share = int(cfg["context_share"] * 160)  # a small model's context: its share binds, not token_budget
+    assert WORDS(cfg["header"]) + 5 <= share < WORDS(context) <= cfg["token_budget"]
+    small = memory.context_for_turn(conn, "ana", "adult", "bizcocho limón", cfg, WORDS, context_len=160)
+    assert small.split("\n")[1] == lines[1] and WORDS(small) <= share
 
 
 # -----------------------------------------------------------------------------
