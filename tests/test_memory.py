@@ -359,12 +359,17 @@ def test_snapshot_under_concurrent_writers_is_one_consistent_moment(tmp_path, db
     copied = rows_of(os.path.join(path, "database.sqlite"))
     live = rows_of(db)
     assert memory.integrity(os.path.join(path, "database.sqlite")) == "ok"
+    # Every write that reached the database was acknowledged, and nothing else is there.
+    assert sorted(row[3] for row in live if row[1] != "base") == sorted(sum(acked.values(), []))
     # One moment: the copy is exactly the live rows committed up to some row (ids grow with each commit).
     last = copied[-1][0]
     assert copied == [row for row in live if row[0] <= last]
     texts = {row[3] for row in copied}
     for member, acknowledged in before.items():
         assert set(acknowledged) <= texts, f"{member}: an acknowledged write is missing from the snapshot"
+        # each writer's writes up to the moment, in order: a prefix of what it was told succeeded
+        mine = [row[3] for row in copied if row[1] == member]
+        assert mine == acked[member][: len(mine)], f"{member}: the snapshot is not a prefix of its writes"
     assert sum(after.values()) > sum(len(v) for v in before.values()), "no writer ran during the snapshot"
     assert len(live) > len(copied), "writes after the snapshot's moment must not be in it"
     manifest = memory.verify(path)
@@ -388,6 +393,26 @@ def test_restore_brings_back_exactly_the_snapshot(db, conn, cfg, family):
     restored = memory.connect(db, memory.load_config())
     assert "3 de mayo" in memory.context_for_turn(restored, "luis", "child", "abuela", cfg, WORDS)
     restored.close()
+
+
+def test_restore_after_a_crash_leaves_no_stale_wal(db, conn, cfg, family):
+    path = memory.snapshot(db, cfg, log=lambda _: None)
+    conn.close()
+    crash = (  # a server killed mid-work: committed writes still only in its WAL, no checkpoint on exit
+        "import os, sys, memory\n"
+        "cfg = memory.load_config()\n"
+        "conn = memory.connect(sys.argv[1], cfg)\n"
+        "conn.execute('PRAGMA wal_autocheckpoint = 0')\n"
+        "for i in range(50):\n"
+        "    memory.add(conn, 'ana', 'adult', f'escrito antes del fallo {i}', cfg)\n"
+        "os._exit(0)\n"
+    )
+    subprocess.run([sys.executable, "-c", crash, db], cwd=ROOT, check=True, timeout=60)
+    assert os.path.getsize(db + "-wal") > 0
+    memory.restore(path, db, log=lambda _: None)
+    assert not os.path.exists(db + "-wal") and not os.path.exists(db + "-shm")
+    assert memory.integrity(db) == "ok"
+    assert rows_of(db) == rows_of(os.path.join(path, "database.sqlite"))
 
 
 def fingerprint(db):
