@@ -571,6 +571,7 @@ def snapshot(db_path, cfg, log=print):
             "integrity_check": check,
             "server": server_info(db_path),
             "memory_config": cfg,
+            "code_version": fileio.code_version(),  # of the code taking it (the server's is under "server")
         }
         fileio.write_json(os.path.join(tmp, "manifest.json"), manifest)
         os.rename(tmp, final)
@@ -617,7 +618,10 @@ def verify(snapshot_dir):
 def describe_model(manifest):
     server = manifest.get("server")
     if not server:
-        return "no model recorded: no server had used this database when the snapshot was taken"
+        return (
+            "no model recorded: no server had used this database when the snapshot was taken "
+            f"(by code {manifest.get('code_version', 'unrecorded')})"
+        )
     return (
         f"taken with model checkpoint {server.get('checkpoint')} (sha256 {server.get('checkpoint_sha256')}), "
         f"tokenizer {server.get('tokenizer')} (sha256 {server.get('tokenizer_sha256')}), "

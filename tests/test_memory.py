@@ -560,6 +560,29 @@ def test_command_line_list_add_forget_export(db):
     assert unknown.returncode == 2 and "no account 'ana'" in unknown.stderr
 
 
+def test_command_line_snapshot_and_restore(tmp_path, db, conn, cfg):
+    memory.add(conn, "ana", "adult", "A Lucía no le gusta el pescado", cfg)
+    conn.close()
+    layer = tmp_path / "memory" / "snapshots.yaml"  # the default layer with the snapshots in tmp_path
+    layer.parent.mkdir()
+    layer.write_text(yaml.safe_dump({"memory": cfg}, allow_unicode=True), encoding="utf-8")
+    taken = run_cli(db, "--config", str(layer), "snapshot")
+    assert taken.returncode == 0, taken.stderr
+    [path] = memory.list_snapshots(cfg["snapshots"]["dir"])
+    manifest = memory.verify(path)
+    assert manifest["server"] is None and manifest["code_version"] == fileio.code_version()
+    assert path in taken.stdout and manifest["database"]["sha256"][:16] in taken.stdout
+    other = memory.connect(db, cfg)
+    memory.member_removed(other, "ana")
+    other.close()
+    restored = run_cli(db, "restore", path)
+    assert restored.returncode == 0, restored.stderr
+    assert "no model recorded" in restored.stdout and manifest["code_version"] in restored.stdout
+    assert [row[3] for row in rows_of(db)] == ["A Lucía no le gusta el pescado"]
+    missing = run_cli(db, "restore", str(tmp_path / "nowhere"))
+    assert missing.returncode == 2 and "manifest.json: missing" in missing.stderr
+
+
 def test_every_memory_layer_file_is_valid():
     folder = os.path.join(ROOT, "configs", "memory")
     for name in sorted(os.listdir(folder)):
