@@ -363,4 +363,21 @@ def test_the_panel_shows_a_member_only_their_memories_and_the_familys(browser, w
         ' body: \'{"text": "x"}\'})]).then((rs) => done(rs.map((r) => r.status)));'
     )
     assert statuses == [404, 404]
+
+    by_id(browser, "memory-text").clear()  # the refused text stays in the form, family still ticked
+    by_id(browser, "memory-family").click()
+    by_id(browser, "memory-pinned").click()
+    add_in_page(browser, "Mi color favorito es el verde")
+    [green] = [row for row in all_of(browser, "#memories .memory") if "verde" in row.text]
+    assert "privado · siempre presente" in green.text
     screenshot(browser, "memories-2-luis.png")
+    exported = browser.execute_async_script(
+        "const done = arguments[arguments.length - 1];"
+        "fetch(document.getElementById('memories-export').href).then((r) => r.json()).then(done);"
+    )
+    assert [(m["member"], m["scope"], m["text"], m["pinned"]) for m in exported["memories"]] == [
+        ("luis", "private", "Mi color favorito es el verde", True)
+    ]
+    by_id(browser, "memories-delete-all").click()
+    browser.switch_to.alert.accept()
+    wait_for(browser, lambda d: shown_memories(d) == [SHARED])
