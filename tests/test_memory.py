@@ -288,14 +288,18 @@ def test_turn_context_takes_the_top_k_best_matches_first(conn, cfg):
 
 def start_writer_process(db, member, stop_file):
     code = (
-        "import os, sys, memory\n"
+        "import os, sqlite3, sys, memory\n"
         "db, member, stop = sys.argv[1:]\n"
         "cfg = memory.load_config()\n"
         "conn = memory.connect(db, cfg)\n"
         "i = 0\n"
         "while not os.path.exists(stop):\n"
-        "    memory.add(conn, member, 'adult', f'{member} escribe {i}', cfg)\n"
-        "    print(i, flush=True)\n"
+        "    try:\n"
+        "        memory.add(conn, member, 'adult', f'{member} escribe {i}', cfg)\n"
+        "        print(i, flush=True)\n"
+        "    except sqlite3.OperationalError as e:  # busy past the timeout: not acknowledged\n"
+        "        if 'locked' not in str(e):\n"
+        "            raise\n"
         "    i += 1\n"
     )
     return subprocess.Popen(
@@ -320,8 +324,14 @@ def test_snapshot_under_concurrent_writers_is_one_consistent_moment(tmp_path, db
         connection = memory.connect(db, cfg)
         i = 0
         while not stop.is_set():
-            memory.add(connection, member, "adult", f"{member} escribe {i}", cfg)
-            acked[member].append(f"{member} escribe {i}")
+            try:
+                memory.add(connection, member, "adult", f"{member} escribe {i}", cfg)
+                acked[member].append(f"{member} escribe {i}")
+            except sqlite3.OperationalError as e:
+                # Four writers in tight loops on a loaded machine can keep one waiting past the busy
+                # timeout; that write failed and was not acknowledged, so it must not be anywhere.
+                if "locked" not in str(e):
+                    raise
             i += 1
         connection.close()
 
@@ -343,6 +353,8 @@ def test_snapshot_under_concurrent_writers_is_one_consistent_moment(tmp_path, db
         deadline = time.monotonic() + 60
         while min(len(v) for v in acked.values()) < 20 and time.monotonic() < deadline:
             time.sleep(0.05)
+        assert all(worker.is_alive() for worker in workers), "a writer died before the snapshot"
+        assert min(len(v) for v in acked.values()) >= 1, "a writer made no progress in 60 s"
         before = {member: list(texts) for member, texts in acked.items()}
         with memory.server_lock(db, SERVER_INFO):
             path = memory.snapshot(db, cfg, log=lambda _: None)
