@@ -100,7 +100,7 @@ def test_text_parts_system_developer_tool_roles_and_unknown_fields_are_accepted(
     assert answer.usage.prompt_tokens == len(chat.render(conversation, chat_model[1], True)[0])
 
 
-def test_a_streamed_answer_is_the_plain_answer_in_order_with_utf8_whole(chat_model, tmp_path):
+def test_a_streamed_answer_is_the_plain_answer_in_order(chat_model, tmp_path):
     with live_server(chat_model, tmp_path) as (url, server):
         key = member(server, "ana")
         plain = client(url, key).chat.completions.create(model="chat", messages=USER, max_tokens=40, seed=11)
@@ -120,8 +120,8 @@ def test_a_streamed_answer_is_the_plain_answer_in_order_with_utf8_whole(chat_mod
     deltas = [c.choices[0].delta.content or "" for c in chunks if c.choices]
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
     assert finishes[-1] == plain.choices[0].finish_reason and not any(finishes[:-1])
-    # Decoded all at once, the plain answer has every character whole: a character split across tokens
-    # and sent early would show up as an extra U+FFFD in the streamed text.
+    # Same seed, same answer: the stream carries exactly the plain answer's text, in order (characters
+    # split across byte tokens: test_a_character_split_across_byte_tokens_is_streamed_only_once_whole).
     assert "".join(deltas) == plain.choices[0].message.content
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
     assert all(c.usage is None for c in chunks[:-1])
@@ -304,6 +304,27 @@ def test_a_client_that_disconnects_stops_its_generation(chat_model, tmp_path):
         stats = httpx.get(url + "/api/server", headers={"Authorization": f"Bearer {key}"}).json()
     assert stats["cancelled"] == 1 and stats["answered"] == 0
     assert stats["generated_tokens"] < 200  # 400 asked for, 4 s of generation; it stopped within ~1 s
+
+
+def sse_deltas(url, key, body):
+    """The content deltas of a streamed completion, read straight off the wire (no client library)."""
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body | {"stream": True},
+                      headers={"Authorization": f"Bearer {key}"}) as answer:  # fmt: skip
+        chunks = [json.loads(line[6:]) for line in answer.iter_lines() if line.startswith("data: {")]
+    return [c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]]
+
+
+def test_a_character_split_across_byte_tokens_is_streamed_only_once_whole(chat_model, tmp_path):
+    tokenizer = chat_model[1]
+    text = "Mira: 🦙 y ꙮ."
+    for character in ("🦙", "ꙮ"):  # sentencepiece's byte fallback: one piece per UTF-8 byte
+        pieces = tokenizer.encode(character)
+        assert len(pieces) == len(character.encode()) and all(map(tokenizer.processor.is_byte, pieces))
+    model = ScriptedModel(tokenizer.encode(text) + [tokenizer.special_ids["<|end|>"]], delay=0.002)
+    with live_server(chat_model, tmp_path, NO_TOOLS, model=model) as (url, server):
+        deltas = sse_deltas(url, member(server, "ana"), {"model": "chat", "messages": USER})
+    assert "".join(deltas) == text
+    assert "🦙" in deltas and "ꙮ" in deltas and not any("\ufffd" in delta for delta in deltas), deltas
 
 
 # -----------------------------------------------------------------------------
