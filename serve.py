@@ -35,6 +35,7 @@ date) in the worker, when their schemas fit the model's context and serve.tools 
 
 import argparse
 import asyncio
+import contextlib
 import hashlib
 import json
 import os
@@ -242,36 +243,45 @@ class ClientGone(Exception):
     """The client closed the connection while waiting for an answer."""
 
 
-async def next_event(request, job):
+async def job_events(request, job, poll_s=1.0):
+    """The job's events as they come. Every poll_s seconds, whether events come or not, it asks whether
+    the client is still connected, and raises ClientGone when it is not: a plain completion writes nothing
+    before its end, so only asking tells that its client has given up."""
+    checked = time.monotonic()
     while True:
-        try:
-            return await asyncio.wait_for(job.events.get(), 1.0)
-        except TimeoutError:
-            if await request.is_disconnected():
-                raise ClientGone from None
+        event, left = None, checked + poll_s - time.monotonic()
+        if left > 0:
+            with contextlib.suppress(TimeoutError):
+                event = await asyncio.wait_for(job.events.get(), left)
+        if event is not None:
+            yield event
+            continue
+        if await request.is_disconnected():
+            raise ClientGone
+        checked = time.monotonic()
 
 
 async def answer_events(request, job, reply):
     """("delta", text) as the answer grows, then ("end", finish_reason, completion tokens, tool calls,
     prompt tokens)."""
-    while True:
-        event = await next_event(request, job)
-        if event[0] == "text":
-            delta = reply.add(event[1])
-            if delta:
-                yield "delta", delta
-            if reply.stopped:
-                job.cancel()  # the worker stops at its next token and still reports its count
-        elif event[0] == "error":
-            raise ApiError(500, event[1], code="generation_failed")
-        else:
-            _, finish, tokens, prompt_tokens = event
-            rest, calls = reply.finish()
-            if rest:
-                yield "delta", rest
-            finish = "tool_calls" if calls else "stop" if reply.stopped else finish
-            yield "end", finish, tokens, calls, prompt_tokens
-            return
+    async with contextlib.aclosing(job_events(request, job)) as events:
+        async for event in events:
+            if event[0] == "text":
+                delta = reply.add(event[1])
+                if delta:
+                    yield "delta", delta
+                if reply.stopped:
+                    job.cancel()  # the worker stops at its next token and still reports its count
+            elif event[0] == "error":
+                raise ApiError(500, event[1], code="generation_failed")
+            else:
+                _, finish, tokens, prompt_tokens = event
+                rest, calls = reply.finish()
+                if rest:
+                    yield "delta", rest
+                finish = "tool_calls" if calls else "stop" if reply.stopped else finish
+                yield "end", finish, tokens, calls, prompt_tokens
+                return
 
 
 def sse(value):

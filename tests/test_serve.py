@@ -327,6 +327,22 @@ def test_a_character_split_across_byte_tokens_is_streamed_only_once_whole(chat_m
     assert "🦙" in deltas and "ꙮ" in deltas and not any("\ufffd" in delta for delta in deltas), deltas
 
 
+def test_a_client_that_gives_up_on_a_plain_completion_stops_its_generation(chat_model, tmp_path):
+    slow = ScriptedModel([100], delay=0.01)
+    with live_server(chat_model, tmp_path, "serve.max_tokens=400", model=slow) as (url, server):
+        key = member(server, "ana")
+        body = {"model": "chat", "messages": USER, "max_tokens": 400}
+        with pytest.raises(httpx.ReadTimeout):  # the client stops waiting half a second in
+            httpx.post(url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"},
+                       timeout=0.5)  # fmt: skip
+        deadline = time.monotonic() + 10
+        while server.worker.stats["cancelled"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        stats = dict(server.worker.stats)
+    assert stats["cancelled"] == 1 and stats["answered"] == 0
+    assert stats["generated_tokens"] < 300  # 400 asked for, 4 s; stopped about a second after the client left
+
+
 # -----------------------------------------------------------------------------
 # Family accounts
 
