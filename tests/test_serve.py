@@ -327,6 +327,33 @@ def test_a_character_split_across_byte_tokens_is_streamed_only_once_whole(chat_m
     assert "🦙" in deltas and "ꙮ" in deltas and not any("\ufffd" in delta for delta in deltas), deltas
 
 
+def test_temperature_and_top_p_of_the_request_reach_the_sampler(chat_model, tmp_path):
+    body = {"model": "chat", "messages": USER, "max_tokens": 24}
+    with live_server(chat_model, tmp_path, NO_TOOLS) as (url, server):
+        key = member(server, "ana")
+        texts = {}
+        for label, fields in [("greedy", {"temperature": 0}), ("top_p tiny", {"top_p": 1e-9, "temperature": 1}),
+                              ("hot", {"temperature": 2})]:  # fmt: skip
+            texts[label] = [
+                "".join(sse_deltas(url, key, body | fields | {"seed": seed})) for seed in (1, 2, 3)
+            ]
+    # temperature 0, or a nucleus of one token, is the argmax whatever the seed; at temperature 2 the
+    # seeds of the gibberish model disagree.
+    assert len(set(texts["greedy"])) == 1 and texts["top_p tiny"] == texts["greedy"]
+    assert len(set(texts["hot"])) == 3
+
+
+def test_the_configured_caps_bound_max_tokens_for_everyone(chat_model, tmp_path):
+    endless = ScriptedModel([100])  # never ends its answer on its own
+    with live_server(chat_model, tmp_path, NO_TOOLS, "serve.max_tokens=5", "serve.default_max_tokens=3",
+                     model=endless) as (url, server):  # fmt: skip
+        openai_client = client(url, member(server, "ana"))
+        asked = [openai_client.chat.completions.create(model="chat", messages=USER, **fields)
+                 for fields in ({"max_tokens": 50}, {"max_completion_tokens": 50}, {"max_tokens": 2}, {})]  # fmt: skip
+    assert [a.usage.completion_tokens for a in asked] == [5, 5, 2, 3]
+    assert {a.choices[0].finish_reason for a in asked} == {"length"}
+
+
 def test_a_client_that_gives_up_on_a_plain_completion_stops_its_generation(chat_model, tmp_path):
     slow = ScriptedModel([100], delay=0.01)
     with live_server(chat_model, tmp_path, "serve.max_tokens=400", model=slow) as (url, server):
