@@ -512,6 +512,27 @@ def test_children_get_their_instruction_cap_and_hours(chat_model, tmp_path):
     assert kid.usage.completion_tokens <= 3 < grown.usage.completion_tokens
 
 
+def test_allowed_hours_also_bound_the_web_chat_and_may_wrap_past_midnight(chat_model, tmp_path):
+    now = time.localtime().tm_hour
+    windows = {"open": [(now + 2) % 24, (now + 1) % 24], "closed": [(now + 1) % 24, now]}  # 23 h each
+    outcomes = {}
+    for label, window in windows.items():
+        with live_server(chat_model, tmp_path, f"serve.child.allowed_hours={window}") as (url, server):
+            http = httpx.Client(
+                base_url=url, headers={"Authorization": f"Bearer {member(server, 'dani', 'child')}"}
+            )
+            cid = http.post("/api/conversations").json()["id"]
+            answer = http.post(
+                f"/api/conversations/{cid}/messages", json={"content": "hola", "stream": False}
+            )
+            stored = http.get(f"/api/conversations/{cid}").json()["messages"]
+            outcomes[label] = answer.status_code, answer.json().get("error", {}).get("code"), len(stored)
+            http.close()
+    # One of the two windows wraps past midnight (from hour 23, or up to hour 0) whatever the hour now.
+    assert any(first > end for first, end in windows.values()), windows
+    assert outcomes == {"open": (200, None, 2), "closed": (403, "outside_allowed_hours", 0)}
+
+
 # -----------------------------------------------------------------------------
 # The real process: CLI, load, SIGKILL
 
