@@ -555,6 +555,64 @@ def test_the_member_cli_prints_a_key_once_and_stores_its_hash(tmp_path):
     )
 
 
+def test_member_new_key_and_remove_from_the_command_line(tmp_path):
+    database = str(tmp_path / "family.sqlite")
+    old = serve_member(database, "ana", "adult")
+    store = accounts.Store(database)
+    cid = store.new_conversation(store.member("ana")["id"], "mía")
+    store.add_message(store.member("ana")["id"], cid, "user", "hola")
+
+    def member_cli(*args):
+        command = [sys.executable, "serve.py", "member", *args, f"serve.database={database}"]
+        return subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+
+    renewed = member_cli("new-key", "ana")
+    new = renewed.stdout.strip().splitlines()[-1]
+    assert renewed.returncode == 0 and new.startswith("enl-") and new != old
+    assert store.member_by_key(old) is None and store.member_by_key(new)["name"] == "ana"
+    assert store.member("ana")["key_hash"] == accounts.sha256(new)
+    removed = member_cli("remove", "ana")
+    assert removed.returncode == 0 and "ana" not in member_cli("list").stdout
+    assert store.member_by_key(new) is None and store.query("SELECT * FROM messages") == []
+    for args in (("remove", "ana"), ("new-key", "nadie")):
+        missing = member_cli(*args)
+        assert missing.returncode == 2 and "no member" in missing.stderr and "Traceback" not in missing.stderr
+    journal = sqlite3.connect(database).execute("PRAGMA journal_mode").fetchone()[0]
+    assert journal == "wal"  # a mode of the file itself: readers never wait for the writer
+
+
+def listening_address(port):
+    """The local address of the TCP socket listening on port (Linux's /proc/net/tcp{,6})."""
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                address, _, hex_port = local.partition(":")
+                if state == "0A" and int(hex_port, 16) == port:
+                    return address
+    return None
+
+
+def test_the_server_listens_on_loopback_unless_host_says_otherwise_and_then_warns(chat_run, tmp_path):
+    database = str(tmp_path / "host.sqlite")
+    started = {}
+    for label, args in (("default", ()), ("lan", ("--host", "0.0.0.0"))):
+        log = tmp_path / f"{label}.log"
+        proc, url = start_server(chat_run, database, *args, log_path=log)
+        try:
+            port = int(url.rsplit(":", 1)[1])
+            started[label] = (
+                listening_address(port),
+                httpx.get(f"http://127.0.0.1:{port}/v1/models").status_code,
+            )
+        finally:
+            proc.kill()
+            proc.wait()
+        started[label] += ("WARNING" in log.read_text(),)
+    assert started["default"] == ("0100007F", 401, False)  # 127.0.0.1, little-endian hex
+    assert started["lan"] == ("00000000", 401, True)  # every interface, with the warning
+
+
 def test_a_byte_level_run_is_refused_with_the_run_to_use_instead(tmp_path, byte_data_dir):
     import train
 
