@@ -20,7 +20,8 @@ Routes (routes() below; other features add theirs with build_app(..., extra_rout
     POST /api/login, /api/logout; GET /api/me            web sessions (HttpOnly, SameSite=Strict cookie)
     GET|POST /api/conversations; GET|DELETE /api/conversations/{id}
     POST /api/conversations/{id}/messages  a turn of a stored conversation, streamed like the API
-    GET|POST /api/members; DELETE /api/members/{name}; POST /api/members/{name}/key     admin only
+    GET|POST /api/members; DELETE /api/members/{name}                         admin only
+    POST /api/members/{name}/key           a new API key: the caller's own only
     GET  /api/server                       queue and worker counters, admin only
     GET|POST|DELETE /api/memories; GET /api/memories/export; PATCH|DELETE /api/memories/{id}
                                            the member's memories (memory.py), never the admin's business
@@ -570,12 +571,18 @@ async def remove_member(request):
 
 
 async def new_member_key(request):
+    """A new API key for the caller's own account (the old one stops working). Another member's key is
+    replaced only on the server's machine (`serve.py member new-key`): whoever holds a member's key reads
+    their conversations, and an admin must not."""
     server = request.app.state.server
-    server.admin_of(request)
-    key = server.store.new_key(request.path_params["name"])
-    if key is None:
-        raise ApiError(404, f"no member {request.path_params['name']!r}", code="member_not_found")
-    return JSONResponse({"name": request.path_params["name"], "api_key": key})
+    member, name = server.member_of(request), request.path_params["name"]
+    if name.lower() != member["name"].lower():
+        server.admin_of(request)
+        if server.store.member(name) is None:
+            raise ApiError(404, f"no member {name!r}", code="member_not_found")
+        raise ApiError(403, f"only {name} replaces their own key here (it would read their conversations); "
+                       f"on the server: python serve.py member new-key {name}", code="not_your_key")  # fmt: skip
+    return JSONResponse({"name": member["name"], "api_key": server.store.new_key(member["name"])})
 
 
 async def server_status(request):

@@ -410,6 +410,13 @@ def test_members_never_reach_each_others_conversations_and_admins_cannot_read_th
                     assert attempt.status_code == 404, (name, attempt.request.method, attempt.text)
                     assert "secreto" not in attempt.text
                 other.close()
+        # Nor by taking over the account: an admin replacing ana's key would hold a key that reads her.
+        admin = {"Authorization": f"Bearer {keys['carla']}"}
+        takeover = httpx.post(f"{url}/api/members/ana/key", headers=admin)
+        assert (
+            takeover.status_code == 403
+            and "serve.py member new-key ana" in takeover.json()["error"]["message"]
+        )
         assert httpx.get(f"{url}/api/conversations/{cid}", headers=owner).json() == own  # untouched
         assert httpx.delete(f"{url}/api/conversations/{cid}", headers=owner).status_code == 200
         assert httpx.get(f"{url}/api/conversations/{cid}", headers=owner).status_code == 404
@@ -453,9 +460,17 @@ def test_only_an_admin_manages_accounts_and_keys_are_stored_only_as_hashes(chat_
             httpx.get(url + "/api/me", headers={"Authorization": f"Bearer {new_key}"}).json()["role"]
             == "child"
         )
-        replaced = httpx.post(url + "/api/members/dani/key", headers=admin).json()["api_key"]
+        # Every member replaces their own key (a leaked one stops working); another's, only the CLI does.
+        replaced = httpx.post(url + "/api/members/dani/key", headers={"Authorization": f"Bearer {new_key}"})
+        replaced = replaced.json()["api_key"]
         assert httpx.get(url + "/api/me", headers={"Authorization": f"Bearer {new_key}"}).status_code == 401
         assert httpx.get(url + "/api/me", headers={"Authorization": f"Bearer {replaced}"}).status_code == 200
+        own_admin_key = httpx.post(url + "/api/members/carla/key", headers=admin).json()["api_key"]
+        assert httpx.get(url + "/api/me", headers=admin).status_code == 401
+        admin = {"Authorization": f"Bearer {own_admin_key}"}
+        assert (
+            httpx.post(url + "/api/members/dani/key", headers=admin).json()["error"]["code"] == "not_your_key"
+        )
         assert httpx.delete(url + "/api/members/dani", headers=admin).status_code == 200
         assert httpx.get(url + "/api/me", headers={"Authorization": f"Bearer {replaced}"}).status_code == 401
         database = server.settings["database"]
