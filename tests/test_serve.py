@@ -247,6 +247,13 @@ def test_bad_requests_get_the_right_4xx_with_a_clear_message_and_never_a_traceba
             answer = httpx.post(url + "/v1/chat/completions", content=content, headers=headers, timeout=60)
             error = answer.json()["error"]
             assert (answer.status_code, error["code"]) == (status, code), (label, answer.text[:300])
+            assert set(error) == {"message", "type", "param", "code"}, label
+            assert (
+                error["type"]
+                == {400: "invalid_request_error", 404: "not_found_error", 413: "invalid_request_error"}[
+                    status
+                ]
+            )
             assert error["message"] and "Traceback" not in answer.text, label
         missing = httpx.get(url + "/v1/nothing", headers=headers)
         wrong_method = httpx.delete(url + "/v1/models", headers=headers)
@@ -254,6 +261,39 @@ def test_bad_requests_get_the_right_4xx_with_a_clear_message_and_never_a_traceba
             client(url, headers["Authorization"][7:]).chat.completions.create(model="gpt-4o", messages=USER)
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
     assert wrong_method.status_code == 405 and wrong_method.json()["error"]["code"] == "method_not_allowed"
+
+
+class BrokenModel(ScriptedModel):
+    """Stands in for a model whose first `failures` generations fail (out of memory, a bad kernel)."""
+
+    def __init__(self, failures, *scripts):
+        super().__init__(*scripts)
+        self.failures = failures
+
+    def generate(self, prompt, *args, **kwargs):
+        if self.failures:
+            self.failures -= 1
+            raise RuntimeError("CUDA out of memory at /secret/path/model.py:123")
+        return super().generate(prompt, *args, **kwargs)
+
+
+def test_a_failed_generation_is_a_500_in_openais_shape_and_the_worker_lives_on(chat_model, tmp_path):
+    tokenizer = chat_model[1]
+    model = BrokenModel(2, tokenizer.encode("Bien.") + [tokenizer.special_ids["<|end|>"]])
+    with live_server(chat_model, tmp_path, NO_TOOLS, model=model) as (url, server):
+        key = member(server, "ana")
+        plain = ask(url, key, model="chat", messages=USER)
+        with httpx.stream("POST", url + "/v1/chat/completions", headers={"Authorization": f"Bearer {key}"},
+                          json={"model": "chat", "messages": USER, "stream": True}) as raw:  # fmt: skip
+            lines = [line for line in raw.iter_lines() if line]
+        after = client(url, key).chat.completions.create(model="chat", messages=USER)
+    assert plain.status_code == 500
+    assert plain.json() == {"error": {"message": "generation failed on the server", "type": "server_error",
+                                      "param": None, "code": "generation_failed"}}  # fmt: skip
+    # A stream has already said 200: the error comes as its last event, before [DONE].
+    assert json.loads(lines[-2][6:])["error"]["code"] == "generation_failed" and lines[-1] == "data: [DONE]"
+    assert not any("secret" in text or "Traceback" in text for text in (plain.text, *lines))
+    assert after.choices[0].message.content == "Bien."
 
 
 def concurrent_answers(url, keys):
