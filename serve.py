@@ -20,7 +20,8 @@ Routes (routes() below; other features add theirs with build_app(..., extra_rout
     POST /api/login, /api/logout; GET /api/me            web sessions (HttpOnly, SameSite=Strict cookie)
     GET|POST /api/conversations; GET|DELETE /api/conversations/{id}
     POST /api/conversations/{id}/messages  a turn of a stored conversation, streamed like the API
-    GET|POST /api/members; DELETE /api/members/{name}; POST /api/members/{name}/key     admin only
+    GET|POST /api/members; DELETE /api/members/{name}                         admin only
+    POST /api/members/{name}/key           a new API key: the caller's own only
     GET  /api/server                       queue and worker counters, admin only
     GET|POST|DELETE /api/memories; GET /api/memories/export; PATCH|DELETE /api/memories/{id}
                                            the member's memories (memory.py), never the admin's business
@@ -35,6 +36,7 @@ date) in the worker, when their schemas fit the model's context and serve.tools 
 
 import argparse
 import asyncio
+import contextlib
 import hashlib
 import json
 import os
@@ -242,36 +244,45 @@ class ClientGone(Exception):
     """The client closed the connection while waiting for an answer."""
 
 
-async def next_event(request, job):
+async def job_events(request, job, poll_s=1.0):
+    """The job's events as they come. Every poll_s seconds, whether events come or not, it asks whether
+    the client is still connected, and raises ClientGone when it is not: a plain completion writes nothing
+    before its end, so only asking tells that its client has given up."""
+    checked = time.monotonic()
     while True:
-        try:
-            return await asyncio.wait_for(job.events.get(), 1.0)
-        except TimeoutError:
-            if await request.is_disconnected():
-                raise ClientGone from None
+        event, left = None, checked + poll_s - time.monotonic()
+        if left > 0:
+            with contextlib.suppress(TimeoutError):
+                event = await asyncio.wait_for(job.events.get(), left)
+        if event is not None:
+            yield event
+            continue
+        if await request.is_disconnected():
+            raise ClientGone
+        checked = time.monotonic()
 
 
 async def answer_events(request, job, reply):
     """("delta", text) as the answer grows, then ("end", finish_reason, completion tokens, tool calls,
     prompt tokens)."""
-    while True:
-        event = await next_event(request, job)
-        if event[0] == "text":
-            delta = reply.add(event[1])
-            if delta:
-                yield "delta", delta
-            if reply.stopped:
-                job.cancel()  # the worker stops at its next token and still reports its count
-        elif event[0] == "error":
-            raise ApiError(500, event[1], code="generation_failed")
-        else:
-            _, finish, tokens, prompt_tokens = event
-            rest, calls = reply.finish()
-            if rest:
-                yield "delta", rest
-            finish = "tool_calls" if calls else "stop" if reply.stopped else finish
-            yield "end", finish, tokens, calls, prompt_tokens
-            return
+    async with contextlib.aclosing(job_events(request, job)) as events:
+        async for event in events:
+            if event[0] == "text":
+                delta = reply.add(event[1])
+                if delta:
+                    yield "delta", delta
+                if reply.stopped:
+                    job.cancel()  # the worker stops at its next token and still reports its count
+            elif event[0] == "error":
+                raise ApiError(500, event[1], code="generation_failed")
+            else:
+                _, finish, tokens, prompt_tokens = event
+                rest, calls = reply.finish()
+                if rest:
+                    yield "delta", rest
+                finish = "tool_calls" if calls else "stop" if reply.stopped else finish
+                yield "end", finish, tokens, calls, prompt_tokens
+                return
 
 
 def sse(value):
@@ -560,12 +571,18 @@ async def remove_member(request):
 
 
 async def new_member_key(request):
+    """A new API key for the caller's own account (the old one stops working). Another member's key is
+    replaced only on the server's machine (`serve.py member new-key`): whoever holds a member's key reads
+    their conversations, and an admin must not."""
     server = request.app.state.server
-    server.admin_of(request)
-    key = server.store.new_key(request.path_params["name"])
-    if key is None:
-        raise ApiError(404, f"no member {request.path_params['name']!r}", code="member_not_found")
-    return JSONResponse({"name": request.path_params["name"], "api_key": key})
+    member, name = server.member_of(request), request.path_params["name"]
+    if name.lower() != member["name"].lower():
+        server.admin_of(request)
+        if server.store.member(name) is None:
+            raise ApiError(404, f"no member {name!r}", code="member_not_found")
+        raise ApiError(403, f"only {name} replaces their own key here (it would read their conversations); "
+                       f"on the server: python serve.py member new-key {name}", code="not_your_key")  # fmt: skip
+    return JSONResponse({"name": member["name"], "api_key": server.store.new_key(member["name"])})
 
 
 async def server_status(request):
