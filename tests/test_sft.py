@@ -336,6 +336,32 @@ def test_chat_eval_scores_assistant_tokens_only_and_counts_answers_ending_with_e
     assert "answers ending with <|end|> within 5 tokens" in out.getvalue()
 
 
+def test_chat_eval_counts_an_answer_as_ended_only_when_end_comes_within_the_budget(sft_run, tmp_path):
+    # The trained weights, rewired so that greedy decoding is known: with every o_proj and down_proj at
+    # zero the layers add nothing, and a position's logits are norm(E[its token]) . E. The <|assistant|>
+    # opener then points to a word u (E[u] leans on its direction), u points to <|end|> (E[end] lies along
+    # the rest of E[u]), so every answer is exactly [u, <|end|>]: ended with a budget of 2, not of 1.
+    model, cfg, tokenizer, _ = sample.load_run(sft_run)
+    assistant, end = tokenizer.special_ids["<|assistant|>"], tokenizer.special_ids["<|end|>"]
+    word = tokenizer.encode("hola")[0]
+    with torch.no_grad():
+        for layer in model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        embedding = model.embed_tokens.weight
+        first, second = torch.eye(embedding.shape[1])[:2]
+        embedding[assistant] = first
+        embedding[word] = 10 * first + 100 * second
+        embedding[end] = 1000 * second
+    path = write_jsonl(tmp_path / "two.jsonl", example_conversations(2, start=1))
+    for budget, ended in ((1, 0.0), (2, 1.0), (5, 1.0)):
+        args = SimpleNamespace(run=sft_run, chat_eval=path, max_new_tokens=budget, show=1, limit=0)
+        out = io.StringIO()
+        assert sample.run_chat_eval(model, cfg, tokenizer, args, out=out)["ended"] == ended, budget
+        assert f"answers ending with <|end|> within {budget} tokens: {int(2 * ended)}/2" in out.getvalue()
+        assert out.getvalue().split("\n")[2].endswith(" <|end|>" if ended else " [budget]")
+
+
 def test_chat_eval_of_the_runs_val_files_from_the_command_line(sft_run):
     result = subprocess.run(
         [
