@@ -146,6 +146,7 @@ def test_a_bad_line_is_fatal_naming_file_and_line_or_skipped_when_configured(tmp
     bad = [
         {"messages": [{"role": "robot", "content": "bip"}]},
         {"messages": [{"role": "user", "content": "x"}, {"role": "tool", "content": "4"}]},
+        {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": " "}]},
     ]
     write_jsonl(tmp_path / "train.jsonl", example_conversations(2) + bad + example_conversations(2))
     write_jsonl(tmp_path / "val.jsonl", example_conversations(2))
@@ -159,8 +160,10 @@ def test_a_bad_line_is_fatal_naming_file_and_line_or_skipped_when_configured(tmp
     cfg = sft_config(tmp_path, shard_data_dir, "data.chat.bad_lines=skip")
     logs = []
     chat.prepare(cfg, log=logs.append)
-    assert packed(cfg["data"], "train")[2]["stats"]["skipped_bad_lines"] == 2
+    assert packed(cfg["data"], "train")[2]["stats"]["skipped_bad_lines"] == 3
+    assert packed(cfg["data"], "train")[2]["stats"]["packed"] == 4
     assert any("train.jsonl:4: messages.1: a tool message without a preceding" in line for line in logs)
+    assert any("train.jsonl:5: messages.1: empty assistant content" in line for line in logs)
 
 
 def test_a_file_that_is_not_utf8_is_refused_naming_the_line(tmp_path, shard_data_dir):
