@@ -120,6 +120,25 @@ def test_too_long_conversations_are_dropped_and_counted_or_cut_after_an_answer(
     assert any(contains(row, first_turn) for row in tokens)
 
 
+def test_truncation_never_ends_a_conversation_on_a_pending_tool_call(tokenizer):
+    call = {"type": "function", "function": {"name": "calculadora", "arguments": {"expresion": "2+2"}}}
+    conversation = {
+        "messages": [
+            {"role": "user", "content": "Hola"},
+            {"role": "assistant", "content": "¡Hola!"},
+            {"role": "user", "content": "¿Cuánto es 2+2?"},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "content": "4"},
+            {"role": "assistant", "content": "Son 4. " * 40},
+        ]
+    }
+    with_call = chat.render({"messages": conversation["messages"][:4]}, tokenizer)[0]
+    first_answer = chat.render({"messages": conversation["messages"][:2]}, tokenizer)
+    assert len(with_call) < len(chat.render(conversation, tokenizer)[0])
+    assert chat.truncate_at_turn(conversation, tokenizer, len(with_call)) == first_answer
+    assert chat.truncate_at_turn(conversation, tokenizer, len(first_answer[0]) - 1) is None
+
+
 def test_prepare_resumes_after_the_last_finished_shard_and_a_rerun_does_nothing(tmp_path, shard_data_dir):
     write_jsonl(tmp_path / "train.jsonl", example_conversations(40))
     write_jsonl(tmp_path / "val.jsonl", example_conversations(4))
