@@ -191,8 +191,11 @@ def test_a_file_that_is_not_utf8_is_refused_naming_the_line(tmp_path, shard_data
         good.encode() + '{"messages": [{"role": "user", "content": "caña"}]}\n'.encode("latin-1")
     )
     write_jsonl(tmp_path / "val.jsonl", example_conversations(2))
+    cfg = sft_config(tmp_path, shard_data_dir)
     with pytest.raises(chat.ChatError, match=r"train.jsonl:2: not UTF-8 \(byte 0xf1 at column 46\)"):
-        chat.prepare(sft_config(tmp_path, shard_data_dir), log=quiet)
+        chat.prepare(cfg, log=quiet)
+    assert not data.shard_paths(cfg["data"], "train")  # nothing half-written
+    assert "prepare" not in data.read_manifest(cfg["data"])
 
 
 # -----------------------------------------------------------------------------
