@@ -418,3 +418,21 @@ def test_the_final_sample_of_a_chat_run_answers_the_prompt_as_a_user_turn(sft_ru
     hardware = SimpleNamespace(device=torch.device("cpu"), autocast=contextlib.nullcontext)
     text = train.sample_text(model, tokenizer, cfg["train"] | {"sample_tokens": 5}, hardware, chat_run=True)
     assert text.startswith(cfg["train"]["sample_prompt"] + " -> ")
+
+
+@pytest.mark.parametrize(
+    "run_file", ["sft-2060.yaml", "sft-5090.yaml", "sft-smoke-cpu.yaml", "sft-agent-cpu.yaml"]
+)
+def test_each_shipped_sft_run_starts_from_a_shipped_run_of_its_shape_and_tokenizer(run_file):
+    # What init_checkpoint checks at start-up, checked here on the shipped files, so a change to a
+    # pretraining run file cannot leave the owner's `make sft` failing after the pretraining is done.
+    cfg = config.load(os.path.join(ROOT, "configs", run_file))
+    init_from = cfg["train"]["init_from"]
+    base = config.load(os.path.join(ROOT, "configs", os.path.basename(init_from) + ".yaml"))
+    assert init_from == os.path.join(base["train"]["runs_dir"], base["run_name"])
+    assert {
+        key: (base["model"][key], cfg["model"][key])
+        for key in cfg["model"]
+        if key not in train.INIT_FREE_MODEL_KEYS and base["model"][key] != cfg["model"][key]
+    } == {}
+    assert cfg["data"]["chat"]["tokenizer"] == data.tokenizer_path(base["data"])
