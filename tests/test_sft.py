@@ -1,6 +1,7 @@
 """Supervised fine-tuning: packing conversations, the chat loader, init_from, and the held-out evaluation."""
 
 import contextlib
+import glob
 import io
 import json
 import os
@@ -16,6 +17,7 @@ from conftest import (
     ROOT,
     TINY,
     chat_overrides,
+    data_layer,
     example_conversations,
     tiny_config,
     write_jsonl,
@@ -436,3 +438,13 @@ def test_each_shipped_sft_run_starts_from_a_shipped_run_of_its_shape_and_tokeniz
         if key not in train.INIT_FREE_MODEL_KEYS and base["model"][key] != cfg["model"][key]
     } == {}
     assert cfg["data"]["chat"]["tokenizer"] == data.tokenizer_path(base["data"])
+
+
+@pytest.mark.parametrize("layer", ["sft", "sft-smoke", "sft-agent"])
+def test_no_shipped_sft_data_layer_trains_on_the_held_out_conversations(layer):
+    chat_cfg = data_layer(layer)["chat"]
+    with contextlib.chdir(ROOT):
+        trained = {os.path.realpath(p) for pattern in chat_cfg["train"] for p in glob.glob(pattern)}
+        held_out = {os.path.realpath(p) for pattern in chat_cfg["val"] for p in glob.glob(pattern)}
+        held_out.add(os.path.realpath("conversations/heldout.jsonl"))
+    assert not trained & held_out
