@@ -292,6 +292,34 @@ def test_init_from_starts_from_the_pretrained_weights_with_a_fresh_schedule(
         assert torch.allclose(weight, tuned["model"][name], atol=1e-6), name
 
 
+def test_a_resumed_fine_tuning_continues_its_own_checkpoint_bit_exact_not_the_base_run(
+    chat_data_dir, shard_data_dir, base_run, tmp_path
+):
+    def sft(name, *overrides):
+        return sft_config(
+            chat_data_dir,
+            shard_data_dir,
+            f"train.runs_dir={tmp_path}",
+            f"run_name={name}",
+            f"train.init_from={base_run}",
+            "train.decay_fraction=0",  # the schedule of a run that will be extended ignores max_steps
+            *overrides,
+        )
+
+    full = sft("full")
+    assert train.train(full, log=quiet) == 8
+    assert train.train(sft("split", "train.max_steps=4"), log=quiet) == 4
+    logs = []
+    assert train.train(sft("split"), resume=True, log=logs.append) == 8
+    assert not any(line.startswith("initialized from") for line in logs)
+
+    def final(cfg):
+        return train.load_checkpoint(train.list_checkpoints(train.run_dir_of(cfg))[0])
+
+    count, differing, largest = train.compare_states(final(full), final(sft("split")))
+    assert count > 0 and not differing, f"{len(differing)} tensors differ (largest {largest})"
+
+
 def test_init_from_a_run_of_another_shape_or_tokenizer_is_refused_naming_the_setting(
     chat_data_dir, shard_data_dir, base_run, tmp_path
 ):
