@@ -4,6 +4,7 @@ import contextlib
 import glob
 import io
 import json
+import math
 import os
 import subprocess
 import sys
@@ -382,6 +383,9 @@ def test_chat_eval_scores_assistant_tokens_only_and_counts_answers_ending_with_e
     targets = torch.tensor([t if m else -1 for t, m in zip(ids[1:], mask[1:], strict=True)])
     expected = torch.nn.functional.cross_entropy(logits[0], targets, ignore_index=-1).item()
     assert result["assistant_tokens"] == sum(mask) and result["loss"] == pytest.approx(expected, rel=1e-5)
+    trained_bytes = sum(tokenizer.token_bytes[t] for t, m in zip(ids, mask, strict=True) if m)
+    assert trained_bytes > 0  # <|end|> has none: bits per byte counts the text of the answers
+    assert result["bpb"] == pytest.approx(expected * sum(mask) / (math.log(2) * trained_bytes), rel=1e-5)
     assert result["ended"] in (0.0, 1.0)
     end = tokenizer.special_ids["<|end|>"]
     ends = [p for p in range(len(ids) - 1) if ids[p + 1] == end and mask[p + 1]]
