@@ -160,3 +160,32 @@ def test_spain_and_latin_american_spanish_are_both_present(train):
     assert spain >= 10 and america >= 10, (
         f"{spain} Spain-style and {america} Latin-American-style conversations"
     )
+
+
+# Health and legal answers are given with care and send the person on: to a doctor, pharmacist or the
+# emergency number; to a lawyer, notary, consumer office or the official source.
+REFERRALS = {
+    "salud": re.compile(
+        r"médic|pediatra|farmac|enfermer|urgencias|\b(112|911|061|024)\b|centro de salud|especialista"
+        r"|profesional|dentista|fisioterapeuta|psicólog|toxicol",
+        re.IGNORECASE,
+    ),
+    "legal": re.compile(
+        r"abogad|notari|oficina|consumo|ayuntamiento|sede electrónica|asesor|gestor|profesional|sindicato"
+        r"|registro|juzgado|SEPE|Seguridad Social|Agencia Tributaria|policía|comisaría|inspección|oficial",
+        re.IGNORECASE,
+    ),
+}
+
+
+@pytest.mark.parametrize("topic", sorted(REFERRALS))
+def test_every_health_and_legal_conversation_refers_to_a_professional(topic):
+    conversations, _ = problems_in(os.path.join(SEED_DIR, f"{topic}.jsonl"))
+    without = [
+        first_user_message(c)
+        for c in conversations
+        if not REFERRALS[topic].search(
+            " ".join(m["content"] for m in c["messages"] if m["role"] == "assistant")
+        )
+    ]
+    assert conversations and not without, f"{topic}: no referral in the answers to {without}"
