@@ -85,7 +85,7 @@ class ServeError(Exception):
 class Server:
     """Everything a request handler needs: settings, database, model worker, tokenizer, model id."""
 
-    def __init__(self, settings, store, worker, model_id, context, agent_settings=None):
+    def __init__(self, settings, store, worker, model_id, context, agent_settings=None, memory_cfg=None):
         self.settings, self.store, self.worker = settings, store, worker
         self.agent_settings = agent_settings or agent.load_settings()
         self.model_id, self.context = model_id, context
@@ -93,7 +93,7 @@ class Server:
         self.dummy_hash = accounts.hash_password(secrets.token_hex(8), settings["scrypt"])
         self.pending = {}  # member id -> requests queued or running
         self.failures = {}  # lowercased name -> (failed logins, locked until)
-        self.memory_cfg = memory.load_config()
+        self.memory_cfg = memory_cfg or memory.load_config()
 
     # --- who is asking
     def member_of(self, request):
@@ -805,16 +805,24 @@ def serve_main(argv):
     )
     parser.add_argument("--port", type=int, help="TCP port (default serve.port); 0 = any free port")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
-    parser.epilog = "Settings of the serve layer can follow as serve.key=value (e.g. serve.queue_size=4)."
+    parser.epilog = (
+        "Settings of the serve layer can follow as serve.key=value (e.g. serve.queue_size=4), and of the "
+        "memory layer (configs/memory/default.yaml) as memory.key=value (e.g. memory.snapshots.every_hours=6)."
+    )
     overrides = [a for a in argv if accounts.OVERRIDE.match(a)]
-    args = parser.parse_args([a for a in argv if not accounts.OVERRIDE.match(a)])
+    memory_overrides = [a for a in argv if memory.OVERRIDE.match(a)]
+    args = parser.parse_args([a for a in argv if a not in overrides and a not in memory_overrides])
     settings = load_settings(args.config, overrides)
+    try:
+        memory_cfg = memory.load_config(overrides=memory_overrides)
+    except config.ConfigError as e:
+        raise ServeError(f"{memory.DEFAULT_CONFIG}: config problems:\n  " + "\n  ".join(e.problems)) from None
     host = args.host or settings["host"]
     port = settings["port"] if args.port is None else args.port
     store = accounts.Store(settings["database"])
     model, tokenizer, model_id, context = load_model(args.run, args.device)
     model_worker = worker.Worker(model, tokenizer, settings["queue_size"])
-    server = Server(settings, store, model_worker, model_id, context)
+    server = Server(settings, store, model_worker, model_id, context, memory_cfg=memory_cfg)
     # memory.py: the database's lock, held until this process ends (restore refuses to run meanwhile, and
     # so does a second server on the same file), and the snapshot schedule on a daemon thread.
     try:
