@@ -14,7 +14,6 @@ This file knows nothing about the training loop; train.py, sample.py, serve.py a
 import contextlib
 import hashlib
 import os
-import subprocess
 import sys
 
 import torch
@@ -23,26 +22,12 @@ import chat
 import config
 import data
 import fileio
+from fileio import code_version  # noqa: F401 - train.py and serve.py take it from here
 from model import Transformer
 
 
 class CheckpointError(Exception):
     """A checkpoint (or run directory) that cannot be used; the message names the file and why."""
-
-
-def code_version():
-    """The git commit of this code, with -dirty when tracked files differ; "unknown" outside git."""
-    try:
-        root = os.path.dirname(os.path.abspath(__file__))
-        commit = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True, text=True
-        ).stdout.strip()
-        return (commit + ("-dirty" if dirty else "")) or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
 
 
 # -----------------------------------------------------------------------------

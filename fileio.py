@@ -7,6 +7,7 @@ config-level code (memory.py) can use them as well as the training side.
     fsync_path(path)            fsync a file or a folder by name (after a rename into it)
     sha256_of_file(path)        hex sha256 of a file's bytes
     fingerprint(obj)            hex sha256 of a JSON-serializable value (keys sorted)
+    code_version()              the git commit of this code (-dirty when tracked files differ)
 
 A reader never sees half a file at `path`: it sees the old one or the new one. A folder is written the
 same way by its owner: into a temp folder beside it, then one rename, then fsync_path of the parent.
@@ -15,6 +16,7 @@ same way by its owner: into a temp folder beside it, then one rename, then fsync
 import hashlib
 import json
 import os
+import subprocess
 
 
 def fsync_path(path):
@@ -58,3 +60,18 @@ def sha256_of_file(path):
 
 def fingerprint(obj):
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode("utf-8")).hexdigest()
+
+
+def code_version():
+    """The git commit of this code, with -dirty when tracked files differ; "unknown" outside git."""
+    try:
+        root = os.path.dirname(os.path.abspath(__file__))
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True, text=True
+        ).stdout.strip()
+        return (commit + ("-dirty" if dirty else "")) or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"

@@ -57,6 +57,7 @@ SERVE_CONFIG = os.path.join(os.path.dirname(DEFAULT_CONFIG), "..", "serve", "def
 SNAPSHOT_NAME = re.compile(r"^\d{8}T\d{6}\.\d{3}Z$")
 MANIFEST_KEYS = ("format", "created", "database", "integrity_check", "server", "memory_config")
 WORD = re.compile(r"\w+")
+OVERRIDE = re.compile(r"^memory\.[A-Za-z_.]+=")  # memory.key=value on serve.py's command line
 
 SCHEMA_SQL = """
 CREATE TABLE IF NOT EXISTS memories (
@@ -107,9 +108,10 @@ class SnapshotError(Exception):
 # Configuration and connections
 
 
-def load_config(path=DEFAULT_CONFIG):
-    """The validated `memory:` section of a memory layer file (configs/memory/*.yaml)."""
-    return config.load_layer("memory", path)
+def load_config(path=DEFAULT_CONFIG, overrides=()):
+    """The validated `memory:` section of a memory layer file (configs/memory/*.yaml), with memory.key=value
+    overrides (serve.py's command line passes them)."""
+    return config.load_layer("memory", path, overrides)
 
 
 def connect(db_path, cfg):
@@ -571,6 +573,7 @@ def snapshot(db_path, cfg, log=print):
             "integrity_check": check,
             "server": server_info(db_path),
             "memory_config": cfg,
+            "code_version": fileio.code_version(),  # of the code taking it (the server's is under "server")
         }
         fileio.write_json(os.path.join(tmp, "manifest.json"), manifest)
         os.rename(tmp, final)
@@ -617,7 +620,10 @@ def verify(snapshot_dir):
 def describe_model(manifest):
     server = manifest.get("server")
     if not server:
-        return "no model recorded: no server had used this database when the snapshot was taken"
+        return (
+            "no model recorded: no server had used this database when the snapshot was taken "
+            f"(by code {manifest.get('code_version', 'unrecorded')})"
+        )
     return (
         f"taken with model checkpoint {server.get('checkpoint')} (sha256 {server.get('checkpoint_sha256')}), "
         f"tokenizer {server.get('tokenizer')} (sha256 {server.get('tokenizer_sha256')}), "

@@ -47,7 +47,9 @@ def load_run(path, device="cpu"):
 
 class StreamDecoder:
     """Turns token ids into text as they arrive, holding back an incomplete UTF-8 sequence (a byte
-    token or a byte-fallback piece can end in the middle of a character)."""
+    token or a byte-fallback piece can end in the middle of a character). Sentencepiece decodes each byte
+    of an unfinished character as its own U+FFFD, so every trailing U+FFFD is held back (flush() gives
+    what is left, a real U+FFFD included)."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
@@ -57,7 +59,7 @@ class StreamDecoder:
     def push(self, token):
         self.ids.append(token)
         text = self.tokenizer.decode(self.ids)
-        stable = len(text) - 1 if text.endswith("\ufffd") else len(text)
+        stable = len(text.rstrip("\ufffd"))
         new, self.emitted = text[self.emitted : stable], max(self.emitted, stable)
         return new
 

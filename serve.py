@@ -20,7 +20,8 @@ Routes (routes() below; other features add theirs with build_app(..., extra_rout
     POST /api/login, /api/logout; GET /api/me            web sessions (HttpOnly, SameSite=Strict cookie)
     GET|POST /api/conversations; GET|DELETE /api/conversations/{id}
     POST /api/conversations/{id}/messages  a turn of a stored conversation, streamed like the API
-    GET|POST /api/members; DELETE /api/members/{name}; POST /api/members/{name}/key     admin only
+    GET|POST /api/members; DELETE /api/members/{name}                         admin only
+    POST /api/members/{name}/key           a new API key: the caller's own only
     GET  /api/server                       queue and worker counters, admin only
     GET|POST|DELETE /api/memories; GET /api/memories/export; PATCH|DELETE /api/memories/{id}
                                            the member's memories (memory.py), never the admin's business
@@ -35,6 +36,7 @@ date) in the worker, when their schemas fit the model's context and serve.tools 
 
 import argparse
 import asyncio
+import contextlib
 import hashlib
 import json
 import os
@@ -85,7 +87,7 @@ class ServeError(Exception):
 class Server:
     """Everything a request handler needs: settings, database, model worker, tokenizer, model id."""
 
-    def __init__(self, settings, store, worker, model_id, context, agent_settings=None):
+    def __init__(self, settings, store, worker, model_id, context, agent_settings=None, memory_cfg=None):
         self.settings, self.store, self.worker = settings, store, worker
         self.agent_settings = agent_settings or agent.load_settings()
         self.model_id, self.context = model_id, context
@@ -93,7 +95,7 @@ class Server:
         self.dummy_hash = accounts.hash_password(secrets.token_hex(8), settings["scrypt"])
         self.pending = {}  # member id -> requests queued or running
         self.failures = {}  # lowercased name -> (failed logins, locked until)
-        self.memory_cfg = memory.load_config()
+        self.memory_cfg = memory_cfg or memory.load_config()
 
     # --- who is asking
     def member_of(self, request):
@@ -242,36 +244,45 @@ class ClientGone(Exception):
     """The client closed the connection while waiting for an answer."""
 
 
-async def next_event(request, job):
+async def job_events(request, job, poll_s=1.0):
+    """The job's events as they come. Every poll_s seconds, whether events come or not, it asks whether
+    the client is still connected, and raises ClientGone when it is not: a plain completion writes nothing
+    before its end, so only asking tells that its client has given up."""
+    checked = time.monotonic()
     while True:
-        try:
-            return await asyncio.wait_for(job.events.get(), 1.0)
-        except TimeoutError:
-            if await request.is_disconnected():
-                raise ClientGone from None
+        event, left = None, checked + poll_s - time.monotonic()
+        if left > 0:
+            with contextlib.suppress(TimeoutError):
+                event = await asyncio.wait_for(job.events.get(), left)
+        if event is not None:
+            yield event
+            continue
+        if await request.is_disconnected():
+            raise ClientGone
+        checked = time.monotonic()
 
 
 async def answer_events(request, job, reply):
     """("delta", text) as the answer grows, then ("end", finish_reason, completion tokens, tool calls,
     prompt tokens)."""
-    while True:
-        event = await next_event(request, job)
-        if event[0] == "text":
-            delta = reply.add(event[1])
-            if delta:
-                yield "delta", delta
-            if reply.stopped:
-                job.cancel()  # the worker stops at its next token and still reports its count
-        elif event[0] == "error":
-            raise ApiError(500, event[1], code="generation_failed")
-        else:
-            _, finish, tokens, prompt_tokens = event
-            rest, calls = reply.finish()
-            if rest:
-                yield "delta", rest
-            finish = "tool_calls" if calls else "stop" if reply.stopped else finish
-            yield "end", finish, tokens, calls, prompt_tokens
-            return
+    async with contextlib.aclosing(job_events(request, job)) as events:
+        async for event in events:
+            if event[0] == "text":
+                delta = reply.add(event[1])
+                if delta:
+                    yield "delta", delta
+                if reply.stopped:
+                    job.cancel()  # the worker stops at its next token and still reports its count
+            elif event[0] == "error":
+                raise ApiError(500, event[1], code="generation_failed")
+            else:
+                _, finish, tokens, prompt_tokens = event
+                rest, calls = reply.finish()
+                if rest:
+                    yield "delta", rest
+                finish = "tool_calls" if calls else "stop" if reply.stopped else finish
+                yield "end", finish, tokens, calls, prompt_tokens
+                return
 
 
 def sse(value):
@@ -560,12 +571,18 @@ async def remove_member(request):
 
 
 async def new_member_key(request):
+    """A new API key for the caller's own account (the old one stops working). Another member's key is
+    replaced only on the server's machine (`serve.py member new-key`): whoever holds a member's key reads
+    their conversations, and an admin must not."""
     server = request.app.state.server
-    server.admin_of(request)
-    key = server.store.new_key(request.path_params["name"])
-    if key is None:
-        raise ApiError(404, f"no member {request.path_params['name']!r}", code="member_not_found")
-    return JSONResponse({"name": request.path_params["name"], "api_key": key})
+    member, name = server.member_of(request), request.path_params["name"]
+    if name.lower() != member["name"].lower():
+        server.admin_of(request)
+        if server.store.member(name) is None:
+            raise ApiError(404, f"no member {name!r}", code="member_not_found")
+        raise ApiError(403, f"only {name} replaces their own key here (it would read their conversations); "
+                       f"on the server: python serve.py member new-key {name}", code="not_your_key")  # fmt: skip
+    return JSONResponse({"name": member["name"], "api_key": server.store.new_key(member["name"])})
 
 
 async def server_status(request):
@@ -805,16 +822,24 @@ def serve_main(argv):
     )
     parser.add_argument("--port", type=int, help="TCP port (default serve.port); 0 = any free port")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
-    parser.epilog = "Settings of the serve layer can follow as serve.key=value (e.g. serve.queue_size=4)."
+    parser.epilog = (
+        "Settings of the serve layer can follow as serve.key=value (e.g. serve.queue_size=4), and of the "
+        "memory layer (configs/memory/default.yaml) as memory.key=value (e.g. memory.snapshots.every_hours=6)."
+    )
     overrides = [a for a in argv if accounts.OVERRIDE.match(a)]
-    args = parser.parse_args([a for a in argv if not accounts.OVERRIDE.match(a)])
+    memory_overrides = [a for a in argv if memory.OVERRIDE.match(a)]
+    args = parser.parse_args([a for a in argv if a not in overrides and a not in memory_overrides])
     settings = load_settings(args.config, overrides)
+    try:
+        memory_cfg = memory.load_config(overrides=memory_overrides)
+    except config.ConfigError as e:
+        raise ServeError(f"{memory.DEFAULT_CONFIG}: config problems:\n  " + "\n  ".join(e.problems)) from None
     host = args.host or settings["host"]
     port = settings["port"] if args.port is None else args.port
     store = accounts.Store(settings["database"])
     model, tokenizer, model_id, context = load_model(args.run, args.device)
     model_worker = worker.Worker(model, tokenizer, settings["queue_size"])
-    server = Server(settings, store, model_worker, model_id, context)
+    server = Server(settings, store, model_worker, model_id, context, memory_cfg=memory_cfg)
     # memory.py: the database's lock, held until this process ends (restore refuses to run meanwhile, and
     # so does a second server on the same file), and the snapshot schedule on a daemon thread.
     try:

@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import httpx
 import pytest
@@ -24,6 +25,13 @@ import memory
 SECRET = "A Lucía no le gusta el pescado"  # ana's private memory
 CHILD_SECRET = "Luis esconde las galletas en el armario"  # luis's private memory
 SHARED = "El cumpleaños de la abuela es el 3 de mayo"  # a family memory, by ana
+
+
+def wait_until(condition, seconds):
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
 
 
 def bearer(key):
@@ -220,8 +228,17 @@ def test_the_running_server_holds_its_database_and_snapshots_record_its_model(ch
     store.db.close()
     cfg = memory.load_config()
     cfg["snapshots"]["dir"] = str(tmp_path / "snapshots")
-    proc, _ = start_server(chat_run, database, log_path=tmp_path / "server.log")
+    scheduled = tmp_path / "scheduled"  # the server's own schedule, every ~0.4 s for the test
+    schedule = ("memory.snapshots.every_hours=0.0001", f"memory.snapshots.dir={scheduled}")
+    proc, _ = start_server(chat_run, database, *schedule, log_path=tmp_path / "server.log")
     try:
+        wait_until(lambda: memory.list_snapshots(str(scheduled)), 120)
+        first = memory.verify(memory.list_snapshots(str(scheduled))[0])
+        assert first["server"]["pid"] == proc.pid and first["server"]["config"]["memory"]["snapshots"] == {
+            "dir": str(scheduled),
+            "keep_last": cfg["snapshots"]["keep_last"],
+            "every_hours": 0.0001,
+        }
         path = memory.snapshot(database, cfg, log=lambda _: None)
         server = memory.verify(path)["server"]
         ckpt = server["checkpoint"]
@@ -242,6 +259,11 @@ def test_the_running_server_holds_its_database_and_snapshots_record_its_model(ch
         proc.kill()
         proc.wait()
         proc.stdout.close()
+    bad = subprocess.run(
+        [sys.executable, "serve.py", chat_run, f"serve.database={database}", "memory.snapshots.every_hours=-1"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert bad.returncode == 2 and "memory.snapshots.every_hours: -1 is out of range" in bad.stderr
     restored = subprocess.run(
         [sys.executable, "memory.py", "--db", database, "restore", path],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
@@ -341,4 +363,21 @@ def test_the_panel_shows_a_member_only_their_memories_and_the_familys(browser, w
         ' body: \'{"text": "x"}\'})]).then((rs) => done(rs.map((r) => r.status)));'
     )
     assert statuses == [404, 404]
+
+    by_id(browser, "memory-text").clear()  # the refused text stays in the form, family still ticked
+    by_id(browser, "memory-family").click()
+    by_id(browser, "memory-pinned").click()
+    add_in_page(browser, "Mi color favorito es el verde")
+    [green] = [row for row in all_of(browser, "#memories .memory") if "verde" in row.text]
+    assert "privado · siempre presente" in green.text
     screenshot(browser, "memories-2-luis.png")
+    exported = browser.execute_async_script(
+        "const done = arguments[arguments.length - 1];"
+        "fetch(document.getElementById('memories-export').href).then((r) => r.json()).then(done);"
+    )
+    assert [(m["member"], m["scope"], m["text"], m["pinned"]) for m in exported["memories"]] == [
+        ("luis", "private", "Mi color favorito es el verde", True)
+    ]
+    by_id(browser, "memories-delete-all").click()
+    browser.switch_to.alert.accept()
+    wait_for(browser, lambda d: shown_memories(d) == [SHARED])

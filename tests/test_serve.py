@@ -100,7 +100,7 @@ def test_text_parts_system_developer_tool_roles_and_unknown_fields_are_accepted(
     assert answer.usage.prompt_tokens == len(chat.render(conversation, chat_model[1], True)[0])
 
 
-def test_a_streamed_answer_is_the_plain_answer_in_order_with_utf8_whole(chat_model, tmp_path):
+def test_a_streamed_answer_is_the_plain_answer_in_order(chat_model, tmp_path):
     with live_server(chat_model, tmp_path) as (url, server):
         key = member(server, "ana")
         plain = client(url, key).chat.completions.create(model="chat", messages=USER, max_tokens=40, seed=11)
@@ -120,8 +120,8 @@ def test_a_streamed_answer_is_the_plain_answer_in_order_with_utf8_whole(chat_mod
     deltas = [c.choices[0].delta.content or "" for c in chunks if c.choices]
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
     assert finishes[-1] == plain.choices[0].finish_reason and not any(finishes[:-1])
-    # Decoded all at once, the plain answer has every character whole: a character split across tokens
-    # and sent early would show up as an extra U+FFFD in the streamed text.
+    # Same seed, same answer: the stream carries exactly the plain answer's text, in order (characters
+    # split across byte tokens: test_a_character_split_across_byte_tokens_is_streamed_only_once_whole).
     assert "".join(deltas) == plain.choices[0].message.content
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
     assert all(c.usage is None for c in chunks[:-1])
@@ -247,6 +247,13 @@ def test_bad_requests_get_the_right_4xx_with_a_clear_message_and_never_a_traceba
             answer = httpx.post(url + "/v1/chat/completions", content=content, headers=headers, timeout=60)
             error = answer.json()["error"]
             assert (answer.status_code, error["code"]) == (status, code), (label, answer.text[:300])
+            assert set(error) == {"message", "type", "param", "code"}, label
+            assert (
+                error["type"]
+                == {400: "invalid_request_error", 404: "not_found_error", 413: "invalid_request_error"}[
+                    status
+                ]
+            )
             assert error["message"] and "Traceback" not in answer.text, label
         missing = httpx.get(url + "/v1/nothing", headers=headers)
         wrong_method = httpx.delete(url + "/v1/models", headers=headers)
@@ -254,6 +261,39 @@ def test_bad_requests_get_the_right_4xx_with_a_clear_message_and_never_a_traceba
             client(url, headers["Authorization"][7:]).chat.completions.create(model="gpt-4o", messages=USER)
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
     assert wrong_method.status_code == 405 and wrong_method.json()["error"]["code"] == "method_not_allowed"
+
+
+class BrokenModel(ScriptedModel):
+    """Stands in for a model whose first `failures` generations fail (out of memory, a bad kernel)."""
+
+    def __init__(self, failures, *scripts):
+        super().__init__(*scripts)
+        self.failures = failures
+
+    def generate(self, prompt, *args, **kwargs):
+        if self.failures:
+            self.failures -= 1
+            raise RuntimeError("CUDA out of memory at /secret/path/model.py:123")
+        return super().generate(prompt, *args, **kwargs)
+
+
+def test_a_failed_generation_is_a_500_in_openais_shape_and_the_worker_lives_on(chat_model, tmp_path):
+    tokenizer = chat_model[1]
+    model = BrokenModel(2, tokenizer.encode("Bien.") + [tokenizer.special_ids["<|end|>"]])
+    with live_server(chat_model, tmp_path, NO_TOOLS, model=model) as (url, server):
+        key = member(server, "ana")
+        plain = ask(url, key, model="chat", messages=USER)
+        with httpx.stream("POST", url + "/v1/chat/completions", headers={"Authorization": f"Bearer {key}"},
+                          json={"model": "chat", "messages": USER, "stream": True}) as raw:  # fmt: skip
+            lines = [line for line in raw.iter_lines() if line]
+        after = client(url, key).chat.completions.create(model="chat", messages=USER)
+    assert plain.status_code == 500
+    assert plain.json() == {"error": {"message": "generation failed on the server", "type": "server_error",
+                                      "param": None, "code": "generation_failed"}}  # fmt: skip
+    # A stream has already said 200: the error comes as its last event, before [DONE].
+    assert json.loads(lines[-2][6:])["error"]["code"] == "generation_failed" and lines[-1] == "data: [DONE]"
+    assert not any("secret" in text or "Traceback" in text for text in (plain.text, *lines))
+    assert after.choices[0].message.content == "Bien."
 
 
 def concurrent_answers(url, keys):
@@ -306,6 +346,70 @@ def test_a_client_that_disconnects_stops_its_generation(chat_model, tmp_path):
     assert stats["generated_tokens"] < 200  # 400 asked for, 4 s of generation; it stopped within ~1 s
 
 
+def sse_deltas(url, key, body):
+    """The content deltas of a streamed completion, read straight off the wire (no client library)."""
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body | {"stream": True},
+                      headers={"Authorization": f"Bearer {key}"}) as answer:  # fmt: skip
+        chunks = [json.loads(line[6:]) for line in answer.iter_lines() if line.startswith("data: {")]
+    return [c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]]
+
+
+def test_a_character_split_across_byte_tokens_is_streamed_only_once_whole(chat_model, tmp_path):
+    tokenizer = chat_model[1]
+    text = "Mira: 🦙 y ꙮ."
+    for character in ("🦙", "ꙮ"):  # sentencepiece's byte fallback: one piece per UTF-8 byte
+        pieces = tokenizer.encode(character)
+        assert len(pieces) == len(character.encode()) and all(map(tokenizer.processor.is_byte, pieces))
+    model = ScriptedModel(tokenizer.encode(text) + [tokenizer.special_ids["<|end|>"]], delay=0.002)
+    with live_server(chat_model, tmp_path, NO_TOOLS, model=model) as (url, server):
+        deltas = sse_deltas(url, member(server, "ana"), {"model": "chat", "messages": USER})
+    assert "".join(deltas) == text
+    assert "🦙" in deltas and "ꙮ" in deltas and not any("\ufffd" in delta for delta in deltas), deltas
+
+
+def test_temperature_and_top_p_of_the_request_reach_the_sampler(chat_model, tmp_path):
+    body = {"model": "chat", "messages": USER, "max_tokens": 24}
+    with live_server(chat_model, tmp_path, NO_TOOLS) as (url, server):
+        key = member(server, "ana")
+        texts = {}
+        for label, fields in [("greedy", {"temperature": 0}), ("top_p tiny", {"top_p": 1e-9, "temperature": 1}),
+                              ("hot", {"temperature": 2})]:  # fmt: skip
+            texts[label] = [
+                "".join(sse_deltas(url, key, body | fields | {"seed": seed})) for seed in (1, 2, 3)
+            ]
+    # temperature 0, or a nucleus of one token, is the argmax whatever the seed; at temperature 2 the
+    # seeds of the gibberish model disagree.
+    assert len(set(texts["greedy"])) == 1 and texts["top_p tiny"] == texts["greedy"]
+    assert len(set(texts["hot"])) == 3
+
+
+def test_the_configured_caps_bound_max_tokens_for_everyone(chat_model, tmp_path):
+    endless = ScriptedModel([100])  # never ends its answer on its own
+    with live_server(chat_model, tmp_path, NO_TOOLS, "serve.max_tokens=5", "serve.default_max_tokens=3",
+                     model=endless) as (url, server):  # fmt: skip
+        openai_client = client(url, member(server, "ana"))
+        asked = [openai_client.chat.completions.create(model="chat", messages=USER, **fields)
+                 for fields in ({"max_tokens": 50}, {"max_completion_tokens": 50}, {"max_tokens": 2}, {})]  # fmt: skip
+    assert [a.usage.completion_tokens for a in asked] == [5, 5, 2, 3]
+    assert {a.choices[0].finish_reason for a in asked} == {"length"}
+
+
+def test_a_client_that_gives_up_on_a_plain_completion_stops_its_generation(chat_model, tmp_path):
+    slow = ScriptedModel([100], delay=0.01)
+    with live_server(chat_model, tmp_path, "serve.max_tokens=400", model=slow) as (url, server):
+        key = member(server, "ana")
+        body = {"model": "chat", "messages": USER, "max_tokens": 400}
+        with pytest.raises(httpx.ReadTimeout):  # the client stops waiting half a second in
+            httpx.post(url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"},
+                       timeout=0.5)  # fmt: skip
+        deadline = time.monotonic() + 10
+        while server.worker.stats["cancelled"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        stats = dict(server.worker.stats)
+    assert stats["cancelled"] == 1 and stats["answered"] == 0
+    assert stats["generated_tokens"] < 300  # 400 asked for, 4 s; stopped about a second after the client left
+
+
 # -----------------------------------------------------------------------------
 # Family accounts
 
@@ -346,6 +450,13 @@ def test_members_never_reach_each_others_conversations_and_admins_cannot_read_th
                     assert attempt.status_code == 404, (name, attempt.request.method, attempt.text)
                     assert "secreto" not in attempt.text
                 other.close()
+        # Nor by taking over the account: an admin replacing ana's key would hold a key that reads her.
+        admin = {"Authorization": f"Bearer {keys['carla']}"}
+        takeover = httpx.post(f"{url}/api/members/ana/key", headers=admin)
+        assert (
+            takeover.status_code == 403
+            and "serve.py member new-key ana" in takeover.json()["error"]["message"]
+        )
         assert httpx.get(f"{url}/api/conversations/{cid}", headers=owner).json() == own  # untouched
         assert httpx.delete(f"{url}/api/conversations/{cid}", headers=owner).status_code == 200
         assert httpx.get(f"{url}/api/conversations/{cid}", headers=owner).status_code == 404
@@ -389,9 +500,17 @@ def test_only_an_admin_manages_accounts_and_keys_are_stored_only_as_hashes(chat_
             httpx.get(url + "/api/me", headers={"Authorization": f"Bearer {new_key}"}).json()["role"]
             == "child"
         )
-        replaced = httpx.post(url + "/api/members/dani/key", headers=admin).json()["api_key"]
+        # Every member replaces their own key (a leaked one stops working); another's, only the CLI does.
+        replaced = httpx.post(url + "/api/members/dani/key", headers={"Authorization": f"Bearer {new_key}"})
+        replaced = replaced.json()["api_key"]
         assert httpx.get(url + "/api/me", headers={"Authorization": f"Bearer {new_key}"}).status_code == 401
         assert httpx.get(url + "/api/me", headers={"Authorization": f"Bearer {replaced}"}).status_code == 200
+        own_admin_key = httpx.post(url + "/api/members/carla/key", headers=admin).json()["api_key"]
+        assert httpx.get(url + "/api/me", headers=admin).status_code == 401
+        admin = {"Authorization": f"Bearer {own_admin_key}"}
+        assert (
+            httpx.post(url + "/api/members/dani/key", headers=admin).json()["error"]["code"] == "not_your_key"
+        )
         assert httpx.delete(url + "/api/members/dani", headers=admin).status_code == 200
         assert httpx.get(url + "/api/me", headers={"Authorization": f"Bearer {replaced}"}).status_code == 401
         database = server.settings["database"]
@@ -448,6 +567,27 @@ def test_children_get_their_instruction_cap_and_hours(chat_model, tmp_path):
     assert kid.usage.completion_tokens <= 3 < grown.usage.completion_tokens
 
 
+def test_allowed_hours_also_bound_the_web_chat_and_may_wrap_past_midnight(chat_model, tmp_path):
+    now = time.localtime().tm_hour
+    windows = {"open": [(now + 2) % 24, (now + 1) % 24], "closed": [(now + 1) % 24, now]}  # 23 h each
+    outcomes = {}
+    for label, window in windows.items():
+        with live_server(chat_model, tmp_path, f"serve.child.allowed_hours={window}") as (url, server):
+            http = httpx.Client(
+                base_url=url, headers={"Authorization": f"Bearer {member(server, 'dani', 'child')}"}
+            )
+            cid = http.post("/api/conversations").json()["id"]
+            answer = http.post(
+                f"/api/conversations/{cid}/messages", json={"content": "hola", "stream": False}
+            )
+            stored = http.get(f"/api/conversations/{cid}").json()["messages"]
+            outcomes[label] = answer.status_code, answer.json().get("error", {}).get("code"), len(stored)
+            http.close()
+    # One of the two windows wraps past midnight (from hour 23, or up to hour 0) whatever the hour now.
+    assert any(first > end for first, end in windows.values()), windows
+    assert outcomes == {"open": (200, None, 2), "closed": (403, "outside_allowed_hours", 0)}
+
+
 # -----------------------------------------------------------------------------
 # The real process: CLI, load, SIGKILL
 
@@ -468,6 +608,64 @@ def test_the_member_cli_prints_a_key_once_and_stores_its_hash(tmp_path):
     assert (
         bad.returncode == 2 and "serve.queue_sise: unknown key; did you mean serve.queue_size?" in bad.stderr
     )
+
+
+def test_member_new_key_and_remove_from_the_command_line(tmp_path):
+    database = str(tmp_path / "family.sqlite")
+    old = serve_member(database, "ana", "adult")
+    store = accounts.Store(database)
+    cid = store.new_conversation(store.member("ana")["id"], "mía")
+    store.add_message(store.member("ana")["id"], cid, "user", "hola")
+
+    def member_cli(*args):
+        command = [sys.executable, "serve.py", "member", *args, f"serve.database={database}"]
+        return subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+
+    renewed = member_cli("new-key", "ana")
+    new = renewed.stdout.strip().splitlines()[-1]
+    assert renewed.returncode == 0 and new.startswith("enl-") and new != old
+    assert store.member_by_key(old) is None and store.member_by_key(new)["name"] == "ana"
+    assert store.member("ana")["key_hash"] == accounts.sha256(new)
+    removed = member_cli("remove", "ana")
+    assert removed.returncode == 0 and "ana" not in member_cli("list").stdout
+    assert store.member_by_key(new) is None and store.query("SELECT * FROM messages") == []
+    for args in (("remove", "ana"), ("new-key", "nadie")):
+        missing = member_cli(*args)
+        assert missing.returncode == 2 and "no member" in missing.stderr and "Traceback" not in missing.stderr
+    journal = sqlite3.connect(database).execute("PRAGMA journal_mode").fetchone()[0]
+    assert journal == "wal"  # a mode of the file itself: readers never wait for the writer
+
+
+def listening_address(port):
+    """The local address of the TCP socket listening on port (Linux's /proc/net/tcp{,6})."""
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                address, _, hex_port = local.partition(":")
+                if state == "0A" and int(hex_port, 16) == port:
+                    return address
+    return None
+
+
+def test_the_server_listens_on_loopback_unless_host_says_otherwise_and_then_warns(chat_run, tmp_path):
+    database = str(tmp_path / "host.sqlite")
+    started = {}
+    for label, args in (("default", ()), ("lan", ("--host", "0.0.0.0"))):
+        log = tmp_path / f"{label}.log"
+        proc, url = start_server(chat_run, database, *args, log_path=log)
+        try:
+            port = int(url.rsplit(":", 1)[1])
+            started[label] = (
+                listening_address(port),
+                httpx.get(f"http://127.0.0.1:{port}/v1/models").status_code,
+            )
+        finally:
+            proc.kill()
+            proc.wait()
+        started[label] += ("WARNING" in log.read_text(),)
+    assert started["default"] == ("0100007F", 401, False)  # 127.0.0.1, little-endian hex
+    assert started["lan"] == ("00000000", 401, True)  # every interface, with the warning
 
 
 def test_a_byte_level_run_is_refused_with_the_run_to_use_instead(tmp_path, byte_data_dir):

@@ -3,6 +3,7 @@ window, against serve.py in a subprocess on 127.0.0.1. Screenshots go to test-ar
 $ENLACE_ARTIFACTS/web/), kept for people to look at, never committed."""
 
 import os
+import re
 import shutil
 import time
 
@@ -36,6 +37,7 @@ def browser():
     options.binary_location = CHROMIUM
     for argument in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=390,844"):
         options.add_argument(argument)
+    shutil.rmtree(ARTIFACTS, ignore_errors=True)  # the screenshots are this run's, none left from older ones
     driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
     driver.set_window_size(390, 844)  # a phone
     yield driver
@@ -161,6 +163,63 @@ def test_a_wrong_password_is_refused_in_spanish(browser, family):
     wait_for(browser, lambda d: by_id(d, "login-error").text)
     assert by_id(browser, "login-error").text == "Nombre o contraseña incorrectos."
     assert not by_id(browser, "app").is_displayed()
+
+
+def test_a_new_conversation_starts_empty_and_its_owner_deletes_one_from_the_page(browser, family):
+    from selenium.webdriver.support import expected_conditions
+
+    url, _ = family
+    browser.delete_all_cookies()
+    log_in(browser, url, "beto", "clave-beto")
+    for number, text in enumerate(("Primera pregunta", "Segunda pregunta")):
+        if number:
+            by_id(browser, "menu").click()
+            wait_for(browser, lambda d: by_id(d, "new-conversation").is_displayed())
+            by_id(browser, "new-conversation").click()
+            wait_for(browser, lambda d: all_of(d, ".message") == [])
+            assert by_id(browser, "title").text == "Nueva conversación"
+        by_id(browser, "input").send_keys(text)
+        by_id(browser, "send").click()
+        wait_for(browser, lambda d: all_of(d, ".message.assistant[data-done='true']"))
+        wait_for(browser, lambda d, text=text: by_id(d, "title").text == text)
+        assert [m.text for m in all_of(browser, ".message.user")] == [text]  # a conversation of its own
+
+    by_id(browser, "menu").click()
+    items = wait_for(browser, lambda d: [li for li in all_of(d, "#conversations li") if li.is_displayed()])
+    assert [li.text for li in items] == ["Segunda pregunta", "Primera pregunta"]  # newest first
+    first_id = items[1].get_attribute("data-id")
+    items[1].click()
+    wait_for(
+        browser, lambda d: by_id(d, "title").text == "Primera pregunta" and len(all_of(d, ".message")) == 2
+    )
+    by_id(browser, "delete-conversation").click()
+    wait_for(browser, expected_conditions.alert_is_present())
+    browser.switch_to.alert.accept()  # "¿Borrar esta conversación?"
+    wait_for(browser, lambda d: [li.get_attribute("textContent") for li in all_of(d, "#conversations li")]
+             == ["Segunda pregunta"])  # fmt: skip
+    assert by_id(browser, "title").text == "Nueva conversación" and all_of(browser, ".message") == []
+    screenshot(browser, "6-after-deleting-a-conversation.png")
+    status = browser.execute_async_script(
+        "const done = arguments[arguments.length - 1];"
+        f"fetch('/api/conversations/{first_id}').then((r) => done(r.status));"
+    )
+    assert status == 404  # gone from the server, not only from the page
+
+
+def test_the_page_loads_nothing_from_outside_the_server(chat_model, tmp_path):
+    # No CDN, no build step: every file the page uses is in web/ and named by a path on this server,
+    # and the Content-Security-Policy makes the browser refuse anything else.
+    for name in os.listdir(os.path.join(ROOT, "web")):
+        with open(os.path.join(ROOT, "web", name), encoding="utf-8") as f:
+            text = f.read()
+        assert not re.search(r"https?:|(src|href)=\"//|@import|import\s*\(", text), name
+    with live_server(chat_model, tmp_path) as (url, _):
+        page = httpx.get(url + "/")
+        scripts = re.findall(r'(?:src|href)="([^"]+)"', page.text)
+        assets = [httpx.get(url + path) for path in scripts]
+    assert page.status_code == 200 and "default-src 'self'" in page.headers["content-security-policy"]
+    assert sorted(scripts) == ["/web/app.js", "/web/memories.js", "/web/style.css"]
+    assert all(asset.status_code == 200 for asset in assets)
 
 
 def test_the_stop_button_ends_the_answer_and_keeps_what_was_shown(browser, chat_model, tmp_path):
