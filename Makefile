@@ -136,12 +136,12 @@ OUT ?= out/$(notdir $(RUN_DIR))-$(TO)
 export: $(STAMP)
 	$(PY) export.py $(RUN) $(OUT) --to $(TO) $(ARGS)
 
-# llama.cpp parity of the GGUF export (tests/test_export.py -k llama). The first run builds
+# llama.cpp parity of the GGUF export (tests/test_export.py -k llama_cpp). The first run builds
 # llama-cpp-python from source for the CPU: about half an hour, which is why CI does not run it.
 gguf-check: $(STAMP)
 	CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_BLAS=OFF" \
 		$(PY) -m pip install --quiet -r requirements-gguf-check.txt
-	$(VENV)/bin/pytest -q -s tests/test_export.py -k llama
+	$(VENV)/bin/pytest -q -s tests/test_export.py -k llama_cpp
 
 search: $(STAMP)
 	$(PY) search.py "$(Q)" $(ARGS)

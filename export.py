@@ -310,7 +310,14 @@ def gguf_name(name):
     return GGUF_TENSORS[name]
 
 
-def gguf_tensor(tensor, dtype):
+# q8_0 keeps the tied embedding in f16: it is also the output layer, where llama.cpp's q8_0 matmul (weights
+# and activations in 8-bit blocks) flips near-tied top tokens. Measured on the smoke-sized SFT model (d256,
+# 4096 tokens), top-1 agreement with ENLACE over 5120 positions: all q8_0 98.87%, this 99.39%, for a file
+# 21% larger (4.57 -> 5.55 MB).
+GGUF_F16_IN_Q8_0 = {"token_embd.weight"}
+
+
+def gguf_tensor(name, tensor, dtype):
     """(array, quantization type) for GGUF: vectors stay float32 (as llama.cpp's converter keeps them); q8_0
     needs rows that are a multiple of its 32-value blocks, and a matrix whose rows are not falls back to f16."""
     import gguf
@@ -318,7 +325,11 @@ def gguf_tensor(tensor, dtype):
     array = tensor.detach().float().numpy()
     if array.ndim == 1 or dtype == "f32":
         return array, gguf.GGMLQuantizationType.F32
-    if dtype == "q8_0" and array.shape[-1] % gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q8_0][0] == 0:
+    if (
+        dtype == "q8_0"
+        and name not in GGUF_F16_IN_Q8_0
+        and array.shape[-1] % gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q8_0][0] == 0
+    ):
         return gguf.quants.quantize(array, gguf.GGMLQuantizationType.Q8_0), gguf.GGMLQuantizationType.Q8_0
     return array.astype(np.float16), gguf.GGMLQuantizationType.F16
 
@@ -366,7 +377,7 @@ def write_gguf(path, model, cfg, tokenizer, dtype):
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight":
             continue  # tied: llama.cpp uses token_embd when output.weight is absent
-        array, kind = gguf_tensor(tensor, dtype)
+        array, kind = gguf_tensor(gguf_name(name), tensor, dtype)
         writer.add_tensor(gguf_name(name), array, raw_dtype=kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -168,6 +168,28 @@ def test_a_run_decodes_with_the_tokenizer_inside_its_checkpoint_not_the_retraine
     assert tokenizer.encode(text) != from_data_dir.encode(text), "the two tokenizers should disagree"
 
 
+def test_sample_serve_and_export_use_the_tokenizer_inside_the_checkpoint(retrained_data, tmp_path):
+    import export
+    import sample
+    import serve
+
+    cfg, trained_with, retrained = retrained_data
+    run_dir = train.run_dir_of(cfg)
+    sha256 = lambda tokenizer: hashlib.sha256(tokenizer.processor.serialized_model_proto()).hexdigest()  # noqa: E731
+    assert sha256(sample.load_run(run_dir)[2]) == trained_with
+    assert sha256(serve.load_model(run_dir, "cpu")[1]) == trained_with
+    export.export(run_dir, "hf", str(tmp_path / "hf"), log=lambda *a: None)
+    assert fileio.sha256_of_file(tmp_path / "hf" / "tokenizer.model") == trained_with != retrained
+
+
+def test_inference_code_loads_checkpoints_without_importing_the_training_loop():
+    # train.py pulls in the loop, DDP and the optimizer; sample, serve and export read runs through checkpoint.py.
+    probe = "import sys, checkpoint, sample, serve, export; print('train' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False"
+
+
 def test_resuming_on_a_data_dir_with_another_tokenizer_is_refused_naming_both_hashes(retrained_data):
     cfg, trained_with, retrained = retrained_data
     more = json.loads(json.dumps(cfg))

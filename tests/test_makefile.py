@@ -1,10 +1,13 @@
-"""The Makefile: every target it declares is one a user can run (a dry run names its commands)."""
+"""The Makefile: every target it declares is one a user can run (a dry run names its commands), and the
+first ones a new user types work on a fresh clone."""
 
+import os
 import re
+import shutil
 import subprocess
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, TINY
 
 
 def phony_targets():
@@ -21,3 +24,49 @@ def test_every_declared_make_target_has_commands(target):
     assert dry.returncode == 0, dry.stderr
     assert "Nothing to be done" not in dry.stdout + dry.stderr, f"make {target} has no recipe"
     assert dry.stdout.strip(), f"make {target} runs nothing"
+
+
+# -----------------------------------------------------------------------------
+# A new user's first commands: on a fresh clone nothing is built yet, so the targets build their data.
+
+STAMP = ".venv/.requirements.stamp"  # `make -o STAMP`: the shared .venv is used as it is, never reinstalled
+SMALL_DATA = "data.corpus.max_documents_per_file=400"  # the embedded corpus, cut to keep the build short
+
+
+def fresh_clone(tmp_path):
+    """The files git tracks in this checkout, as a fresh clone has them (no data/, no runs/), with this
+    checkout's .venv."""
+    listed = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+    clone = tmp_path / "clone"
+    for name in filter(None, listed.decode().split("\0")):
+        if os.path.isfile(os.path.join(ROOT, name)):  # a tracked file deleted in the working tree is skipped
+            (clone / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(os.path.join(ROOT, name), clone / name)
+    os.symlink(os.path.realpath(os.path.join(ROOT, ".venv")), clone / ".venv")
+    assert not (clone / "data").exists() and not (clone / "runs").exists()
+    return clone
+
+
+def make(clone, *args):
+    return subprocess.run(
+        ["make", "-o", STAMP, *args], cwd=clone, capture_output=True, text=True, timeout=600
+    )
+
+
+def test_make_resume_check_and_make_eval_build_their_data_on_a_fresh_clone(tmp_path):
+    clone = fresh_clone(tmp_path)
+    overrides = " ".join([*TINY, SMALL_DATA])
+    check = make(clone, "resume-check", "CONFIG=configs/smoke-cpu.yaml", f"ARGS={overrides}")
+    assert check.returncode == 0, check.stdout[-2000:] + check.stderr[-2000:]
+    assert "PASS resume-check:" in check.stdout.strip().splitlines()[-1]
+    assert (clone / "data" / "smoke" / "train.bin").exists()
+
+    # A run whose data is gone (trained elsewhere, copied here): make eval rebuilds it from the run's config.
+    train = [".venv/bin/python", "train.py", "configs/smoke-cpu.yaml", *TINY, SMALL_DATA]
+    subprocess.run(train, cwd=clone, capture_output=True, check=True, timeout=600)
+    shutil.rmtree(clone / "data")
+    evaluation = make(clone, "eval", "RUN=runs/smoke-cpu")
+    assert evaluation.returncode == 0, evaluation.stdout[-2000:] + evaluation.stderr[-2000:]
+    assert re.search(
+        r"val split: \d+ tokens, \d+ bytes \| loss [\d.]+ \| bpb [\d.]+$", evaluation.stdout, re.M
+    )
