@@ -18,9 +18,11 @@ Routes (routes() below; other features add theirs with build_app(..., extra_rout
     GET  /v1/models                        the run, as the one model id
     POST /v1/chat/completions              OpenAI chat completions, plain or streamed (SSE); stateless
     POST /api/login, /api/logout; GET /api/me            web sessions (HttpOnly, SameSite=Strict cookie)
+    POST /api/me/password                  the member's own password change (a provisional account's way out)
     GET|POST /api/conversations; GET|DELETE /api/conversations/{id}
     POST /api/conversations/{id}/messages  a turn of a stored conversation, streamed like the API
-    GET|POST /api/members; DELETE /api/members/{name}                         admin only
+    GET|POST /api/members; DELETE /api/members/{name}                         admin only (a member made
+                                           here is provisional until they change the password the admin set)
     POST /api/members/{name}/key           a new API key: the caller's own only
     GET  /api/server                       queue and worker counters, admin only
     GET|POST|DELETE /api/memories; GET /api/memories/export; PATCH|DELETE /api/memories/{id}
@@ -98,7 +100,19 @@ class Server:
         self.memory_cfg = memory_cfg or memory.load_config()
 
     # --- who is asking
-    def member_of(self, request):
+    def member_of(self, request, provisional_ok=False):
+        """The member whose API key or session cookie came with the request. A provisional account (made
+        through the admin API: the admin knows its password and key) reaches only the routes that pass
+        provisional_ok (GET /api/me, the password change); anything else is a 403 until the member has
+        chosen their own password."""
+        member = self.credentials_of(request)
+        if member["provisional"] and not provisional_ok:
+            raise ApiError(403, "this account's password was set by an admin: change it first (POST "
+                           "/api/me/password) and use the new API key that answer gives",
+                           code="password_change_required")  # fmt: skip
+        return member
+
+    def credentials_of(self, request):
         header = request.headers.get("authorization")
         if header is not None:
             scheme, _, key = header.partition(" ")
@@ -120,6 +134,31 @@ class Server:
         if member["role"] != "admin":
             raise ApiError(403, "only an admin manages accounts", code="admin_only")
         return member
+
+    # --- guessing passwords: failed logins and password changes count together, per lowercased name
+    def check_lockout(self, name):
+        _, locked_until = self.failures.get(name.lower(), (0, 0.0))
+        if locked_until > time.monotonic():
+            wait = int(locked_until - time.monotonic()) + 1
+            raise ApiError(429, f"too many failed password attempts for {name!r}; try again in {wait} s",
+                           code="login_locked", retry_after=wait)  # fmt: skip
+
+    def password_failed(self, name):
+        count, _ = self.failures.get(name.lower(), (0, 0.0))
+        count += 1
+        locked = count >= self.settings["login_max_failures"]
+        until = time.monotonic() + self.settings["login_lockout_s"]
+        self.failures[name.lower()] = (0, until) if locked else (count, 0.0)
+
+    async def password_checks(self, name, password, stored):
+        """Whether the password matches the stored hash (None: no password; an equal amount of work on a
+        dummy hash, so unknown names and members without a password answer in the same time)."""
+        matches = await asyncio.to_thread(accounts.password_matches, password, stored or self.dummy_hash)
+        if not (stored and matches):
+            self.password_failed(name)
+            return False
+        self.failures.pop(name.lower(), None)
+        return True
 
     def check_hours(self, member):
         hours = self.settings["child"]["allowed_hours"]
@@ -404,7 +443,11 @@ async def chat_completions(request):
 
 
 def me(member):
-    return {"name": member["name"], "role": member["role"]}
+    return {
+        "name": member["name"],
+        "role": member["role"],
+        "must_change_password": bool(member["provisional"]),
+    }
 
 
 async def login(request):
@@ -412,21 +455,10 @@ async def login(request):
     body = await read_json(request, 4096)
     name = expect(body.get("name"), str, "name", "the member's name")
     password = expect(body.get("password"), str, "password", "the password or PIN")
-    now, failures = time.monotonic(), server.failures
-    count, locked_until = failures.get(name.lower(), (0, 0.0))
-    if locked_until > now:
-        wait = int(locked_until - now) + 1
-        raise ApiError(429, f"too many failed logins for {name!r}; try again in {wait} s", code="login_locked",
-                       retry_after=wait)  # fmt: skip
+    server.check_lockout(name)
     member = server.store.member(name)
-    stored = (member or {}).get("password_hash") or server.dummy_hash  # same work for unknown names
-    matches = await asyncio.to_thread(accounts.password_matches, password, stored)
-    if not (member and member["password_hash"] and matches):
-        count += 1
-        locked = count >= server.settings["login_max_failures"]
-        failures[name.lower()] = (0, now + server.settings["login_lockout_s"]) if locked else (count, 0.0)
+    if not await server.password_checks(name, password, (member or {}).get("password_hash")):
         raise ApiError(401, "wrong name or password", code="invalid_login")
-    failures.pop(name.lower(), None)
     days = server.settings["session_days"]
     token = server.store.new_session(member["id"], days)
     response = JSONResponse(me(member))
@@ -445,7 +477,34 @@ async def logout(request):
 
 
 async def whoami(request):
-    return JSONResponse(me(request.app.state.server.member_of(request)))
+    return JSONResponse(me(request.app.state.server.member_of(request, provisional_ok=True)))
+
+
+async def change_password(request):
+    """The logged-in member's own password change, {"current", "new"}: the current password is checked
+    (failures count towards the login lockout), every other session of theirs ends, and a provisional
+    account gets its first API key of its own, in this answer only."""
+    server = request.app.state.server
+    member = server.member_of(request, provisional_ok=True)
+    body = await read_json(request, 4096)
+    current = expect(body.get("current"), str, "current", "the current password or PIN")
+    new = expect(body.get("new"), str, "new", "the new password or PIN")
+    if not member["password_hash"]:
+        raise ApiError(400, f"{member['name']} has no web password yet; set the first one on the server: "
+                       f"python serve.py member password {member['name']}", code="no_password")  # fmt: skip
+    server.check_lockout(member["name"])
+    if not await server.password_checks(member["name"], current, member["password_hash"]):
+        raise ApiError(403, "the current password is wrong", param="current", code="wrong_password")
+    check_password(new, server.settings, "new")
+    if new == current:
+        raise ApiError(400, "the new password must differ from the current one", param="new",
+                       code="same_password")  # fmt: skip
+    password_hash = await asyncio.to_thread(accounts.hash_password, new, server.settings["scrypt"])
+    by_cookie = request.headers.get("authorization") is None
+    key = server.store.change_password(
+        member["id"], password_hash, request.cookies.get(SESSION_COOKIE) if by_cookie else None
+    )
+    return JSONResponse(me(member | {"provisional": 0}) | ({"api_key": key} if key else {}))
 
 
 async def list_conversations(request):
@@ -545,18 +604,16 @@ async def add_member(request):
     body = await read_json(request, 4096)
     name = expect(body.get("name"), str, "name", "the member's name")
     role = expect(body.get("role"), str, "role", "admin, adult or child")
-    password = body.get("password")
-    if password is not None:
-        check_password(expect(password, str, "password", "a string"), server.settings)
+    password = expect(body.get("password"), str, "password", "the member's first password or PIN")
+    check_password(password, server.settings)
+    password_hash = await asyncio.to_thread(accounts.hash_password, password, server.settings["scrypt"])
     try:
-        key = server.store.add_member(name, role)
+        key = server.store.add_member(name, role, password_hash, provisional=True)
     except accounts.AccountError as e:
         raise ApiError(400, str(e), code="invalid_member") from None
-    if password is not None:
-        server.store.set_password(
-            name, await asyncio.to_thread(accounts.hash_password, password, server.settings["scrypt"])
-        )
-    return JSONResponse({"name": name, "role": role, "api_key": key}, status_code=201)
+    return JSONResponse(
+        me({"name": name, "role": role, "provisional": 1}) | {"api_key": key}, status_code=201
+    )
 
 
 async def remove_member(request):
@@ -726,6 +783,7 @@ def routes():
         Route("/api/login", login, methods=["POST"]),
         Route("/api/logout", logout, methods=["POST"]),
         Route("/api/me", whoami),
+        Route("/api/me/password", change_password, methods=["POST"]),
         Route("/api/conversations", list_conversations),
         Route("/api/conversations", new_conversation, methods=["POST"]),
         Route("/api/conversations/{id}", get_conversation),
@@ -762,10 +820,10 @@ def build_app(server, extra_routes=()):
 # Command line
 
 
-def check_password(password, settings):
+def check_password(password, settings, param="password"):
     problem = accounts.password_problem(password, settings)
     if problem:
-        raise ApiError(400, problem, param="password", code="weak_password")
+        raise ApiError(400, problem.replace("password:", f"{param}:", 1), param=param, code="weak_password")
 
 
 def load_model(run, device):
