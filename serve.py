@@ -452,7 +452,7 @@ def me(member):
 
 async def login(request):
     server = request.app.state.server
-    body = await read_json(request, 4096)
+    body = await read_json(request, server.settings["max_form_bytes"])
     name = expect(body.get("name"), str, "name", "the member's name")
     password = expect(body.get("password"), str, "password", "the password or PIN")
     server.check_lockout(name)
@@ -486,7 +486,7 @@ async def change_password(request):
     account gets its first API key of its own, in this answer only."""
     server = request.app.state.server
     member = server.member_of(request, provisional_ok=True)
-    body = await read_json(request, 4096)
+    body = await read_json(request, server.settings["max_form_bytes"])
     current = expect(body.get("current"), str, "current", "the current password or PIN")
     new = expect(body.get("new"), str, "new", "the new password or PIN")
     if not member["password_hash"]:
@@ -516,7 +516,8 @@ async def list_conversations(request):
 async def new_conversation(request):
     server = request.app.state.server
     member = server.member_of(request)
-    body = await read_json(request, 4096) if int(request.headers.get("content-length") or 0) else {}
+    has_body = int(request.headers.get("content-length") or 0)
+    body = await read_json(request, server.settings["max_form_bytes"]) if has_body else {}
     title = expect(body.get("title", "Nueva conversación"), str, "title", "a string")[:100]
     conversation_id = server.store.new_conversation(member["id"], title)
     return JSONResponse(server.store.conversation(member["id"], conversation_id), status_code=201)
@@ -601,7 +602,7 @@ async def list_members(request):
 async def add_member(request):
     server = request.app.state.server
     server.admin_of(request)
-    body = await read_json(request, 4096)
+    body = await read_json(request, server.settings["max_form_bytes"])
     name = expect(body.get("name"), str, "name", "the member's name")
     role = expect(body.get("role"), str, "role", "admin, adult or child")
     password = expect(body.get("password"), str, "password", "the member's first password or PIN")

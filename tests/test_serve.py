@@ -481,6 +481,25 @@ def test_the_conversation_routes_refuse_bad_input_with_a_clear_4xx(chat_model, t
         http.close()
 
 
+def test_the_small_form_routes_take_bodies_up_to_serve_max_form_bytes(chat_model, tmp_path):
+    with live_server(chat_model, tmp_path, "serve.max_form_bytes=300") as (url, server):
+        admin = httpx.Client(
+            base_url=url,
+            headers={"Authorization": f"Bearer {member(server, 'carla', 'admin', 'clave-carla')}"},
+        )
+        padding = "x" * 200  # unknown fields are ignored: only the size differs between the two requests
+        forms = [("/api/login", {"name": "carla", "password": "clave-carla"}),
+                 ("/api/me/password", {"current": "clave-carla", "new": "clave-carla-2"}),
+                 ("/api/conversations", {"title": "mía"}),
+                 ("/api/members", {"name": "eva", "role": "adult", "password": "de-carla"})]  # fmt: skip
+        for path, body in forms:
+            big = admin.post(path, json=body | {"padding": padding * 2})
+            assert (big.status_code, big.json()["error"]["code"]) == (413, "request_too_large"), path
+            assert "at most 300" in big.json()["error"]["message"]
+            assert admin.post(path, json=body | {"padding": padding}).status_code in (200, 201), path
+        admin.close()
+
+
 def test_only_an_admin_manages_accounts_and_keys_are_stored_only_as_hashes(chat_model, tmp_path):
     with live_server(chat_model, tmp_path) as (url, server):
         admin = {"Authorization": f"Bearer {member(server, 'carla', 'admin')}"}
