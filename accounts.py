@@ -73,10 +73,14 @@ class Store:
     """The SQLite database. One connection shared under a lock: every statement here takes microseconds,
     so the event loop calls it directly. Each write is one committed transaction (synchronous=FULL)."""
 
-    def __init__(self, path):
+    def __init__(self, path, busy_timeout_ms=None):
+        """busy_timeout_ms: how long a statement waits for another process's write lock before raising
+        sqlite3.OperationalError "database is locked" (serve.busy_timeout_ms; None: the sqlite3 module's
+        default, 5 s)."""
         folder = os.path.dirname(os.path.abspath(path))
         os.makedirs(folder, exist_ok=True)
-        self.db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        timeout = {} if busy_timeout_ms is None else {"timeout": busy_timeout_ms / 1000}
+        self.db = sqlite3.connect(path, check_same_thread=False, isolation_level=None, **timeout)
         self.db.row_factory = sqlite3.Row
         self.lock = threading.Lock()
         self.db.execute("PRAGMA journal_mode=WAL")
@@ -281,7 +285,7 @@ def member_main(argv, load_settings, default_config):
     overrides = [a for a in argv if OVERRIDE.match(a)]  # serve.key=value anywhere on the line
     args = parser.parse_args([a for a in argv if not OVERRIDE.match(a)])
     settings = load_settings(args.config, overrides)
-    store = Store(settings["database"])
+    store = Store(settings["database"], settings["busy_timeout_ms"])
     if args.command == "add":
         key = store.add_member(args.name, args.role)
         print(f"member {args.name} ({args.role}) added; API key (shown only now):\n{key}")

@@ -44,6 +44,7 @@ import json
 import os
 import secrets
 import socket
+import sqlite3
 import sys
 import threading
 import time
@@ -661,6 +662,7 @@ def memory_member(server, request):
 
 
 def memory_call(server, member, function, *args, **kwargs):
+    """memory.py's errors as 4xx; a database locked by another program is database_error's 503."""
     try:
         return server.memories(member, function, *args, **kwargs)
     except memory.MemoryNotFound as e:  # not there or not theirs: the same answer
@@ -751,6 +753,17 @@ async def http_error(request, error):
     return await api_error(request, ApiError(error.status_code, message, code=code))
 
 
+async def database_error(request, error):
+    """Another process (the memory command line, a snapshot) holding the database's write lock past
+    serve.busy_timeout_ms is a 503 with Retry-After, as a full queue is; any other database error a 500."""
+    if error.sqlite_errorcode & 0xFF not in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED):
+        return await internal_error(request, error)
+    print(f"serve: {request.method} {request.url.path}: database busy ({error})", file=sys.stderr)
+    busy = ApiError(503, "the database is busy with another program; retry shortly", code="database_busy",
+                    retry_after=request.app.state.server.settings["retry_after_s"])  # fmt: skip
+    return await api_error(request, busy)
+
+
 async def internal_error(request, error):
     print(
         f"serve: {request.method} {request.url.path} failed: {type(error).__name__}: {error}", file=sys.stderr
@@ -811,7 +824,12 @@ def build_app(server, extra_routes=()):
     app = Starlette(
         routes=table[:-1] + list(extra_routes) + table[-1:],
         middleware=[Middleware(SecurityHeaders)],
-        exception_handlers={ApiError: api_error, HTTPException: http_error, Exception: internal_error},
+        exception_handlers={
+            ApiError: api_error,
+            HTTPException: http_error,
+            sqlite3.OperationalError: database_error,
+            Exception: internal_error,
+        },
     )
     app.state.server = server
     return app
@@ -895,7 +913,7 @@ def serve_main(argv):
         raise ServeError(f"{memory.DEFAULT_CONFIG}: config problems:\n  " + "\n  ".join(e.problems)) from None
     host = args.host or settings["host"]
     port = settings["port"] if args.port is None else args.port
-    store = accounts.Store(settings["database"])
+    store = accounts.Store(settings["database"], settings["busy_timeout_ms"])
     model, tokenizer, model_id, context = load_model(args.run, args.device)
     model_worker = worker.Worker(model, tokenizer, settings["queue_size"])
     server = Server(settings, store, model_worker, model_id, context, memory_cfg=memory_cfg)
