@@ -101,7 +101,8 @@ sft: chat-prepare
 
 # corpus-smoke tokenizer -> the smoke-corpus-cpu pretraining (kept when it already has a checkpoint)
 # -> SFT on the seed conversations (from scratch each time) -> held-out evaluation. The held-out first
-# answers are 237-380 tokens of this tokenizer (median 294): a 400-token budget lets a reply end.
+# answers are 106-378 tokens of this tokenizer with their <|end|> (median 291): a 400-token budget lets
+# a reply end.
 sft-smoke: corpus-smoke
 	ls runs/smoke-corpus-cpu/ckpt_*.pt >/dev/null 2>&1 || $(PY) train.py configs/smoke-corpus-cpu.yaml
 	$(PY) chat.py prepare configs/sft-smoke-cpu.yaml

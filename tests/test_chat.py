@@ -214,6 +214,18 @@ def test_alpaca_and_sharegpt_records_become_conversations(tmp_path):
     assert [m["role"] for m in imported(tmp_path / "s.jsonl")[0]["messages"]] == ["user", "assistant"]
 
 
+def test_an_import_file_that_is_not_utf8_is_refused_naming_the_line_and_writes_nothing(tmp_path):
+    latin1 = tmp_path / "alpaca.jsonl"
+    latin1.write_bytes(
+        b'{"instruction": "Di hola", "output": "hola"}\n'
+        + '{"instruction": "¿Qué es una caña?", "output": "Una planta."}\n'.encode("latin-1")
+    )
+    result = run_chat("import", "--from", "alpaca", str(latin1), str(tmp_path / "out.jsonl"))
+    assert result.returncode == 2
+    assert f"{latin1}:2: not UTF-8 (byte 0xbf at column 18)" in result.stderr and "iconv" in result.stderr
+    assert not os.path.exists(tmp_path / "out.jsonl")
+
+
 def oasst_message(message_id, parent_id, role, text, rank=None, lang="es", **extra):
     return {
         "message_id": message_id,

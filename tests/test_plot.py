@@ -22,7 +22,12 @@ def test_plot_writes_a_png_of_several_runs(tmp_path):
     b = write_metrics(tmp_path / "b", [{"step": 1, "loss": 3.0, "lr": 5e-4}])
     assert plot.main([a, b]) == 0
     assert (tmp_path / "a" / "plot.png").read_bytes().startswith(b"\x89PNG\r\n")
-    assert plot.read_metrics(a)["val_bpb"] == [(2, 2.1)]
+    assert plot.read_metrics(a) == {
+        "train": [(1, 5.0), (2, 4.0)],
+        "val_loss": [(2, 4.2)],
+        "val_bpb": [(2, 2.1)],
+        "lr": [(1, 1e-3), (2, 1e-3)],
+    }
 
 
 def test_a_run_without_metrics_is_a_clear_error(tmp_path, capsys):

@@ -26,9 +26,15 @@ TOPICS = (
 )
 MIN_TRAIN, MIN_HELDOUT = 300, 50
 MAX_WORDS = 700  # keeps a conversation inside a 1024-token context
+MAX_USER_TURNS = 4  # the issue asks for conversations of 1 to 4 turns
 # A simple lexical test of register: usted-style (usted, le/se + verb forms of usted) against tú-style.
 USTED = re.compile(r"\b(usted|ustedes|dígame|cuénteme|consulte|pregunte)\b", re.IGNORECASE)
 TU = re.compile(r"\b(tú|tienes|puedes|quieres|dime|cuéntame|consulta con tu|pregúntale)\b", re.IGNORECASE)
+# Words only one side of the Atlantic uses for the same thing (or its emergency number): both must appear.
+SPAIN = re.compile(r"\b(ordenador|móvil|zumo|coche|nevera|vosotros|112)\b", re.IGNORECASE)
+AMERICA = re.compile(
+    r"\b(computadora|celular|jugo|carro|heladera|jitomate|frijoles|arepas?|911)\b", re.IGNORECASE
+)
 
 
 def train_files():
@@ -62,6 +68,8 @@ def problems_in(path):
                 found.append(f"must start with a user turn and end with an assistant turn, got {roles}")
             elif any(a == b for a, b in zip(roles, roles[1:], strict=False)):
                 found.append(f"user and assistant turns must alternate, got {roles}")
+            elif not 1 <= roles.count("user") <= MAX_USER_TURNS:
+                found.append(f"{roles.count('user')} user turns, want 1 to {MAX_USER_TURNS}")
             if conversation.get("source") != "enlace-seed":
                 found.append(f"source must be 'enlace-seed', got {conversation.get('source')!r}")
             words = sum(len(m["content"].split()) for m in conversation["messages"])
@@ -116,6 +124,11 @@ def test_the_checker_names_file_and_line_of_a_bad_conversation(tmp_path):
     assert "end with an assistant turn" in problems[0] and "robot" in problems[1]
     assert "source" in problems[2] and "not JSON" in problems[3]
 
+    five_turns = [{"role": r, "content": "Hola"} for _ in range(5) for r in ("user", "assistant")]
+    path.write_text(json.dumps({"messages": five_turns, "source": "enlace-seed"}) + "\n", encoding="utf-8")
+    (problem,) = problems_in(str(path))[1]
+    assert problem.endswith("bad.jsonl:1: 5 user turns, want 1 to 4")
+
 
 def test_there_are_enough_training_and_held_out_conversations(train, heldout):
     assert len(train) >= MIN_TRAIN, f"{len(train)} training conversations, want at least {MIN_TRAIN}"
@@ -136,3 +149,43 @@ def test_both_tu_and_usted_registers_are_present(train, heldout):
         usted = sum(bool(USTED.search(text(c))) for c in conversations)
         tu = sum(bool(TU.search(text(c))) for c in conversations)
         assert usted >= 5 and tu >= 5, f"{name}: {usted} usted-style and {tu} tú-style conversations"
+
+
+def test_spain_and_latin_american_spanish_are_both_present(train):
+    def text(c):
+        return " ".join(m["content"] for m in c["messages"])
+
+    spain = sum(bool(SPAIN.search(text(c))) for c in train)
+    america = sum(bool(AMERICA.search(text(c))) for c in train)
+    assert spain >= 10 and america >= 10, (
+        f"{spain} Spain-style and {america} Latin-American-style conversations"
+    )
+
+
+# Health and legal answers are given with care and send the person on: to a doctor, pharmacist or the
+# emergency number; to a lawyer, notary, consumer office or the official source.
+REFERRALS = {
+    "salud": re.compile(
+        r"médic|pediatra|farmac|enfermer|urgencias|\b(112|911|061|024)\b|centro de salud|especialista"
+        r"|profesional|dentista|fisioterapeuta|psicólog|toxicol",
+        re.IGNORECASE,
+    ),
+    "legal": re.compile(
+        r"abogad|notari|oficina|consumo|ayuntamiento|sede electrónica|asesor|gestor|profesional|sindicato"
+        r"|registro|juzgado|SEPE|Seguridad Social|Agencia Tributaria|policía|comisaría|inspección|oficial",
+        re.IGNORECASE,
+    ),
+}
+
+
+@pytest.mark.parametrize("topic", sorted(REFERRALS))
+def test_every_health_and_legal_conversation_refers_to_a_professional(topic):
+    conversations, _ = problems_in(os.path.join(SEED_DIR, f"{topic}.jsonl"))
+    without = [
+        first_user_message(c)
+        for c in conversations
+        if not REFERRALS[topic].search(
+            " ".join(m["content"] for m in c["messages"] if m["role"] == "assistant")
+        )
+    ]
+    assert conversations and not without, f"{topic}: no referral in the answers to {without}"

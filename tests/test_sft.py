@@ -1,8 +1,10 @@
 """Supervised fine-tuning: packing conversations, the chat loader, init_from, and the held-out evaluation."""
 
 import contextlib
+import glob
 import io
 import json
+import math
 import os
 import subprocess
 import sys
@@ -16,6 +18,7 @@ from conftest import (
     ROOT,
     TINY,
     chat_overrides,
+    data_layer,
     example_conversations,
     tiny_config,
     write_jsonl,
@@ -120,6 +123,25 @@ def test_too_long_conversations_are_dropped_and_counted_or_cut_after_an_answer(
     assert any(contains(row, first_turn) for row in tokens)
 
 
+def test_truncation_never_ends_a_conversation_on_a_pending_tool_call(tokenizer):
+    call = {"type": "function", "function": {"name": "calculadora", "arguments": {"expresion": "2+2"}}}
+    conversation = {
+        "messages": [
+            {"role": "user", "content": "Hola"},
+            {"role": "assistant", "content": "¡Hola!"},
+            {"role": "user", "content": "¿Cuánto es 2+2?"},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "content": "4"},
+            {"role": "assistant", "content": "Son 4. " * 40},
+        ]
+    }
+    with_call = chat.render({"messages": conversation["messages"][:4]}, tokenizer)[0]
+    first_answer = chat.render({"messages": conversation["messages"][:2]}, tokenizer)
+    assert len(with_call) < len(chat.render(conversation, tokenizer)[0])
+    assert chat.truncate_at_turn(conversation, tokenizer, len(with_call)) == first_answer
+    assert chat.truncate_at_turn(conversation, tokenizer, len(first_answer[0]) - 1) is None
+
+
 def test_prepare_resumes_after_the_last_finished_shard_and_a_rerun_does_nothing(tmp_path, shard_data_dir):
     write_jsonl(tmp_path / "train.jsonl", example_conversations(40))
     write_jsonl(tmp_path / "val.jsonl", example_conversations(4))
@@ -146,6 +168,7 @@ def test_a_bad_line_is_fatal_naming_file_and_line_or_skipped_when_configured(tmp
     bad = [
         {"messages": [{"role": "robot", "content": "bip"}]},
         {"messages": [{"role": "user", "content": "x"}, {"role": "tool", "content": "4"}]},
+        {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": " "}]},
     ]
     write_jsonl(tmp_path / "train.jsonl", example_conversations(2) + bad + example_conversations(2))
     write_jsonl(tmp_path / "val.jsonl", example_conversations(2))
@@ -159,8 +182,10 @@ def test_a_bad_line_is_fatal_naming_file_and_line_or_skipped_when_configured(tmp
     cfg = sft_config(tmp_path, shard_data_dir, "data.chat.bad_lines=skip")
     logs = []
     chat.prepare(cfg, log=logs.append)
-    assert packed(cfg["data"], "train")[2]["stats"]["skipped_bad_lines"] == 2
+    assert packed(cfg["data"], "train")[2]["stats"]["skipped_bad_lines"] == 3
+    assert packed(cfg["data"], "train")[2]["stats"]["packed"] == 4
     assert any("train.jsonl:4: messages.1: a tool message without a preceding" in line for line in logs)
+    assert any("train.jsonl:5: messages.1: empty assistant content" in line for line in logs)
 
 
 def test_a_file_that_is_not_utf8_is_refused_naming_the_line(tmp_path, shard_data_dir):
@@ -169,8 +194,11 @@ def test_a_file_that_is_not_utf8_is_refused_naming_the_line(tmp_path, shard_data
         good.encode() + '{"messages": [{"role": "user", "content": "caña"}]}\n'.encode("latin-1")
     )
     write_jsonl(tmp_path / "val.jsonl", example_conversations(2))
+    cfg = sft_config(tmp_path, shard_data_dir)
     with pytest.raises(chat.ChatError, match=r"train.jsonl:2: not UTF-8 \(byte 0xf1 at column 46\)"):
-        chat.prepare(sft_config(tmp_path, shard_data_dir), log=quiet)
+        chat.prepare(cfg, log=quiet)
+    assert not data.shard_paths(cfg["data"], "train")  # nothing half-written
+    assert "prepare" not in data.read_manifest(cfg["data"])
 
 
 # -----------------------------------------------------------------------------
@@ -265,6 +293,34 @@ def test_init_from_starts_from_the_pretrained_weights_with_a_fresh_schedule(
         assert torch.allclose(weight, tuned["model"][name], atol=1e-6), name
 
 
+def test_a_resumed_fine_tuning_continues_its_own_checkpoint_bit_exact_not_the_base_run(
+    chat_data_dir, shard_data_dir, base_run, tmp_path
+):
+    def sft(name, *overrides):
+        return sft_config(
+            chat_data_dir,
+            shard_data_dir,
+            f"train.runs_dir={tmp_path}",
+            f"run_name={name}",
+            f"train.init_from={base_run}",
+            "train.decay_fraction=0",  # the schedule of a run that will be extended ignores max_steps
+            *overrides,
+        )
+
+    full = sft("full")
+    assert train.train(full, log=quiet) == 8
+    assert train.train(sft("split", "train.max_steps=4"), log=quiet) == 4
+    logs = []
+    assert train.train(sft("split"), resume=True, log=logs.append) == 8
+    assert not any(line.startswith("initialized from") for line in logs)
+
+    def final(cfg):
+        return train.load_checkpoint(train.list_checkpoints(train.run_dir_of(cfg))[0])
+
+    count, differing, largest = train.compare_states(final(full), final(sft("split")))
+    assert count > 0 and not differing, f"{len(differing)} tensors differ (largest {largest})"
+
+
 def test_init_from_a_run_of_another_shape_or_tokenizer_is_refused_naming_the_setting(
     chat_data_dir, shard_data_dir, base_run, tmp_path
 ):
@@ -327,6 +383,9 @@ def test_chat_eval_scores_assistant_tokens_only_and_counts_answers_ending_with_e
     targets = torch.tensor([t if m else -1 for t, m in zip(ids[1:], mask[1:], strict=True)])
     expected = torch.nn.functional.cross_entropy(logits[0], targets, ignore_index=-1).item()
     assert result["assistant_tokens"] == sum(mask) and result["loss"] == pytest.approx(expected, rel=1e-5)
+    trained_bytes = sum(tokenizer.token_bytes[t] for t, m in zip(ids, mask, strict=True) if m)
+    assert trained_bytes > 0  # <|end|> has none: bits per byte counts the text of the answers
+    assert result["bpb"] == pytest.approx(expected * sum(mask) / (math.log(2) * trained_bytes), rel=1e-5)
     assert result["ended"] in (0.0, 1.0)
     end = tokenizer.special_ids["<|end|>"]
     ends = [p for p in range(len(ids) - 1) if ids[p + 1] == end and mask[p + 1]]
@@ -334,6 +393,32 @@ def test_chat_eval_scores_assistant_tokens_only_and_counts_answers_ending_with_e
     guessed = sum(int(logits[0, p].argmax()) == end for p in ends)
     assert result["end_guessed"] == guessed / 2
     assert "answers ending with <|end|> within 5 tokens" in out.getvalue()
+
+
+def test_chat_eval_counts_an_answer_as_ended_only_when_end_comes_within_the_budget(sft_run, tmp_path):
+    # The trained weights, rewired so that greedy decoding is known: with every o_proj and down_proj at
+    # zero the layers add nothing, and a position's logits are norm(E[its token]) . E. The <|assistant|>
+    # opener then points to a word u (E[u] leans on its direction), u points to <|end|> (E[end] lies along
+    # the rest of E[u]), so every answer is exactly [u, <|end|>]: ended with a budget of 2, not of 1.
+    model, cfg, tokenizer, _ = sample.load_run(sft_run)
+    assistant, end = tokenizer.special_ids["<|assistant|>"], tokenizer.special_ids["<|end|>"]
+    word = tokenizer.encode("hola")[0]
+    with torch.no_grad():
+        for layer in model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        embedding = model.embed_tokens.weight
+        first, second = torch.eye(embedding.shape[1])[:2]
+        embedding[assistant] = first
+        embedding[word] = 10 * first + 100 * second
+        embedding[end] = 1000 * second
+    path = write_jsonl(tmp_path / "two.jsonl", example_conversations(2, start=1))
+    for budget, ended in ((1, 0.0), (2, 1.0), (5, 1.0)):
+        args = SimpleNamespace(run=sft_run, chat_eval=path, max_new_tokens=budget, show=1, limit=0)
+        out = io.StringIO()
+        assert sample.run_chat_eval(model, cfg, tokenizer, args, out=out)["ended"] == ended, budget
+        assert f"answers ending with <|end|> within {budget} tokens: {int(2 * ended)}/2" in out.getvalue()
+        assert out.getvalue().split("\n")[2].endswith(" <|end|>" if ended else " [budget]")
 
 
 def test_chat_eval_of_the_runs_val_files_from_the_command_line(sft_run):
@@ -367,3 +452,31 @@ def test_the_final_sample_of_a_chat_run_answers_the_prompt_as_a_user_turn(sft_ru
     hardware = SimpleNamespace(device=torch.device("cpu"), autocast=contextlib.nullcontext)
     text = train.sample_text(model, tokenizer, cfg["train"] | {"sample_tokens": 5}, hardware, chat_run=True)
     assert text.startswith(cfg["train"]["sample_prompt"] + " -> ")
+
+
+@pytest.mark.parametrize(
+    "run_file", ["sft-2060.yaml", "sft-5090.yaml", "sft-smoke-cpu.yaml", "sft-agent-cpu.yaml"]
+)
+def test_each_shipped_sft_run_starts_from_a_shipped_run_of_its_shape_and_tokenizer(run_file):
+    # What init_checkpoint checks at start-up, checked here on the shipped files, so a change to a
+    # pretraining run file cannot leave the owner's `make sft` failing after the pretraining is done.
+    cfg = config.load(os.path.join(ROOT, "configs", run_file))
+    init_from = cfg["train"]["init_from"]
+    base = config.load(os.path.join(ROOT, "configs", os.path.basename(init_from) + ".yaml"))
+    assert init_from == os.path.join(base["train"]["runs_dir"], base["run_name"])
+    assert {
+        key: (base["model"][key], cfg["model"][key])
+        for key in cfg["model"]
+        if key not in train.INIT_FREE_MODEL_KEYS and base["model"][key] != cfg["model"][key]
+    } == {}
+    assert cfg["data"]["chat"]["tokenizer"] == data.tokenizer_path(base["data"])
+
+
+@pytest.mark.parametrize("layer", ["sft", "sft-smoke", "sft-agent"])
+def test_no_shipped_sft_data_layer_trains_on_the_held_out_conversations(layer):
+    chat_cfg = data_layer(layer)["chat"]
+    with contextlib.chdir(ROOT):
+        trained = {os.path.realpath(p) for pattern in chat_cfg["train"] for p in glob.glob(pattern)}
+        held_out = {os.path.realpath(p) for pattern in chat_cfg["val"] for p in glob.glob(pattern)}
+        held_out.add(os.path.realpath("conversations/heldout.jsonl"))
+    assert not trained & held_out
