@@ -646,7 +646,9 @@ def test_the_credentials_an_admin_sets_read_nothing_and_stop_working_once_the_me
             http.close()
 
 
-def test_wrong_current_passwords_count_towards_the_login_lockout(chat_model, tmp_path):
+def test_a_password_change_needs_a_current_password_and_wrong_ones_count_towards_the_lockout(
+    chat_model, tmp_path
+):
     with live_server(chat_model, tmp_path, "serve.login_max_failures=2") as (url, server):
         key = member(server, "ana", "adult", "1357")
         ana = {"Authorization": f"Bearer {key}"}
@@ -655,6 +657,11 @@ def test_wrong_current_passwords_count_towards_the_login_lockout(chat_model, tmp
         assert [g.status_code for g in guesses] == [403, 403, 429]  # locked even for the right one
         assert login(url, "ana", "1357")[1].status_code == 429  # and so is the login
         assert login(url, "ana", "2468")[1].status_code == 429
+        # A member made on the server without a web password sets the first one there, not with the key alone.
+        beto = {"Authorization": f"Bearer {member(server, 'beto')}"}
+        first = httpx.post(url + "/api/me/password", headers=beto, json={"current": "", "new": "2468"})
+        assert first.status_code == 400 and first.json()["error"]["code"] == "no_password"
+        assert "python serve.py member password beto" in first.json()["error"]["message"]
 
 
 def test_an_old_database_gains_the_provisional_column_and_its_members_stay_as_they_were(tmp_path):
