@@ -8,6 +8,7 @@ Every query about conversations names their owner, so no member's rows can come 
 """
 
 import argparse
+import contextlib
 import getpass
 import hashlib
 import hmac
@@ -34,7 +35,8 @@ class AccountError(Exception):
 SCHEMA_SQL = """
 CREATE TABLE IF NOT EXISTS members (
     id INTEGER PRIMARY KEY, name TEXT NOT NULL UNIQUE COLLATE NOCASE, role TEXT NOT NULL,
-    key_hash TEXT NOT NULL UNIQUE, password_hash TEXT, created REAL NOT NULL);
+    key_hash TEXT NOT NULL UNIQUE, password_hash TEXT, created REAL NOT NULL,
+    provisional INTEGER NOT NULL DEFAULT 0);
 CREATE TABLE IF NOT EXISTS sessions (
     token_hash TEXT PRIMARY KEY, member_id INTEGER NOT NULL REFERENCES members(id) ON DELETE CASCADE,
     expires REAL NOT NULL);
@@ -71,39 +73,61 @@ class Store:
     """The SQLite database. One connection shared under a lock: every statement here takes microseconds,
     so the event loop calls it directly. Each write is one committed transaction (synchronous=FULL)."""
 
-    def __init__(self, path):
+    def __init__(self, path, busy_timeout_ms=None):
+        """busy_timeout_ms: how long a statement waits for another process's write lock before raising
+        sqlite3.OperationalError "database is locked" (serve.busy_timeout_ms; None: the sqlite3 module's
+        default, 5 s)."""
         folder = os.path.dirname(os.path.abspath(path))
         os.makedirs(folder, exist_ok=True)
-        self.db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        timeout = {} if busy_timeout_ms is None else {"timeout": busy_timeout_ms / 1000}
+        self.db = sqlite3.connect(path, check_same_thread=False, isolation_level=None, **timeout)
         self.db.row_factory = sqlite3.Row
         self.lock = threading.Lock()
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=FULL")
         self.db.execute("PRAGMA foreign_keys=ON")
         self.db.executescript(SCHEMA_SQL)
+        self.migrate()
         memory.ensure_schema(self.db)
+
+    def migrate(self):
+        """Columns added since a database was created: members.provisional (an account made through the
+        admin API, whose credentials the admin knows, until the member changes the password). Checked
+        and added inside one write transaction, so two processes opening an old file do not race."""
+        with self.transaction():
+            columns = [row["name"] for row in self.db.execute("PRAGMA table_info(members)")]
+            if "provisional" not in columns:
+                self.db.execute("ALTER TABLE members ADD COLUMN provisional INTEGER NOT NULL DEFAULT 0")
 
     def query(self, sql, args=()):
         with self.lock:
             return [dict(row) for row in self.db.execute(sql, args)]
 
-    def write(self, *statements):
-        """Run (sql, args) statements in one transaction; returns the last cursor's rowcount."""
+    @contextlib.contextmanager
+    def transaction(self):
+        """One write transaction under the lock: committed at the end, rolled back on any exception."""
         with self.lock:
             self.db.execute("BEGIN IMMEDIATE")
             try:
-                count = 0
-                for sql, args in statements:
-                    count = self.db.execute(sql, args).rowcount
+                yield
                 self.db.execute("COMMIT")
-                return count
             except BaseException:
                 self.db.execute("ROLLBACK")
                 raise
 
+    def write(self, *statements):
+        """Run (sql, args) statements in one transaction; returns the last cursor's rowcount."""
+        count = 0
+        with self.transaction():
+            for sql, args in statements:
+                count = self.db.execute(sql, args).rowcount
+        return count
+
     # members
-    def add_member(self, name, role):
-        """Create a member; returns their new API key (shown once, stored as a hash)."""
+    def add_member(self, name, role, password_hash=None, provisional=False):
+        """Create a member (with their password's hash, in the same transaction); returns their new API key
+        (shown once, stored as a hash). A provisional member's credentials only reach GET /api/me and the
+        password change (serve.py), which ends the provisional state and replaces the key."""
         if not NAME_PATTERN.match(name):
             raise AccountError(f"member name {name!r}: use 1-40 letters, digits, '.', '_' or '-'")
         if role not in ROLES:
@@ -111,8 +135,8 @@ class Store:
         if self.member(name):
             raise AccountError(f"member {name!r} already exists")
         key = "enl-" + secrets.token_urlsafe(32)
-        sql = "INSERT INTO members (name, role, key_hash, created) VALUES (?, ?, ?, ?)"
-        self.write((sql, (name, role, sha256(key), time.time())))
+        sql = "INSERT INTO members (name, role, key_hash, password_hash, provisional, created) VALUES (?, ?, ?, ?, ?, ?)"
+        self.write((sql, (name, role, sha256(key), password_hash, int(provisional), time.time())))
         return key
 
     def member(self, name):
@@ -120,8 +144,8 @@ class Store:
         return rows[0] if rows else None
 
     def members(self):
-        return self.query("SELECT id, name, role, password_hash IS NOT NULL AS has_password, created "
-                          "FROM members ORDER BY name")  # fmt: skip
+        return self.query("SELECT id, name, role, password_hash IS NOT NULL AS has_password, provisional, "
+                          "created FROM members ORDER BY name")  # fmt: skip
 
     def remove_member(self, name):
         removed = self.write(("DELETE FROM members WHERE name = ?", (name,))) > 0
@@ -138,6 +162,22 @@ class Store:
 
     def set_password(self, name, password_hash):
         return self.write(("UPDATE members SET password_hash = ? WHERE name = ?", (password_hash, name))) > 0
+
+    def change_password(self, member_id, password_hash, keep_session=None):
+        """The member's own password change, in one transaction: the new hash, every session but
+        keep_session (the token of the one asking, if they came by cookie) ended, and a provisional account
+        made final with a new API key, returned (None when the key stays): the admin who created the account
+        knew its first password and key, and neither works afterwards."""
+        keep = sha256(keep_session) if keep_session else ""
+        with self.transaction():
+            row = self.db.execute("SELECT provisional FROM members WHERE id = ?", (member_id,)).fetchone()
+            key = "enl-" + secrets.token_urlsafe(32) if row and row["provisional"] else None
+            self.db.execute(
+                "UPDATE members SET password_hash = ?, provisional = 0, key_hash = COALESCE(?, key_hash) WHERE id = ?",
+                (password_hash, key and sha256(key), member_id),
+            )
+            self.db.execute("DELETE FROM sessions WHERE member_id = ? AND token_hash != ?", (member_id, keep))
+        return key
 
     def member_by_key(self, key):
         rows = self.query("SELECT * FROM members WHERE key_hash = ?", (sha256(key),))
@@ -245,13 +285,14 @@ def member_main(argv, load_settings, default_config):
     overrides = [a for a in argv if OVERRIDE.match(a)]  # serve.key=value anywhere on the line
     args = parser.parse_args([a for a in argv if not OVERRIDE.match(a)])
     settings = load_settings(args.config, overrides)
-    store = Store(settings["database"])
+    store = Store(settings["database"], settings["busy_timeout_ms"])
     if args.command == "add":
         key = store.add_member(args.name, args.role)
         print(f"member {args.name} ({args.role}) added; API key (shown only now):\n{key}")
     elif args.command == "list":
         for m in store.members():
             web = "web password set" if m["has_password"] else "no web password"
+            web += " (provisional: the member must change it)" if m["provisional"] else ""
             print(f"{m['name']:20s} {m['role']:6s} {web}")
     elif args.command == "remove":
         if not store.remove_member(args.name):

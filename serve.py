@@ -14,13 +14,16 @@ Retry-After).
 The server binds 127.0.0.1 unless --host says otherwise: --host 0.0.0.0 opens it to every device on the
 network, over plain HTTP (see the README before doing that).
 
-Routes (routes() below; other features add theirs with build_app(..., extra_routes)):
+Routes (routes() below; the handlers of sessions, stored conversations, accounts and memories are
+serve_web.py's; other features add theirs with build_app(..., extra_routes)):
     GET  /v1/models                        the run, as the one model id
     POST /v1/chat/completions              OpenAI chat completions, plain or streamed (SSE); stateless
     POST /api/login, /api/logout; GET /api/me            web sessions (HttpOnly, SameSite=Strict cookie)
+    POST /api/me/password                  the member's own password change (a provisional account's way out)
     GET|POST /api/conversations; GET|DELETE /api/conversations/{id}
     POST /api/conversations/{id}/messages  a turn of a stored conversation, streamed like the API
-    GET|POST /api/members; DELETE /api/members/{name}                         admin only
+    GET|POST /api/members; DELETE /api/members/{name}                         admin only (a member made
+                                           here is provisional until they change the password the admin set)
     POST /api/members/{name}/key           a new API key: the caller's own only
     GET  /api/server                       queue and worker counters, admin only
     GET|POST|DELETE /api/memories; GET /api/memories/export; PATCH|DELETE /api/memories/{id}
@@ -42,6 +45,7 @@ import json
 import os
 import secrets
 import socket
+import sqlite3
 import sys
 import threading
 import time
@@ -61,13 +65,14 @@ import chat
 import config
 import fileio
 import memory
+import serve_web
 import worker
 from openai_shapes import ApiError, Reply, check_tools, conversation_of, expect, sampling_of
+from serve_web import SESSION_COOKIE, owned, read_json
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 WEB_DIR = os.path.join(ROOT, "web")
 DEFAULT_CONFIG = os.path.join(ROOT, "configs", "serve", "default.yaml")
-SESSION_COOKIE = "enlace_session"
 SECURITY_HEADERS = [
     (b"x-content-type-options", b"nosniff"),
     (b"x-frame-options", b"DENY"),
@@ -98,7 +103,19 @@ class Server:
         self.memory_cfg = memory_cfg or memory.load_config()
 
     # --- who is asking
-    def member_of(self, request):
+    def member_of(self, request, provisional_ok=False):
+        """The member whose API key or session cookie came with the request. A provisional account (made
+        through the admin API: the admin knows its password and key) reaches only the routes that pass
+        provisional_ok (GET /api/me, the password change); anything else is a 403 until the member has
+        chosen their own password."""
+        member = self.credentials_of(request)
+        if member["provisional"] and not provisional_ok:
+            raise ApiError(403, "this account's password was set by an admin: change it first (POST "
+                           "/api/me/password) and use the new API key that answer gives",
+                           code="password_change_required")  # fmt: skip
+        return member
+
+    def credentials_of(self, request):
         header = request.headers.get("authorization")
         if header is not None:
             scheme, _, key = header.partition(" ")
@@ -120,6 +137,31 @@ class Server:
         if member["role"] != "admin":
             raise ApiError(403, "only an admin manages accounts", code="admin_only")
         return member
+
+    # --- guessing passwords: failed logins and password changes count together, per lowercased name
+    def check_lockout(self, name):
+        _, locked_until = self.failures.get(name.lower(), (0, 0.0))
+        if locked_until > time.monotonic():
+            wait = int(locked_until - time.monotonic()) + 1
+            raise ApiError(429, f"too many failed password attempts for {name!r}; try again in {wait} s",
+                           code="login_locked", retry_after=wait)  # fmt: skip
+
+    def password_failed(self, name):
+        count, _ = self.failures.get(name.lower(), (0, 0.0))
+        count += 1
+        locked = count >= self.settings["login_max_failures"]
+        until = time.monotonic() + self.settings["login_lockout_s"]
+        self.failures[name.lower()] = (0, until) if locked else (count, 0.0)
+
+    async def password_checks(self, name, password, stored):
+        """Whether the password matches the stored hash (None: no password; an equal amount of work on a
+        dummy hash, so unknown names and members without a password answer in the same time)."""
+        matches = await asyncio.to_thread(accounts.password_matches, password, stored or self.dummy_hash)
+        if not (stored and matches):
+            self.password_failed(name)
+            return False
+        self.failures.pop(name.lower(), None)
+        return True
 
     def check_hours(self, member):
         hours = self.settings["child"]["allowed_hours"]
@@ -220,24 +262,6 @@ class Server:
             self.pending[member["id"]] = left
         else:
             self.pending.pop(member["id"], None)
-
-
-async def read_json(request, limit):
-    """The JSON body as a dict; 413 past `limit` bytes (the rest is read and dropped, so the client gets
-    the answer rather than a reset connection), 400 when it is not a JSON object."""
-    body, size = bytearray(), 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size <= limit:
-            body += chunk
-    if size > limit:
-        raise ApiError(413, f"the request body is {size} bytes; at most {limit} are accepted",
-                       code="request_too_large")  # fmt: skip
-    try:
-        value = json.loads(bytes(body))
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"the body is not valid JSON: {e}", code="invalid_json") from None
-    return expect(value, dict, "body", "a JSON object")
 
 
 class ClientGone(Exception):
@@ -400,90 +424,6 @@ async def chat_completions(request):
     return JSONResponse(base | {"object": "chat.completion", "choices": [choice], "usage": usage})
 
 
-# --- web sessions and stored conversations
-
-
-def me(member):
-    return {"name": member["name"], "role": member["role"]}
-
-
-async def login(request):
-    server = request.app.state.server
-    body = await read_json(request, 4096)
-    name = expect(body.get("name"), str, "name", "the member's name")
-    password = expect(body.get("password"), str, "password", "the password or PIN")
-    now, failures = time.monotonic(), server.failures
-    count, locked_until = failures.get(name.lower(), (0, 0.0))
-    if locked_until > now:
-        wait = int(locked_until - now) + 1
-        raise ApiError(429, f"too many failed logins for {name!r}; try again in {wait} s", code="login_locked",
-                       retry_after=wait)  # fmt: skip
-    member = server.store.member(name)
-    stored = (member or {}).get("password_hash") or server.dummy_hash  # same work for unknown names
-    matches = await asyncio.to_thread(accounts.password_matches, password, stored)
-    if not (member and member["password_hash"] and matches):
-        count += 1
-        locked = count >= server.settings["login_max_failures"]
-        failures[name.lower()] = (0, now + server.settings["login_lockout_s"]) if locked else (count, 0.0)
-        raise ApiError(401, "wrong name or password", code="invalid_login")
-    failures.pop(name.lower(), None)
-    days = server.settings["session_days"]
-    token = server.store.new_session(member["id"], days)
-    response = JSONResponse(me(member))
-    response.set_cookie(SESSION_COOKIE, token, max_age=int(days * 86400), path="/", httponly=True,
-                        samesite="strict")  # fmt: skip
-    return response
-
-
-async def logout(request):
-    token = request.cookies.get(SESSION_COOKIE)
-    if token:
-        request.app.state.server.store.end_session(token)
-    response = JSONResponse({"ok": True})
-    response.delete_cookie(SESSION_COOKIE, path="/", httponly=True, samesite="strict")
-    return response
-
-
-async def whoami(request):
-    return JSONResponse(me(request.app.state.server.member_of(request)))
-
-
-async def list_conversations(request):
-    server = request.app.state.server
-    member = server.member_of(request)
-    return JSONResponse({"data": server.store.conversations(member["id"])})
-
-
-async def new_conversation(request):
-    server = request.app.state.server
-    member = server.member_of(request)
-    body = await read_json(request, 4096) if int(request.headers.get("content-length") or 0) else {}
-    title = expect(body.get("title", "Nueva conversación"), str, "title", "a string")[:100]
-    conversation_id = server.store.new_conversation(member["id"], title)
-    return JSONResponse(server.store.conversation(member["id"], conversation_id), status_code=201)
-
-
-def owned(server, member, conversation_id):
-    conversation = server.store.conversation(member["id"], conversation_id)
-    if conversation is None:  # not theirs or not there: the same answer, so nothing leaks
-        raise ApiError(404, f"no conversation {conversation_id!r} of yours", code="conversation_not_found")
-    return conversation
-
-
-async def get_conversation(request):
-    server = request.app.state.server
-    member = server.member_of(request)
-    return JSONResponse(owned(server, member, request.path_params["id"]))
-
-
-async def delete_conversation(request):
-    server = request.app.state.server
-    member = server.member_of(request)
-    if not server.store.delete_conversation(member["id"], request.path_params["id"]):
-        owned(server, member, request.path_params["id"])  # raises the 404
-    return JSONResponse({"deleted": request.path_params["id"]})
-
-
 async def post_message(request):
     """A turn of a stored conversation: the member's message is stored once the model has taken the
     request, the answer once it is complete (or stopped), before the client is told it is done."""
@@ -528,149 +468,6 @@ async def post_message(request):
                          "usage": usage_of(prompt_tokens, tokens)})  # fmt: skip
 
 
-# --- accounts (admin)
-
-
-async def list_members(request):
-    server = request.app.state.server
-    server.admin_of(request)
-    return JSONResponse(
-        {"data": [me(m) | {"has_password": bool(m["has_password"])} for m in server.store.members()]}
-    )
-
-
-async def add_member(request):
-    server = request.app.state.server
-    server.admin_of(request)
-    body = await read_json(request, 4096)
-    name = expect(body.get("name"), str, "name", "the member's name")
-    role = expect(body.get("role"), str, "role", "admin, adult or child")
-    password = body.get("password")
-    if password is not None:
-        check_password(expect(password, str, "password", "a string"), server.settings)
-    try:
-        key = server.store.add_member(name, role)
-    except accounts.AccountError as e:
-        raise ApiError(400, str(e), code="invalid_member") from None
-    if password is not None:
-        server.store.set_password(
-            name, await asyncio.to_thread(accounts.hash_password, password, server.settings["scrypt"])
-        )
-    return JSONResponse({"name": name, "role": role, "api_key": key}, status_code=201)
-
-
-async def remove_member(request):
-    server = request.app.state.server
-    admin = server.admin_of(request)
-    name = request.path_params["name"]
-    if name.lower() == admin["name"].lower():
-        raise ApiError(400, "an admin cannot remove their own account", code="invalid_member")
-    if not server.store.remove_member(name):
-        raise ApiError(404, f"no member {name!r}", code="member_not_found")
-    return JSONResponse({"deleted": name})
-
-
-async def new_member_key(request):
-    """A new API key for the caller's own account (the old one stops working). Another member's key is
-    replaced only on the server's machine (`serve.py member new-key`): whoever holds a member's key reads
-    their conversations, and an admin must not."""
-    server = request.app.state.server
-    member, name = server.member_of(request), request.path_params["name"]
-    if name.lower() != member["name"].lower():
-        server.admin_of(request)
-        if server.store.member(name) is None:
-            raise ApiError(404, f"no member {name!r}", code="member_not_found")
-        raise ApiError(403, f"only {name} replaces their own key here (it would read their conversations); "
-                       f"on the server: python serve.py member new-key {name}", code="not_your_key")  # fmt: skip
-    return JSONResponse({"name": member["name"], "api_key": server.store.new_key(member["name"])})
-
-
-async def server_status(request):
-    server = request.app.state.server
-    server.admin_of(request)
-    stats = dict(server.worker.stats) | {"queued": server.worker.jobs.qsize()}
-    return JSONResponse(stats | {"model": server.model_id})
-
-
-# --- memories: the logged-in member's own (memory.py); the admin has none
-
-
-def memory_member(server, request):
-    member = server.member_of(request)
-    if member["role"] == "admin":
-        raise ApiError(403, "the admin role manages accounts and does not read memories", code="admin_only")
-    return member
-
-
-def memory_call(server, member, function, *args, **kwargs):
-    try:
-        return server.memories(member, function, *args, **kwargs)
-    except memory.MemoryNotFound as e:  # not there or not theirs: the same answer
-        raise ApiError(404, str(e), code="memory_not_found") from None
-    except memory.MemoryPermissionError as e:
-        raise ApiError(403, str(e), code="memory_forbidden") from None
-    except memory.MemoryStoreError as e:
-        raise ApiError(400, str(e), code="invalid_memory") from None
-
-
-async def memory_changes(request, server):
-    body = await read_json(request, 4 * server.memory_cfg["max_text_chars"] + 1024)  # UTF-8: <= 4 bytes/char
-    changes = {}
-    if "text" in body:
-        changes["text"] = expect(body["text"], str, "text", "the memory's text")
-    if "scope" in body:
-        changes["scope"] = expect(body["scope"], str, "scope", "'private' or 'family'")
-    if "pinned" in body:
-        changes["pinned"] = expect(body["pinned"], bool, "pinned", "true or false")
-    return changes
-
-
-async def list_memories(request):
-    server = request.app.state.server
-    member = memory_member(server, request)
-    return JSONResponse({"data": memory_call(server, member, memory.list_memories)})
-
-
-async def add_memory(request):
-    server = request.app.state.server
-    member = memory_member(server, request)
-    changes = await memory_changes(request, server)
-    if "text" not in changes:
-        raise ApiError(400, "text: required", param="text", code="invalid_memory")
-    text = changes.pop("text")
-    memory_id = memory_call(server, member, memory.add, text, server.memory_cfg, **changes)
-    return JSONResponse(memory_call(server, member, memory.get, memory_id), status_code=201)
-
-
-async def edit_memory(request):
-    server = request.app.state.server
-    member = memory_member(server, request)
-    changes = await memory_changes(request, server)
-    edited = memory_call(server, member, memory.edit, request.path_params["id"], server.memory_cfg, **changes)
-    return JSONResponse(edited)
-
-
-async def delete_memory(request):
-    server = request.app.state.server
-    member = memory_member(server, request)
-    return JSONResponse(
-        {"deleted": memory_call(server, member, memory.forget, request.path_params["id"])["id"]}
-    )
-
-
-async def delete_all_memories(request):
-    server = request.app.state.server
-    member = memory_member(server, request)
-    return JSONResponse({"deleted": memory_call(server, member, memory.forget_all)})
-
-
-async def export_memories(request):
-    server = request.app.state.server
-    member = memory_member(server, request)
-    disposition = {"Content-Disposition": 'attachment; filename="recuerdos.json"'}
-    return JSONResponse(memory_call(server, member, memory.export), headers=disposition)
-
-
 async def index(request):
     return FileResponse(os.path.join(WEB_DIR, "index.html"), headers={"Cache-Control": "no-cache"})
 
@@ -691,6 +488,17 @@ async def http_error(request, error):
         message = f"{request.method} is not allowed on {request.url.path}"
     code = "not_found" if error.status_code == 404 else "method_not_allowed"
     return await api_error(request, ApiError(error.status_code, message, code=code))
+
+
+async def database_error(request, error):
+    """Another process (the memory command line, a snapshot) holding the database's write lock past
+    serve.busy_timeout_ms is a 503 with Retry-After, as a full queue is; any other database error a 500."""
+    if error.sqlite_errorcode & 0xFF not in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED):
+        return await internal_error(request, error)
+    print(f"serve: {request.method} {request.url.path}: database busy ({error})", file=sys.stderr)
+    busy = ApiError(503, "the database is busy with another program; retry shortly", code="database_busy",
+                    retry_after=request.app.state.server.settings["retry_after_s"])  # fmt: skip
+    return await api_error(request, busy)
 
 
 async def internal_error(request, error):
@@ -723,25 +531,26 @@ def routes():
         Route("/", index),
         Route("/v1/models", list_models),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-        Route("/api/login", login, methods=["POST"]),
-        Route("/api/logout", logout, methods=["POST"]),
-        Route("/api/me", whoami),
-        Route("/api/conversations", list_conversations),
-        Route("/api/conversations", new_conversation, methods=["POST"]),
-        Route("/api/conversations/{id}", get_conversation),
-        Route("/api/conversations/{id}", delete_conversation, methods=["DELETE"]),
+        Route("/api/login", serve_web.login, methods=["POST"]),
+        Route("/api/logout", serve_web.logout, methods=["POST"]),
+        Route("/api/me", serve_web.whoami),
+        Route("/api/me/password", serve_web.change_password, methods=["POST"]),
+        Route("/api/conversations", serve_web.list_conversations),
+        Route("/api/conversations", serve_web.new_conversation, methods=["POST"]),
+        Route("/api/conversations/{id}", serve_web.get_conversation),
+        Route("/api/conversations/{id}", serve_web.delete_conversation, methods=["DELETE"]),
         Route("/api/conversations/{id}/messages", post_message, methods=["POST"]),
-        Route("/api/members", list_members),
-        Route("/api/members", add_member, methods=["POST"]),
-        Route("/api/members/{name}", remove_member, methods=["DELETE"]),
-        Route("/api/members/{name}/key", new_member_key, methods=["POST"]),
-        Route("/api/server", server_status),
-        Route("/api/memories", list_memories),
-        Route("/api/memories", add_memory, methods=["POST"]),
-        Route("/api/memories", delete_all_memories, methods=["DELETE"]),
-        Route("/api/memories/export", export_memories),
-        Route("/api/memories/{id:int}", edit_memory, methods=["PATCH"]),
-        Route("/api/memories/{id:int}", delete_memory, methods=["DELETE"]),
+        Route("/api/members", serve_web.list_members),
+        Route("/api/members", serve_web.add_member, methods=["POST"]),
+        Route("/api/members/{name}", serve_web.remove_member, methods=["DELETE"]),
+        Route("/api/members/{name}/key", serve_web.new_member_key, methods=["POST"]),
+        Route("/api/server", serve_web.server_status),
+        Route("/api/memories", serve_web.list_memories),
+        Route("/api/memories", serve_web.add_memory, methods=["POST"]),
+        Route("/api/memories", serve_web.delete_all_memories, methods=["DELETE"]),
+        Route("/api/memories/export", serve_web.export_memories),
+        Route("/api/memories/{id:int}", serve_web.edit_memory, methods=["PATCH"]),
+        Route("/api/memories/{id:int}", serve_web.delete_memory, methods=["DELETE"]),
         Mount("/web", StaticFiles(directory=WEB_DIR)),
     ]
 
@@ -752,7 +561,12 @@ def build_app(server, extra_routes=()):
     app = Starlette(
         routes=table[:-1] + list(extra_routes) + table[-1:],
         middleware=[Middleware(SecurityHeaders)],
-        exception_handlers={ApiError: api_error, HTTPException: http_error, Exception: internal_error},
+        exception_handlers={
+            ApiError: api_error,
+            HTTPException: http_error,
+            sqlite3.OperationalError: database_error,
+            Exception: internal_error,
+        },
     )
     app.state.server = server
     return app
@@ -760,12 +574,6 @@ def build_app(server, extra_routes=()):
 
 # -----------------------------------------------------------------------------
 # Command line
-
-
-def check_password(password, settings):
-    problem = accounts.password_problem(password, settings)
-    if problem:
-        raise ApiError(400, problem, param="password", code="weak_password")
 
 
 def load_model(run, device):
@@ -836,7 +644,7 @@ def serve_main(argv):
         raise ServeError(f"{memory.DEFAULT_CONFIG}: config problems:\n  " + "\n  ".join(e.problems)) from None
     host = args.host or settings["host"]
     port = settings["port"] if args.port is None else args.port
-    store = accounts.Store(settings["database"])
+    store = accounts.Store(settings["database"], settings["busy_timeout_ms"])
     model, tokenizer, model_id, context = load_model(args.run, args.device)
     model_worker = worker.Worker(model, tokenizer, settings["queue_size"])
     server = Server(settings, store, model_worker, model_id, context, memory_cfg=memory_cfg)

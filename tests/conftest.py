@@ -323,7 +323,8 @@ def live_server(chat_model, tmp_path, *overrides, model=None, context=None):
     real_model, tokenizer, model_id, run_context = chat_model
     context = context or run_context
     model_worker = worker.Worker(model or real_model, tokenizer, settings["queue_size"])
-    server = serve.Server(settings, accounts.Store(database), model_worker, model_id, context)
+    store = accounts.Store(database, settings["busy_timeout_ms"])
+    server = serve.Server(settings, store, model_worker, model_id, context)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     uv = uvicorn.Server(uvicorn.Config(serve.build_app(server), log_level="warning"))

@@ -7,6 +7,7 @@ model stands in for the model's choices where a test reads the prompt it was giv
 
 import json
 import os
+import sqlite3
 import subprocess
 import sys
 import time
@@ -197,6 +198,39 @@ def test_removing_a_member_removes_their_memories(chat_model, tmp_path):
         assert httpx.get(url + "/api/memories", headers=bearer(newcomer)).json()["data"] == []
         count = server.store.query("SELECT count(*) AS n FROM memories")[0]["n"]
         assert count == 0
+
+
+def test_a_database_another_program_keeps_locked_is_a_503_with_retry_after_until_it_lets_go(
+    chat_model, tmp_path
+):
+    with live_server(chat_model, tmp_path, "serve.busy_timeout_ms=200", "serve.retry_after_s=3") as (
+        url,
+        server,
+    ):
+        ana = httpx.Client(base_url=url, headers=bearer(member(server, "ana", "adult")))
+        assert ana.post("/api/memories", json={"text": SHARED}).status_code == 201
+        # Another program (the memory command line, say) takes the write lock and keeps it.
+        other = sqlite3.connect(server.settings["database"], isolation_level=None)
+        other.execute("BEGIN IMMEDIATE")
+        try:
+            for answer in (ana.post("/api/memories", json={"text": SECRET}), ana.post("/api/conversations")):
+                assert answer.status_code == 503, answer.text
+                assert answer.headers["Retry-After"] == "3"
+                error = answer.json()["error"]
+                assert (error["code"], error["type"]) == ("database_busy", "server_overloaded")
+                assert "busy" in error["message"] and "Traceback" not in answer.text
+            assert [m["text"] for m in ana.get("/api/memories").json()["data"]] == [
+                SHARED
+            ]  # reads go on (WAL)
+        finally:
+            other.execute("ROLLBACK")
+            other.close()
+        # Once it lets go, the same request succeeds and nothing was half-written meanwhile.
+        assert ana.post("/api/memories", json={"text": SECRET}).status_code == 201
+        assert sorted(m["text"] for m in ana.get("/api/memories").json()["data"]) == sorted([SHARED, SECRET])
+        assert ana.get("/api/conversations").json()["data"] == []
+        assert ana.post("/api/conversations").status_code == 201
+        ana.close()
 
 
 def test_the_command_line_takes_the_role_of_the_account(tmp_path):

@@ -481,6 +481,25 @@ def test_the_conversation_routes_refuse_bad_input_with_a_clear_4xx(chat_model, t
         http.close()
 
 
+def test_the_small_form_routes_take_bodies_up_to_serve_max_form_bytes(chat_model, tmp_path):
+    with live_server(chat_model, tmp_path, "serve.max_form_bytes=300") as (url, server):
+        admin = httpx.Client(
+            base_url=url,
+            headers={"Authorization": f"Bearer {member(server, 'carla', 'admin', 'clave-carla')}"},
+        )
+        padding = "x" * 200  # unknown fields are ignored: only the size differs between the two requests
+        forms = [("/api/login", {"name": "carla", "password": "clave-carla"}),
+                 ("/api/me/password", {"current": "clave-carla", "new": "clave-carla-2"}),
+                 ("/api/conversations", {"title": "mía"}),
+                 ("/api/members", {"name": "eva", "role": "adult", "password": "de-carla"})]  # fmt: skip
+        for path, body in forms:
+            big = admin.post(path, json=body | {"padding": padding * 2})
+            assert (big.status_code, big.json()["error"]["code"]) == (413, "request_too_large"), path
+            assert "at most 300" in big.json()["error"]["message"]
+            assert admin.post(path, json=body | {"padding": padding}).status_code in (200, 201), path
+        admin.close()
+
+
 def test_only_an_admin_manages_accounts_and_keys_are_stored_only_as_hashes(chat_model, tmp_path):
     with live_server(chat_model, tmp_path) as (url, server):
         admin = {"Authorization": f"Bearer {member(server, 'carla', 'admin')}"}
@@ -489,17 +508,20 @@ def test_only_an_admin_manages_accounts_and_keys_are_stored_only_as_hashes(chat_
                              ("POST", "/api/members/carla/key"), ("GET", "/api/server")]:  # fmt: skip
             answer = httpx.request(method, url + path, headers=adult, json={"name": "x", "role": "admin"})
             assert answer.status_code == 403 and answer.json()["error"]["code"] == "admin_only", path
+        no_password = httpx.post(url + "/api/members", headers=admin, json={"name": "dani", "role": "child"})
+        assert no_password.status_code == 400 and no_password.json()["error"]["param"] == "password"
         made = httpx.post(
             url + "/api/members", headers=admin, json={"name": "dani", "role": "child", "password": "1234"}
         )
-        assert made.status_code == 201
-        new_key = made.json()["api_key"]
+        assert made.status_code == 201 and made.json()["must_change_password"] is True
+        first_key = made.json()["api_key"]
         names = [m["name"] for m in httpx.get(url + "/api/members", headers=admin).json()["data"]]
         assert names == ["ana", "carla", "dani"]
-        assert (
-            httpx.get(url + "/api/me", headers={"Authorization": f"Bearer {new_key}"}).json()["role"]
-            == "child"
-        )
+        dani = {"Authorization": f"Bearer {first_key}"}
+        assert httpx.get(url + "/api/me", headers=dani).json()["role"] == "child"
+        # dani's own password (the admin's "1234" is provisional) brings dani's own key.
+        new_key = httpx.post(url + "/api/me/password", headers=dani, json={"current": "1234", "new": "8642"})
+        new_key = new_key.json()["api_key"]
         # Every member replaces their own key (a leaked one stops working); another's, only the CLI does.
         replaced = httpx.post(url + "/api/members/dani/key", headers={"Authorization": f"Bearer {new_key}"})
         replaced = replaced.json()["api_key"]
@@ -518,7 +540,8 @@ def test_only_an_admin_manages_accounts_and_keys_are_stored_only_as_hashes(chat_
         raw = f.read()
     with contextlib.suppress(FileNotFoundError), open(database + "-wal", "rb") as f:
         raw += f.read()
-    assert new_key.encode() not in raw and replaced.encode() not in raw and b"1234" not in raw
+    assert new_key.encode() not in raw and replaced.encode() not in raw
+    assert b"1234" not in raw and b"8642" not in raw
     hashes = sqlite3.connect(database).execute(
         "SELECT password_hash FROM members WHERE password_hash IS NOT NULL"
     )
@@ -531,13 +554,129 @@ def test_web_login_sets_a_strict_httponly_cookie_and_locks_out_guessing(chat_mod
         session, answer = login(url, "ana", "1357")
         cookie = answer.headers["set-cookie"].lower()
         assert answer.status_code == 200 and "httponly" in cookie and "samesite=strict" in cookie
-        assert session.get("/api/me").json() == {"name": "ana", "role": "adult"}
+        assert session.get("/api/me").json() == {
+            "name": "ana",
+            "role": "adult",
+            "must_change_password": False,
+        }
         assert session.post("/api/logout").status_code == 200
         assert session.get("/api/me").status_code == 401
         wrong = [login(url, "ana", pin)[1] for pin in ("0000", "1111", "2222", "1357")]
         assert [a.status_code for a in wrong] == [401, 401, 401, 429]  # locked even for the right PIN
         assert int(wrong[-1].headers["Retry-After"]) > 0
         assert login(url, "nadie", "1357")[1].status_code == 401
+
+
+def test_the_credentials_an_admin_sets_read_nothing_and_stop_working_once_the_member_changes_them(
+    chat_model, tmp_path
+):
+    with live_server(chat_model, tmp_path, NO_TOOLS) as (url, server):
+        admin = {"Authorization": f"Bearer {member(server, 'carla', 'admin')}"}
+        made = httpx.post(
+            url + "/api/members", headers=admin, json={"name": "eva", "role": "adult", "password": "de-carla"}
+        )
+        admins_key = made.json()["api_key"]
+        # What the admin knows (the first password, the key) reaches only /api/me and the password change.
+        by_key = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {admins_key}"})
+        admins_session, answer = login(url, "eva", "de-carla")
+        assert answer.status_code == 200 and answer.json()["must_change_password"] is True
+        for http in (by_key, admins_session):
+            assert http.get("/api/me").json() == {
+                "name": "eva",
+                "role": "adult",
+                "must_change_password": True,
+            }
+            refused = [http.get("/api/conversations"), http.post("/api/conversations", json={}),
+                       http.get("/api/memories"), http.post("/api/memories", json={"text": "algo"}),
+                       http.get("/v1/models"), http.post("/api/members/eva/key"),
+                       http.post("/v1/chat/completions", json={"model": "chat", "messages": USER, "max_tokens": 2})]  # fmt: skip
+            for attempt in refused:
+                assert attempt.status_code == 403, (attempt.request.method, attempt.request.url, attempt.text)
+                error = attempt.json()["error"]
+                assert (error["type"], error["code"]) == ("permission_error", "password_change_required")
+        with pytest.raises(openai.PermissionDeniedError, match="change it first"):
+            client(url, admins_key).chat.completions.create(model="chat", messages=USER, max_tokens=2)
+        with pytest.raises(openai.PermissionDeniedError):
+            client(url, admins_key).models.list()
+        assert server.store.conversations(server.store.member("eva")["id"]) == []  # nothing was created
+
+        # eva logs in on her own phone and changes it: a wrong current password, a weak or unchanged new
+        # one are refused and change nothing.
+        own, _ = login(url, "eva", "de-carla")
+        change = lambda current, new: own.post("/api/me/password", json={"current": current, "new": new})  # noqa: E731
+        cases = [(change("no-es-esta", "solo-de-eva"), 403, "wrong_password"),
+                 (change("de-carla", "123"), 400, "weak_password"),
+                 (change("de-carla", "de-carla"), 400, "same_password"),
+                 (own.post("/api/me/password", json={"current": "de-carla"}), 400, "invalid_type")]  # fmt: skip
+        for answer, status, code in cases:
+            assert (answer.status_code, answer.json()["error"]["code"]) == (status, code), answer.text
+        assert "new: at least 4" in cases[1][0].json()["error"]["message"]
+        assert by_key.get("/api/me").status_code == 200  # still provisional, the old key still works
+        changed = change("de-carla", "solo-de-eva")
+        assert changed.status_code == 200 and changed.json()["must_change_password"] is False
+        evas_key = changed.json()["api_key"]
+        assert evas_key != admins_key
+
+        # What the admin knew stops working: the key, the session opened with it, the first password.
+        assert by_key.get("/api/me").status_code == 401
+        assert admins_session.get("/api/me").status_code == 401
+        with pytest.raises(openai.AuthenticationError):
+            client(url, admins_key).models.list()
+        assert login(url, "eva", "de-carla")[1].status_code == 401
+        # eva's own credentials read and write: this session, a new login, her new key.
+        assert own.get("/api/me").json() == {"name": "eva", "role": "adult", "must_change_password": False}
+        assert own.post("/api/conversations", json={"title": "mía"}).status_code == 201
+        again, answer = login(url, "eva", "solo-de-eva")
+        assert (
+            answer.json()["must_change_password"] is False
+            and len(again.get("/api/conversations").json()["data"]) == 1
+        )
+        answer = client(url, evas_key).chat.completions.create(model="chat", messages=USER, max_tokens=2)
+        assert answer.choices[0].finish_reason in ("stop", "length")
+        # A later change (no longer provisional) keeps the key, ends the other sessions, keeps this one.
+        later = again.post("/api/me/password", json={"current": "solo-de-eva", "new": "otra-de-eva"})
+        assert later.status_code == 200 and "api_key" not in later.json()
+        assert own.get("/api/me").status_code == 401 and again.get("/api/me").status_code == 200
+        assert httpx.get(url + "/api/me", headers={"Authorization": f"Bearer {evas_key}"}).status_code == 200
+        # By API key, every session ends.
+        by_evas_key = httpx.post(url + "/api/me/password", headers={"Authorization": f"Bearer {evas_key}"},
+                                 json={"current": "otra-de-eva", "new": "y-otra-mas"})  # fmt: skip
+        assert by_evas_key.status_code == 200 and again.get("/api/me").status_code == 401
+        for http in (by_key, admins_session, own, again):
+            http.close()
+
+
+def test_a_password_change_needs_a_current_password_and_wrong_ones_count_towards_the_lockout(
+    chat_model, tmp_path
+):
+    with live_server(chat_model, tmp_path, "serve.login_max_failures=2") as (url, server):
+        key = member(server, "ana", "adult", "1357")
+        ana = {"Authorization": f"Bearer {key}"}
+        guesses = [httpx.post(url + "/api/me/password", headers=ana, json={"current": pin, "new": "2468"})
+                   for pin in ("0000", "1111", "1357")]  # fmt: skip
+        assert [g.status_code for g in guesses] == [403, 403, 429]  # locked even for the right one
+        assert login(url, "ana", "1357")[1].status_code == 429  # and so is the login
+        assert login(url, "ana", "2468")[1].status_code == 429
+        # A member made on the server without a web password sets the first one there, not with the key alone.
+        beto = {"Authorization": f"Bearer {member(server, 'beto')}"}
+        first = httpx.post(url + "/api/me/password", headers=beto, json={"current": "", "new": "2468"})
+        assert first.status_code == 400 and first.json()["error"]["code"] == "no_password"
+        assert "python serve.py member password beto" in first.json()["error"]["message"]
+
+
+def test_an_old_database_gains_the_provisional_column_and_its_members_stay_as_they_were(tmp_path):
+    database = str(tmp_path / "old.sqlite")
+    old = sqlite3.connect(database)
+    old.executescript(
+        "CREATE TABLE members (id INTEGER PRIMARY KEY, name TEXT NOT NULL UNIQUE COLLATE NOCASE, role TEXT NOT NULL,"
+        " key_hash TEXT NOT NULL UNIQUE, password_hash TEXT, created REAL NOT NULL);"
+        f"INSERT INTO members (name, role, key_hash, created) VALUES ('ana', 'adult', '{accounts.sha256('enl-x')}', 0);"
+    )  # fmt: skip
+    old.close()
+    store = accounts.Store(database)
+    assert store.member_by_key("enl-x")["provisional"] == 0
+    accounts.Store(database)  # a second opening finds the column there
+    assert [m["name"] for m in store.members()] == ["ana"]
 
 
 def test_children_get_their_instruction_cap_and_hours(chat_model, tmp_path):

@@ -206,6 +206,79 @@ def test_a_new_conversation_starts_empty_and_its_owner_deletes_one_from_the_page
     assert status == 404  # gone from the server, not only from the page
 
 
+def test_a_member_an_admin_created_changes_the_password_on_the_page_then_chats(browser, chat_model, tmp_path):
+    with live_server(chat_model, tmp_path, "serve.default_max_tokens=16") as (url, server):
+        admin = {"Authorization": f"Bearer {server.store.add_member('carla', 'admin')}"}
+        made = httpx.post(
+            url + "/api/members", headers=admin, json={"name": "eva", "role": "adult", "password": "de-carla"}
+        )
+        admins_key = made.json()["api_key"]
+        browser.delete_all_cookies()
+        browser.get(url + "/")
+        wait_for(browser, lambda d: by_id(d, "login").is_displayed())
+        by_id(browser, "login-name").send_keys("eva")
+        by_id(browser, "login-password").send_keys("de-carla")
+        by_id(browser, "login-button").click()
+        # Asked to choose her own password before anything else.
+        wait_for(browser, lambda d: by_id(d, "password").is_displayed())
+        assert (
+            not by_id(browser, "app").is_displayed() and "administra" in by_id(browser, "password-why").text
+        )
+        screenshot(browser, "7-provisional-password.png")
+        for field, text in (("password-current", "de-carla"), ("password-new", "solo-de-eva"),
+                            ("password-repeat", "solo-de-Eva")):  # fmt: skip
+            by_id(browser, field).send_keys(text)
+        by_id(browser, "password-button").click()
+        wait_for(browser, lambda d: by_id(d, "password-error").text)
+        assert by_id(browser, "password-error").text == "Las dos contraseñas nuevas no coinciden."
+        by_id(browser, "password-repeat").clear()
+        by_id(browser, "password-repeat").send_keys("solo-de-eva")
+        by_id(browser, "password-button").click()
+        wait_for(browser, lambda d: by_id(d, "new-key").is_displayed())
+        evas_key = by_id(browser, "new-key").text
+        screenshot(browser, "8-new-api-key.png")
+        # The key on the page is eva's; what the admin knew no longer works.
+        assert httpx.get(url + "/api/me", headers={"Authorization": f"Bearer {evas_key}"}).status_code == 200
+        assert (
+            httpx.get(url + "/api/me", headers={"Authorization": f"Bearer {admins_key}"}).status_code == 401
+        )
+        old_login = httpx.post(url + "/api/login", json={"name": "eva", "password": "de-carla"})
+        assert old_login.status_code == 401
+        by_id(browser, "password-continue").click()
+        wait_for(browser, lambda d: by_id(d, "app").is_displayed())
+        assert by_id(browser, "new-key").text == ""  # shown once, not left in the page
+        by_id(browser, "input").send_keys("Hola")
+        by_id(browser, "send").click()
+        wait_for(browser, lambda d: all_of(d, ".message.assistant[data-done='true']"))
+        assert by_id(browser, "chat-error").text == ""
+        screenshot(browser, "9-chat-after-password-change.png")
+        headers = {"Authorization": f"Bearer {evas_key}"}
+        [listed] = httpx.get(url + "/api/conversations", headers=headers).json()["data"]
+        assert listed["title"] == "Hola"
+
+        # Later, from the sidebar: a wrong current password is told in Spanish; the right one changes it.
+        by_id(browser, "menu").click()
+        wait_for(browser, lambda d: by_id(d, "change-password").is_displayed())
+        by_id(browser, "change-password").click()
+        wait_for(browser, lambda d: by_id(d, "password").is_displayed())
+        for field, text in (("password-current", "no-es-esta"), ("password-new", "otra-de-eva"),
+                            ("password-repeat", "otra-de-eva")):  # fmt: skip
+            by_id(browser, field).send_keys(text)
+        by_id(browser, "password-button").click()
+        wait_for(browser, lambda d: by_id(d, "password-error").text)
+        assert by_id(browser, "password-error").text == "La contraseña actual no es correcta."
+        by_id(browser, "password-current").clear()
+        by_id(browser, "password-current").send_keys("solo-de-eva")
+        by_id(browser, "password-button").click()
+        wait_for(browser, lambda d: by_id(d, "password-done").is_displayed())
+        assert not by_id(browser, "new-key-box").is_displayed()  # not provisional: the key stays
+        by_id(browser, "password-continue").click()
+        wait_for(browser, lambda d: by_id(d, "app").is_displayed())
+        new_login = httpx.post(url + "/api/login", json={"name": "eva", "password": "otra-de-eva"})
+        assert new_login.status_code == 200
+        assert httpx.get(url + "/api/me", headers=headers).status_code == 200
+
+
 def test_the_page_loads_nothing_from_outside_the_server(chat_model, tmp_path):
     # No CDN, no build step: every file the page uses is in web/ and named by a path on this server,
     # and the Content-Security-Policy makes the browser refuse anything else.

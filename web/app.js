@@ -3,7 +3,7 @@
 "use strict";
 
 const $ = (id) => document.getElementById(id);
-const state = { member: null, current: null, controller: null };
+const state = { member: null, current: null, controller: null, passwordRequired: false };
 
 async function api(method, path, body) {
   const options = { method, headers: {}, credentials: "same-origin" };
@@ -18,11 +18,15 @@ async function api(method, path, body) {
 
 async function errorOf(response) {
   let message = `Error ${response.status}`;
+  let code = null;
   try {
-    message = (await response.json()).error.message || message;
+    const { error } = await response.json();
+    message = error.message || message;
+    code = error.code;
   } catch (_) { /* not JSON */ }
   const error = new Error(message);
   error.status = response.status;
+  error.code = code;
   return error;
 }
 
@@ -31,14 +35,17 @@ async function errorOf(response) {
 function showLogin() {
   state.member = null;
   $("app").hidden = true;
+  $("password").hidden = true;
   $("login").hidden = false;
   $("login-name").focus();
 }
 
 async function showApp(member) {
   state.member = member;
+  if (member.must_change_password) return showPassword(true);
   $("member-name").textContent = member.name;
   $("login").hidden = true;
+  $("password").hidden = true;
   $("app").hidden = false;
   newConversation();
   await loadConversations();
@@ -59,12 +66,75 @@ $("login-form").addEventListener("submit", async (event) => {
   }
 });
 
-$("logout").addEventListener("click", async () => {
+async function logout() {
   stopAnswer();
   await api("POST", "/api/logout").catch(() => {});
   $("conversations").replaceChildren();
   $("messages").replaceChildren();
   showLogin();
+}
+
+$("logout").addEventListener("click", logout);
+
+// --- password change -----------------------------------------------------------------------------
+// Required after logging in with a password an admin set (the account is provisional until then: the
+// server answers nothing else); any member can also reach it from the sidebar.
+
+const PASSWORD_ERRORS = {
+  wrong_password: "La contraseña actual no es correcta.",
+  weak_password: "La nueva contraseña es demasiado corta.",
+  same_password: "La nueva contraseña tiene que ser distinta de la actual.",
+  login_locked: "Demasiados intentos fallidos: espera unos minutos.",
+};
+
+function showPassword(required) {
+  stopAnswer();
+  state.passwordRequired = required;
+  $("password-why").textContent = required
+    ? "Tu contraseña la eligió quien administra la familia. Elige una tuya para empezar: la anterior y la " +
+      "clave de API que te dieron dejarán de funcionar."
+    : "";
+  $("password-cancel").textContent = required ? "Salir" : "Cancelar";
+  for (const id of ["password-current", "password-new", "password-repeat"]) $(id).value = "";
+  $("password-error").textContent = "";
+  $("password-form").hidden = false;
+  $("password-done").hidden = true;
+  $("login").hidden = true;
+  $("app").hidden = true;
+  $("password").hidden = false;
+  $("password-current").focus();
+}
+
+$("change-password").addEventListener("click", () => showPassword(false));
+$("password-cancel").addEventListener("click", () => (state.passwordRequired ? logout() : showApp(state.member)));
+
+$("password-form").addEventListener("submit", async (event) => {
+  event.preventDefault();
+  $("password-error").textContent = "";
+  if ($("password-new").value !== $("password-repeat").value) {
+    $("password-error").textContent = "Las dos contraseñas nuevas no coinciden.";
+    return;
+  }
+  try {
+    const changed = await api("POST", "/api/me/password", {
+      current: $("password-current").value,
+      new: $("password-new").value,
+    });
+    for (const id of ["password-current", "password-new", "password-repeat"]) $(id).value = "";
+    state.member = changed;
+    $("new-key").textContent = changed.api_key || "";
+    $("new-key-box").hidden = !changed.api_key;
+    $("password-form").hidden = true;
+    $("password-done").hidden = false;
+  } catch (error) {
+    $("password-error").textContent = PASSWORD_ERRORS[error.code] || error.message;
+  }
+});
+
+$("password-continue").addEventListener("click", () => {
+  $("new-key").textContent = ""; // shown once: not left in the page
+  $("new-key-box").hidden = true;
+  showApp(state.member);
 });
 
 // --- conversations -------------------------------------------------------------------------------
