@@ -5,8 +5,9 @@ A checkpoint is runs/<run>/ckpt_<step>.pt, written atomically by train.py throug
 self-contained: besides weights, optimizer and loader state it carries the resolved config and the
 tokenizer it was trained with (the sentencepiece model's bytes, their sha256 and the chat template
 version), so sample.py, serve.py and export.py decode with exactly that tokenizer even when the data
-directory's one has been retrained since. Checkpoints written before this carried only the tokenizer's
-name: they still load, with the tokenizer of their data directory and a warning.
+directory's one has been retrained since, and refuse a run whose chat template version is not this
+code's. Checkpoints written before this carried only the tokenizer's name: they still load, with the
+tokenizer of their data directory and warnings.
 
 This file knows nothing about the training loop; train.py, sample.py, serve.py and export.py import it.
 """
@@ -114,8 +115,34 @@ def stored_tokenizer_sha256(checkpoint):
     return checkpoint.get("tokenizer_sha256")
 
 
+def check_chat_template_version(checkpoint, ckpt_path, log=print):
+    """Refuse a run trained with another chat template than chat.render's: its prompts would not be laid
+    out as it learned them. Checkpoints written before the version was recorded load with a warning."""
+    record = checkpoint.get("tokenizer")
+    trained_with = record.get("chat_template_version") if isinstance(record, dict) else None
+    ours = chat.CHAT_TEMPLATE_VERSION
+    if trained_with is None:
+        log(
+            f"warning: {ckpt_path} does not record the chat template version it was trained with; "
+            f"assuming this code's (version {ours})"
+        )
+    elif trained_with != ours:
+        commit = checkpoint.get("code_version", "unknown")
+        where = (
+            f"the commit it was trained with ({commit})"
+            if commit != "unknown"
+            else "the code it was trained with"
+        )
+        raise CheckpointError(
+            f"{ckpt_path}: trained with chat template version {trained_with}, but this code renders version "
+            f"{ours} (chat.CHAT_TEMPLATE_VERSION); check out {where} to use it, or fine-tune it on "
+            f"conversations rendered with version {ours}"
+        )
+
+
 def tokenizer_of(checkpoint, ckpt_path, log=print):
-    """The tokenizer a checkpoint was trained with: the one inside it, or (old checkpoints) the data dir's."""
+    """The tokenizer a checkpoint was trained with: the one inside it, or (old checkpoints) the data dir's.
+    A run that can chat (not byte-level) must also have been trained with this code's chat template."""
     cfg = checkpoint["config"]
     record = checkpoint.get("tokenizer")
     if isinstance(record, dict) and record.get("name") == "bytes":
@@ -138,6 +165,8 @@ def tokenizer_of(checkpoint, ckpt_path, log=print):
                 f"warning: {ckpt_path} predates self-contained checkpoints; using the tokenizer of "
                 f"{tokenizer.path}, which must be the one it was trained with"
             )
+    if tokenizer.name != "bytes":  # the byte tokenizer has no control tokens: no chat template applies
+        check_chat_template_version(checkpoint, ckpt_path, log)
     if tokenizer.vocab_size != cfg["model"]["vocab_size"]:
         raise CheckpointError(
             f"{ckpt_path}: the model has {cfg['model']['vocab_size']} tokens but its tokenizer has "

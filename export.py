@@ -92,8 +92,10 @@ CHAT_TEMPLATE = (
 )
 
 # Ollama's Go template: .System (the system message), .Tools and .Messages as Ollama passes them; system
-# messages in .Messages are skipped, as in Ollama's own Qwen templates. Its json function writes compact
-# JSON, so tools and arguments lose the spaces chat.render's JSON has; the turn layout is the same.
+# messages in .Messages are skipped, as in Ollama's own Qwen templates. Its json function (Go's
+# encoding/json, the only JSON writer a template has) writes compact JSON with <, > and & escaped, and a
+# tool's "required" before its "properties": only the JSON inside <tools> and a call's arguments differ
+# from chat.render's text (tests/ollama_template.go executes this template as Ollama does).
 OLLAMA_TEMPLATE = """<|bos|>{{- if or .System .Tools }}<|system|>{{ .System }}
 {{- if and .System .Tools }}
 

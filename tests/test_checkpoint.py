@@ -212,7 +212,8 @@ def test_an_old_checkpoint_without_its_tokenizer_loads_from_the_data_dir_with_a_
     warnings = []
     _, _, tokenizer, _ = checkpoint.load_run(path, log=warnings.append)
     assert tokenizer.path == os.path.join(shard_data_dir, "tokenizer.model")
-    assert len(warnings) == 1 and "predates self-contained checkpoints" in warnings[0]
+    assert len(warnings) == 2 and "predates self-contained checkpoints" in warnings[0]
+    assert "does not record the chat template version" in warnings[1] and path in warnings[1]
 
 
 def test_a_checkpoint_whose_stored_tokenizer_was_altered_is_refused(tmp_path, shard_data_dir):
@@ -224,3 +225,53 @@ def test_a_checkpoint_whose_stored_tokenizer_was_altered_is_refused(tmp_path, sh
     torch.save(state, path)
     with pytest.raises(checkpoint.CheckpointError, match="does not match its sha256"):
         checkpoint.load_run(path)
+
+
+def run_with_chat_template_version(tmp_path, shard_data_dir, version):
+    """A tiny run's checkpoint, its recorded chat template version changed (None: removed)."""
+    cfg = tiny_config(tmp_path, "shards", shard_data_dir, "run_name=template", "train.max_steps=2")
+    train.train(cfg, log=lambda *a, **k: None)
+    path = checkpoint.list_checkpoints(train.run_dir_of(cfg))[0]
+    state = checkpoint.load_checkpoint(path)
+    assert state["tokenizer"]["chat_template_version"] == chat.CHAT_TEMPLATE_VERSION
+    if version is None:
+        del state["tokenizer"]["chat_template_version"]
+    else:
+        state["tokenizer"]["chat_template_version"] = version
+    torch.save(state, path)
+    return path, state["code_version"]
+
+
+def test_sample_serve_and_export_refuse_a_run_trained_with_another_chat_template_version(
+    tmp_path, shard_data_dir
+):
+    import export
+    import sample
+    import serve
+
+    other = chat.CHAT_TEMPLATE_VERSION + 1
+    path, commit = run_with_chat_template_version(tmp_path, shard_data_dir, other)
+    refusals = []
+    for load, error in [
+        (lambda: sample.load_run(path), sample.SampleError),
+        (lambda: serve.load_model(path, "cpu"), serve.ServeError),
+        (lambda: export.export(path, "hf", str(tmp_path / "hf"), log=lambda *a: None), export.ExportError),
+    ]:
+        with pytest.raises(error) as excinfo:
+            load()
+        refusals.append(str(excinfo.value))
+    for message in refusals:
+        assert message.startswith(f"{path}: trained with chat template version {other}, ")
+        assert f"this code renders version {chat.CHAT_TEMPLATE_VERSION}" in message
+        assert f"check out the commit it was trained with ({commit})" in message
+    assert not os.path.exists(tmp_path / "hf"), "the export wrote nothing"
+
+
+def test_a_checkpoint_without_its_chat_template_version_loads_with_a_warning(tmp_path, shard_data_dir):
+    path, _ = run_with_chat_template_version(tmp_path, shard_data_dir, None)
+    warnings = []
+    checkpoint.load_run(path, log=warnings.append)
+    assert warnings == [
+        f"warning: {path} does not record the chat template version it was trained with; "
+        f"assuming this code's (version {chat.CHAT_TEMPLATE_VERSION})"
+    ]

@@ -2,6 +2,8 @@
 
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 
@@ -300,14 +302,167 @@ def test_gguf_reads_back_with_names_shapes_and_tokenizer_metadata(run, enlace, t
             assert np.abs(values - weights).max() <= np.abs(weights).max() / 100
 
 
-def test_the_ollama_folder_has_the_gguf_and_a_modelfile_with_template_and_stops(run, tmp_path):
-    files = export.export(run, "ollama", str(tmp_path / "o"), log=quiet)
-    assert files == ["Modelfile", export.GGUF_NAME]
-    modelfile = (tmp_path / "o" / "Modelfile").read_text()
+@pytest.fixture(scope="module")
+def ollama_dir(run, tmp_path_factory):
+    out = tmp_path_factory.mktemp("out") / "ollama"
+    assert export.export(run, "ollama", str(out), log=quiet) == ["Modelfile", export.GGUF_NAME]
+    return out
+
+
+def test_the_ollama_folder_has_the_gguf_and_a_modelfile_with_template_and_stops(ollama_dir):
+    modelfile = (ollama_dir / "Modelfile").read_text()
     assert modelfile.startswith(f"FROM ./{export.GGUF_NAME}\n")
     assert 'TEMPLATE """<|bos|>' in modelfile and "range .Messages" in modelfile
-    assert 'PARAMETER stop "<|end|>"' in modelfile and 'PARAMETER stop "<|eos|>"' in modelfile
-    gguf.GGUFReader(str(tmp_path / "o" / export.GGUF_NAME))
+    gguf.GGUFReader(str(ollama_dir / export.GGUF_NAME))
+
+
+def test_the_modelfile_stops_on_the_control_tokens_that_end_a_reply(ollama_dir, enlace):
+    modelfile = (ollama_dir / "Modelfile").read_text()
+    stops = re.findall(r'^PARAMETER stop "(.*)"$', modelfile, flags=re.MULTILINE)
+    special = enlace[2].special_ids
+    assert [special[token] for token in stops] == [6, 2]  # <|end|>, <|eos|> in the token layout
+    # The last token the model learns to write in an assistant turn is the first stop.
+    last_trained = [
+        control for control, _, trained in chat.segments(CONVERSATIONS["system and several turns"]) if trained
+    ]
+    assert last_trained[-1] == stops[0]
+
+
+# Ollama's TEMPLATE run by Go's text/template: tests/ollama_template.go renders requests as Ollama does
+# (its template functions, its data, its api types' JSON). Ollama's only JSON writer is the template's
+# json function, Go's encoding/json, so tools and tool-call arguments come out compact (no spaces after
+# , and :), with <, > and & escaped as \u003c, \u003e, \u0026, and a tool's "required" before its
+# "properties" (Ollama's struct order); everything else is chat.render's text.
+AGENT_TOOL = {  # agent.py's shape: properties, then required
+    "type": "function",
+    "function": {
+        "name": "recordatorio",
+        "description": "Guarda un recordatorio <urgente> & con fecha",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "texto": {"type": "string", "description": "qué recordar"},
+                "dias": {"type": "integer"},
+            },
+            "required": ["texto"],
+        },
+    },
+}
+OLLAMA_CONVERSATIONS = CONVERSATIONS | {
+    "agent tool, ordered arguments, escaped characters": {
+        "messages": [
+            {"role": "system", "content": "Eres ENLACE."},
+            {"role": "user", "content": "Recuérdame <comprar> pan & leche en 2 días"},
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": "recordatorio",
+                            "arguments": '{"texto": "comprar <pan> & leche", "dias": 2, "avisar": true}',
+                        },
+                    }
+                ],
+            },
+            {"role": "tool", "content": '{"ok": true}'},
+            {"role": "assistant", "content": "Hecho, te lo recuerdo."},
+            {"role": "user", "content": "Gracias"},
+        ],
+        "tools": [AGENT_TOOL, TOOL],
+    },
+}
+
+
+def ollama_request(conversation):
+    """A conversation as an Ollama /api/chat request (its OpenAI layer parses string arguments too)."""
+    messages = []
+    for message in conversation["messages"]:
+        sent = {"role": message["role"], "content": message["content"]}
+        if message.get("tool_calls"):
+            sent["tool_calls"] = [
+                {"function": {"name": call["function"]["name"], "arguments": chat.arguments_of(call)}}
+                for call in message["tool_calls"]
+            ]
+        messages.append(sent)
+    return {"messages": messages, "tools": conversation.get("tools") or []}
+
+
+def go_json(value):
+    """Go's json.Marshal of a decoded JSON value (Ollama's json template function)."""
+    text = json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+    for char in "<>&\u2028\u2029":
+        text = text.replace(char, f"\\u{ord(char):04x}")
+    return text
+
+
+def in_ollama_order(tool):
+    function, parameters = tool["function"], tool["function"]["parameters"]
+    ordered = {"type": parameters["type"]}
+    ordered |= {"required": parameters["required"]} if parameters.get("required") else {}
+    ordered |= {"properties": parameters["properties"]}
+    return {"type": tool["type"], "function": function | {"parameters": ordered}}
+
+
+def ollama_prompt(conversation):
+    """chat.render's text for generation, with its JSON written as Ollama's template writes it."""
+    text = chat.render_text(conversation, for_generation=True)
+    replacements = {
+        json.dumps(tool, ensure_ascii=False): go_json(in_ollama_order(tool))
+        for tool in conversation.get("tools") or []
+    }
+    for message in conversation["messages"]:
+        for call in message.get("tool_calls", []):
+            arguments = chat.arguments_of(call)
+            replacements[f'"arguments": {json.dumps(arguments, ensure_ascii=False)}}}'] = (
+                f'"arguments": {go_json(arguments)}}}'
+            )
+    for spaced, compact in replacements.items():
+        assert spaced in text
+        text = text.replace(spaced, compact)
+    return text
+
+
+@pytest.fixture(scope="module")
+def ollama_rendered(ollama_dir, tmp_path_factory):
+    if shutil.which("go") is None:
+        message = "Go is not installed (apt-get install golang-go): Ollama's template cannot be executed"
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"{message} (CI=true: .ci/run installs it)")
+        pytest.skip(message)
+    requests = tmp_path_factory.mktemp("ollama") / "requests.json"
+    requests.write_text(json.dumps([ollama_request(c) for c in OLLAMA_CONVERSATIONS.values()]))
+    program = os.path.join(ROOT, "tests", "ollama_template.go")
+    result = subprocess.run(
+        ["go", "run", program, str(ollama_dir / "Modelfile"), str(requests)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    return dict(zip(OLLAMA_CONVERSATIONS, json.loads(result.stdout), strict=True))
+
+
+@pytest.mark.parametrize("name", OLLAMA_CONVERSATIONS)
+def test_ollama_s_template_gives_chat_render_s_prompt_with_compact_json(ollama_rendered, name):
+    conversation = OLLAMA_CONVERSATIONS[name]
+    assert ollama_rendered[name] == ollama_prompt(conversation)
+    if not conversation.get("tools"):
+        assert ollama_rendered[name] == chat.render_text(conversation, for_generation=True)
+
+
+def test_ollama_s_prompt_differs_from_chat_render_s_only_inside_json(ollama_rendered):
+    rendered = ollama_rendered["agent tool, ordered arguments, escaped characters"]
+    assert (
+        '"required":["texto"],"properties":{"texto":{"type":"string","description":"qué recordar"}'
+        in rendered
+    )
+    assert (
+        '{"name": "recordatorio", "arguments": {"texto":"comprar \\u003cpan\\u003e \\u0026 leche","dias":2,"avisar":true}}'
+        in rendered
+    )
+    assert "<|user|>Recuérdame <comprar> pan & leche en 2 días<|end|>" in rendered  # text is never escaped
 
 
 # -----------------------------------------------------------------------------
