@@ -48,8 +48,11 @@ def fresh_clone(tmp_path):
 
 
 def make(clone, *args):
+    # As a user's shell runs it: under `make test` the inherited MAKELEVEL/MAKEFLAGS would make the inner
+    # make print "Entering/Leaving directory" lines around the output.
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS")}
     return subprocess.run(
-        ["make", "-o", STAMP, *args], cwd=clone, capture_output=True, text=True, timeout=600
+        ["make", "-o", STAMP, *args], cwd=clone, env=env, capture_output=True, text=True, timeout=600
     )
 
 
