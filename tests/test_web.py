@@ -90,6 +90,14 @@ def log_in(driver, url, name, password):
     wait_for(driver, lambda d: by_id(d, "app").is_displayed())
 
 
+def change_password(driver, current, new, repeat):
+    """Fills the page's password form and sends it."""
+    for field, text in (("password-current", current), ("password-new", new), ("password-repeat", repeat)):
+        by_id(driver, field).clear()
+        by_id(driver, field).send_keys(text)
+    by_id(driver, "password-button").click()
+
+
 def screenshot(driver, name):
     os.makedirs(ARTIFACTS, exist_ok=True)
     driver.save_screenshot(os.path.join(ARTIFACTS, name))
@@ -225,15 +233,10 @@ def test_a_member_an_admin_created_changes_the_password_on_the_page_then_chats(b
             not by_id(browser, "app").is_displayed() and "administra" in by_id(browser, "password-why").text
         )
         screenshot(browser, "7-provisional-password.png")
-        for field, text in (("password-current", "de-carla"), ("password-new", "solo-de-eva"),
-                            ("password-repeat", "solo-de-Eva")):  # fmt: skip
-            by_id(browser, field).send_keys(text)
-        by_id(browser, "password-button").click()
+        change_password(browser, "de-carla", "solo-de-eva", "solo-de-Eva")
         wait_for(browser, lambda d: by_id(d, "password-error").text)
         assert by_id(browser, "password-error").text == "Las dos contraseñas nuevas no coinciden."
-        by_id(browser, "password-repeat").clear()
-        by_id(browser, "password-repeat").send_keys("solo-de-eva")
-        by_id(browser, "password-button").click()
+        change_password(browser, "de-carla", "solo-de-eva", "solo-de-eva")
         wait_for(browser, lambda d: by_id(d, "new-key").is_displayed())
         evas_key = by_id(browser, "new-key").text
         screenshot(browser, "8-new-api-key.png")
@@ -261,15 +264,10 @@ def test_a_member_an_admin_created_changes_the_password_on_the_page_then_chats(b
         wait_for(browser, lambda d: by_id(d, "change-password").is_displayed())
         by_id(browser, "change-password").click()
         wait_for(browser, lambda d: by_id(d, "password").is_displayed())
-        for field, text in (("password-current", "no-es-esta"), ("password-new", "otra-de-eva"),
-                            ("password-repeat", "otra-de-eva")):  # fmt: skip
-            by_id(browser, field).send_keys(text)
-        by_id(browser, "password-button").click()
+        change_password(browser, "no-es-esta", "otra-de-eva", "otra-de-eva")
         wait_for(browser, lambda d: by_id(d, "password-error").text)
         assert by_id(browser, "password-error").text == "La contraseña actual no es correcta."
-        by_id(browser, "password-current").clear()
-        by_id(browser, "password-current").send_keys("solo-de-eva")
-        by_id(browser, "password-button").click()
+        change_password(browser, "solo-de-eva", "otra-de-eva", "otra-de-eva")
         wait_for(browser, lambda d: by_id(d, "password-done").is_displayed())
         assert not by_id(browser, "new-key-box").is_displayed()  # not provisional: the key stays
         by_id(browser, "password-continue").click()
