@@ -80,13 +80,18 @@ def all_of(driver, selector):
     return driver.find_elements(By.CSS_SELECTOR, selector)
 
 
-def log_in(driver, url, name, password):
+def send_login(driver, url, name, password):
+    """Opens the page and sends its login form."""
     driver.get(url + "/")
     wait_for(driver, lambda d: by_id(d, "login").is_displayed())
     by_id(driver, "login-name").send_keys(name)
     by_id(driver, "login-password").send_keys(password)
     screenshot(driver, f"0-login-{name}.png")
     by_id(driver, "login-button").click()
+
+
+def log_in(driver, url, name, password):
+    send_login(driver, url, name, password)
     wait_for(driver, lambda d: by_id(d, "app").is_displayed())
 
 
@@ -163,11 +168,7 @@ def test_a_member_chats_finds_the_conversation_after_a_reload_and_another_member
 def test_a_wrong_password_is_refused_in_spanish(browser, family):
     url, _ = family
     browser.delete_all_cookies()
-    browser.get(url + "/")
-    wait_for(browser, lambda d: by_id(d, "login").is_displayed())
-    by_id(browser, "login-name").send_keys("ana")
-    by_id(browser, "login-password").send_keys("no-es-esta")
-    by_id(browser, "login-button").click()
+    send_login(browser, url, "ana", "no-es-esta")
     wait_for(browser, lambda d: by_id(d, "login-error").text)
     assert by_id(browser, "login-error").text == "Nombre o contraseña incorrectos."
     assert not by_id(browser, "app").is_displayed()
@@ -222,11 +223,7 @@ def test_a_member_an_admin_created_changes_the_password_on_the_page_then_chats(b
         )
         admins_key = made.json()["api_key"]
         browser.delete_all_cookies()
-        browser.get(url + "/")
-        wait_for(browser, lambda d: by_id(d, "login").is_displayed())
-        by_id(browser, "login-name").send_keys("eva")
-        by_id(browser, "login-password").send_keys("de-carla")
-        by_id(browser, "login-button").click()
+        send_login(browser, url, "eva", "de-carla")
         # Asked to choose her own password before anything else.
         wait_for(browser, lambda d: by_id(d, "password").is_displayed())
         assert (
