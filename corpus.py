@@ -276,23 +276,19 @@ def executor_for(task, data_cfg, workdir):
     """(datatrove executor of the filter tasks as data.corpus.executor says, number of tasks)."""
     executor_cfg = data_cfg["corpus"]["executor"]
     tasks = executor_cfg["tasks"] or processes_of(data_cfg)
-    logging_dir = os.path.join(workdir, "logs")
+    # skip_completed=False: a finished task is known by its stats file (FilterTask), not datatrove's marker
+    common = {"pipeline": [task], "tasks": tasks, "logging_dir": os.path.join(workdir, "logs"),
+              "skip_completed": False}  # fmt: skip
     if executor_cfg["kind"] == "local":
         from datatrove.executor import LocalPipelineExecutor
 
-        workers = min(tasks, processes_of(data_cfg))
-        executor = LocalPipelineExecutor(
-            pipeline=[task], tasks=tasks, workers=workers, logging_dir=logging_dir, skip_completed=False
-        )
+        executor = LocalPipelineExecutor(**common, workers=min(tasks, processes_of(data_cfg)))
     elif executor_cfg["kind"] == "slurm":
         from datatrove.executor import SlurmPipelineExecutor
 
         slurm = executor_cfg["slurm"]
         executor = SlurmPipelineExecutor(
-            pipeline=[task],
-            tasks=tasks,
-            logging_dir=logging_dir,
-            skip_completed=False,
+            **common,
             job_name=slurm["job_name"],
             partition=slurm["partition"],
             time=slurm["time"],
@@ -305,10 +301,7 @@ def executor_for(task, data_cfg, workdir):
 
         ray_cfg = executor_cfg["ray"]
         executor = RayPipelineExecutor(
-            pipeline=[task],
-            tasks=tasks,
-            logging_dir=logging_dir,
-            skip_completed=False,
+            **common,
             cpus_per_task=ray_cfg["cpus_per_task"],
             mem_per_cpu_gb=ray_cfg["mem_per_cpu_gb"],
             time=ray_cfg["time_s"],
