@@ -23,7 +23,6 @@ import chat
 import config
 import data
 import fileio
-from fileio import code_version  # noqa: F401 - train.py and serve.py take it from here
 from model import Transformer
 
 

@@ -596,8 +596,6 @@ def load_model(run, device):
 
 def serving_info(run, model, tokenizer, settings, memory_cfg):
     """What this server uses, for the snapshots of its database (memory.hold_lock writes it)."""
-    import checkpoint
-
     processor = getattr(tokenizer, "processor", None)  # sentencepiece, possibly from inside the checkpoint
     proto = processor.serialized_model_proto() if processor is not None else None
     return {
@@ -607,7 +605,7 @@ def serving_info(run, model, tokenizer, settings, memory_cfg):
         "tokenizer": getattr(tokenizer, "path", tokenizer.name),
         "tokenizer_sha256": proto and hashlib.sha256(proto).hexdigest(),
         "config": {"serve": settings, "memory": memory_cfg},
-        "code_version": checkpoint.code_version(),
+        "code_version": fileio.code_version(),
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
 

@@ -36,7 +36,6 @@ import config
 import data
 import fileio
 from checkpoint import (
-    code_version,
     list_checkpoints,
     load_checkpoint,
     load_newest_checkpoint,
@@ -606,7 +605,7 @@ def _train(cfg, ctx, resume, stop_after, log, handle_signals):
                 "world_size": ctx.world_size,
                 "tokenizer": tokenizer_record,
                 "config": cfg,
-                "code_version": code_version(),
+                "code_version": fileio.code_version(),
             }
             path = save_checkpoint(run_dir, at_step, state, train_cfg["keep_last"])
             log(f"checkpoint {path}")
