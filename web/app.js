@@ -80,6 +80,9 @@ $("logout").addEventListener("click", logout);
 // Required after logging in with a password an admin set (the account is provisional until then: the
 // server answers nothing else); any member can also reach it from the sidebar.
 
+const PASSWORD_FIELDS = ["password-current", "password-new", "password-repeat"];
+const clearPasswordFields = () => PASSWORD_FIELDS.forEach((id) => ($(id).value = ""));
+
 const PASSWORD_ERRORS = {
   wrong_password: "La contraseña actual no es correcta.",
   weak_password: "La nueva contraseña es demasiado corta.",
@@ -95,7 +98,7 @@ function showPassword(required) {
       "clave de API que te dieron dejarán de funcionar."
     : "";
   $("password-cancel").textContent = required ? "Salir" : "Cancelar";
-  for (const id of ["password-current", "password-new", "password-repeat"]) $(id).value = "";
+  clearPasswordFields();
   $("password-error").textContent = "";
   $("password-form").hidden = false;
   $("password-done").hidden = true;
@@ -120,7 +123,7 @@ $("password-form").addEventListener("submit", async (event) => {
       current: $("password-current").value,
       new: $("password-new").value,
     });
-    for (const id of ["password-current", "password-new", "password-repeat"]) $(id).value = "";
+    clearPasswordFields();
     state.member = changed;
     $("new-key").textContent = changed.api_key || "";
     $("new-key-box").hidden = !changed.api_key;
