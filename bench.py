@@ -634,12 +634,12 @@ def bench_serve(clients=20, requests_per_client=10, max_tokens=8):
     both from the same run."""
     import httpx
 
-    import accounts
+    import serve_accounts
 
     with tempfile.TemporaryDirectory(prefix="bench-serve-") as folder:
         run = serve_bench_run(folder)
         database = os.path.join(folder, "bench.sqlite")
-        store = accounts.Store(database)
+        store = serve_accounts.Store(database)
         admin = store.add_member("admin", "admin")
         keys = [store.add_member(f"c{i}", "adult") for i in range(clients)]
         command = [sys.executable, "serve.py", run, "--port", "0", f"serve.database={database}",

@@ -8,7 +8,7 @@ chat page in web/.
     python serve.py member password NAME                        # sets the web password or PIN
     python serve.py member list | remove NAME | new-key NAME
 
-One process: uvicorn runs the Starlette app on the event loop, and one model worker thread (worker.py)
+One process: uvicorn runs the Starlette app on the event loop, and one model worker thread (serve_worker.py)
 generates one answer at a time, taking requests from a bounded queue (a full queue answers 503 with
 Retry-After).
 The server binds 127.0.0.1 unless --host says otherwise: --host 0.0.0.0 opens it to every device on the
@@ -30,7 +30,7 @@ serve_web.py's; other features add theirs with build_app(..., extra_routes)):
                                            the member's memories (memory.py), never the admin's business
 Every request is authenticated by `Authorization: Bearer <API key>` or the session cookie. A member only
 ever reaches their own conversations (anything else is 404, whoever asks, admins included). Members,
-sessions and conversations are accounts.py's (SQLite).
+sessions and conversations are serve_accounts.py's (SQLite).
 
 A request that brings its own `tools` gets them rendered by chat.render and the model's calls back as
 OpenAI tool_calls; any other request runs agent.py's loop with the server's tools (search, calculator,
@@ -59,15 +59,15 @@ from starlette.responses import FileResponse, JSONResponse, Response, StreamingR
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
-import accounts
 import agent
 import chat
 import config
 import fileio
 import memory
+import serve_accounts
 import serve_web
-import worker
-from openai_shapes import ApiError, Reply, check_tools, conversation_of, expect, sampling_of
+import serve_worker
+from serve_openai import ApiError, Reply, check_tools, conversation_of, expect, sampling_of
 from serve_web import SESSION_COOKIE, owned, read_json
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -97,7 +97,7 @@ class Server:
         self.agent_settings = agent_settings or agent.load_settings()
         self.model_id, self.context = model_id, context
         self.created = int(time.time())
-        self.dummy_hash = accounts.hash_password(secrets.token_hex(8), settings["scrypt"])
+        self.dummy_hash = serve_accounts.hash_password(secrets.token_hex(8), settings["scrypt"])
         self.pending = {}  # member id -> requests queued or running
         self.failures = {}  # lowercased name -> (failed logins, locked until)
         self.memory_cfg = memory_cfg or memory.load_config()
@@ -156,7 +156,9 @@ class Server:
     async def password_checks(self, name, password, stored):
         """Whether the password matches the stored hash (None: no password; an equal amount of work on a
         dummy hash, so unknown names and members without a password answer in the same time)."""
-        matches = await asyncio.to_thread(accounts.password_matches, password, stored or self.dummy_hash)
+        matches = await asyncio.to_thread(
+            serve_accounts.password_matches, password, stored or self.dummy_hash
+        )
         if not (stored and matches):
             self.password_failed(name)
             return False
@@ -246,10 +248,12 @@ class Server:
             raise ApiError(429, f"{count} requests of yours are already waiting; wait for them to finish",
                            code="too_many_requests", retry_after=self.settings["retry_after_s"])  # fmt: skip
         loop = asyncio.get_running_loop()
-        job = worker.Job(loop, prompt_ids, max_tokens, temperature, top_p, self.settings["top_k"], seed, turn)
+        job = serve_worker.Job(
+            loop, prompt_ids, max_tokens, temperature, top_p, self.settings["top_k"], seed, turn
+        )
         try:
             self.worker.submit(job)
-        except worker.Busy:
+        except serve_worker.Busy:
             raise ApiError(503, "the model is busy with other requests; retry shortly", code="server_busy",
                            retry_after=self.settings["retry_after_s"]) from None  # fmt: skip
         self.pending[member["id"]] = count + 1
@@ -632,7 +636,7 @@ def serve_main(argv):
         "Settings of the serve layer can follow as serve.key=value (e.g. serve.queue_size=4), and of the "
         "memory layer (configs/memory/default.yaml) as memory.key=value (e.g. memory.snapshots.every_hours=6)."
     )
-    overrides = [a for a in argv if accounts.OVERRIDE.match(a)]
+    overrides = [a for a in argv if serve_accounts.OVERRIDE.match(a)]
     memory_overrides = [a for a in argv if memory.OVERRIDE.match(a)]
     args = parser.parse_args([a for a in argv if a not in overrides and a not in memory_overrides])
     settings = load_settings(args.config, overrides)
@@ -642,9 +646,9 @@ def serve_main(argv):
         raise ServeError(f"{memory.DEFAULT_CONFIG}: config problems:\n  " + "\n  ".join(e.problems)) from None
     host = args.host or settings["host"]
     port = settings["port"] if args.port is None else args.port
-    store = accounts.Store(settings["database"], settings["busy_timeout_ms"])
+    store = serve_accounts.Store(settings["database"], settings["busy_timeout_ms"])
     model, tokenizer, model_id, context = load_model(args.run, args.device)
-    model_worker = worker.Worker(model, tokenizer, settings["queue_size"])
+    model_worker = serve_worker.Worker(model, tokenizer, settings["queue_size"])
     server = Server(settings, store, model_worker, model_id, context, memory_cfg=memory_cfg)
     # memory.py: the database's lock, held until this process ends (restore refuses to run meanwhile, and
     # so does a second server on the same file), and the snapshot schedule on a daemon thread.
@@ -679,9 +683,9 @@ def serve_main(argv):
 def main(argv):
     try:
         if argv and argv[0] == "member":
-            return accounts.member_main(argv[1:], load_settings, DEFAULT_CONFIG)
+            return serve_accounts.member_main(argv[1:], load_settings, DEFAULT_CONFIG)
         return serve_main(argv)
-    except (ServeError, accounts.AccountError) as e:
+    except (ServeError, serve_accounts.AccountError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

@@ -11,9 +11,9 @@ import json
 
 from starlette.responses import JSONResponse
 
-import accounts
 import memory
-from openai_shapes import ApiError, expect
+import serve_accounts
+from serve_openai import ApiError, expect
 
 SESSION_COOKIE = "enlace_session"
 
@@ -37,7 +37,7 @@ async def read_json(request, limit):
 
 
 def check_password(password, settings, param="password"):
-    problem = accounts.password_problem(password, settings)
+    problem = serve_accounts.password_problem(password, settings)
     if problem:
         raise ApiError(400, problem.replace("password:", f"{param}:", 1), param=param, code="weak_password")
 
@@ -102,7 +102,7 @@ async def change_password(request):
     if new == current:
         raise ApiError(400, "the new password must differ from the current one", param="new",
                        code="same_password")  # fmt: skip
-    password_hash = await asyncio.to_thread(accounts.hash_password, new, server.settings["scrypt"])
+    password_hash = await asyncio.to_thread(serve_accounts.hash_password, new, server.settings["scrypt"])
     by_cookie = request.headers.get("authorization") is None
     key = server.store.change_password(
         member["id"], password_hash, request.cookies.get(SESSION_COOKIE) if by_cookie else None
@@ -166,10 +166,10 @@ async def add_member(request):
     role = expect(body.get("role"), str, "role", "admin, adult or child")
     password = expect(body.get("password"), str, "password", "the member's first password or PIN")
     check_password(password, server.settings)
-    password_hash = await asyncio.to_thread(accounts.hash_password, password, server.settings["scrypt"])
+    password_hash = await asyncio.to_thread(serve_accounts.hash_password, password, server.settings["scrypt"])
     try:
         key = server.store.add_member(name, role, password_hash, provisional=True)
-    except accounts.AccountError as e:
+    except serve_accounts.AccountError as e:
         raise ApiError(400, str(e), code="invalid_member") from None
     return JSONResponse(
         me({"name": name, "role": role, "provisional": 1}) | {"api_key": key}, status_code=201

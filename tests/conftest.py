@@ -312,9 +312,9 @@ def live_server(chat_model, tmp_path, *overrides, model=None, context=None):
     model may claim a longer context than the tiny run's."""
     import uvicorn
 
-    import accounts
     import serve
-    import worker
+    import serve_accounts
+    import serve_worker
 
     database = str(tmp_path / f"serve-{time.monotonic_ns()}.sqlite")
     settings = serve.load_settings(
@@ -322,8 +322,8 @@ def live_server(chat_model, tmp_path, *overrides, model=None, context=None):
     )
     real_model, tokenizer, model_id, run_context = chat_model
     context = context or run_context
-    model_worker = worker.Worker(model or real_model, tokenizer, settings["queue_size"])
-    store = accounts.Store(database, settings["busy_timeout_ms"])
+    model_worker = serve_worker.Worker(model or real_model, tokenizer, settings["queue_size"])
+    store = serve_accounts.Store(database, settings["busy_timeout_ms"])
     server = serve.Server(settings, store, model_worker, model_id, context)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))

@@ -18,10 +18,10 @@ from conftest import ROOT, ScriptedModel, live_server, start_server
 from test_serve import login, member
 from test_web import all_of, browser, by_id, log_in, screenshot, wait_for  # noqa: F401 - browser is a fixture
 
-import accounts
 import checkpoint
 import fileio
 import memory
+import serve_accounts
 
 SECRET = "A Lucía no le gusta el pescado"  # ana's private memory
 CHILD_SECRET = "Luis esconde las galletas en el armario"  # luis's private memory
@@ -235,7 +235,7 @@ def test_a_database_another_program_keeps_locked_is_a_503_with_retry_after_until
 
 def test_the_command_line_takes_the_role_of_the_account(tmp_path):
     database = str(tmp_path / "familia.sqlite")
-    store = accounts.Store(database)
+    store = serve_accounts.Store(database)
     store.add_member("luis", "child")
     store.db.close()
 
@@ -255,7 +255,7 @@ def test_the_command_line_takes_the_role_of_the_account(tmp_path):
 
 def test_the_running_server_holds_its_database_and_snapshots_record_its_model(chat_run, tmp_path):
     database = str(tmp_path / "familia.sqlite")
-    store = accounts.Store(database)
+    store = serve_accounts.Store(database)
     store.add_member("ana", "adult")
     with store.lock:
         memory.add(store.db, "ana", "adult", SECRET, memory.load_config())
@@ -315,10 +315,10 @@ def web_family(chat_run, tmp_path_factory):
     """serve.py with ana (adult) and luis (child), both with web passwords; yields the URL and the store."""
     folder = tmp_path_factory.mktemp("web-memories")
     database = str(folder / "familia.sqlite")
-    store = accounts.Store(database)
+    store = serve_accounts.Store(database)
     for name, role in (("ana", "adult"), ("luis", "child")):
         store.add_member(name, role)
-        store.set_password(name, accounts.hash_password("clave-" + name, {"n": 1024, "r": 8, "p": 1}))
+        store.set_password(name, serve_accounts.hash_password("clave-" + name, {"n": 1024, "r": 8, "p": 1}))
     proc, url = start_server(chat_run, database, log_path=folder / "server.log")
     yield url
     proc.kill()

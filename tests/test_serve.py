@@ -18,10 +18,10 @@ import openai
 import pytest
 from conftest import ROOT, ScriptedModel, live_server, serve_member, start_server, tiny_config
 
-import accounts
 import chat
 import config
 import serve
+import serve_accounts
 
 NO_TOOLS = "serve.tools=false"  # prompts of exactly the request's messages, without the server's tools
 
@@ -29,7 +29,7 @@ NO_TOOLS = "serve.tools=false"  # prompts of exactly the request's messages, wit
 def member(server, name, role="adult", password=None):
     key = server.store.add_member(name, role)
     if password:
-        server.store.set_password(name, accounts.hash_password(password, server.settings["scrypt"]))
+        server.store.set_password(name, serve_accounts.hash_password(password, server.settings["scrypt"]))
     return key
 
 
@@ -670,12 +670,12 @@ def test_an_old_database_gains_the_provisional_column_and_its_members_stay_as_th
     old.executescript(
         "CREATE TABLE members (id INTEGER PRIMARY KEY, name TEXT NOT NULL UNIQUE COLLATE NOCASE, role TEXT NOT NULL,"
         " key_hash TEXT NOT NULL UNIQUE, password_hash TEXT, created REAL NOT NULL);"
-        f"INSERT INTO members (name, role, key_hash, created) VALUES ('ana', 'adult', '{accounts.sha256('enl-x')}', 0);"
+        f"INSERT INTO members (name, role, key_hash, created) VALUES ('ana', 'adult', '{serve_accounts.sha256('enl-x')}', 0);"
     )  # fmt: skip
     old.close()
-    store = accounts.Store(database)
+    store = serve_accounts.Store(database)
     assert store.member_by_key("enl-x")["provisional"] == 0
-    accounts.Store(database)  # a second opening finds the column there
+    serve_accounts.Store(database)  # a second opening finds the column there
     assert [m["name"] for m in store.members()] == ["ana"]
 
 
@@ -741,7 +741,7 @@ def test_the_member_cli_prints_a_key_once_and_stores_its_hash(tmp_path):
                             f"serve.database={database}"], cwd=ROOT, capture_output=True, text=True)  # fmt: skip
     assert again.returncode == 2 and "already exists" in again.stderr and "Traceback" not in again.stderr
     row = sqlite3.connect(database).execute("SELECT key_hash, password_hash FROM members").fetchone()
-    assert row[0] == accounts.sha256(key) and row[1].startswith("scrypt$")
+    assert row[0] == serve_accounts.sha256(key) and row[1].startswith("scrypt$")
     bad = subprocess.run([sys.executable, "serve.py", "member", "list", "serve.queue_sise=3"], cwd=ROOT,
                          capture_output=True, text=True)  # fmt: skip
     assert (
@@ -752,7 +752,7 @@ def test_the_member_cli_prints_a_key_once_and_stores_its_hash(tmp_path):
 def test_member_new_key_and_remove_from_the_command_line(tmp_path):
     database = str(tmp_path / "family.sqlite")
     old = serve_member(database, "ana", "adult")
-    store = accounts.Store(database)
+    store = serve_accounts.Store(database)
     cid = store.new_conversation(store.member("ana")["id"], "mía")
     store.add_message(store.member("ana")["id"], cid, "user", "hola")
 
@@ -764,7 +764,7 @@ def test_member_new_key_and_remove_from_the_command_line(tmp_path):
     new = renewed.stdout.strip().splitlines()[-1]
     assert renewed.returncode == 0 and new.startswith("enl-") and new != old
     assert store.member_by_key(old) is None and store.member_by_key(new)["name"] == "ana"
-    assert store.member("ana")["key_hash"] == accounts.sha256(new)
+    assert store.member("ana")["key_hash"] == serve_accounts.sha256(new)
     removed = member_cli("remove", "ana")
     assert removed.returncode == 0 and "ana" not in member_cli("list").stdout
     assert store.member_by_key(new) is None and store.query("SELECT * FROM messages") == []
@@ -885,7 +885,9 @@ def load_round(url, keys, turns):
 
 def test_twenty_clients_get_their_own_answers_and_the_server_memory_stays_flat(chat_run, tmp_path):
     database = str(tmp_path / "load.sqlite")
-    store = accounts.Store(database)  # `member add` itself has its own test; here it would cost 20 starts
+    store = serve_accounts.Store(
+        database
+    )  # `member add` itself has its own test; here it would cost 20 starts
     keys = [store.add_member(f"c{i}", "adult") for i in range(20)]
     proc, url = start_server(chat_run, database, "serve.queue_size=8", log_path=tmp_path / "server.log")
     try:
@@ -912,7 +914,7 @@ def test_twenty_clients_get_their_own_answers_and_the_server_memory_stays_flat(c
 
 def test_sigkill_mid_answer_loses_no_acknowledged_turn(chat_run, tmp_path):
     database = str(tmp_path / "kill.sqlite")
-    key = accounts.Store(database).add_member("ana", "adult")
+    key = serve_accounts.Store(database).add_member("ana", "adult")
     headers = {"Authorization": f"Bearer {key}"}
     proc, url = start_server(chat_run, database, log_path=tmp_path / "server.log")
     try:

@@ -2,7 +2,7 @@
 serve.py's model worker: one thread generates one answer at a time, taking jobs from a bounded queue (a full
 queue raises Busy, which the server answers with 503 and Retry-After). A job streams its text back to the
 request's event loop as whole characters (sample.StreamDecoder); an agent turn runs agent.py's loop here,
-the server's tools between generations. Knows nothing of HTTP: serve.py (with openai_shapes.py) checks
+the server's tools between generations. Knows nothing of HTTP: serve.py (with serve_openai.py) checks
 requests, renders prompts and shapes the answers.
 """
 

@@ -2,7 +2,7 @@
 OpenAI's chat-completions shapes, for serve.py: errors in OpenAI's form, the request's fields checked into
 chat.py's conversation and the sampling settings (each bad field a 400 naming it), and the reply's text as
 it streams (stop strings held back, the model's <tool_call>s turned into OpenAI tool_calls). Neither HTTP
-nor the model: serve.py reads the requests and answers them, worker.py generates.
+nor the model: serve.py reads the requests and answers them, serve_worker.py generates.
 """
 
 import json
