@@ -23,6 +23,7 @@ from torch.profiler import profile
 
 import config
 import corpus
+import corpus_docs
 import data
 import fileio
 import model
@@ -263,7 +264,7 @@ def bench_data():
         # One process: datatrove's pool workers are children of its forkserver, so getrusage never sees
         # their CPU time, and the per-CPU-second rates would flatter the corpus step.
         data_cfg["processes"] = 1
-        processes = corpus.processes_of(data_cfg)
+        processes = corpus_docs.processes_of(data_cfg)
 
         # Three runs of the corpus and encode steps (and of raw sentencepiece), the median of each kept:
         # one run on a shared machine can be off by a third. The tokenizer is trained once.
@@ -281,7 +282,7 @@ def bench_data():
                 texts = [
                     t
                     for split in data.SPLITS
-                    for t in corpus.iter_documents(corpus.docs_path(data_cfg, split))
+                    for t in corpus_docs.iter_documents(corpus_docs.docs_path(data_cfg, split))
                 ]
                 lines = [line for text in texts for line in text.split("\n")]
             _, encode_wall, encode_cpu = timed(corpus.encode, data_cfg, log=quiet)
@@ -292,7 +293,7 @@ def bench_data():
         )
         megabytes = stats["bytes_out"] / 1e6  # UTF-8 text of the kept documents, both splits
 
-        val = list(corpus.iter_documents(corpus.docs_path(data_cfg, "val")))
+        val = list(corpus_docs.iter_documents(corpus_docs.docs_path(data_cfg, "val")))
         val_tokens = [tokenizer.encode(text) for text in val]
         chars_per_token = sum(map(len, val)) / sum(map(len, val_tokens))
         bytes_per_token = sum(len(t.encode("utf-8")) for t in val) / sum(map(len, val_tokens))

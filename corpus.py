@@ -42,24 +42,10 @@ import numpy as np
 from tqdm import tqdm
 
 import corpus_filters
+from corpus_docs import LENGTH_BINS, SCORE_BINS, docs_path, outputs_intact, processes_of
 from corpus_sources import expand_sources, raw_documents
 from data import NEWLINE, PIPELINE_VERSION, SPLITS, DataError, manifest_path, read_manifest
 from fileio import fingerprint, write_atomic, write_json
-
-DOCUMENT_SEPARATOR = "\n\n"  # between documents in the byte format
-
-
-def cpu_count():
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
-def processes_of(data_cfg):
-    return data_cfg["processes"] or cpu_count()
-
-
-def docs_path(data_cfg, split):
-    return os.path.join(data_cfg["dir"], f"docs_{split}.jsonl")
-
 
 # -----------------------------------------------------------------------------
 # Sources: text, jsonl, parquet and MediaWiki dumps, each document tagged with its source's name
@@ -106,8 +92,6 @@ def replace_undecodable(text):
 #   stats_0000r.json   counts per source and stage, drop reasons with examples, histograms (written last:
 #                      a task whose stats exist is finished and is skipped when the step runs again)
 
-LENGTH_BINS = np.logspace(1, 7, 25)  # document characters, 10 .. 10M, for the report's histograms
-SCORE_BINS = np.linspace(0, 1, 21)
 EXAMPLES = 3  # dropped documents kept per reason for the report
 EXAMPLE_CHARS = 300
 
@@ -461,11 +445,6 @@ def eval_files(corpus_cfg):
     return paths
 
 
-def outputs_intact(records):
-    """True when every recorded output file exists with its recorded size."""
-    return all(os.path.exists(r["path"]) and os.path.getsize(r["path"]) == r["size"] for r in records)
-
-
 def build_corpus(data_cfg, log=print):
     """Sources -> filters -> PII -> dedup -> decontamination -> DIR/docs_{train,val}.jsonl; returns the
     statistics (also in the manifest, where `python corpus.py report` reads them)."""
@@ -641,22 +620,6 @@ def build_corpus(data_cfg, log=print):
         f"{stats['bytes_out'] / 1e6:.2f} MB out -> {data_cfg['dir']}/docs_*.jsonl"
     )
     return stats
-
-
-def corpus_record(data_cfg):
-    """The manifest's record of a finished corpus step, or an error saying to run it."""
-    done = read_manifest(data_cfg).get("corpus")
-    if not done or not outputs_intact(done["outputs"].values()):
-        raise DataError(
-            f"{data_cfg['dir']}/docs_*.jsonl: missing; run `python corpus.py corpus CONFIG` first"
-        )
-    return done
-
-
-def iter_documents(path):
-    with open(path, "rb") as f:
-        for line in f:
-            yield json.loads(line)["text"]
 
 
 # -----------------------------------------------------------------------------

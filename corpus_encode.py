@@ -18,7 +18,14 @@ import numpy as np
 import sentencepiece as spm
 from tqdm import tqdm
 
-from corpus import DOCUMENT_SEPARATOR, corpus_record, docs_path, iter_documents, outputs_intact, processes_of
+from corpus_docs import (
+    DOCUMENT_SEPARATOR,
+    corpus_record,
+    docs_path,
+    iter_documents,
+    outputs_intact,
+    processes_of,
+)
 from data import (
     CONTROL_TOKENS,
     NEWLINE,

@@ -17,6 +17,7 @@ import pytest
 
 import config
 import corpus
+import corpus_docs
 import data
 import fileio
 
@@ -126,7 +127,7 @@ def pipeline(tmp_path_factory):
 
 
 def read_docs(cfg, split):
-    return list(corpus.iter_documents(corpus.docs_path(cfg, split)))
+    return list(corpus_docs.iter_documents(corpus_docs.docs_path(cfg, split)))
 
 
 def shard_hashes(cfg, split):

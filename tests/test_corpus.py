@@ -21,6 +21,7 @@ from conftest import ROOT, data_layer, quiet, read_docs, shard_hashes, text_sour
 
 import config
 import corpus
+import corpus_docs
 import corpus_filters
 import corpus_sources
 import data
@@ -93,7 +94,7 @@ def test_corpus_step_dedups_filters_counts_and_splits_by_hash(tmp_path):
     ]
     assert sorted(train + val) == sorted(docs + broken + ["Un documento\n\ncon una línea en blanco dentro."])
     assert [t for t in train if t in docs] == [d for d in docs if d in train]  # input order kept
-    records = [json.loads(line) for split in data.SPLITS for line in open(corpus.docs_path(cfg, split))]
+    records = [json.loads(line) for split in data.SPLITS for line in open(corpus_docs.docs_path(cfg, split))]
     assert {r["source"] for r in records} == {
         "texts",
         "json",
@@ -112,11 +113,11 @@ def test_corpus_step_does_nothing_when_inputs_are_unchanged_and_rebuilds_when_th
     (tmp_path / "a.txt").write_text("\n\n".join(f"Documento largo número {i}." for i in range(30)))
     cfg = corpus_cfg(tmp_path, [text_source("a", str(tmp_path / "a.txt"))])
     corpus.build_corpus(cfg, log=quiet)
-    before = os.stat(corpus.docs_path(cfg, "train")).st_mtime_ns
+    before = os.stat(corpus_docs.docs_path(cfg, "train")).st_mtime_ns
     said = []
     corpus.build_corpus(cfg, log=said.append)
     assert said == [f"corpus: up to date ({cfg['dir']}/docs_*.jsonl)"]
-    assert os.stat(corpus.docs_path(cfg, "train")).st_mtime_ns == before
+    assert os.stat(corpus_docs.docs_path(cfg, "train")).st_mtime_ns == before
     (tmp_path / "a.txt").write_text("\n\n".join(f"Otro documento largo número {i}." for i in range(30)))
     corpus.build_corpus(cfg, log=said.append)
     assert "up to date" not in said[-1]
@@ -135,7 +136,7 @@ def test_corpus_errors_name_the_missing_glob_the_unreadable_file_and_the_empty_c
     empty = corpus_cfg(tmp_path, [text_source("short", str(tmp_path / "short.txt"))])
     with pytest.raises(data.DataError, match="no document survived .*too_short.: 2"):
         corpus.build_corpus(empty, log=quiet)
-    assert not os.path.exists(corpus.docs_path(empty, "train"))  # nothing half-written left behind
+    assert not os.path.exists(corpus_docs.docs_path(empty, "train"))  # nothing half-written left behind
 
 
 def test_the_tokenizer_info_records_settings_and_the_corpus_hash(pipeline):
@@ -388,7 +389,7 @@ def test_corrupt_or_wrong_inputs_are_refused_naming_the_file_and_the_problem(tmp
         cfg["dir"] = str(tmp_path / f"out-{src['name']}-{cases.index((src, message))}")
         with pytest.raises(data.DataError, match=message):
             corpus.build_corpus(cfg, log=quiet)
-        assert not os.path.exists(corpus.docs_path(cfg, "train"))
+        assert not os.path.exists(corpus_docs.docs_path(cfg, "train"))
 
 
 def test_a_source_without_a_licence_and_a_missing_eval_file_are_refused(tmp_path):
@@ -595,8 +596,8 @@ def test_several_executor_tasks_give_the_same_corpus_as_one(tmp_path):
     first, second = corpus.build_corpus(one, log=quiet), corpus.build_corpus(three, log=quiet)
     for split in data.SPLITS:
         assert (
-            open(corpus.docs_path(one, split), "rb").read()
-            == open(corpus.docs_path(three, split), "rb").read()
+            open(corpus_docs.docs_path(one, split), "rb").read()
+            == open(corpus_docs.docs_path(three, split), "rb").read()
         )
     assert first["sources"] == second["sources"] and first["documents_out"] > 10
 
@@ -620,7 +621,7 @@ def test_a_killed_corpus_step_resumes_with_its_finished_tasks(tmp_path):
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-    assert not os.path.exists(corpus.docs_path(cfg, "train"))  # nothing a later step would trust
+    assert not os.path.exists(corpus_docs.docs_path(cfg, "train"))  # nothing a later step would trust
     said = []
     corpus.build_corpus(cfg, log=said.append)
     resumed = re.search(r"4 filter task\(s\) on the local executor, (\d) already finished", said[0])
@@ -722,7 +723,7 @@ def test_ray_errors_name_the_unreachable_address_the_failing_file_and_the_oversi
     cfg["corpus"]["executor"]["ray"]["address"] = None
     with pytest.raises(data.DataError, match=r"bad.txt.gz: cannot read \(.*\) \[data.corpus.sources\[0\]\]"):
         corpus.build_corpus(cfg, log=quiet)  # a task's error, not "submitted, run again"
-    assert not os.path.exists(corpus.docs_path(cfg, "train"))
+    assert not os.path.exists(corpus_docs.docs_path(cfg, "train"))
     cfg["corpus"]["executor"]["ray"]["mem_per_cpu_gb"] = 10**6  # no node holds it: it would wait forever
     with pytest.raises(data.DataError, match=r"data.corpus.executor.ray: a task needs .* = 1e\+06 GB"):
         corpus.build_corpus(cfg, log=quiet)
