@@ -12,7 +12,7 @@ import torch.nn.functional as F
 import yaml
 from torch.profiler import profile
 
-import bench
+import bench_model
 import config
 from model import Transformer, apply_rope, rope_tables, sample_token
 
@@ -132,7 +132,7 @@ def test_logits_equal_transformers_qwen3_with_the_same_weights(backend):
     for param in net.parameters():  # norm weights away from 1, so a skipped norm would show
         if param.dim() == 1:
             param.data.uniform_(0.5, 1.5)
-    twin = bench.qwen3_twin(cfg).eval()
+    twin = bench_model.qwen3_twin(cfg).eval()
     state = {(n if n == "lm_head.weight" else f"model.{n}"): t for n, t in net.state_dict().items()}
     twin.load_state_dict(state)
     idx = tokens(2, cfg["seq_len"])
