@@ -37,9 +37,9 @@ import sys
 import jsonschema
 import yaml
 
-LAYERS = ("hardware", "model", "train", "data", "agent", "serve", "memory")
+LAYERS = ("hardware", "model", "train", "data", "agent", "serve", "memory", "eval")
 # A run file may leave these out; their users then read a default layer file (configs/<layer>/default.yaml).
-OPTIONAL_LAYERS = ("agent", "serve", "memory")
+OPTIONAL_LAYERS = ("agent", "serve", "memory", "eval")
 SCHEMA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "schema")
 COMMAND_LINE = "command line"
 EXPONENT_NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+")
