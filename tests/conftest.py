@@ -23,6 +23,13 @@ import fileio
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+
+def pytest_configure(config):
+    # No test downloads a model or a dataset: the Hugging Face libraries (lm-eval's datasets too) read only
+    # their local cache, in this process and in every process a test starts.
+    os.environ["HF_HUB_OFFLINE"] = os.environ["HF_DATASETS_OFFLINE"] = "1"
+
+
 # A model and schedule small enough that a run of a few steps takes well under a second on the CPU.
 TINY = [
     "model.d_model=32",
