@@ -459,6 +459,24 @@ def evaluate(model, cfg, hardware, ctx, token_bytes):
     return {"val_loss": nats / max(tokens, 1.0), "val_bpb": nats / (math.log(2) * max(num_bytes, 1.0))}
 
 
+def training_eval(cfg, ctx, tokenizer, hardware, log):
+    """train.eval's benchmark (eval_harness.TrainingEval) on rank 0, its tasks loaded before the first
+    step so that a dataset it cannot read stops the run now; None without train.eval."""
+    if not cfg["train"].get("eval"):
+        return None
+    benchmark, problem = None, None
+    if ctx.is_main:
+        import eval_harness  # lm-evaluation-harness is imported only by the runs that use it
+
+        try:
+            benchmark = eval_harness.TrainingEval(cfg, tokenizer, hardware.autocast, log)
+        except eval_harness.EvalError as e:
+            problem = str(e)
+    if not all_ranks_true(problem is None, ctx, hardware.device):
+        raise TrainError(f"train.eval: {problem or 'rank 0 could not load its tasks'}")
+    return benchmark
+
+
 def train(cfg, resume=False, stop_after=None, log=print, handle_signals=True):
     """Train `cfg` (a resolved config). Returns the final step. `stop_after` ends the run as an
     interruption would (checkpoint, no final eval): used by --resume-check, which also passes
@@ -521,6 +539,7 @@ def _train(cfg, ctx, resume, stop_after, log, handle_signals):
             f"model.vocab_size is {model_cfg['vocab_size']} but the {tokenizer.name} tokenizer has "
             f"{tokenizer.vocab_size} tokens; set model.vocab_size={tokenizer.vocab_size}"
         )
+    benchmark = training_eval(cfg, ctx, tokenizer, hardware, log)
     tokenizer_record = ckpt.tokenizer_record(tokenizer)
     trained_with = ckpt.stored_tokenizer_sha256(checkpoint) if checkpoint is not None else None
     if trained_with and trained_with != tokenizer_record.get("sha256"):
@@ -707,9 +726,14 @@ def _train(cfg, ctx, resume, stop_after, log, handle_signals):
                 result = evaluate(model, cfg, hardware, ctx, token_bytes)
                 write_metrics({"step": step, **result})
                 log(f"eval step {step} | val_loss {result['val_loss']:.4f} | val_bpb {result['val_bpb']:.4f}")
+            benchmark_due = benchmark is not None and benchmark.due(step, at_end) and not stop_now
+            if benchmark_due:  # rank 0 only; the other ranks wait at the next step's all-reduce
+                record = benchmark(raw_model, step)
+                write_metrics(record)
+                log(benchmark.line(record))
             if step % train_cfg["ckpt_interval"] == 0 or at_end or stop_now:
                 make_checkpoint(step)
-            if eval_due or at_end or step % train_cfg["ckpt_interval"] == 0:
+            if eval_due or at_end or step % train_cfg["ckpt_interval"] == 0 or benchmark_due:
                 window_start, window_steps = time.perf_counter(), 0  # tokens/s counts training only
             if stop_now:
                 stopped_by = stop.signal_name or f"stop after step {stop_after}"
