@@ -1,6 +1,7 @@
 """
-Plot training curves of one or more runs: training loss, val loss, val bits per byte and the learning rate
-against the optimizer step, read from each run's metrics.jsonl (what train.py logs).
+Plot training curves of one or more runs: training loss, val loss, val bits per byte, the learning rate and,
+when the run has train.eval, its benchmark score, against the optimizer step, read from each run's
+metrics.jsonl (what train.py logs).
 
     python plot.py runs/smoke-cpu                           -> runs/smoke-cpu/plot.png
     python plot.py runs/pretrain-2060 runs/sft-2060 --out comparison.png
@@ -26,11 +27,12 @@ class PlotError(Exception):
 
 
 def read_metrics(run):
-    """{"train": [(step, loss)], "val_loss": [...], "val_bpb": [...], "lr": [...]} of a run directory."""
+    """{"train": [(step, loss)], "val_loss": [...], "val_bpb": [...], "lr": [...], "eval_score": [...]} of a
+    run directory."""
     path = os.path.join(run, "metrics.jsonl")
     if not os.path.isfile(path):
         raise PlotError(f"{path}: not found; is {run} a run directory written by train.py?")
-    series = {"train": [], "val_loss": [], "val_bpb": [], "lr": []}
+    series = {"train": [], "val_loss": [], "val_bpb": [], "lr": [], "eval_score": []}
     with open(path, encoding="utf-8") as f:
         for number, line in enumerate(f, start=1):
             if not line.strip():
@@ -44,8 +46,8 @@ def read_metrics(run):
                 series["train"].append((step, record["loss"]))
             if "lr" in record:
                 series["lr"].append((step, record["lr"]))
-            for key in ("val_loss", "val_bpb"):
-                if key in record:
+            for key in ("val_loss", "val_bpb", "eval_score"):
+                if record.get(key) is not None:
                     series[key].append((step, record[key]))
     if not series["train"]:
         raise PlotError(f"{path}: no training steps logged yet")
@@ -53,10 +55,15 @@ def read_metrics(run):
 
 
 def plot(runs, out):
-    figure, (loss_axis, bpb_axis, lr_axis) = plt.subplots(3, 1, figsize=(9, 10), sharex=True)
-    for index, run in enumerate(runs):
-        series = read_metrics(run)
+    all_series = [read_metrics(run) for run in runs]
+    benchmarked = any(series["eval_score"] for series in all_series)
+    rows = 4 if benchmarked else 3
+    figure, axes = plt.subplots(rows, 1, figsize=(9, 10 + 3 * (rows - 3)), sharex=True)
+    loss_axis, bpb_axis, lr_axis = axes[:3]
+    for index, (run, series) in enumerate(zip(runs, all_series, strict=True)):
         name, color = os.path.basename(os.path.normpath(run)), f"C{index}"
+        if series["eval_score"]:
+            axes[3].plot(*zip(*series["eval_score"], strict=True), color=color, marker="o", label=name)
         loss_axis.plot(*zip(*series["train"], strict=True), color=color, label=f"{name} train")
         if series["val_loss"]:
             val = zip(*series["val_loss"], strict=True)
@@ -67,8 +74,11 @@ def plot(runs, out):
     loss_axis.set_ylabel("loss (nats/token)")
     bpb_axis.set_ylabel("val bits per byte")
     lr_axis.set_ylabel("learning rate")
-    lr_axis.set_xlabel("optimizer step")
-    for axis in (loss_axis, bpb_axis, lr_axis):
+    if benchmarked:
+        axes[3].set_ylabel("benchmark score\n(centred accuracy)")
+        axes[3].axhline(0.0, color="grey", linewidth=0.8)  # chance level
+    axes[-1].set_xlabel("optimizer step")
+    for axis in axes:
         axis.grid(alpha=0.3)
         if axis.has_data():
             axis.legend(fontsize="small")
