@@ -19,7 +19,7 @@ TRAIN := $(if $(filter 1,$(NPROC)),$(PY),$(VENV)/bin/torchrun --standalone --npr
 .PHONY: setup lint check-configs test clean smoke smoke-2060 pretrain resume-check data-smoke \
 	corpus tokenizer encode corpus-smoke corpus-report smoke-corpus sample chat eval serve bench search agent-data \
 	agent-eval sft-agent sync remote-setup remote-smoke-2060 remote-pretrain logs fetch status chat-prepare sft sft-smoke \
-	plot export gguf-check snapshot restore
+	plot export gguf-check snapshot restore eval-bench report
 
 setup: $(STAMP)
 
@@ -129,6 +129,24 @@ eval: $(STAMP)
 
 plot: $(STAMP)
 	$(PY) plot.py $(RUN)
+
+# --- benchmarks and the report card (eval.py) -----------------------------------------------------
+
+# make eval-bench RUN=runs/pretrain-2060                   (TASKS: a suite of configs/eval/ or lm-eval tasks)
+# make eval-bench RUN=runs/smoke-corpus-cpu TASKS=fixtures  (the local test tasks: no network needed)
+# make report RUN=runs/smoke-corpus-cpu                     (-> RUN/report.md)
+# runs/smoke-corpus-cpu is trained first when it is missing (a fresh clone), as make serve does; the report
+# rebuilds a pretraining run's data from its saved config, as make eval does, for characters per token.
+TASKS ?= enlace-es
+eval-bench: $(STAMP)
+	@test -e $(RUN_DIR) || test "$(RUN_DIR)" != runs/smoke-corpus-cpu || $(MAKE) smoke-corpus ARGS=
+	$(PY) eval.py $(RUN) --tasks $(TASKS) $(ARGS)
+
+report: $(STAMP)
+	@test -e $(RUN_DIR) || test "$(RUN_DIR)" != runs/smoke-corpus-cpu || $(MAKE) smoke-corpus ARGS=
+	if [ -f $(RUN_DIR)/config.yaml ] && ! grep -q '^  format: chat$$' $(RUN_DIR)/config.yaml; then \
+		$(PY) corpus.py all $(RUN_DIR)/config.yaml || echo "report: could not rebuild the run's data (above)"; fi
+	$(PY) eval.py report $(RUN_DIR) $(ARGS)
 
 # make export RUN=runs/sft TO=gguf ARGS="--dtype q8_0"   (TO: hf, gguf or ollama; OUT defaults to out/)
 TO ?= hf

@@ -73,3 +73,34 @@ def test_make_resume_check_and_make_eval_build_their_data_on_a_fresh_clone(tmp_p
     assert re.search(
         r"val split: \d+ tokens, \d+ bytes \| loss [\d.]+ \| bpb [\d.]+$", evaluation.stdout, re.M
     )
+
+
+def test_make_eval_bench_and_make_report_work_on_a_fresh_clone(tmp_path):
+    clone = fresh_clone(tmp_path)
+    # Without runs/smoke-corpus-cpu both targets train it first (make smoke-corpus), as make serve does.
+    for target in ("eval-bench", "report"):
+        dry = make(clone, "-n", target, "RUN=runs/smoke-corpus-cpu", "TASKS=fixtures")
+        assert "train.py configs/smoke-corpus-cpu.yaml" in dry.stdout, target
+    # Here the run is trained small (the same pipeline and run file, fewer documents, steps and tokens).
+    small = [
+        SMALL_DATA,
+        "data.tokenizer.vocab_size=512",
+        "model.vocab_size=512",
+        "data.encode.tokens_per_shard=8000",
+    ]
+    python = ".venv/bin/python"
+    subprocess.run([python, "corpus.py", "all", "configs/smoke-corpus-cpu.yaml", *small], cwd=clone,
+                   capture_output=True, check=True, timeout=600)  # fmt: skip
+    subprocess.run([python, "train.py", "configs/smoke-corpus-cpu.yaml", *TINY, *small], cwd=clone,
+                   capture_output=True, check=True, timeout=600)  # fmt: skip
+    bench = make(clone, "eval-bench", "RUN=runs/smoke-corpus-cpu", "TASKS=fixtures")
+    assert bench.returncode == 0, bench.stdout[-2000:] + bench.stderr[-2000:]
+    assert (
+        "| enlace_fixture_choice | 0 | 16 | acc,none |" in bench.stdout and "**centred score:" in bench.stdout
+    )
+    assert (clone / "runs" / "smoke-corpus-cpu" / "eval" / "0000008-fixtures.json").is_file()
+    report = make(clone, "report", "RUN=runs/smoke-corpus-cpu")
+    assert report.returncode == 0, report.stdout[-2000:] + report.stderr[-2000:]
+    card = (clone / "runs" / "smoke-corpus-cpu" / "report.md").read_text()
+    assert "| enlace_fixture_choice | 0 | 16 | acc,none |" in card and "per token over" in card
+    assert (clone / "runs" / "smoke-corpus-cpu" / "plot.png").is_file()
