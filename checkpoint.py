@@ -178,12 +178,14 @@ def tokenizer_of(checkpoint, ckpt_path, log=print):
 # A run for inference
 
 
-def load_run(path, device="cpu", log=lambda message: print(message, file=sys.stderr)):
+def load_run(
+    path, device="cpu", log=lambda message: print(message, file=sys.stderr), attention_backend="math"
+):
     """(model in eval mode, resolved config, tokenizer, checkpoint path) of a run directory or file."""
     ckpt_path, checkpoint = read_run(path, log)
     cfg = checkpoint["config"]
     try:
-        model = Transformer(cfg["model"])
+        model = Transformer(cfg["model"], attention_backend)
         model.load_state_dict(checkpoint["model"])
     except (KeyError, TypeError, ValueError, RuntimeError, config.ConfigError) as e:
         first_lines = "\n  ".join(str(e).strip().splitlines()[:6])
