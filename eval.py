@@ -104,7 +104,8 @@ def evaluate_run(args, out=None, log=lambda m: print(m, file=sys.stderr)):
     ckpt_path, step = newest_checkpoint(args.run)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise EvalError("--device cuda: no CUDA device found")
-    model, cfg, tokenizer, _ = checkpoint.load_run(ckpt_path, args.device, log=log)
+    backend = settings["attention_backend"][args.device]
+    model, cfg, tokenizer, _ = checkpoint.load_run(ckpt_path, args.device, log=log, attention_backend=backend)
     chat_mode = args.chat if args.chat is not None else cfg["data"]["format"] == "chat"
     if chat_mode and "<|end|>" not in tokenizer.special_ids:
         raise EvalError(
@@ -127,7 +128,7 @@ def evaluate_run(args, out=None, log=lambda m: print(m, file=sys.stderr)):
     manager = eval_harness.task_manager_for(plan)
     tasks = eval_harness.load_tasks(manager, plan, settings["suites"])
     lm = eval_harness.EnlaceLM.from_model(
-        model, tokenizer, cfg["data"]["format"] == "chat", args.batch_size or settings["batch_size"],
+        model, tokenizer, args.batch_size or settings["batch_size"],
         settings["max_gen_toks"], settings["seed"], ckpt_path,
     )  # fmt: skip
     log(f"evaluating {ckpt_path} (step {step}) on {', '.join(s.name for s in plan.tasks)}"

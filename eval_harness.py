@@ -28,8 +28,9 @@ which tests/test_eval.py checks request by request):
 - Byte-level runs work too: their prefix token is the newline byte (documents in the byte data are
   separated by blank lines) and they have no chat template (--chat is refused).
 
-Requests are sorted longest first and batched (right padding); only the continuation's positions go
-through the LM head, so scoring costs the trunk plus one head row per scored token.
+Requests are sorted longest first and batched (right padding), those with the same input sharing a row;
+only the continuation's positions go through the LM head, so scoring costs the trunk plus one head row
+per scored token. On the CPU attention runs on the flash kernel (as the cpu hardware profile trains).
 """
 
 import contextlib
@@ -117,26 +118,32 @@ class EnlaceLM(TemplateLM):
         if kwargs:
             raise EvalError(f"unknown model_args for enlace: {', '.join(sorted(kwargs))}; expected run=...")
         settings = load_settings()
-        loaded, cfg, tokenizer, ckpt_path = checkpoint.load_run(run, device or "cpu")
-        self._setup(loaded, tokenizer, cfg["data"]["format"] == "chat", batch_size or settings["batch_size"],
-                    max_gen_toks or settings["max_gen_toks"], settings["seed"], ckpt_path)  # fmt: skip
+        device = device or "cpu"
+        backend = settings["attention_backend"][torch.device(device).type]
+        loaded, cfg, tokenizer, ckpt_path = checkpoint.load_run(run, device, attention_backend=backend)
+        batch_size, max_gen_toks = (
+            batch_size or settings["batch_size"],
+            max_gen_toks or settings["max_gen_toks"],
+        )
+        self._setup(loaded, tokenizer, batch_size, max_gen_toks, settings["seed"], ckpt_path)
 
     @classmethod
-    def from_model(cls, model, tokenizer, chat_run, batch_size, max_gen_toks, seed, name, autocast=None):
-        """A loaded model (train.py's, eval.py's) without reading a checkpoint again."""
+    def from_model(cls, model, tokenizer, batch_size, max_gen_toks, seed, name, autocast=None):
+        """A loaded model (train.py's, eval.py's) without reading a checkpoint again; name is what the
+        results call it (the checkpoint's path)."""
         lm = cls.__new__(cls)
         TemplateLM.__init__(lm)
-        lm._setup(model, tokenizer, chat_run, batch_size, max_gen_toks, seed, name, autocast)
+        lm._setup(model, tokenizer, batch_size, max_gen_toks, seed, name, autocast)
         return lm
 
-    def _setup(self, model, tokenizer, chat_run, batch_size, max_gen_toks, seed, name, autocast=None):
+    def _setup(self, model, tokenizer, batch_size, max_gen_toks, seed, name, autocast=None):
         try:
             self.batch_size = int(batch_size)
         except (TypeError, ValueError):
             raise EvalError(f"batch size {batch_size!r}: expected a whole number (no 'auto')") from None
         if self.batch_size < 1:
             raise EvalError(f"batch size {self.batch_size}: expected >= 1")
-        self.model, self.tokenizer, self.chat_run, self.name = model, tokenizer, chat_run, name
+        self.model, self.tokenizer, self.name = model, tokenizer, name
         self.max_gen_toks, self.seed = int(max_gen_toks), seed
         self.autocast = autocast or contextlib.nullcontext
         self._device = model.embed_tokens.weight.device
@@ -202,49 +209,60 @@ class EnlaceLM(TemplateLM):
     # ---- scoring
 
     @torch.no_grad()
-    def score_windows(self, windows):
-        """[(input ids, ids scored)] -> [(sum of log-probabilities, every scored id the argmax)], one
-        forward pass for all of them (right-padded; causal attention keeps padding out of the rest)."""
-        width = max(len(inputs) for inputs, _ in windows)
-        x = torch.zeros(len(windows), width, dtype=torch.long)
-        rows, cols, targets = [], [], []
-        for row, (inputs, scored) in enumerate(windows):
+    def score_rows(self, rows):
+        """[(input ids, [ids scored, ...])] -> for each row, [(sum of log-probabilities, every scored id the
+        argmax), ...]: each list of ids scored is predicted by the row's last positions. One forward pass
+        for all rows (right-padded: causal attention keeps the padding out of the rest)."""
+        width = max(len(inputs) for inputs, _ in rows)
+        x = torch.zeros(len(rows), width, dtype=torch.long)
+        at_row, at_col, targets = [], [], []
+        for row, (inputs, scored_lists) in enumerate(rows):
             x[row, : len(inputs)] = torch.tensor(inputs)
-            first = len(inputs) - len(scored)
-            rows += [row] * len(scored)
-            cols += range(first, len(inputs))
-            targets += scored
+            for scored in scored_lists:
+                at_row += [row] * len(scored)
+                at_col += range(len(inputs) - len(scored), len(inputs))
+                targets += scored
         with self.autocast():
             hidden = hidden_states(self.model, x.to(self._device))
-            logits = self.model.lm_head(hidden[torch.tensor(rows), torch.tensor(cols)])
+            logits = self.model.lm_head(hidden[torch.tensor(at_row), torch.tensor(at_col)])
         logits = logits.float()
         targets = torch.tensor(targets, device=logits.device)
-        picked = F.log_softmax(logits, dim=-1).gather(1, targets[:, None])[:, 0]
-        hits = logits.argmax(dim=-1) == targets
+        picked = F.log_softmax(logits, dim=-1).gather(1, targets[:, None])[:, 0].tolist()
+        hits = (logits.argmax(dim=-1) == targets).tolist()
         results, start = [], 0
-        for _, scored in windows:
-            end = start + len(scored)
-            results.append((picked[start:end].sum().item(), bool(hits[start:end].all())))
-            start = end
+        for _, scored_lists in rows:
+            results.append([])
+            for scored in scored_lists:
+                end = start + len(scored)
+                results[-1].append((sum(picked[start:end]), all(hits[start:end])))
+                start = end
         return results
 
     def _loglikelihood_tokens(self, requests, disable_tqdm=False, **kwargs):
-        """requests: [((context, continuation) or None, context ids, continuation ids)], scored longest
-        first in batches of batch_size; results in the requests' order."""
-        order = sorted(range(len(requests)), key=lambda i: (-len(requests[i][1] + requests[i][2]), i))
+        """requests: [((context, continuation) or None, context ids, continuation ids)] -> [(log-likelihood,
+        is greedy)] in the requests' order. Requests with the same model input (the choices of a question
+        that are one token long, say) share one row, as lm-eval's `hf` shares their logits; the rows are
+        scored longest first, batch_size at a time."""
+        windows = []
+        for _, context, continuation in requests:
+            if len(context) + len(continuation) > self.max_length + 1:
+                self.truncated += 1
+            windows.append(context_window(context, continuation, self.max_length))
+        rows = {}  # input ids -> the requests it serves, longest inputs first
+        for index in sorted(range(len(windows)), key=lambda i: (-len(windows[i][0]), i)):
+            rows.setdefault(tuple(windows[index][0]), []).append(index)
+        rows = list(rows.items())
         results = [None] * len(requests)
-        for start in range(0, len(order), self.batch_size):
-            chunk = order[start : start + self.batch_size]
-            windows = []
-            for index in chunk:
-                _, context, continuation = requests[index]
-                if len(context) + len(continuation) > self.max_length + 1:
-                    self.truncated += 1
-                windows.append(context_window(context, continuation, self.max_length))
-            for index, answer in zip(chunk, self.score_windows(windows), strict=True):
-                results[index] = answer
-                if requests[index][0] is not None:
-                    self.cache_hook.add_partial("loglikelihood", requests[index][0], answer)
+        for start in range(0, len(rows), self.batch_size):
+            chunk = rows[start : start + self.batch_size]
+            scored = self.score_rows(
+                [(list(inputs), [windows[i][1] for i in members]) for inputs, members in chunk]
+            )
+            for (_, members), answers in zip(chunk, scored, strict=True):
+                for index, answer in zip(members, answers, strict=True):
+                    results[index] = answer
+                    if requests[index][0] is not None:
+                        self.cache_hook.add_partial("loglikelihood", requests[index][0], answer)
         return results
 
     def loglikelihood_rolling(self, requests, disable_tqdm=False):
@@ -701,7 +719,7 @@ class TrainingEval:
     def __call__(self, model, step):
         """Evaluate `model` (in train mode; put back in it) -> the metrics record of this step."""
         start = time.perf_counter()
-        lm = EnlaceLM.from_model(model, self.tokenizer, self.chat_mode, self.settings["batch_size"],
+        lm = EnlaceLM.from_model(model, self.tokenizer, self.settings["batch_size"],
                                  self.settings["max_gen_toks"], self.settings["seed"], self.name, self.autocast)  # fmt: skip
         model.eval()
         try:

@@ -60,13 +60,14 @@ def run(runs, shard_data_dir):
 
 @pytest.fixture(scope="module")
 def loaded(run):
-    model, cfg, tokenizer, path = checkpoint.load_run(run, log=quiet)
+    backend = SETTINGS["attention_backend"]["cpu"]  # as eval.py loads it
+    model, cfg, tokenizer, path = checkpoint.load_run(run, log=quiet, attention_backend=backend)
     return model, tokenizer, path
 
 
 def enlace_lm(loaded, batch_size=4, model=None):
     base, tokenizer, path = loaded
-    return eval_harness.EnlaceLM.from_model(model or base, tokenizer, False, batch_size, 256, 1234, path)
+    return eval_harness.EnlaceLM.from_model(model or base, tokenizer, batch_size, 256, 1234, path)
 
 
 def fixture_plan(tasks, chat_mode=False, include_path=FIXTURES):
