@@ -7,6 +7,7 @@ there, never in tests.
 import sys
 
 import bench_data
+import bench_eval
 import bench_model
 import bench_serve
 
@@ -18,6 +19,7 @@ SECTIONS = {
     "search": bench_serve.bench_search,
     "serve": bench_serve.bench_serve,
     "memory": bench_serve.bench_memory,
+    "eval": bench_eval.bench_eval,
 }
 
 
