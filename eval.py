@@ -138,6 +138,8 @@ def evaluate_run(args, out=None, log=lambda m: print(m, file=sys.stderr)):
         log(f"{lm.truncated} requests did not fit the {model.seq_len}-token context: cut from the left")
     rows = eval_harness.score_rows(results, plan)
     title = f"{os.path.basename(os.path.normpath(run_dir_of(args.run)))} · step {step} · {plan.label}"
+    title += f" · limit {args.limit}" if args.limit else ""
+    title += " · prompts through chat.render" if chat_mode else ""
     table = eval_harness.markdown_table(rows, plan, title)
     samples = results.pop("samples", {})
     results["enlace"] = {
@@ -235,7 +237,7 @@ def related_runs(run, cfg):
             continue
         init = (other_cfg.get("train") or {}).get("init_from")
         if init and here in (os.path.realpath(init), os.path.realpath(os.path.dirname(init))):
-            children.append(os.path.dirname(other))
+            children.append(os.path.relpath(os.path.dirname(other)))
     return base, children
 
 

@@ -549,7 +549,8 @@ def load_tasks(manager, plan, suites=()):
                 if offline
                 else ""
             )
-            + "on a machine with internet run `python eval.py download TASKS`, copy that folder here and "
+            + f"on a machine with internet run `python eval.py download {plan.suite or ','.join(s.name for s in plan.tasks)}`, "
+            "copy that folder here and "
             "run with HF_DATASETS_OFFLINE=1."
         )
     return loaded

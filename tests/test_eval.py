@@ -472,7 +472,7 @@ def test_the_report_card_shows_the_run_its_benchmarks_its_fine_tuned_run_samples
     for part in ["# Report card: base", "ckpt_0000020.pt` (step 20 of 20)", "| model | 0.",
                  "20 steps × 512 tokens = 10,240 tokens seen", "profile `cpu`: cpu, float32", "| wall time |",
                  "characters (", "bytes) per token over", "| val | loss ", "#### base · step 20 · fixtures",
-                 "| enlace_fixture_choice | 0 | 16 | acc,none |", f"### fine-tuned from it: `{runs / 'sft'}`",
+                 "| enlace_fixture_choice | 0 | 16 | acc,none |", f"### fine-tuned from it: `{os.path.relpath(runs / 'sft')}`",
                  "## Samples", "> **Había una vez**", "![loss, val loss, bits per byte and learning rate](plot.png)"]:  # fmt: skip
         assert part in card, part
     assert os.path.isfile(os.path.join(run, "plot.png")) and card.count("> **") == 3
