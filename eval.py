@@ -30,6 +30,7 @@ import statistics
 import sys
 
 import torch
+from lm_eval.utils import handle_non_serializable
 
 import chat
 import checkpoint
@@ -147,8 +148,6 @@ def evaluate_run(args, out=None, log=lambda m: print(m, file=sys.stderr)):
         "request": request, "suite": plan.suite, "score_name": eval_harness.score_name(plan),
         "score": eval_harness.score(rows), "rows": rows, "code_version": fileio.code_version(),
     }  # fmt: skip
-    from lm_eval.utils import handle_non_serializable
-
     if args.log_samples:
         for task, task_samples in samples.items():
             lines = "".join(

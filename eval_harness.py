@@ -572,7 +572,7 @@ def run(lm, manager, task_objects, settings, limit=None, chat_mode=False, system
     with contextlib.redirect_stdout(sys.stderr):  # lm-eval prints progress; stdout is for our table
         if full_record:
             return evaluator.simple_evaluate(
-                model=lm, tasks=task_objects, task_manager=manager,
+                model=lm, tasks=task_objects, task_manager=manager, batch_size=lm.batch_size, device=str(lm.device),
                 random_seed=settings["seed"], numpy_random_seed=settings["seed"],
                 torch_random_seed=settings["seed"], fewshot_random_seed=settings["seed"], **kwargs,
             )  # fmt: skip
