@@ -9,6 +9,8 @@ import statistics
 import tempfile
 import time
 
+import torch
+
 import checkpoint
 import eval_harness
 import export
@@ -35,9 +37,10 @@ def choice_requests(shots=(0, 1, 2, 3)):
     return requests
 
 
-def bench_eval(batch_sizes=(1, 16), rounds=3):
-    """Requests per second of each backend at each batch size (median of `rounds` timings, interleaved so
-    that a neighbour process slows both alike), their ratio, and the largest difference of a request's
+def bench_eval(batch_sizes=(1, 16), rounds=5):
+    """Requests per second of each backend at each batch size (medians of `rounds` timings) and the
+    enlace/hf ratio: the median, and the range, of the ratios of the rounds, each round timing the two
+    back to back so that a neighbour process slows both alike. Also the largest difference of a request's
     log-likelihood between them."""
     from lm_eval.models.huggingface import HFLM  # transformers: a development dependency, only here
 
@@ -52,8 +55,8 @@ def bench_eval(batch_sizes=(1, 16), rounds=3):
         hf = HFLM(pretrained=hf_dir, device="cpu", batch_size=1, dtype="float32", add_bos_token=True)
         contenders = {"enlace": enlace, "hf": hf}
         print(f"eval: {len(requests)} loglikelihood requests of {os.path.basename(run)} ({model.num_params() / 1e6:.1f}M "
-              f"parameters, context {model.seq_len}); load average {open('/proc/loadavg').read().split()[0]} "
-              f"on {os.cpu_count()} CPUs", flush=True)  # fmt: skip
+              f"parameters, context {model.seq_len}), {torch.get_num_threads()} threads; load average "
+              f"{load_average()} on {os.cpu_count()} CPUs", flush=True)  # fmt: skip
         for batch_size in batch_sizes:
             enlace.batch_size, hf.batch_size_per_gpu = batch_size, batch_size
             times, answers = {label: [] for label in contenders}, {}
@@ -63,7 +66,13 @@ def bench_eval(batch_sizes=(1, 16), rounds=3):
                     answers[label] = lm.loglikelihood(requests, disable_tqdm=True)
                     times[label].append(time.perf_counter() - start)
             rate = {label: len(requests) / statistics.median(t[1:]) for label, t in times.items()}
+            ratios = sorted(h / e for e, h in zip(times["enlace"][1:], times["hf"][1:], strict=True))
             gap = max(abs(a[0] - b[0]) for a, b in zip(answers["enlace"], answers["hf"], strict=True))
-            print(f"  batch {batch_size:>2}: enlace {rate['enlace']:7.1f} requests/s | hf {rate['hf']:7.1f} requests/s | "
-                  f"enlace/hf {rate['enlace'] / rate['hf']:.2f}x | largest log-likelihood difference {gap:.1e} | "
-                  f"load average {open('/proc/loadavg').read().split()[0]}", flush=True)  # fmt: skip
+            print(f"  batch {batch_size:>2}: enlace {rate['enlace']:6.1f} requests/s | hf {rate['hf']:6.1f} requests/s | "
+                  f"enlace/hf {statistics.median(ratios):.2f}x (rounds {ratios[0]:.2f}-{ratios[-1]:.2f}) | largest "
+                  f"log-likelihood difference {gap:.1e} | load average {load_average()}", flush=True)  # fmt: skip
+
+
+def load_average():
+    with open("/proc/loadavg") as f:
+        return f.read().split()[0]
