@@ -398,7 +398,9 @@ def prepare_hub_access(settings, offline=False, log=print):
     if offline or offline_requested():
         go_offline()
     elif not hub_reachable(settings["hub_timeout_s"]):
-        log(f"huggingface.co did not answer within {settings['hub_timeout_s']} s: using only cached datasets")
+        log(
+            f"huggingface.co cannot be reached (waited up to {settings['hub_timeout_s']} s): using only cached datasets"
+        )
         go_offline()
 
 
