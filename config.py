@@ -485,6 +485,23 @@ def text_problem(value, max_depth=None, where=""):
     return None
 
 
+def undecodable_argument(argv):
+    """Why a command-line argument cannot be used as text, or None. Python decodes arguments with the
+    locale's encoding and turns bytes that are not in it into lone surrogates (surrogateescape): the terminal
+    sent another encoding than its locale says. No guess is made (Latin-1 decodes any bytes, so a wrong guess
+    would store wrong text without a sign): the person sets the terminal to the locale's encoding."""
+    for argument in argv:
+        if LONE_SURROGATE.search(argument):
+            encoding = sys.getfilesystemencoding().upper()
+            locale = os.environ.get("LC_ALL") or os.environ.get("LANG") or "unset"
+            return (
+                f"the argument '{ascii(os.fsencode(argument))[2:-1]}' is not valid {encoding}: the terminal "
+                f"sends another encoding than its locale (LANG {locale}) says; set the terminal to {encoding} "
+                "and type it again"
+            )
+    return None
+
+
 USAGE = (
     "usage: python config.py CONFIG [section.key=value ...] [--print]\n       python config.py --all [FOLDER]"
 )

@@ -736,6 +736,10 @@ def parse_args(argv):
 
 
 def main(argv):
+    problem = config.undecodable_argument(argv)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     args = parse_args(argv)
     try:
         cfg = load_config(args.config)
