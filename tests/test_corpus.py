@@ -544,6 +544,35 @@ def test_fineweb2_quality_filters_keep_prose_and_drop_repetition_lists_and_forei
     )
 
 
+def test_the_default_filters_give_fineweb2s_verdict_on_every_document_of_the_mixed_sample():
+    import bench_data
+
+    embedded = [
+        source for source in bench_data.SAMPLE_SOURCES if os.path.dirname(source[1]) == f"{ROOT}/corpus"
+    ]
+    cfg = data_layer("corpus")["corpus"]  # the stage-1 example, with the shipped defaults
+    sample = bench_data.fidelity_sample(16, cfg["min_chars"], embedded)
+    assert {name for name, _ in sample} == {"rv1909", "fortunes-es", "técnico", "diálogo"} and len(
+        sample
+    ) > 50
+    reference = bench_data.fineweb2_reference()  # FineWeb-2's own filters, built as its pipeline builds them
+    agreement, kept, kept_by_fineweb2, _ = bench_data.filter_agreement(
+        sample, corpus_filters.quality_stages(cfg["filters"]), reference
+    )
+    assert all(same == count for same, count in agreement.values()), agreement
+    assert 0 < kept == kept_by_fineweb2 < len(sample)  # the sample has documents of both verdicts
+
+
+def test_the_regex_word_split_is_an_option_that_splits_technical_text_finer_than_fineweb2s():
+    assert data_layer("corpus")["corpus"]["filters"]["word_tokenizer"] == "spacy"
+    regex = corpus_filters.RegexWords()
+    from datatrove.utils.word_tokenizers import load_word_tokenizer
+
+    fineweb2 = load_word_tokenizer(corpus_filters.word_splitter("spacy"))
+    text = "Véase less(1), p. ej. en /etc."
+    assert len(regex.word_tokenize(text)) > len(fineweb2.word_tokenize(text))
+
+
 def test_pii_is_replaced_only_where_the_check_digits_hold(fixtures):
     scrub = corpus_filters.PiiScrubber(stage_cfg()["pii"])
     first, found = scrub(write_fixtures.PII_NOTES[0])
