@@ -19,7 +19,7 @@ TRAIN := $(if $(filter 1,$(NPROC)),$(PY),$(VENV)/bin/torchrun --standalone --npr
 .PHONY: setup lint check-configs test clean smoke smoke-2060 pretrain resume-check data-smoke \
 	corpus tokenizer encode corpus-smoke corpus-report smoke-corpus sample chat eval serve bench search agent-data \
 	agent-eval sft-agent sync remote-setup remote-smoke-2060 remote-pretrain logs fetch status chat-prepare sft sft-smoke \
-	plot export gguf-check snapshot restore
+	plot export gguf-check snapshot restore fuzz
 
 setup: $(STAMP)
 
@@ -45,6 +45,11 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench.py $(ARGS)
+
+# Hostile input at every request path, many examples per route and a new seed each time (make test runs
+# a few of each); a failing example is kept in .hypothesis/ and replayed first on the next run.
+fuzz: $(STAMP)
+	ENLACE_FUZZ_PROFILE=fuzz $(VENV)/bin/pytest -q tests/test_fuzz.py $(ARGS)
 
 clean:
 	rm -rf .pytest_cache .ruff_cache
