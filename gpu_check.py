@@ -211,7 +211,7 @@ def step_board(check):
         f"{profile['compile']}, grad scaler {profile['grad_scaler']}, peak_tflops {profile['peak_tflops']}",
         f"matmul {args.matmul_size}x{args.matmul_size} in {profile['dtype']}: {measured:.1f} TFLOP/s measured",
     ]
-    summary = f"{name} on {board_name}, matmul {measured:.1f} TFLOP/s"
+    summary = f"profile {name}, {board_name}, matmul {measured:.3g} TFLOP/s"
     if profile["peak_tflops"]:
         ratio = measured / profile["peak_tflops"]
         lines.append(f"measured / profile peak: {100 * ratio:.0f}% of {profile['peak_tflops']} TFLOP/s")
