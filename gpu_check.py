@@ -39,6 +39,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 import urllib.error
 import urllib.request
 import warnings
@@ -94,7 +95,9 @@ class Check:
         except CheckError as e:
             summary, lines, result, verdict = str(e), [], None, "FAIL"
         except Exception as e:  # noqa: BLE001 - any failure of a step is its verdict; the check goes on
-            summary, lines, result, verdict = f"{type(e).__name__}: {e}", [], None, "FAIL"
+            trace = traceback.format_exc().strip().splitlines()[-20:]  # a bug to diagnose: kept in the report
+            summary, lines, result, verdict = f"{type(e).__name__}: {e}", trace, None, "FAIL"
+        summary = " ".join(summary.split()).replace("|", "\\|")  # one line of the report's table
         if verdict == "PASS" and any(line.startswith("FAIL") for line in lines):
             verdict = "FAIL"
         self.failed |= verdict == "FAIL"
@@ -127,7 +130,9 @@ class Check:
             for name, verdict, summary, seconds in self.rows
         ]
         for name, details in self.details:
-            if details:
+            if details and details[0].startswith("Traceback"):
+                lines += ["", f"## {name}", "", "```", *details, "```"]
+            elif details:
                 lines += ["", f"## {name}", ""] + [f"- {line}" for line in details]
         fileio.write_atomic(path, lambda f: f.write(("\n".join(lines) + "\n").encode("utf-8")))
 
