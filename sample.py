@@ -25,6 +25,7 @@ import torch.nn.functional as F
 import agent
 import chat
 import checkpoint
+import config
 import data
 from checkpoint import CheckpointError
 
@@ -483,6 +484,10 @@ def parse_args(argv):
 
 
 def main(argv):
+    problem = config.undecodable_argument(argv)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     args = parse_args(argv)
     try:
         model, cfg, tokenizer, ckpt_path = load_run(args.run, args.device)

@@ -681,6 +681,10 @@ def serve_main(argv):
 
 
 def main(argv):
+    problem = config.undecodable_argument(argv)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     try:
         if argv and argv[0] == "member":
             return serve_accounts.member_main(argv[1:], load_settings, DEFAULT_CONFIG)
