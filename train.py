@@ -28,7 +28,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 import chat
 import checkpoint as ckpt
@@ -439,15 +438,12 @@ def evaluate(model, cfg, hardware, ctx, token_bytes):
         for _ in range(train["eval_batches"]):
             x, y = (t.to(hardware.device) for t in loader.next_batch())
             with hardware.autocast():
-                logits, _ = model(x)
+                _, losses = model(x, y)  # the training loss's path: no full logits in memory
             # Targets -1 (chat data: prompt and padding positions) are not scored.
-            nats = F.cross_entropy(
-                logits.float().flatten(0, 1), y.flatten(), ignore_index=-1, reduction="sum"
-            )
             scored = y != -1
             totals += torch.stack(
                 [
-                    nats.double(),
+                    losses["ce"].double() * scored.sum(),
                     scored.sum().double(),
                     torch.where(scored, token_bytes[y.clamp(min=0)], 0.0).sum().double(),
                 ]
@@ -530,7 +526,9 @@ def _train(cfg, ctx, resume, stop_after, log, handle_signals):
             "trained on (or start a new run)"
         )
     token_bytes = torch.as_tensor(tokenizer.token_bytes, dtype=torch.float64, device=hardware.device)
-    model = Transformer(model_cfg, attention_backend=hardware.attention_backend).to(hardware.device)
+    model = Transformer(
+        model_cfg, attention_backend=hardware.attention_backend, loss_chunk_size=profile["loss_chunk_size"]
+    ).to(hardware.device)
     optimizer = build_optimizer(model, train_cfg, hardware.device)
     batch, seq_len, accum = train_cfg["micro_batch_size"], model_cfg["seq_len"], train_cfg["grad_accum_steps"]
     loader = data.build_loader(
