@@ -34,6 +34,7 @@ import checkpoint as ckpt
 import config
 import data
 import fileio
+import train_memory
 from checkpoint import (
     list_checkpoints,
     load_checkpoint,
@@ -412,6 +413,24 @@ class StopRequest:
             signal.signal(sig, handler)
 
 
+def memory_line(model_cfg, batch, profile):
+    """The step's estimated peak memory against the profile's memory_gib (train_memory.py), and what to
+    change when it does not fit."""
+    dtype, chunk, memory_gib = profile["dtype"], profile["loss_chunk_size"], profile["memory_gib"]
+    peak = train_memory.step_peak_bytes(model_cfg, batch, dtype, chunk) / train_memory.GIB
+    fits = train_memory.largest_micro_batch(model_cfg, dtype, chunk, memory_gib * train_memory.GIB)
+    line = (
+        f"memory: ~{peak:.1f} GiB estimated for a step of {batch} sequences ({fits} fit in {memory_gib} GiB)"
+    )
+    if batch > fits:
+        line += (
+            f"; WARNING: it may not fit hardware.memory_gib: lower train.micro_batch_size to {fits} and raise "
+            "train.grad_accum_steps to keep the global batch"
+            + ("" if chunk else ", or set hardware.loss_chunk_size (0 keeps the full logits)")
+        )
+    return line
+
+
 # -----------------------------------------------------------------------------
 # The run
 
@@ -578,6 +597,8 @@ def _train(cfg, ctx, resume, stop_after, log, handle_signals):
             f"global batch {tokens_per_step} tokens = {ctx.world_size} ranks x {batch} sequences x "
             f"{seq_len} tokens x {accum} accumulation; {train_cfg['max_steps']} steps"
         )
+        if profile["memory_gib"] is not None:
+            log(memory_line(model_cfg, batch, profile))
     metrics_file = open(metrics_path, "a", encoding="utf-8") if ctx.is_main else None
 
     def write_metrics(record):
