@@ -132,8 +132,13 @@ def report(cfg):
 
 
 def table():
-    """tiny-50m (seq_len 1024) on each GPU profile: the Markdown table of docs/entrenamiento.md."""
+    """tiny-50m (seq_len 1024) on each GPU profile: the Markdown table of docs/entrenamiento.md, in
+    Spanish (decimal commas)."""
     model_cfg = config.load_layer("model", os.path.join(ROOT, "configs", "model", "tiny-50m.yaml"))
+
+    def gib(value):
+        return f"{value:.1f}".replace(".", ",") + " GiB"
+
     rows = [
         f"| perfil | dtype | memoria para el paso | micro-batch {TABLE_MICRO_BATCH}: logits completos | "
         f"micro-batch {TABLE_MICRO_BATCH}: por trozos | cabe: logits completos | cabe: por trozos |",
@@ -145,7 +150,7 @@ def table():
         peak = {c: step_peak_bytes(model_cfg, TABLE_MICRO_BATCH, dtype, c) / GIB for c in (0, chunk)}
         fits = {c: largest_micro_batch(model_cfg, dtype, c, memory) for c in (0, chunk)}
         rows.append(
-            f"| {name} | {dtype} | {hardware['memory_gib']} GiB | {peak[0]:.1f} GiB | {peak[chunk]:.1f} GiB "
+            f"| `{name}` | {dtype} | {gib(hardware['memory_gib'])} | {gib(peak[0])} | {gib(peak[chunk])} "
             f"(trozos de {chunk}) | {fits[0]} | {fits[chunk]} |"
         )
     return rows

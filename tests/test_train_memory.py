@@ -123,7 +123,7 @@ def test_the_command_prints_a_run_and_the_gpu_table():
     )
     assert table.returncode == 0, table.stderr
     rows = [line for line in table.stdout.splitlines() if line.startswith("| ")]
-    assert [row.split(" | ")[0][2:] for row in rows[1:]] == train_memory.TABLE_PROFILES
+    assert [row.split(" | ")[0][2:].strip("`") for row in rows[1:]] == train_memory.TABLE_PROFILES
     bad = subprocess.run(
         [sys.executable, "train_memory.py", "configs/pretrain-2060.yaml", "hardware.memory_gib=-1"],
         cwd=ROOT,
@@ -139,3 +139,9 @@ def test_every_shipped_hardware_profile_names_its_chunk_and_memory():
             profile_cfg = yaml.safe_load(f)["hardware"]
         assert profile_cfg["loss_chunk_size"] > 0, name  # the chunked loss is on everywhere
         assert (profile_cfg["memory_gib"] is None) == (profile_cfg["device"] == "cpu"), name
+
+
+def test_the_docs_show_the_table_the_command_prints():
+    with open(os.path.join(ROOT, "docs", "entrenamiento.md"), encoding="utf-8") as f:
+        page = f.read().splitlines()
+    assert all(row in page for row in train_memory.table())
