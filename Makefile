@@ -115,6 +115,12 @@ resume-check: $(STAMP)
 	$(PY) corpus.py all $(CONFIG) $(filter-out --%,$(ARGS))
 	$(PY) train.py $(CONFIG) --resume-check $(ARGS)
 
+# The micro-batch that fits: CONFIG's estimated peak memory per step (train_memory.py, no torch);
+# `python train_memory.py --table` prints tiny-50m on every GPU profile.
+.PHONY: microbatch
+microbatch: $(STAMP)
+	$(PY) train_memory.py $(CONFIG) $(ARGS)
+
 # --- fine-tuning on conversations (SFT) -----------------------------------------------------------
 
 chat-prepare: $(STAMP)

@@ -159,8 +159,119 @@ class KVCache:
         return self.keys[layer_index][:, :, :end], self.values[layer_index][:, :, :end]
 
 
+def logits_losses(logits, targets, z_loss_coef):
+    """Cross-entropy on float32 logits plus the PaLM z-loss z_loss_coef * mean(logsumexp(logits)^2),
+    which keeps the softmax normalizer near 1 so float16 logits cannot drift out of range. Both are
+    means over the positions whose target is not -1. The unchunked path (loss_chunk_size 0): the full
+    logits and autograd's backward; ChunkedLMHeadLoss computes the same without them."""
+    logits = logits.float().flatten(0, -2)
+    targets = targets.flatten()
+    keep = targets != -1
+    rows = targets.clamp(min=0)[:, None]  # ignored rows pick column 0, then count for nothing
+    log_probs = F.log_softmax(logits, dim=-1)
+    target_log_prob = log_probs.gather(1, rows).squeeze(1)
+    # log_softmax = logits - logsumexp(logits): the normalizer comes from the same column for free,
+    # one pass over the logits fewer than calling logsumexp.
+    log_normalizer = logits.gather(1, rows).squeeze(1) - target_log_prob
+    count = keep.sum().clamp(min=1)
+    ce = -torch.where(keep, target_log_prob, 0.0).sum() / count
+    z_loss = z_loss_coef * torch.where(keep, log_normalizer.square(), 0.0).sum() / count
+    return {"loss": ce + z_loss, "ce": ce, "z_loss": z_loss}
+
+
+class ChunkedLMHeadLoss(torch.autograd.Function):
+    """The LM head and both losses of logits_losses over chunks of `chunk_size` positions: the
+    (positions x vocab_size) logits never exist whole, only one chunk's at a time. Each chunk's gradient
+    is computed in the forward pass, while its logits are at hand (Liger Kernel's fused linear
+    cross-entropy): three matmuls per chunk like the unchunked path, where a backward that recomputed the
+    logits would need four. backward() then only scales the stored gradients by the incoming one.
+
+    Dtypes follow the unchunked path under autocast: the matmuls run in `compute_dtype` (the autocast
+    dtype, else the weight's), softmax and losses in float32. The stored gradients are those of the summed
+    loss, not yet divided by the count of positions nor multiplied by a GradScaler's scale, so in float16
+    they sit near 1 whatever the batch or the scale; backward applies both in float32."""
+
+    @staticmethod
+    def forward(ctx, h, weight, targets, z_loss_coef, chunk_size, compute_dtype, needs_grad):
+        ctx.h_shape, ctx.h_dtype = h.shape, h.dtype
+        h = h.reshape(-1, h.shape[-1])
+        targets = targets.reshape(-1)
+        keep = targets != -1
+        rows = targets.clamp(min=0)  # ignored rows pick column 0, then count for nothing
+        count = keep.sum().clamp(min=1)
+        weight_c = weight.to(compute_dtype)
+        ce_sum = torch.zeros((), dtype=torch.float32, device=h.device)
+        z_sum = torch.zeros((), dtype=torch.float32, device=h.device)
+        if needs_grad:
+            grad_h = torch.empty(h.shape, dtype=compute_dtype, device=h.device)
+            grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=h.device)
+        # One chunk's logits, reused by every chunk (and a compute-dtype twin for the half-precision
+        # matmuls): the largest tensors here, allocated once.
+        logits_buffer = h.new_empty((min(chunk_size, h.shape[0]), weight.shape[0]), dtype=torch.float32)
+        half_buffer = None if compute_dtype == torch.float32 else logits_buffer.to(compute_dtype)
+        with torch.autocast(h.device.type, enabled=False):  # every dtype below is explicit
+            for start in range(0, h.shape[0], chunk_size):
+                chunk = slice(start, start + chunk_size)
+                h_c, keep_c, rows_c = h[chunk].to(compute_dtype), keep[chunk], rows[chunk]
+                logits = logits_buffer[: h_c.shape[0]]
+                if half_buffer is None:
+                    torch.mm(h_c, weight_c.T, out=logits)
+                else:
+                    logits.copy_(torch.mm(h_c, weight_c.T, out=half_buffer[: h_c.shape[0]]))
+                target_logit = logits.gather(1, rows_c[:, None]).squeeze(1)
+                # logsumexp by hand, leaving exp(logits - max) in the buffer for the gradient
+                row_max = logits.amax(dim=1, keepdim=True)
+                probs = logits.sub_(row_max).exp_()
+                row_sum = probs.sum(dim=1, keepdim=True)
+                log_normalizer = (row_max + row_sum.log()).squeeze(1)
+                ce_sum += torch.where(keep_c, log_normalizer - target_logit, 0.0).sum()
+                z_sum += torch.where(keep_c, log_normalizer.square(), 0.0).sum()
+                if needs_grad:
+                    # d(sum of kept ce + z_loss_coef * lse^2)/d logits = softmax * (1 + 2 z lse) - one_hot
+                    coef = torch.where(keep_c, 1.0 + 2.0 * z_loss_coef * log_normalizer, 0.0)[:, None]
+                    grad_logits = probs.mul_(coef / row_sum)
+                    grad_logits.scatter_add_(1, rows_c[:, None], -keep_c[:, None].float())
+                    if half_buffer is None:
+                        torch.mm(grad_logits, weight_c, out=grad_h[chunk])
+                        # in place (FLOP counters do not see addmm_)
+                        torch.addmm(grad_weight, grad_logits.T, h_c, out=grad_weight)
+                    else:
+                        grad_logits = half_buffer[: h_c.shape[0]].copy_(grad_logits)
+                        torch.mm(grad_logits, weight_c, out=grad_h[chunk])
+                        grad_weight += grad_logits.T @ h_c
+        ce, z_loss = ce_sum / count, z_loss_coef * z_sum / count
+        loss = ce + z_loss
+        ctx.mark_non_differentiable(ce, z_loss)
+        if needs_grad:
+            ctx.save_for_backward(grad_h, grad_weight, count)
+        return loss, ce, z_loss
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_loss, _grad_ce, _grad_z_loss):
+        grad_h, grad_weight, count = ctx.saved_tensors
+        scale = grad_loss.float() / count
+        grad_h = (grad_h.float() * scale).to(ctx.h_dtype).view(ctx.h_shape)
+        grad_weight = grad_weight * scale
+        return grad_h, grad_weight, None, None, None, None, None
+
+
+def chunked_losses(h, weight, targets, z_loss_coef, chunk_size):
+    """logits_losses(h @ weight.T, targets, z_loss_coef) computed over chunks of positions: h (..., d_model)
+    the final norm's output, weight (vocab_size, d_model) the LM head's."""
+    device = h.device.type
+    compute_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
+    needs_grad = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
+    if targets.shape != h.shape[:-1]:
+        raise ValueError(f"targets of shape {tuple(targets.shape)} for positions of {tuple(h.shape[:-1])}")
+    loss, ce, z_loss = ChunkedLMHeadLoss.apply(
+        h, weight, targets, z_loss_coef, chunk_size, compute_dtype, needs_grad
+    )
+    return {"loss": loss, "ce": ce, "z_loss": z_loss}
+
+
 class Transformer(nn.Module):
-    def __init__(self, model_cfg, attention_backend="math"):
+    def __init__(self, model_cfg, attention_backend="math", loss_chunk_size=0):
         super().__init__()
         config.check_section("model", model_cfg)  # the schema and config.py's rules, nowhere else
         if attention_backend not in ATTENTION_BACKENDS:
@@ -170,6 +281,9 @@ class Transformer(nn.Module):
         self.cfg = dict(model_cfg)
         self.seq_len = model_cfg["seq_len"]
         self.z_loss_coef = model_cfg["z_loss_coef"]
+        if not isinstance(loss_chunk_size, int) or loss_chunk_size < 0:
+            raise ValueError(f"loss_chunk_size={loss_chunk_size!r} must be an int >= 0 (0: the full logits)")
+        self.loss_chunk_size = loss_chunk_size  # positions per chunk of the LM head + loss; 0 = unchunked
         backend = ATTENTION_BACKENDS[attention_backend]
         self.embed_tokens = nn.Embedding(model_cfg["vocab_size"], model_cfg["d_model"])
         self.layers = nn.ModuleList(DecoderLayer(model_cfg, backend) for _ in range(model_cfg["n_layers"]))
@@ -210,9 +324,11 @@ class Transformer(nn.Module):
         return 6 * self.num_params() + 12 * self.cfg["n_layers"] * self.cfg["d_model"] * seq_len
 
     def forward(self, idx, targets=None):
-        """idx (B, T) token ids, T <= seq_len -> (logits (B, T, vocab_size), losses). losses is None without
-        targets, else {"loss": ce + z_loss, "ce": ..., "z_loss": ...} as 0-dim float32 tensors; targets
-        equal to -1 are ignored."""
+        """idx (B, T) token ids, T <= seq_len. Without targets -> (logits (B, T, vocab_size), None). With
+        targets (B, T) -> (None, losses): {"loss": ce + z_loss, "ce": ..., "z_loss": ...} as 0-dim float32
+        tensors, means over the positions whose target is not -1 (targets equal to -1 are ignored). The
+        full logits are not materialized then (loss_chunk_size > 0: chunk by chunk, see ChunkedLMHeadLoss);
+        `loss` is the one to differentiate, ce and z_loss are its two parts, reported."""
         T = idx.shape[1]
         if T > self.seq_len:
             raise ValueError(f"sequence of {T} tokens is longer than model.seq_len={self.seq_len}")
@@ -220,28 +336,14 @@ class Transformer(nn.Module):
         cos, sin = self.rope_cos[:T], self.rope_sin[:T]
         for layer in self.layers:
             x = layer(x, cos, sin)
-        logits = self.lm_head(self.norm(x))
+        h = self.norm(x)
         if targets is None:
-            return logits, None
-        return logits, self.losses(logits, targets)
-
-    def losses(self, logits, targets):
-        """Cross-entropy on float32 logits plus the PaLM z-loss z_loss_coef * mean(logsumexp(logits)^2),
-        which keeps the softmax normalizer near 1 so float16 logits cannot drift out of range. Both are
-        means over the positions whose target is not -1."""
-        logits = logits.float().flatten(0, -2)
-        targets = targets.flatten()
-        keep = targets != -1
-        rows = targets.clamp(min=0)[:, None]  # ignored rows pick column 0, then count for nothing
-        log_probs = F.log_softmax(logits, dim=-1)
-        target_log_prob = log_probs.gather(1, rows).squeeze(1)
-        # log_softmax = logits - logsumexp(logits): the normalizer comes from the same column for free,
-        # one pass over the logits fewer than calling logsumexp.
-        log_normalizer = logits.gather(1, rows).squeeze(1) - target_log_prob
-        count = keep.sum().clamp(min=1)
-        ce = -torch.where(keep, target_log_prob, 0.0).sum() / count
-        z_loss = self.z_loss_coef * torch.where(keep, log_normalizer.square(), 0.0).sum() / count
-        return {"loss": ce + z_loss, "ce": ce, "z_loss": z_loss}
+            return self.lm_head(h), None
+        if self.loss_chunk_size:
+            return None, chunked_losses(
+                h, self.lm_head.weight, targets, self.z_loss_coef, self.loss_chunk_size
+            )
+        return None, logits_losses(self.lm_head(h), targets, self.z_loss_coef)
 
     # ---- inference with a KV cache ----
 
