@@ -125,8 +125,8 @@ class Attention(nn.Module):
         The projections run over every slot at once; attention runs row by row over the row's own filled
         keys, so that it is exactly the computation of that row decoding alone. (One masked attention over
         the longest row would add the other rows' lengths to each row's softmax sums, which changes their
-        float32 rounding.) A single query needs no mask, and these three products cost a fraction of the
-        generic scaled_dot_product_attention call with its grouped-query expansion."""
+        float32 rounding.) A single query needs no mask; these three products cost about what the flash
+        kernel does and a fifth to a twentieth of the math kernel with its grouped-query expansion."""
         slots = x.shape[0]
         q, k, v = self.project(x, cos, sin)
         keys, values = cache.store_step(layer_index, k[:, :, 0], v[:, :, 0], step)
