@@ -213,8 +213,7 @@ async def new_member_key(request):
 async def server_status(request):
     server = request.app.state.server
     server.admin_of(request)
-    stats = dict(server.worker.stats) | {"queued": server.worker.jobs.qsize()}
-    return JSONResponse(stats | {"model": server.model_id})
+    return JSONResponse(server.worker.status() | {"model": server.model_id})
 
 
 # --- memories: the logged-in member's own (memory.py); the admin has none

@@ -510,7 +510,7 @@ def test_incremental_decoding_with_the_kv_cache_gives_the_full_forward_logits(ba
     idx = tokens(2, 24)
     with torch.no_grad():
         full, _ = net(idx)
-        cache = net.new_kv_cache()
+        cache = net.new_kv_cache(slots=2)
         pieces = [net.forward_with_cache(idx[:, :10], cache)]  # prefill
         pieces += [net.forward_with_cache(idx[:, t : t + 1], cache) for t in range(10, 16)]  # one at a time
         pieces.append(net.forward_with_cache(idx[:, 16:], cache))  # a chunk after cached positions
@@ -555,10 +555,10 @@ def test_past_seq_len_generation_prefills_once_every_half_window_not_at_every_st
     prefill_lengths = []
     forward_with_cache = net.forward_with_cache
 
-    def counting(idx, cache):
+    def counting(idx, cache, slot=None):
         if idx.shape[1] > 1:
             prefill_lengths.append(idx.shape[1])
-        return forward_with_cache(idx, cache)
+        return forward_with_cache(idx, cache, slot)
 
     monkeypatch.setattr(net, "forward_with_cache", counting)
     assert len(list(net.generate(tokens(1, 10)[0], 6 + 8 * 3 + 1, temperature=0))) == 31
@@ -600,3 +600,126 @@ def test_top_k_and_top_p_only_draw_from_the_kept_tokens():
     assert {sample_token(logits, 1.0, top_p=0.5, generator=generator) for _ in range(50)} == {0}
     with pytest.raises(ValueError, match="top_p=1.5"):
         sample_token(logits, 1.0, top_p=1.5)
+
+
+# ---- batched decoding (model.Decoder): rows at their own positions, joining and leaving between steps
+
+
+def forced_tokens(count, seed):
+    return tokens(1, count, seed=seed)[0].tolist()
+
+
+def test_a_decode_step_over_several_rows_gives_each_row_its_single_row_logits():
+    net = build(tiny(seq_len=32))
+    prompts = [forced_tokens(length, seed=length) for length in (3, 9, 20, 31)]
+    fed = [forced_tokens(24, seed=100 + i) for i in range(len(prompts))]  # the same inputs in both runs
+    batch = net.decoder(len(prompts))
+    rows = [batch.add(prompt, temperature=0) for prompt in prompts]
+    alone = [net.decoder(1) for _ in prompts]
+    solo_rows = [decoder.add(prompt, temperature=0) for decoder, prompt in zip(alone, prompts, strict=True)]
+    for step in range(24):  # the rows of 20 and 31 tokens pass seq_len: their windows restart on their own
+        for row, solo in zip(rows, solo_rows, strict=True):
+            torch.testing.assert_close(row.logits, solo.logits, rtol=0, atol=1e-5)
+        batch.advance({row: fed[i][step] for i, row in enumerate(rows)})
+        for i, decoder in enumerate(alone):
+            decoder.advance({solo_rows[i]: fed[i][step]})
+
+
+def run_rows(net, slots, plans, steps):
+    """Decode with `slots` slots. plans: (prompt, first step, last step, sampling kwargs) per row; a row
+    joins at its first step and leaves after its last. Returns each row's (tokens, logits per step)."""
+    decoder = net.decoder(slots)
+    rows, results = {}, [([], []) for _ in plans]
+    for step in range(steps):
+        for i, (prompt, first, _, sampling) in enumerate(plans):
+            if step == first:
+                rows[i] = decoder.add(prompt, **sampling)
+        chosen = {}
+        for i, row in list(rows.items()):
+            token = decoder.sample(row)
+            results[i][0].append(token)
+            results[i][1].append(row.logits.clone())
+            if step == plans[i][2]:
+                decoder.remove(rows.pop(i))
+            else:
+                chosen[row] = token
+        decoder.advance(chosen)
+    return results
+
+
+def seeded(temperature, seed):
+    return {"temperature": temperature, "generator": torch.Generator().manual_seed(seed)}
+
+
+def test_a_rows_tokens_and_logits_are_bit_for_bit_its_own_whatever_the_other_rows_do():
+    net = build(tiny(seq_len=32))
+    target = (forced_tokens(7, seed=1), 3, 40, {"temperature": 0})
+    others = [(forced_tokens(n, seed=n), first, last, seeded(0.8, n))
+              for n, first, last in [(12, 0, 9), (2, 1, 30), (25, 5, 12), (4, 20, 45)]]  # fmt: skip
+    for target_sampling in ({"temperature": 0}, "seeded"):
+        sampling = seeded(0.8, 5) if target_sampling == "seeded" else target_sampling
+        alone = run_rows(net, 4, [(target[0], 0, 37, sampling)], 38)[0]
+        sampling = seeded(0.8, 5) if target_sampling == "seeded" else target_sampling
+        together = run_rows(net, 4, [*others[:2], (target[0], 3, 40, sampling), *others[2:]], 41)[2]
+        assert together[0] == alone[0]  # the row joined at step 3, in slot 2, among rows coming and going
+        assert all(torch.equal(a, b) for a, b in zip(together[1], alone[1], strict=True))
+
+
+class Forced:
+    """A constraint that allows only the next token of `sequence` (then anything), recording its calls."""
+
+    def __init__(self, sequence):
+        self.sequence, self.accepted = list(sequence), []
+
+    def mask(self, logits):
+        if len(self.accepted) >= len(self.sequence):
+            return logits
+        allowed = torch.full_like(logits, float("-inf"))
+        allowed[self.sequence[len(self.accepted)]] = 0.0
+        return logits + allowed
+
+    def accept(self, token):
+        self.accepted.append(token)
+
+
+class Forbidden:
+    def __init__(self, token):
+        self.token = token
+
+    def mask(self, logits):
+        logits[self.token] = float("-inf")  # in place: the contract allows returning the same tensor
+        return logits
+
+    def accept(self, token):
+        pass
+
+
+def test_a_constraint_masks_each_steps_logits_before_sampling_and_hears_each_token():
+    net = build(tiny())
+    prompt = tokens(1, 5)[0]
+    forced = Forced([7, 7, 3, 250, 0])
+    drawn = list(net.generate(prompt, 8, temperature=1.5, generator=torch.Generator().manual_seed(0),
+                              constraint=forced))  # fmt: skip
+    assert drawn[:5] == [7, 7, 3, 250, 0] and forced.accepted == drawn
+    greedy = list(net.generate(prompt, 1, temperature=0))[0]
+    runner_up = int(net.decoder(1).add(prompt.tolist()).logits.topk(2).indices[1])
+    assert list(net.generate(prompt, 1, temperature=0, constraint=Forbidden(greedy))) == [runner_up]
+    # In a batch the constraint steers its own row only.
+    plans = [
+        (prompt.tolist(), 0, 9, {"temperature": 0}),
+        (forced_tokens(9, seed=3), 0, 9, {"temperature": 0}),
+    ]
+    free = run_rows(net, 2, plans, 10)
+    plans[1] = (*plans[1][:3], {"temperature": 0, "constraint": Forced([1, 2, 3])})
+    steered = run_rows(net, 2, plans, 10)
+    assert steered[1][0][:3] == [1, 2, 3] != free[1][0][:3] and steered[0][0] == free[0][0]
+
+
+def test_a_decoder_refuses_a_row_when_every_slot_is_taken_and_reuses_a_freed_slot():
+    net = build(tiny())
+    decoder = net.decoder(2)
+    first, second = decoder.add([1, 2, 3]), decoder.add([4])
+    with pytest.raises(ValueError, match="all 2 slots are in use"):
+        decoder.add([5])
+    decoder.remove(first)
+    assert decoder.add([5, 6]).slot == first.slot and second.slot == 1
