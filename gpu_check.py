@@ -347,7 +347,11 @@ def nondeterministic_ops(cfg):
 
     hardware = train.setup_hardware(cfg["hardware"])
     torch.manual_seed(0)
-    model = Transformer(cfg["model"], attention_backend=hardware.attention_backend).to(hardware.device)
+    model = Transformer(
+        cfg["model"],
+        attention_backend=hardware.attention_backend,
+        loss_chunk_size=cfg["hardware"]["loss_chunk_size"],
+    ).to(hardware.device)  # built as train.py builds it, so the probe runs the training step's kernels
     shape = (cfg["train"]["micro_batch_size"], cfg["model"]["seq_len"])
     x, y = (torch.randint(0, cfg["model"]["vocab_size"], shape, device=hardware.device) for _ in range(2))
     with warnings.catch_warnings(record=True) as caught:
