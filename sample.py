@@ -285,7 +285,8 @@ def show_tool_event(out):
     def show(kind, info):
         if kind == "call":
             what = info["raw"].strip() if info["error"] else json.dumps(info["arguments"], ensure_ascii=False)
-            out.write(f"  [tool call] {info['name'] or '?'} {what}\n")
+            line = f"{info['name'] or '?'} {what}"
+            out.write(f"  [tool call] {line if len(line) <= 400 else line[:400] + '…'}\n")
         elif kind == "result":
             text = info["text"] if len(info["text"]) <= 400 else info["text"][:400] + "…"
             label = "tool result" if info["ok"] else "tool error"
