@@ -561,13 +561,16 @@ def evaluate(conversations, reply, log=print, examples=5):
     }
 
 
-def model_reply(model, tokenizer, max_new_tokens):
-    """Greedy generation of the next assistant turn, up to <|end|>: the model as a policy. The KV cache of
+def model_reply(model, tokenizer, max_new_tokens, settings):
+    """Greedy generation of the next assistant turn, up to <|end|>: the model as a policy, its tool calls
+    constrained to the conversation's tools (agent_grammar) unless agent.constrained is off. The KV cache of
     the previous prompt is kept and rewound to the prefix the next prompt shares with it (the answer's
     prompt extends the first reply's), which halves the prefill of the evaluation; the logits are those
     of a full forward pass either way. Prompts longer than the context are cut from the left, as
     model.generate does."""
     import torch
+
+    import agent_grammar
 
     end = tokenizer.special_ids["<|end|>"]
     state = {"ids": [], "cache": model.new_kv_cache()}
@@ -581,10 +584,14 @@ def model_reply(model, tokenizer, max_new_tokens):
             shared += 1
         cache.length = shared  # later positions are overwritten
         out = []
+        constraint = agent_grammar.constraint_for(tokenizer, conversation.get("tools"), settings)
         with torch.no_grad():
             logits = model.forward_with_cache(torch.tensor([ids[shared:]]), cache)
             for _ in range(max_new_tokens):
-                token = int(logits[0, -1].argmax())
+                last = logits[0, -1] if constraint is None else constraint.mask(logits[0, -1])
+                token = int(last.argmax())
+                if constraint is not None:
+                    constraint.accept(token)
                 if token in (end, tokenizer.eos_id):
                     break
                 out.append(token)
@@ -630,12 +637,13 @@ def main(argv):
     from sample import SampleError, load_run
 
     try:
-        model, _, tokenizer, ckpt_path = load_run(args.run)
+        model, cfg, tokenizer, ckpt_path = load_run(args.run)
     except SampleError as exc:
         print(f"agent_data.py: {exc}", file=sys.stderr)
         return 2
     conversations = read_jsonl(args.data)[args.offset :][: args.limit or None]
-    report = evaluate(conversations, model_reply(model, tokenizer, args.max_new_tokens))
+    settings = agent.load_settings(cfg.get("agent"))
+    report = evaluate(conversations, model_reply(model, tokenizer, args.max_new_tokens, settings))
     report.update(checkpoint=ckpt_path, data=args.data, offset=args.offset)
     print(json.dumps(report, indent=1, ensure_ascii=False))
 

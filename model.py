@@ -268,14 +268,24 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def generate(
-        self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, stop_token=None, generator=None
+        self,
+        idx,
+        max_new_tokens,
+        temperature=1.0,
+        top_k=None,
+        top_p=None,
+        stop_token=None,
+        generator=None,
+        constraint=None,
     ):
         """Yield up to max_new_tokens new token ids (ints), one per step, continuing the prompt idx (a 1-D
         tensor or shape (1, T)). temperature 0 or top_k 1 is greedy argmax; otherwise sample from
         softmax(logits / temperature), restricted to the top_k tokens and/or the smallest set whose
         probability reaches top_p, drawing with `generator` (sampling runs on the generator's device, so a
         CPU generator gives the same draws whatever the model's device). The stop token is yielded, then
-        generation ends.
+        generation ends. A constraint (agent_grammar.ToolCallConstraint, say) sees each step's logits
+        before sampling, constraint.mask(logits) -> logits with forbidden tokens at -inf, and is told the
+        token chosen, constraint.accept(token).
 
         Each step's logits are exactly those of a full forward pass over a window of the most recent
         tokens. The first window is the prompt's last seq_len tokens; each step adds the new token to it
@@ -296,7 +306,10 @@ class Transformer(nn.Module):
         cache = self.new_kv_cache()
         logits = self.forward_with_cache(torch.tensor([window], device=device), cache)
         for step in range(max_new_tokens):
-            token = sample_token(logits[0, -1], temperature, top_k, top_p, generator)
+            last = logits[0, -1] if constraint is None else constraint.mask(logits[0, -1])
+            token = sample_token(last, temperature, top_k, top_p, generator)
+            if constraint is not None:
+                constraint.accept(token)
             yield token
             if token == stop_token or step == max_new_tokens - 1:
                 return

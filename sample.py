@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 import agent
+import agent_grammar
 import chat
 import checkpoint
 import data
@@ -69,9 +70,10 @@ class StreamDecoder:
         return new
 
 
-def stream_text(model, tokenizer, prompt_ids, args, generator, write, stop_token=None):
+def stream_text(model, tokenizer, prompt_ids, args, generator, write, stop_token=None, constraint=None):
     """Generate from prompt_ids, handing decoded text to write(piece) as it comes; write returns True to
-    end the reply early. Stops at stop_token or the end-of-text token (neither is written)."""
+    end the reply early. Stops at stop_token or the end-of-text token (neither is written). A constraint
+    (agent_grammar) masks each step's logits: the tool calls of a chat reply."""
     device = model.embed_tokens.weight.device
     stop_tokens = {stop_token, tokenizer.eos_id} - {None}
     decoder = StreamDecoder(tokenizer)
@@ -82,6 +84,7 @@ def stream_text(model, tokenizer, prompt_ids, args, generator, write, stop_token
         top_k=args.top_k,
         top_p=args.top_p,
         generator=generator,
+        constraint=constraint,
     ):  # stop tokens are checked here: a chat has two (end of turn, end of text)
         if token in stop_tokens:
             break
@@ -186,7 +189,7 @@ def run_chat(model, tokenizer, cfg, args, stdin=sys.stdin, out=sys.stdout, polic
         elif policy is not None:
             policy = shown_reply(policy, out)
         else:
-            policy = streamed_reply(model, tokenizer, args, generator, end_id, budget, out)
+            policy = streamed_reply(model, tokenizer, args, generator, end_id, budget, out, settings)
     out.write(f"chat with {args.run}; /reset clears the history, /exit quits\n")
     while True:
         out.write("> ")
@@ -240,8 +243,9 @@ def run_chat(model, tokenizer, cfg, args, stdin=sys.stdin, out=sys.stdout, polic
             out.write("(empty reply)\n")
 
 
-def streamed_reply(model, tokenizer, args, generator, end_id, budget, out):
-    """agent.run_turn's generate: the model's next reply, streamed to out without its tool calls."""
+def streamed_reply(model, tokenizer, args, generator, end_id, budget, out, settings):
+    """agent.run_turn's generate: the model's next reply, streamed to out without its tool calls; its calls
+    constrained to the tools on offer (agent_grammar) unless agent.constrained is off."""
 
     def reply(conversation):
         ids, _ = chat.render(conversation, tokenizer, for_generation=True)
@@ -258,8 +262,9 @@ def streamed_reply(model, tokenizer, args, generator, end_id, budget, out):
             shown[0] = max(shown[0], len(visible))
             return False
 
+        constraint = agent_grammar.constraint_for(tokenizer, conversation.get("tools"), settings)
         try:
-            stream_text(model, tokenizer, ids, args, generator, write, stop_token=end_id)
+            stream_text(model, tokenizer, ids, args, generator, write, end_id, constraint)
         except KeyboardInterrupt:  # Ctrl-C ends this reply, not the session
             out.write(" [interrupted]")
         out.write("\n")

@@ -13,6 +13,7 @@ import threading
 import time
 
 import agent
+import agent_grammar
 import chat
 
 
@@ -21,11 +22,15 @@ class Job:
     prompt tokens) or ("error", message), to the request's event loop. cancel() makes the worker stop at
     the next token (its "done" then has finish_reason None). With `turn` = (agent.Agent, messages) the
     answer is an agent turn: the server's tools run between generations (prompt_ids is then only the first
-    prompt, already checked against the context)."""
+    prompt, already checked against the context). `constraint` (agent_grammar) masks the logits of a plain
+    answer offered client tools; an agent turn's generations each get one for the tools they offer."""
 
-    def __init__(self, loop, prompt_ids, max_tokens, temperature, top_p, top_k, seed, turn=None):
+    def __init__(
+        self, loop, prompt_ids, max_tokens, temperature, top_p, top_k, seed, turn=None, constraint=None
+    ):
         self.loop, self.events = loop, asyncio.Queue()
         self.prompt_ids, self.max_tokens, self.turn = prompt_ids, max_tokens, turn
+        self.constraint = constraint
         self.temperature, self.top_p, self.top_k, self.seed = temperature, top_p, top_k, seed
         self.cancelled = threading.Event()
 
@@ -89,13 +94,14 @@ class Worker:
         finish, count, prompt_tokens = None, 0, len(job.prompt_ids)
         if not job.cancelled.is_set():
             if job.turn is None:
-                finish, count = self.generate(job, job.prompt_ids, lambda piece: job.send("text", piece))
+                write = lambda piece: job.send("text", piece)  # noqa: E731
+                finish, count = self.generate(job, job.prompt_ids, write, job.constraint)
             else:
                 finish, count, prompt_tokens = self.agent_turn(job)
         self.stats["answered" if finish else "cancelled"] += 1
         job.send("done", finish, count, prompt_tokens)
 
-    def generate(self, job, prompt_ids, write):
+    def generate(self, job, prompt_ids, write, constraint=None):
         """Sample from prompt_ids, handing whole-character text pieces to write. Returns (finish_reason,
         tokens generated), finish_reason None when the job was cancelled."""
         import torch
@@ -111,7 +117,7 @@ class Worker:
             prompt = torch.tensor(prompt_ids, device=device)
             top_p = job.top_p if job.top_p < 1 else None
             tokens = self.model.generate(prompt, job.max_tokens, job.temperature, job.top_k, top_p,
-                                         generator=generator)  # fmt: skip
+                                         generator=generator, constraint=constraint)  # fmt: skip
             for token in tokens:
                 if job.cancelled.is_set():
                     finish = None
@@ -154,7 +160,9 @@ class Worker:
                     show(visible[len(shown) :], shown)
                     shown = visible
 
-            finish, count = self.generate(job, ids, write)
+            tools = conversation.get("tools")
+            constraint = agent_grammar.constraint_for(self.tokenizer, tools, agent_of_turn.settings)
+            finish, count = self.generate(job, ids, write, constraint)
             totals["prompt"] += len(ids)
             totals["completion"] += count
             if finish is None:

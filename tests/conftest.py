@@ -294,14 +294,15 @@ class ScriptedModel:
     repeating its last id, `delay` s per token. It keeps the prompts it got."""
 
     def __init__(self, *scripts, delay=0.0):
-        self.scripts, self.delay, self.prompts = scripts, delay, []
+        self.scripts, self.delay, self.prompts, self.constraints = scripts, delay, [], []
         import torch
 
         self.embed_tokens = types.SimpleNamespace(weight=torch.zeros(1))
 
-    def generate(self, prompt, max_new_tokens, temperature, top_k, top_p, generator=None):
+    def generate(self, prompt, max_new_tokens, temperature, top_k, top_p, generator=None, constraint=None):
         ids = self.scripts[len(self.prompts) % len(self.scripts)]
         self.prompts.append(prompt.tolist())
+        self.constraints.append(constraint)  # scripted choices are never masked
         for step in range(max_new_tokens):
             time.sleep(self.delay)
             yield ids[min(step, len(ids) - 1)]

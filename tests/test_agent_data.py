@@ -7,6 +7,7 @@ import pytest
 
 import agent
 import agent_data
+import agent_grammar
 import chat
 import config
 
@@ -154,11 +155,12 @@ def test_the_model_policy_reuses_its_cache_and_generates_what_generate_does(gene
         {"messages": held_out[1]["messages"][:2], "tools": held_out[1]["tools"]},
         {"messages": tool_conversation["messages"][:2], "tools": tool_conversation["tools"]},
     ]
-    reply = agent_data.model_reply(model, tokenizer, max_new_tokens=6)
+    reply = agent_data.model_reply(model, tokenizer, max_new_tokens=6, settings=agent.load_settings())
     end = tokenizer.special_ids["<|end|>"]
     for prompt in prompts:
         ids, _ = chat.render(prompt, tokenizer, for_generation=True)
-        expected = list(model.generate(torch.tensor(ids), 6, temperature=0.0, stop_token=end))
+        constraint = agent_grammar.constraint_for(tokenizer, prompt["tools"], agent.load_settings())
+        expected = list(model.generate(torch.tensor(ids), 6, 0.0, stop_token=end, constraint=constraint))
         assert reply(prompt) == tokenizer.decode([t for t in expected if t != end])
     report = agent_data.evaluate(held_out[:3], reply, log=lambda *a: None)
     assert report["conversations"] == 3 and 0.0 <= report["right_tool_rate"] <= 1.0
