@@ -96,6 +96,15 @@ class Vocabulary:
         # Tokens that could finish a tag spelled out of pieces: those holding ">" (every tag ends with it).
         self.closers = [(index, raw) for index, raw in enumerate(self.bytes) if b">" in raw]
         self.whole_tags = [index for index, raw in self.closers if any(tag in raw for tag in TAGS)]
+        # Tokens that only close what is open: what an open call is steered to when the budget ends.
+        ending = [index for index, raw in enumerate(self.bytes) if raw and set(raw) <= set(b'"}]\n')]
+        self.ending = torch.zeros(self.size, dtype=torch.bool)
+        self.ending[ending + [self.close_id]] = True
+
+    def closers_mask(self, size):
+        mask = torch.zeros(size, dtype=torch.bool)
+        mask[: self.size] = self.ending
+        return mask
 
     def tag_completions(self, tail):
         """Tokens (besides <tool_call> itself) that would finish "<tool_call>" or "</tool_call>" after
@@ -226,14 +235,14 @@ def check_tools(tokenizer, tools, settings):
     tool_grammar(tokenizer, tools, settings)
 
 
-def constraint_for(tokenizer, tools, settings):
+def constraint_for(tokenizer, tools, settings, max_tokens=None):
     """The constraint of one reply offered these tools (None or [] for none), or None when
-    agent.constrained is off."""
+    agent.constrained is off. With max_tokens, the reply's budget: its last call_reserve_tokens close an
+    open call and open none (see ToolCallConstraint)."""
     if not settings["constrained"]:
         return None
-    if not tools:
-        return ToolCallConstraint(vocabulary(tokenizer), None)
-    return ToolCallConstraint(vocabulary(tokenizer), tool_grammar(tokenizer, tools, settings))
+    grammar = tool_grammar(tokenizer, tools, settings) if tools else None
+    return ToolCallConstraint(vocabulary(tokenizer), grammar, max_tokens, settings["call_reserve_tokens"])
 
 
 # -----------------------------------------------------------------------------
@@ -243,13 +252,21 @@ TEXT, CALL, AFTER, NEXT = "text", "call", "after", "next"
 
 
 class ToolCallConstraint:
-    """mask(logits) / accept(token) for one reply (see the module docstring)."""
+    """mask(logits) / accept(token) for one reply (see the module docstring). Given the reply's budget
+    (max_tokens), a call opens only while twice `reserve` tokens are left, and in the last `reserve`
+    tokens an open call is steered to its end: where the grammar allows a token made only of closing
+    characters (a quote, a brace, a bracket, the newline, </tool_call>), only those are allowed, so that a
+    call is not cut by the budget (the JSON of our tools closes in a few tokens from anywhere)."""
 
-    def __init__(self, vocab, grammar):
+    def __init__(self, vocab, grammar, max_tokens=None, reserve=0):
         self.vocab, self.grammar = vocab, grammar
         self.state, self.tail, self.matcher = TEXT, b"", None
         self.bitmask = torch.zeros(1, (vocab.size + 31) // 32, dtype=torch.int32)
-        self.calls = 0
+        self.calls, self.accepted = 0, 0
+        self.max_tokens, self.reserve = max_tokens, reserve
+
+    def left(self):
+        return float("inf") if self.max_tokens is None else self.max_tokens - self.accepted
 
     @property
     def in_call(self):
@@ -257,14 +274,15 @@ class ToolCallConstraint:
 
     def mask(self, logits):
         vocab = self.vocab
+        opening = self.grammar is not None and self.left() > 2 * self.reserve
         if self.state == TEXT:
             banned = [vocab.close_id, *vocab.tag_completions(self.tail)]
-            if self.grammar is None:
+            if not opening:
                 banned.append(vocab.open_id)
             logits[banned] = float("-inf")
             return logits
         if self.state in (AFTER, NEXT):
-            allowed = vocab.end_ids + [vocab.newline_id] if self.state == AFTER else [vocab.open_id]
+            allowed = vocab.end_ids + [vocab.newline_id] * opening if self.state == AFTER else [vocab.open_id]
             out = torch.full_like(logits, float("-inf"))
             out[allowed] = logits[allowed]
             return out
@@ -278,10 +296,15 @@ class ToolCallConstraint:
             fewer[spelled] = False
             if fewer.any():  # never an empty choice: a schema's own enum may spell a tag
                 allowed = fewer
+        if self.left() <= self.reserve:
+            closing = allowed & vocab.closers_mask(logits.shape[0])
+            if closing.any():
+                allowed = closing
         return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
 
     def accept(self, token):
         vocab = self.vocab
+        self.accepted += 1
         if self.state == TEXT:
             if token == vocab.open_id and self.grammar is not None:
                 self.state, self.tail = CALL, b""

@@ -262,7 +262,8 @@ def streamed_reply(model, tokenizer, args, generator, end_id, budget, out, setti
             shown[0] = max(shown[0], len(visible))
             return False
 
-        constraint = agent_grammar.constraint_for(tokenizer, conversation.get("tools"), settings)
+        tools = conversation.get("tools")
+        constraint = agent_grammar.constraint_for(tokenizer, tools, settings, args.max_new_tokens)
         try:
             stream_text(model, tokenizer, ids, args, generator, write, end_id, constraint)
         except KeyboardInterrupt:  # Ctrl-C ends this reply, not the session

@@ -224,13 +224,13 @@ class Server:
                            "plus the answer", param="messages", code="context_length_exceeded")  # fmt: skip
         return ids, min(max_tokens, room), head + turns, helper
 
-    async def client_tools_constraint(self, tools):
+    async def client_tools_constraint(self, tools, max_tokens):
         """agent_grammar's constraint for a client's own tools (None when agent.constrained is off); a schema
         it cannot enforce is a 400 naming the tool. The grammar compiles off the event loop, once per tool
         set."""
         try:
             return await asyncio.to_thread(
-                agent_grammar.constraint_for, self.worker.tokenizer, tools, self.agent_settings
+                agent_grammar.constraint_for, self.worker.tokenizer, tools, self.agent_settings, max_tokens
             )
         except agent_grammar.GrammarError as e:
             raise ApiError(400, f"tools: {e}", param="tools", code="invalid_value") from None
@@ -422,7 +422,7 @@ async def chat_completions(request):
         member, system, turns, tools, max_tokens, False, helper
     )
     turn = (helper, messages) if helper else None
-    constraint = await server.client_tools_constraint(tools) if tools else None
+    constraint = await server.client_tools_constraint(tools, max_tokens) if tools else None
     job = server.start(request, member, prompt_ids, max_tokens, temperature, top_p, seed, turn, constraint)
     reply = Reply(stop, tools)
     base = {"id": "chatcmpl-" + uuid.uuid4().hex, "created": int(time.time()), "model": server.model_id,

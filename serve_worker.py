@@ -161,7 +161,9 @@ class Worker:
                     shown = visible
 
             tools = conversation.get("tools")
-            constraint = agent_grammar.constraint_for(self.tokenizer, tools, agent_of_turn.settings)
+            constraint = agent_grammar.constraint_for(
+                self.tokenizer, tools, agent_of_turn.settings, job.max_tokens
+            )
             finish, count = self.generate(job, ids, write, constraint)
             totals["prompt"] += len(ids)
             totals["completion"] += count

@@ -110,14 +110,15 @@ class NoisyModel(Transformer):
         return logits
 
 
-def noisy_replies(tokenizer, tools, settings, count, adversarial, budget=1500):
-    """(text, constraint) of `count` replies of the noisy model, sampled with temperature 1."""
+def noisy_replies(tokenizer, tools, settings, count, adversarial, budget=1500, told=False):
+    """(text, constraint) of `count` replies of the noisy model, sampled with temperature 1; told: the
+    constraint knows the budget."""
     model = NoisyModel(tokenizer, adversarial).eval()
     end = tokenizer.special_ids["<|end|>"]
     generator = torch.Generator().manual_seed(1)
     replies = []
     for _ in range(count):
-        constraint = agent_grammar.constraint_for(tokenizer, tools, settings)
+        constraint = agent_grammar.constraint_for(tokenizer, tools, settings, budget if told else None)
         out = []
         for token in model.generate(torch.tensor([1]), budget, 1.0, stop_token=end, generator=generator,
                                     constraint=constraint):  # fmt: skip
@@ -158,6 +159,19 @@ def test_noise_writes_only_valid_calls_to_the_assistants_tools(tokenizer, settin
 def test_noise_writes_only_valid_calls_to_a_clients_own_tools(tokenizer, settings, adversarial):
     replies = noisy_replies(tokenizer, CLIENT_TOOLS, settings, 16, adversarial)
     assert_only_valid_calls(replies, CLIENT_TOOLS, settings)
+
+
+@pytest.mark.parametrize("adversarial", [False, True], ids=["uniform", "adversarial"])
+def test_a_budget_never_cuts_a_call_the_constraint_knows_of(tokenizer, settings, adversarial):
+    tools = agent.tool_specs(settings, list(ROOT_TOOLS))
+    reserve = settings["call_reserve_tokens"]
+    cut = noisy_replies(tokenizer, tools, settings, 6, adversarial, budget=3 * reserve)
+    assert any(constraint.in_call for _, constraint in cut)  # without the budget, noise runs out mid-call
+    for budget in (3 * reserve, 4 * reserve):
+        replies = noisy_replies(tokenizer, tools, settings, 12, adversarial, budget=budget, told=True)
+        assert_only_valid_calls(replies, tools, settings)
+    tight = noisy_replies(tokenizer, tools, settings, 4, adversarial, budget=2 * reserve, told=True)
+    assert all("<tool_call>" not in text for text, _ in tight)  # too little room: no call opens
 
 
 def test_without_the_constraint_the_same_noise_writes_broken_calls(tokenizer, settings):
