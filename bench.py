@@ -6,6 +6,7 @@ there, never in tests.
 
 import sys
 
+import bench_agent
 import bench_data
 import bench_model
 import bench_serve
@@ -18,6 +19,7 @@ SECTIONS = {
     "search": bench_serve.bench_search,
     "serve": bench_serve.bench_serve,
     "memory": bench_serve.bench_memory,
+    "agent": bench_agent.bench_agent,
 }
 
 
