@@ -29,12 +29,16 @@ samples from uniform noise and from adversarial logits).
 
 llguidance, the other engine vLLM offers, is measured beside xgrammar in `make bench ARGS=agent`
 (bench_agent.py); xgrammar computes the mask several times faster on our vocabulary and is the one used here.
+
+    python agent_grammar.py structural-tag [--member]   # the same constraint as vLLM's response_format
 """
 
+import argparse
 import copy
 import functools
 import json
 import re
+import sys
 import threading
 import zoneinfo
 
@@ -42,6 +46,7 @@ import numpy as np
 import torch
 
 import agent
+import config
 import data
 
 TAGS = (b"<tool_call>", b"</tool_call>")
@@ -323,3 +328,46 @@ class ToolCallConstraint:
         elif self.state == NEXT:
             self.state, self.tail = CALL, b""
             self.matcher = self.grammar.matcher()
+
+
+# -----------------------------------------------------------------------------
+# The same guarantee elsewhere: vLLM's structural tag (xgrammar or llguidance behind it)
+
+
+def structural_tag(tools, settings):
+    """vLLM's response_format for these tools: free text until "<tool_call>", then a call laid out as
+    chat.render writes it, its arguments valid for the tool's schema (tightened as above).
+
+        client.chat.completions.create(..., tools=tools, response_format=structural_tag(tools, settings))
+    """
+    structures = [
+        {
+            "begin": '<tool_call>\n{"name": ' + json.dumps(spec["function"]["name"]) + ', "arguments": ',
+            "schema": grammar_parameters(spec, settings),
+            "end": "}\n</tool_call>",
+        }
+        for spec in tools
+    ]
+    return {"type": "structural_tag", "structures": structures, "triggers": ["<tool_call>"]}
+
+
+def main(argv):
+    parser = argparse.ArgumentParser(description="The tool-call constraint as other engines take it.")
+    parser.add_argument("what", choices=["structural-tag"], help="vLLM's response_format (structural tag)")
+    parser.add_argument(
+        "--member", action="store_true", help="the tools a family member gets (with memories)"
+    )
+    parser.add_argument("--settings", default=agent.DEFAULT_SETTINGS, help="an agent layer file")
+    args = parser.parse_args(argv)
+    try:
+        settings = agent.load_settings(path=args.settings)
+    except config.ConfigError as exc:
+        print(f"agent_grammar.py: {exc}", file=sys.stderr)
+        return 2
+    tools = agent.tool_specs(settings, agent.default_tools(member="member" if args.member else None))
+    print(json.dumps(structural_tag(tools, settings), ensure_ascii=False, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

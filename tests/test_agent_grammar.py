@@ -2,6 +2,7 @@
 tokens that break a call made far likelier) generates through the real model.generate loop; every call it
 writes parses, names a tool on offer and has arguments valid for that tool's schema."""
 
+import contextlib
 import io
 import json
 from types import SimpleNamespace
@@ -286,3 +287,27 @@ def test_the_chat_repl_constrains_each_generation_of_the_loop(tokenizer, setting
         name, arguments = line.removeprefix("  [tool call] ").split(" ", 1)
         assert agent.argument_problem(agent.TOOLS[name], json.loads(arguments), settings) is None
     assert not [line for line in errors if any(word in line for word in MALFORMED)], errors
+
+
+def test_the_structural_tag_for_vllm_takes_what_chat_render_writes_and_refuses_a_bad_call(settings):
+    import xgrammar
+
+    tools = agent.tool_specs(settings, list(ROOT_TOOLS))
+    tag = agent_grammar.structural_tag(tools, settings)
+    assert tag["type"] == "structural_tag" and tag["triggers"] == ["<tool_call>"]
+    items = [xgrammar.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"])
+             for s in tag["structures"]]  # fmt: skip
+    grammar = xgrammar.Grammar.from_structural_tag(items, tag["triggers"])
+    compiled = xgrammar.GrammarCompiler(xgrammar.TokenizerInfo(["a"])).compile_grammar(grammar)
+
+    def accepts(arguments, name="calculadora"):
+        call = {"function": {"name": name, "arguments": arguments}}
+        return xgrammar.GrammarMatcher(compiled).accept_string("Lo miro.\n" + chat.tool_call_text(call))
+
+    assert accepts({"expresion": "2+2"}) and accepts({"zona": "America/Lima", "dias": 3}, "fecha_hora")
+    assert not accepts({"expresion": 4}) and not accepts({"zona": "Europe"}, "fecha_hora")
+    assert not accepts({"consulta": "x"}, "no_existe")
+    main_out = io.StringIO()
+    with contextlib.redirect_stdout(main_out):
+        assert agent_grammar.main(["structural-tag", "--member"]) == 0
+    assert len(json.loads(main_out.getvalue())["structures"]) == len(agent.TOOLS)
