@@ -21,11 +21,14 @@ tokens at -inf; constraint.accept(token) is told the token chosen. Its states fo
 
 The JSON is laid out as chat.render writes it (json.dumps' separators, no other whitespace). The grammar of
 a tool set is compiled once and cached; the vocabulary once per tokenizer. Our own tools' schemas are
-tightened for the grammar only (what the tools refuse anyway, and bounds so that a call always ends): an IANA
-zone from tzdata, dias within date.max_days, string arguments of at most max_argument_chars (calculadora's
-expresion: calculator.max_expression_chars). A reply cut by max_tokens in the middle of a call is cut, as
-in every engine that constrains decoding; everything else is valid by construction (tests/test_agent_grammar.py
-samples from uniform noise and from adversarial logits).
+tightened for the grammar only, to what the tools refuse anyway: an IANA zone from tzdata, dias within
+date.max_days, memory ids within SQLite's integers. Given the reply's budget, the constraint also keeps a
+call from being cut by it (call_reserve_tokens, see ToolCallConstraint). So every call is valid by
+construction: tests/test_agent_grammar.py samples from uniform noise and from adversarial logits.
+
+String lengths are not bounded for our tools: xgrammar 0.2.9 compiles a maxLength into a rule that lets raw
+control characters in (plain_bounded_strings works around it for the clients' schemas, at a cost that grows
+with the bound: ~10 ms a token for 150 characters in make bench's conditions, against ~30 µs unbounded).
 
 llguidance, the other engine vLLM offers, is measured beside xgrammar in `make bench ARGS=agent`
 (bench_agent.py); xgrammar computes the mask several times faster on our vocabulary and is the one used here.
@@ -106,10 +109,17 @@ class Vocabulary:
         self.ending = torch.zeros(self.size, dtype=torch.bool)
         self.ending[ending + [self.close_id]] = True
 
+        self.lengths = torch.tensor([len(raw) for raw in self.bytes])
+
     def closers_mask(self, size):
         mask = torch.zeros(size, dtype=torch.bool)
         mask[: self.size] = self.ending
         return mask
+
+    def lengths_of(self, size):
+        lengths = torch.zeros(size, dtype=torch.long)
+        lengths[: self.size] = self.lengths
+        return lengths
 
     def tag_completions(self, tail):
         """Tokens (besides <tool_call> itself) that would finish "<tool_call>" or "</tool_call>" after
@@ -130,19 +140,15 @@ def vocabulary(tokenizer):
 
 def grammar_parameters(spec, settings):
     """The JSON Schema a call's arguments must match: the tool's own (as the client or agent.TOOLS gave
-    it), tightened for our own tools to what they accept and bounded so that a call ends."""
+    it), tightened for our own tools to what the tools accept."""
     function = spec["function"]
     parameters = copy.deepcopy(function.get("parameters") or {"type": "object"})
     own = agent.TOOLS.get(function["name"])
     if own is not None and spec == own.spec(settings):
         properties = parameters["properties"]
         for schema in properties.values():
-            if schema.get("type") == "string" and "enum" not in schema:
-                schema.setdefault("maxLength", settings["max_argument_chars"])
             if schema.get("type") == "integer":
                 schema.setdefault("maximum", SQLITE_MAX_INTEGER)
-        if own.name == "calculadora":
-            properties["expresion"]["maxLength"] = settings["calculator"]["max_expression_chars"]
         if own.name == "fecha_hora":
             properties["zona"] = {"enum": sorted(zoneinfo.available_timezones())}
             limit = settings["date"]["max_days"]
@@ -259,9 +265,10 @@ TEXT, CALL, AFTER, NEXT = "text", "call", "after", "next"
 class ToolCallConstraint:
     """mask(logits) / accept(token) for one reply (see the module docstring). Given the reply's budget
     (max_tokens), a call opens only while twice `reserve` tokens are left, and in the last `reserve`
-    tokens an open call is steered to its end: where the grammar allows a token made only of closing
-    characters (a quote, a brace, a bracket, the newline, </tool_call>), only those are allowed, so that a
-    call is not cut by the budget (the JSON of our tools closes in a few tokens from anywhere)."""
+    tokens an open call is steered to its end: where the grammar allows tokens made only of closing
+    characters (a quote, a brace, a bracket, the newline, </tool_call>), only those are allowed, and where
+    it allows none (a tool's name, an enum value, a key to finish) only the longest allowed tokens, so that
+    the budget never cuts a call (ours close in a few tokens from anywhere)."""
 
     def __init__(self, vocab, grammar, max_tokens=None, reserve=0):
         self.vocab, self.grammar = vocab, grammar
@@ -303,8 +310,10 @@ class ToolCallConstraint:
                 allowed = fewer
         if self.left() <= self.reserve:
             closing = allowed & vocab.closers_mask(logits.shape[0])
-            if closing.any():
-                allowed = closing
+            if not closing.any():  # a name, an enum value or a key to finish first: in the longest steps
+                lengths = vocab.lengths_of(logits.shape[0])
+                closing = allowed & (lengths == lengths.masked_fill(~allowed, -1).max())
+            allowed = closing
         return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
 
     def accept(self, token):

@@ -111,9 +111,9 @@ class NoisyModel(Transformer):
         return logits
 
 
-def noisy_replies(tokenizer, tools, settings, count, adversarial, budget=1500, told=False):
+def noisy_replies(tokenizer, tools, settings, count, adversarial, budget=400, told=True):
     """(text, constraint) of `count` replies of the noisy model, sampled with temperature 1; told: the
-    constraint knows the budget."""
+    constraint knows the budget, as every generation path tells it."""
     model = NoisyModel(tokenizer, adversarial).eval()
     end = tokenizer.special_ids["<|end|>"]
     generator = torch.Generator().manual_seed(1)
@@ -166,12 +166,12 @@ def test_noise_writes_only_valid_calls_to_a_clients_own_tools(tokenizer, setting
 def test_a_budget_never_cuts_a_call_the_constraint_knows_of(tokenizer, settings, adversarial):
     tools = agent.tool_specs(settings, list(ROOT_TOOLS))
     reserve = settings["call_reserve_tokens"]
-    cut = noisy_replies(tokenizer, tools, settings, 6, adversarial, budget=3 * reserve)
+    cut = noisy_replies(tokenizer, tools, settings, 6, adversarial, budget=3 * reserve, told=False)
     assert any(constraint.in_call for _, constraint in cut)  # without the budget, noise runs out mid-call
     for budget in (3 * reserve, 4 * reserve):
-        replies = noisy_replies(tokenizer, tools, settings, 12, adversarial, budget=budget, told=True)
+        replies = noisy_replies(tokenizer, tools, settings, 12, adversarial, budget=budget)
         assert_only_valid_calls(replies, tools, settings)
-    tight = noisy_replies(tokenizer, tools, settings, 4, adversarial, budget=2 * reserve, told=True)
+    tight = noisy_replies(tokenizer, tools, settings, 4, adversarial, budget=2 * reserve)
     assert all("<tool_call>" not in text for text, _ in tight)  # too little room: no call opens
 
 
