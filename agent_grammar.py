@@ -111,6 +111,14 @@ class Vocabulary:
 
         self.lengths = torch.tensor([len(raw) for raw in self.bytes])
 
+    def allowed(self, bitmask, size):
+        """A grammar engine's bitmask (int32 words, bit i of word w: token 32 w + i) as a bool tensor of
+        `size` tokens (the model's vocabulary may be larger than the tokenizer's)."""
+        bits = np.unpackbits(bitmask.numpy().view(np.uint8), bitorder="little")[: self.size]
+        allowed = torch.zeros(size, dtype=torch.bool)
+        allowed[: self.size] = torch.from_numpy(bits.view(bool))
+        return allowed
+
     def closers_mask(self, size):
         mask = torch.zeros(size, dtype=torch.bool)
         mask[: self.size] = self.ending
@@ -299,9 +307,7 @@ class ToolCallConstraint:
             out[allowed] = logits[allowed]
             return out
         self.matcher.fill_next_token_bitmask(self.bitmask)
-        bits = np.unpackbits(self.bitmask.numpy().view(np.uint8), bitorder="little")[: vocab.size]
-        allowed = torch.zeros(logits.shape[0], dtype=torch.bool)
-        allowed[: vocab.size] = torch.from_numpy(bits.view(bool))
+        allowed = vocab.allowed(self.bitmask, logits.shape[0])
         spelled = vocab.tag_completions(self.tail)
         if spelled and allowed[spelled].any():
             fewer = allowed.clone()

@@ -14,7 +14,6 @@ import statistics
 import tempfile
 import time
 
-import numpy as np
 import sentencepiece as spm
 import torch
 
@@ -129,9 +128,8 @@ def llguidance_passes(tokenizer, tools, settings, sequences, vocab_size):
             matcher = first.deep_copy()
             for token in sequence:
                 llguidance.torch.fill_next_token_bitmask(matcher, bitmask, 0)
-                if apply:
-                    bits = np.unpackbits(bitmask.numpy().view(np.uint8), bitorder="little")[:vocab_size]
-                    logits.masked_fill(~torch.from_numpy(bits.view(bool)), float("-inf"))
+                if apply:  # as agent_grammar applies xgrammar's bitmask
+                    logits.masked_fill(~vocab.allowed(bitmask, vocab_size), float("-inf"))
                 if not matcher.consume_token(token):
                     raise RuntimeError(f"llguidance refused a reference call: {matcher.get_error()}")
         return time.perf_counter() - start
