@@ -207,11 +207,11 @@ AGENT_DATA ?= data/agent
 
 agent-data: $(AGENT_DATA)/eval.jsonl
 
-$(AGENT_DATA)/eval.jsonl: $(STAMP) agent.py agent_data.py configs/agent/default.yaml
+$(AGENT_DATA)/eval.jsonl: $(STAMP) agent.py agent_data.py agent_phrases.py memory.py configs/agent/default.yaml
 	$(PY) agent_data.py generate $(AGENT_DATA)
 
 agent-eval: agent-data
-	$(PY) agent_data.py eval $(RUN) $(AGENT_DATA)/eval.jsonl $(ARGS)
+	$(PY) agent_eval.py $(RUN) --generated $(AGENT_DATA)/eval.jsonl $(ARGS)
 
 # corpus-smoke tokenizer -> the generated tool-use conversations and the seed set, packed -> the tiny
 # agent model trained on them from scratch (one epoch, minutes; a second run replaces the first) -> the
@@ -219,7 +219,7 @@ agent-eval: agent-data
 sft-agent: corpus-smoke agent-data
 	$(PY) chat.py prepare configs/sft-agent-cpu.yaml
 	$(PY) train.py configs/sft-agent-tiny-cpu.yaml $(ARGS)
-	$(PY) agent_data.py eval runs/sft-agent-tiny-cpu $(AGENT_DATA)/eval.jsonl --max-new-tokens 64
+	$(PY) agent_eval.py runs/sft-agent-tiny-cpu --generated $(AGENT_DATA)/eval.jsonl
 
 # --- the family's database ------------------------------------------------------------------------
 

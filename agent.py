@@ -351,16 +351,17 @@ def fecha_hora(arguments, context):
     zone = arguments.get("zona", context.settings["timezone"])
     try:
         now = context.now().astimezone(zoneinfo.ZoneInfo(zone))
-    except (zoneinfo.ZoneInfoNotFoundError, ValueError):
+    except (zoneinfo.ZoneInfoNotFoundError, ValueError, OSError):  # OSError: a folder of tzdata, "Europe"
         raise ToolFailure(
-            f"no conozco la zona horaria {zone!r}; usa un nombre IANA como 'Europe/Madrid'"
+            f"no conozco la zona horaria {echo(zone, context.settings)}; usa un nombre IANA como "
+            "'Europe/Madrid'"
         ) from None
     days = arguments.get("dias")
     if days is None:
         return f"{spanish_date(now)}, {now:%H:%M} ({zone})"
     limit = context.settings["date"]["max_days"]
     if abs(days) > limit:
-        raise ToolFailure(f"dias={days} supera el máximo de {limit} días")
+        raise ToolFailure(f"dias={echo(days, context.settings)} supera el máximo de {limit} días")
     target = now + datetime.timedelta(days=days)
     when = f"dentro de {days} días" if days >= 0 else f"hace {-days} días"
     return f"hoy es {spanish_date(now)}; {when}: {spanish_date(target)}"
@@ -439,11 +440,20 @@ def broken(raw, why):
 def parse_call(body):
     try:
         value = json.loads(body)
-    except ValueError as exc:
+    except json.JSONDecodeError as exc:
         return broken(body, f"no es JSON válido ({exc.msg}, carácter {exc.pos})")
-    if not isinstance(value, dict) or set(value) != {"name", "arguments"}:
-        keys = sorted(value) if isinstance(value, dict) else type(value).__name__
-        return broken(body, f'se esperaba un objeto con "name" y "arguments", llegó {keys}')
+    except RecursionError:  # json's C scanner recurses once per level of nesting
+        return broken(body, "el JSON anida demasiados niveles")
+    except ValueError:  # an integer past Python's digit limit (sys.get_int_max_str_digits)
+        return broken(body, "un número del JSON tiene demasiadas cifras")
+    if not isinstance(value, dict):
+        return broken(body, f'se esperaba un objeto con "name" y "arguments", llegó {type(value).__name__}')
+    if set(value) != {"name", "arguments"}:
+        missing = [f'"{key}"' for key in ("name", "arguments") if key not in value]
+        extra = len(set(value) - {"name", "arguments"})
+        why = (f"falta {' y '.join(missing)}" if missing else "") + (" y " if missing and extra else "")
+        why += f"sobran {extra} claves" if extra > 1 else "sobra 1 clave" if extra else ""
+        return broken(body, f'se esperaba un objeto con "name" y "arguments": {why}')
     if not isinstance(value["name"], str) or not value["name"]:
         return broken(body, '"name" debe ser el nombre de una herramienta')
     if not isinstance(value["arguments"], dict):
@@ -470,17 +480,38 @@ def argument_problem(tool_entry, arguments, settings):
     if not errors:
         return None
     error = errors[0]
-    where = ".".join(map(str, error.absolute_path))
+    where = echo(".".join(map(str, error.absolute_path)), settings)
     if error.validator == "required":
         return f"falta el argumento obligatorio {error.message.split(chr(39))[1]!r}"
     if error.validator == "additionalProperties":
         extra = sorted(set(arguments) - set(tool_entry.properties))
         return (
-            f"argumento desconocido {', '.join(map(repr, extra))}; admite {', '.join(tool_entry.properties)}"
+            f"argumento desconocido {echo(extra, settings)[1:-1]}; admite {', '.join(tool_entry.properties)}"
         )
     if error.validator == "type":
-        return f"el argumento {where!r} debe ser de tipo {error.validator_value}, no {error.instance!r}"
-    return f"el argumento {where!r} no es válido: {error.message}"
+        return f"el argumento {where} debe ser de tipo {error.validator_value}, no {echo(error.instance, settings)}"
+    return f"el argumento {where} no es válido: {echo(error.message, settings)[1:-1]}"
+
+
+def echo(value, settings):
+    """repr(value), cut to the agent's max_echo_chars: model text quoted back in an error is never whole."""
+    limit = settings["max_echo_chars"]
+    try:
+        text = repr(value)
+    except ValueError:  # an int past Python's digit limit has no repr
+        return f"<un número de más de {sys.get_int_max_str_digits()} cifras>"
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def nesting(value):
+    """Levels of lists and objects in a JSON value, counted without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, level = stack.pop()
+        if isinstance(item, dict | list):
+            deepest = max(deepest, level)
+            stack.extend((child, level + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
 
 
 def run_with_timeout(function, seconds):
@@ -605,13 +636,15 @@ class Agent:
     def call(self, call, context=None):
         """Run one parsed call: check it, check its arguments, run the tool under its timeout."""
         context = context or self.new_context()
+        call = self.shallow(call)
         if call.error:
             return failure(call.name or "?", call.arguments, call.error)
         if call.name not in self.tool_names:
+            name = echo(call.name, self.settings)
             return failure(
-                call.name,
+                name[1:-1],
                 call.arguments,
-                f"no existe la herramienta {call.name!r}; hay {', '.join(self.tool_names)}",
+                f"no existe la herramienta {name}; hay {', '.join(self.tool_names)}",
             )
         entry = TOOLS[call.name]
         problem = argument_problem(entry, call.arguments, self.settings)
@@ -635,6 +668,16 @@ class Agent:
         result.seconds = elapsed
         return result
 
+    def shallow(self, call):
+        """The call, or a broken one when its arguments nest deeper than max_call_depth (Python's JSON
+        functions recurse per level: such a call is never rendered back into a prompt)."""
+        depth = self.settings["max_call_depth"]
+        if call.error is None and nesting(call.arguments) > depth:
+            return Call(
+                call.name, {}, f"llamada mal formada: los argumentos anidan más de {depth} niveles", call.raw
+            )
+        return call
+
     def run_turn(self, messages, generate):
         """Answer the last user message. generate(conversation) -> the model's reply text. Returns the new
         messages (assistant calls, tool results, the final assistant answer) to append to messages."""
@@ -654,7 +697,7 @@ class Agent:
                 return new
             message = {"role": "assistant", "content": reply.content, "tool_calls": []}
             results = []
-            for call in reply.calls:
+            for call in map(self.shallow, reply.calls):
                 self.on_event(
                     "call",
                     {"name": call.name, "arguments": call.arguments, "error": call.error, "raw": call.raw},
@@ -676,7 +719,7 @@ class Agent:
                     {
                         "id": f"call_{len(new)}_{number}",
                         "type": "function",
-                        "function": {"name": call.name or "?", "arguments": call.arguments},
+                        "function": {"name": result.name, "arguments": result.arguments},
                     }
                 )
                 results.append(
@@ -684,7 +727,7 @@ class Agent:
                         "role": "tool",
                         "content": result.text,
                         "tool_call_id": f"call_{len(new)}_{number}",
-                        "name": call.name or "?",
+                        "name": result.name,
                     }
                 )
             new += [message, *results]

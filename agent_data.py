@@ -1,28 +1,27 @@
 """
-Teaching a model the tool protocol: seeded Spanish tool-use conversations, and how well a run uses tools.
+Teaching a model the tool protocol: seeded Spanish tool-use conversations.
 
     python agent_data.py generate data/agent [--settings configs/agent/default.yaml]
-        -> data/agent/train.jsonl and data/agent/eval.jsonl (conversation JSONL, chat.py's format)
-    python agent_data.py eval runs/sft-agent data/agent/eval.jsonl [--limit 100]
-        -> the four rates below, printed and written to <run>/agent_eval.json
+        -> data/agent/train.jsonl and data/agent/eval.jsonl (conversation JSONL, chat.py's format), and
+           the share of held-out call arguments that training never shows
 
-The generator writes calculator word problems, date questions, web searches with canned results (some
-with "Sin resultados", some where every provider failed) and conversations that need no tool, in the
-mix and with the seed of the agent layer's `synthetic` section. Every tool result is produced by the
-real tool in agent.py (the calculator computes, fecha_hora reads a fixed clock, buscar_web formats
-canned search.SearchResults or a canned AllProvidersFailed), so the data shows exactly what the loop
-shows a model. A conversation goes to eval.jsonl when a hash of its user message says so: the same
-question never lands in both files.
+The generator writes, in the mix and with the seed of the agent layer's `synthetic` section: calculator
+problems, date and time questions (in ~100 places), web searches (some with "Sin resultados", some where
+every provider failed), members asking the assistant to remember something (recordar, private or for the
+family), what it remembers (buscar_recuerdos) and to forget (olvidar), and questions that need no tool,
+many of them with numbers and dates. The phrasings, places, people and numbers come from wide pools
+(agent_phrases.py), so an argument string rarely repeats: a model has to copy it from the question.
 
-The evaluation, on each held-out conversation:
-- first reply (prompt: system + tools + the user's message), greedy:
-  valid syntax = the reply parses with at least one well-formed call (over conversations that need one);
-  right tool   = the first call names the tool the reference calls, or no call when it calls none
-                 (over all conversations);
-  exact args   = the first call's arguments equal the reference's (over conversations that need a call);
-- answer (prompt: the reference call and its result), greedy:
-  uses result  = the answer contains the fact of the result the reference answer states (over tool
-                 conversations): the number, the date or time, a [n] citation, or that nothing was found.
+Every tool result comes from the real tool in agent.py: the calculator computes, fecha_hora reads the
+conversation's clock, buscar_web formats canned search.SearchResults (or a canned AllProvidersFailed),
+and the memory tools act on a real memory.py database built for the run, one member per conversation,
+whose memories the system turn lists as the server's would (memory.context_for_turn). A share of the
+other conversations is offered the member tools too, as the server offers them to every member; the rest
+gets the three tools sample.py --chat offers. A conversation goes to eval.jsonl when a hash of its user
+message says so: the same question never lands in both files.
+
+agent_eval.py evaluates a run on the held-out conversations and on the hand-written set
+(conversations/agent/handwritten.jsonl), which no generated conversation repeats.
 """
 
 import argparse
@@ -33,365 +32,20 @@ import os
 import random
 import re
 import sys
+import tempfile
+import threading
 
 import agent
+import agent_phrases as phrases
 import chat
 import config
 import fileio
+import memory
 import search
-
-CITIES = {
-    "Madrid": "Europe/Madrid",
-    "Ciudad de México": "America/Mexico_City",
-    "Buenos Aires": "America/Argentina/Buenos_Aires",
-    "Bogotá": "America/Bogota",
-    "Lima": "America/Lima",
-    "Santiago de Chile": "America/Santiago",
-    "Nueva York": "America/New_York",
-    "Londres": "Europe/London",
-    "Tokio": "Asia/Tokyo",
-    "Canarias": "Atlantic/Canary",
-    "Caracas": "America/Caracas",
-    "Montevideo": "America/Montevideo",
-}
-TOWNS = (
-    "Sevilla Valencia Zaragoza Bilbao Málaga Granada Salamanca Oviedo Murcia Cádiz Vigo Toledo Burgos León "
-    "Santander Pamplona Logroño Almería Huelva Cuenca Soria Teruel Girona Lugo Ourense Cáceres Badajoz Ávila"
-).split()
-FRUITS = "manzanas naranjas peras plátanos tomates patatas fresas uvas".split()
-
-
-def price(rng):
-    """A price in euros as (Spanish text, Python expression text)."""
-    cents = rng.choice((0, 0, 50, 25, 75, 20, 90))
-    whole = rng.randint(1, 9)
-    if cents == 0:
-        return str(whole), str(whole)
-    return f"{whole},{cents:02d}".rstrip("0"), f"{whole}.{cents:02d}".rstrip("0")
-
-
-def calculator_case(rng):
-    """(question, expression, answer with {r} for the result)."""
-    a, b, n = rng.randint(2, 60), rng.randint(2, 40), rng.randint(2, 9)
-    kind = rng.randrange(10)
-    if kind == 0:
-        text, expr = price(rng)
-        fruit = rng.choice(FRUITS)
-        return (
-            f"Si compro {n} kilos de {fruit} a {text} euros el kilo, ¿cuánto pago?",
-            f"{n}*{expr}",
-            "Pagas {r} euros.",
-        )
-    if kind == 1:
-        total = a + b * 3
-        return f"Tengo {total} euros y gasto {b}. ¿Cuánto me queda?", f"{total}-{b}", "Te quedan {r} euros."
-    if kind == 2:
-        bill = n * rng.randint(8, 40)
-        return (
-            f"Somos {n} personas y la cuenta de la cena es de {bill} euros. ¿Cuánto paga cada uno?",
-            f"{bill}/{n}",
-            "Cada uno paga {r} euros.",
-        )
-    if kind == 3:
-        percent = rng.choice((5, 10, 15, 20, 21, 25, 30, 50))
-        amount = rng.randint(2, 90) * 10
-        return (
-            f"¿Cuánto es el {percent} % de {amount}?",
-            f"{amount}*{percent}/100",
-            f"El {percent} % de {amount} es {{r}}.",
-        )
-    if kind == 4:
-        return f"¿Cuánto es {a} por {b}?", f"{a}*{b}", f"{a} por {b} son {{r}}."
-    if kind == 5:
-        c = rng.randint(2, 9)
-        return f"Calcula {a} + {b} × {c}", f"{a}+{b}*{c}", "El resultado es {r}."
-    if kind == 6:
-        speed = rng.randint(6, 12) * 10
-        return (
-            f"Un coche va a {speed} km por hora. ¿Cuántos kilómetros recorre en {n} horas?",
-            f"{speed}*{n}",
-            "Recorre {r} kilómetros.",
-        )
-    if kind == 7:
-        return (
-            f"Cada caja trae {b} huevos y tengo {n} cajas. ¿Cuántos huevos tengo?",
-            f"{b}*{n}",
-            "Tienes {r} huevos.",
-        )
-    if kind == 8:
-        base, power = rng.randint(2, 9), rng.randint(2, 6)
-        return (
-            f"¿Cuánto es {base} elevado a {power}?",
-            f"{base}**{power}",
-            f"{base} elevado a {power} es {{r}}.",
-        )
-    sweets = n * rng.randint(2, 12)
-    return (
-        f"Mi hija quiere repartir {sweets} caramelos entre {n} amigos. ¿Cuántos le tocan a cada uno?",
-        f"{sweets}/{n}",
-        "A cada uno le tocan {r} caramelos.",
-    )
-
 
 DATE_PATTERN = re.compile(r"\d{1,2} de [a-z]+ de \d{4}")
 TIME_PATTERN = re.compile(r"\d{2}:\d{2}")
-
-
-def date_case(rng):
-    """(question, arguments, answer built from the result text)."""
-    kind = rng.randrange(5)
-    if kind == 0:
-        question = rng.choice(("¿Qué día es hoy?", "¿A qué fecha estamos?", "Dime la fecha de hoy."))
-        return question, {}, lambda result: f"Hoy es {result.rsplit(',', 1)[0]}."
-    if kind == 1:
-        question = rng.choice(("¿Qué hora es?", "¿Me dices la hora?", "¿Qué hora es ahora?"))
-        return question, {}, lambda result: f"Son las {TIME_PATTERN.search(result).group()}."
-    if kind == 2:
-        city = rng.choice(list(CITIES))
-        return (
-            f"¿Qué hora es en {city}?",
-            {"zona": CITIES[city]},
-            lambda result: f"En {city} son las {TIME_PATTERN.search(result).group()}.",
-        )
-    days = rng.randint(2, 400)
-    if kind == 3:
-        question = rng.choice(("¿Qué día cae dentro de {n} días?", "¿Qué fecha será dentro de {n} días?"))
-        return (
-            question.format(n=days),
-            {"dias": days},
-            lambda r: f"Dentro de {days} días será {r.split(': ')[1]}.",
-        )
-    return (
-        f"¿Qué día fue hace {days} días?",
-        {"dias": -days},
-        lambda r: f"Hace {days} días fue {r.split(': ')[1]}.",
-    )
-
-
-SEARCH_TOPICS = (
-    (
-        "¿Qué tiempo hará mañana en {town}?",
-        "tiempo mañana {town}",
-        "Previsión del tiempo en {town}",
-        "www.eltiempo.es/{slug}.html",
-        "Mañana en {town}: {sky}, con máximas de {t} grados y mínimas de {low}.",
-        "Según [1], mañana en {town} habrá {sky} y máximas de {t} grados.",
-    ),
-    (
-        "Busca el horario de la biblioteca municipal de {town}",
-        "horario biblioteca municipal {town}",
-        "Biblioteca municipal de {town} - Horarios",
-        "www.{slug}.es/biblioteca",
-        "Abre de lunes a viernes de {h1}:00 a {h2}:00 y los sábados por la mañana.",
-        "Según [1], la biblioteca abre de lunes a viernes de {h1}:00 a {h2}:00 y los sábados por la mañana.",
-    ),
-    (
-        "¿Hay alguna farmacia de guardia hoy en {town}?",
-        "farmacia de guardia hoy {town}",
-        "Farmacias de guardia en {town} hoy",
-        "www.cofguardia.es/{slug}",
-        "Hoy está de guardia la farmacia de la calle Mayor, {n}, abierta las 24 horas.",
-        "Según [1], hoy está de guardia la farmacia de la calle Mayor, {n}, abierta las 24 horas.",
-    ),
-    (
-        "Busca en internet cuándo es la fiesta mayor de {town}",
-        "fiesta mayor {town} fechas",
-        "Fiestas de {town}: programa y fechas",
-        "www.turismo{slug}.es/fiestas",
-        "Las fiestas de {town} se celebran del {d1} al {d2} de {month}, con conciertos y fuegos.",
-        "Según [1], las fiestas de {town} son del {d1} al {d2} de {month}.",
-    ),
-    (
-        "¿Puedes mirar el precio de la entrada del museo de {town}?",
-        "precio entrada museo {town}",
-        "Museo de {town}: tarifas",
-        "www.museo{slug}.es/visita",
-        "Entrada general: {t} euros. Menores de 12 años y mayores de 65, gratis.",
-        "Según [1], la entrada general cuesta {t} euros y es gratis para menores de 12 y mayores de 65.",
-    ),
-)
-SKIES = ("cielo despejado", "nubes y claros", "lluvia débil", "tormentas por la tarde", "niebla matinal")
-MONTHS_WORDS = ("junio", "julio", "agosto", "septiembre")
-NO_RESULTS = "No he encontrado resultados sobre «{q}». ¿Quieres que lo busque de otra forma?"
-SEARCH_FAILED = (
-    "No he podido buscar ahora mismo porque la búsqueda ha fallado. Inténtalo de nuevo en un rato."
-)
-
-
-def slug(text):
-    table = str.maketrans("áéíóúñ ", "aeioun-")
-    return text.lower().translate(table)
-
-
-def search_case(rng):
-    """(question, query, canned results, answer with the [n] citation)."""
-    question, query, title, url, snippet, answer = rng.choice(SEARCH_TOPICS)
-    values = {
-        "town": rng.choice(TOWNS),
-        "sky": rng.choice(SKIES),
-        "t": rng.randint(8, 36),
-        "low": rng.randint(0, 7),
-        "h1": rng.randint(8, 10),
-        "h2": rng.randint(18, 21),
-        "n": rng.randint(2, 90),
-        "d1": rng.randint(1, 14),
-        "d2": rng.randint(15, 28),
-        "month": rng.choice(MONTHS_WORDS),
-    }
-    values["slug"] = slug(values["town"])
-    first = search.SearchResult(
-        title.format(**values), "https://" + url.format(**values), snippet.format(**values), 1
-    )
-    other = search.SearchResult(
-        f"{values['town']} - Wikipedia, la enciclopedia libre",
-        f"https://es.wikipedia.org/wiki/{values['town'].replace(' ', '_')}",
-        f"{values['town']} es un municipio de España.",
-        2,
-    )
-    return question.format(**values), query.format(**values), [first, other], answer.format(**values)
-
-
-NO_TOOL = (
-    ("Hola", "¡Hola! ¿En qué puedo ayudarte?"),
-    ("Hola, {name} aquí", "¡Hola! ¿En qué te ayudo hoy?"),
-    ("Buenos días", "¡Buenos días! ¿Qué necesitas?"),
-    ("Buenas noches", "¡Buenas noches! Que descanses."),
-    ("Gracias por la ayuda", "¡De nada! Aquí estoy para lo que necesites."),
-    (
-        "¿Quién eres?",
-        "Soy ENLACE, el asistente de la familia. Puedo calcular, decirte la fecha y buscar en internet.",
-    ),
-    (
-        "¿Qué sabes hacer?",
-        "Puedo responder preguntas, hacer cuentas, decirte la fecha y la hora y buscar en internet.",
-    ),
-    ("¿Cómo se dice {word} en inglés?", "{word} en inglés se dice «{english}»."),
-    ("Traduce «{word}» al inglés", "«{word}» en inglés es «{english}»."),
-    (
-        "Dame una idea para cenar con {food}",
-        "Puedes preparar {food} a la plancha con una ensalada. Es rápido y ligero.",
-    ),
-    (
-        "¿Qué puedo hacer de comer con {food}?",
-        "Con {food} puedes hacer un guiso sencillo con cebolla, ajo y un poco de arroz.",
-    ),
-    ("Escribe una frase para felicitar a {name}", "¡Feliz cumpleaños, {name}! Que pases un día estupendo."),
-    (
-        "Ayúdame a decir que llegaré tarde a {name}",
-        "Puedes escribir: «{name}, llegaré un poco tarde. Lo siento, voy en camino».",
-    ),
-    (
-        "Escribe un mensaje para dar las gracias a {name}",
-        "«Muchas gracias, {name}, por tu ayuda. Te lo agradezco de corazón».",
-    ),
-    (
-        "¿Qué es un verbo?",
-        "Un verbo es la palabra que dice lo que alguien hace o lo que pasa, como «correr» o «llover».",
-    ),
-    ("¿Qué es un {thing}?", "{thing_answer}"),
-    ("Cuéntame un chiste corto", "¿Qué le dice un jaguar a otro? ¡Jaguar you!"),
-    (
-        "Cuéntame un cuento corto sobre {animal_a}",
-        "Había una vez {animal_a} que quería ver el mar. Caminó muchos días y, al llegar, sonrió feliz.",
-    ),
-    ("¿De qué color es el cielo?", "De día, cuando está despejado, el cielo es azul."),
-    ("¿Cuántos días tiene una semana?", "Una semana tiene siete días."),
-    ("¿Cuántas patas tiene {animal_a}?", "{legs}"),
-    (
-        "Dame un consejo para dormir mejor",
-        "Intenta acostarte siempre a la misma hora y deja el móvil un rato antes.",
-    ),
-    (
-        "¿Qué juego puedo hacer con {name}?",
-        "Podéis jugar al veo veo: uno elige algo que ve y el otro lo adivina con pistas.",
-    ),
-    ("Dime una palabra que rime con {rhyme}", "{rhyme_answer}"),
-    (
-        "Haz una lista de la compra para una tortilla",
-        "Para una tortilla: huevos, patatas, cebolla, aceite de oliva y sal.",
-    ),
-    ("¿Cómo se escribe «{spell}», con b o con v?", "Se escribe «{spell}»."),
-)
-THINGS = {
-    "sustantivo": "Un sustantivo es la palabra que nombra personas, animales, cosas o ideas: «mesa», «perro».",
-    "adjetivo": "Un adjetivo es la palabra que dice cómo es algo: «grande», «rojo», «simpático».",
-    "mamífero": "Un mamífero es un animal que alimenta a sus crías con leche, como la vaca o el delfín.",
-    "volcán": "Un volcán es una montaña por la que sale lava, ceniza y gases del interior de la Tierra.",
-    "planeta": "Un planeta es un cuerpo grande que gira alrededor de una estrella, como la Tierra alrededor del Sol.",
-}
-ANIMALS = {
-    "un gato": "Un gato tiene cuatro patas.",
-    "una araña": "Una araña tiene ocho patas.",
-    "una gallina": "Una gallina tiene dos patas.",
-    "una hormiga": "Una hormiga tiene seis patas.",
-    "un perro": "Un perro tiene cuatro patas.",
-}
-RHYMES = {
-    "casa": "«Masa» rima con «casa».",
-    "sol": "«Col» rima con «sol».",
-    "luna": "«Cuna» rima con «luna».",
-    "flor": "«Amor» rima con «flor».",
-    "mar": "«Cantar» rima con «mar».",
-}
-SPELLING = ("vaca", "barco", "volar", "bebé", "nube", "verde", "bosque", "viento")
-WORDS = {
-    "gato": "cat",
-    "perro": "dog",
-    "casa": "house",
-    "libro": "book",
-    "agua": "water",
-    "manzana": "apple",
-    "escuela": "school",
-    "árbol": "tree",
-    "coche": "car",
-    "pájaro": "bird",
-    "leche": "milk",
-    "pan": "bread",
-}
-FOODS = (
-    "pollo",
-    "merluza",
-    "tofu",
-    "huevos",
-    "verduras",
-    "salmón",
-    "lentejas",
-    "garbanzos",
-    "pasta",
-    "arroz",
-)
-NAMES = (
-    "Lucía",
-    "Mateo",
-    "la abuela",
-    "Pablo",
-    "Carmen",
-    "tu primo",
-    "Sofía",
-    "Diego",
-    "el abuelo",
-    "Valeria",
-)
-
-
-def no_tool_case(rng):
-    question, answer = rng.choice(NO_TOOL)
-    word = rng.choice(list(WORDS))
-    thing, animal, rhyme = rng.choice(list(THINGS)), rng.choice(list(ANIMALS)), rng.choice(list(RHYMES))
-    values = {
-        "word": word,
-        "english": WORDS[word],
-        "food": rng.choice(FOODS),
-        "name": rng.choice(NAMES),
-        "thing": thing,
-        "thing_answer": THINGS[thing],
-        "animal_a": animal,
-        "legs": ANIMALS[animal],
-        "rhyme": rhyme,
-        "rhyme_answer": RHYMES[rhyme],
-        "spell": rng.choice(SPELLING),
-    }
-    return question.format(**values), answer.format(**values)
+MEMORY_KINDS = ("recordar", "buscar_recuerdos", "olvidar")
 
 
 class CannedSearch:
@@ -421,46 +75,211 @@ def random_now(rng, synthetic):
     )
 
 
-def one_conversation(rng, kind, settings):
-    """A conversation of the given kind, built the way Agent.run_turn would build it."""
-    now = random_now(rng, settings["synthetic"])
-    searcher = None
-    if kind == "calculadora":
-        question, expression, answer = calculator_case(rng)
-        name, arguments = "calculadora", {"expresion": expression}
-    elif kind == "fecha_hora":
-        question, arguments, answer = date_case(rng)
-        name = "fecha_hora"
-    elif kind in ("buscar_web", "sin_resultados", "error_busqueda"):
-        question, query, results, answer = search_case(rng)
-        name, arguments = "buscar_web", {"consulta": query}
-        if kind == "sin_resultados":
-            searcher, answer = CannedSearch([]), NO_RESULTS.format(q=query)
-        elif kind == "error_busqueda":
-            searcher, answer = CannedSearch(failed=True), SEARCH_FAILED
-        else:
-            searcher = CannedSearch(results)
+# -----------------------------------------------------------------------------
+# The family's memories: a real memory.py database
+
+
+def rough_tokens(text):
+    """The server counts the served tokenizer's tokens; here, about three UTF-8 bytes to a token."""
+    return len(text.encode("utf-8")) // 3 + 1
+
+
+class Family:
+    """The generator's memory database (memory.py's tables in a file of a temporary folder): each member
+    conversation gets a new member, adult or (child_share) child, with a few memories of their own."""
+
+    def __init__(self, folder, synthetic):
+        self.cfg = memory.load_config()
+        self.conn = memory.connect(os.path.join(folder, "family.sqlite"), self.cfg)
+        self.conn.execute("PRAGMA synchronous = OFF")  # a scratch database: no fsync per memory
+        self.lock, self.synthetic, self.members = threading.Lock(), synthetic, 0
+
+    def member(self, rng, facts=()):
+        """A new memory.Caller holding the facts (memory_fact dicts) and 0-5 others, a few pinned."""
+        self.members += 1
+        role = "child" if rng.random() < self.synthetic["child_share"] else "adult"
+        caller = memory.Caller(f"miembro{self.members}", role, self.conn, self.lock, self.cfg)
+        held = [phrases.memory_fact(rng) for _ in range(rng.randint(0, 5))] + list(facts)
+        rng.shuffle(held)
+        for fact in held:
+            scope = "family" if role == "adult" and rng.random() < 0.2 else "private"
+            fact["id"] = memory.add(
+                self.conn, caller.name, role, fact["text"], self.cfg, scope, pinned=rng.random() < 0.15
+            )
+        return caller
+
+    def block(self, caller, question):
+        """The memories the server would put in the system turn for this question."""
+        return memory.context_for_turn(self.conn, caller.name, caller.role, question, self.cfg, rough_tokens)
+
+
+# -----------------------------------------------------------------------------
+# One conversation per kind: (question, tool name or None, arguments, answer(result) -> text, searcher)
+
+
+def calculator(rng):
+    question, expression, answer = phrases.calculator_case(rng)
+    return question, "calculadora", {"expresion": expression}, lambda r: answer.replace("{r}", r.text)
+
+
+def date_answer(rng, what, place, arguments, text):
+    """The answer stating fecha_hora's result: the time, the date, or the day `dias` away."""
+    if what == "time":
+        time = TIME_PATTERN.search(text).group()
+        if place:
+            return f"En {place} son las {time}."
+        return phrases.pick(rng, ("Son las {t}.", "Ahora son las {t}.", "Son las {t} en punto.")).format(
+            t=time
+        )
+    if what == "date":
+        day = text.split(",")[0] + ", " + DATE_PATTERN.search(text).group()
+        if place:
+            return f"En {place} es {day}."
+        return phrases.pick(rng, ("Hoy es {d}.", "Estamos a {d}.", "Es {d}.")).format(d=day)
+    days, target = arguments["dias"], text.split(": ", 1)[1]
+    if days in (1, 2):
+        return f"{'Mañana' if days == 1 else 'Pasado mañana'} será {target}."
+    if days < 0:
+        return phrases.pick(rng, ("Hace {n} días fue {t}.", "Fue el {t}.", "Hace {n} días era {t}.")).format(
+            n=-days, t=target
+        )
+    return phrases.pick(rng, ("Dentro de {n} días será {t}.", "Será {t}.", "Caerá en {t}.")).format(
+        n=days, t=target
+    )
+
+
+def date_and_time(rng):
+    question, arguments, what, place = phrases.date_case(rng)
+    return question, "fecha_hora", arguments, lambda r: date_answer(rng, what, place, arguments, r.text)
+
+
+def web_search(rng, outcome):
+    question, query, (title, url, snippet), answer = phrases.search_case(rng)
+    if outcome == "sin_resultados":
+        searcher, answer = CannedSearch([]), phrases.pick(rng, phrases.NO_RESULTS).format(q=query)
+    elif outcome == "error_busqueda":
+        searcher, answer = CannedSearch(failed=True), phrases.pick(rng, phrases.SEARCH_FAILED)
     else:
-        question, answer = no_tool_case(rng)
-        name = None
-    helper = agent.Agent(settings, clock=lambda: now, searcher=searcher)
-    messages = [{"role": "user", "content": question}]
-    if name is not None:
+        other = search.SearchResult(
+            f"{query.split()[-1]} - Wikipedia, la enciclopedia libre",
+            f"https://es.wikipedia.org/wiki/{query.split()[-1]}",
+            f"Artículo de la enciclopedia sobre {query.split()[-1]}.",
+            2,
+        )
+        searcher = CannedSearch([search.SearchResult(title, url, snippet, 1), other])
+    return question, "buscar_web", {"consulta": query}, lambda r: answer, searcher
+
+
+def memory_failure(rng, result):
+    why = result.text.removeprefix("Error: ").split(". ")[0]
+    return phrases.pick(rng, phrases.FAILED_MEMORY).format(why=why)
+
+
+def remember(rng):
+    fact = phrases.memory_fact(rng)
+    draw = rng.random()
+    if draw < 0.3:
+        question, arguments = (
+            phrases.ask(rng, phrases.REMEMBER_FAMILY),
+            {"texto": fact["text"], "ambito": "familia"},
+        )
+    elif draw < 0.4:
+        question, arguments = (
+            phrases.ask(rng, phrases.REMEMBER_PRIVATE),
+            {"texto": fact["text"], "ambito": "privado"},
+        )
+    else:
+        question, arguments = phrases.ask(rng, phrases.REMEMBER), {"texto": fact["text"]}
+    saved = phrases.SAVED_FAMILY if arguments.get("ambito") == "familia" else phrases.SAVED
+
+    def answer(result):
+        if not result.ok:
+            return memory_failure(rng, result)
+        return phrases.pick(rng, saved).format(x=fact["text"])
+
+    return question.replace("{c}", fact["clause"]), "recordar", arguments, answer, []
+
+
+def recall(rng):
+    fact = phrases.memory_fact(rng)
+    held = [fact] if rng.random() < 0.8 else []  # else the member never told it: nothing is found
+    question = phrases.ask(rng, phrases.SEARCH_MEMORY).replace("{t}", fact["topic"])
+
+    def answer(result):
+        if not result.ok:
+            return memory_failure(rng, result)
+        if not result.text.startswith("- ["):
+            return phrases.pick(rng, phrases.NOT_FOUND).format(t=fact["topic"])
+        first = result.text.split("\n")[0].split("] ", 1)[1].removeprefix("(familia) ")
+        said = (
+            first[0].lower() + first[1:]
+            if first.split()[0] in ("El", "La", "Los", "Las", "Mi", "A")
+            else first
+        )
+        return phrases.pick(rng, phrases.FOUND).format(x=first, y=said)
+
+    return question, "buscar_recuerdos", {"consulta": fact["query"]}, answer, held
+
+
+def forget(rng):
+    """(question with {n} for a memory's number if it names one, "olvidar", arguments to fill, answer, the
+    memory to forget)."""
+    fact = phrases.memory_fact(rng)
+    templates = phrases.FORGET_NUMBER if rng.random() < 0.35 else phrases.FORGET
+    question = phrases.ask(rng, templates).replace("{t}", fact["topic"])
+
+    def answer(result):
+        if not result.ok:
+            return memory_failure(rng, result)
+        return phrases.pick(rng, phrases.FORGOTTEN).format(n=fact["id"], x=fact["text"])
+
+    return question, "olvidar", {}, answer, [fact]
+
+
+def one_conversation(rng, kind, settings, family):
+    """A conversation of the given kind, built the way the server's agent turn builds it."""
+    synthetic = settings["synthetic"]
+    now = random_now(rng, synthetic)
+    searcher, held, caller = None, [], None
+    if kind == "calculadora":
+        question, name, arguments, answer = calculator(rng)
+    elif kind == "fecha_hora":
+        question, name, arguments, answer = date_and_time(rng)
+    elif kind in ("buscar_web", "sin_resultados", "error_busqueda"):
+        question, name, arguments, answer, searcher = web_search(rng, kind)
+    elif kind in MEMORY_KINDS:
+        question, name, arguments, answer, held = {"recordar": remember, "buscar_recuerdos": recall,
+                                                   "olvidar": forget}[kind](rng)  # fmt: skip
+    else:
+        question, text = phrases.no_tool_case(rng)
+        name, answer = None, lambda result: text
+    if kind in MEMORY_KINDS or rng.random() < synthetic["member_share"]:
+        caller = family.member(rng, held)
+    if kind == "olvidar":  # by its number: said in the question, or read in the memories listed
+        number = str(held[0]["id"])
+        if "{n}" not in question and f"[{number}]" not in family.block(caller, question):
+            question = phrases.ask(rng, phrases.FORGET_NUMBER)
+        question, arguments = question.replace("{n}", number), {"id": held[0]["id"]}
+    block = family.block(caller, question) if caller else ""
+    base = "\n\n".join((settings["system_prompt"], block)) if block else None
+    helper = agent.Agent(settings, clock=lambda: now, searcher=searcher, member=caller)
+    messages = ([{"role": "system", "content": base}] if base else []) + [
+        {"role": "user", "content": question}
+    ]
+    if name is None:
+        reply = answer(None)
+    else:
         context = helper.new_context()
         result = helper.call(agent.Call(name, arguments), context)
-        if isinstance(answer, str):
-            answer = answer.replace("{r}", result.text)
-        else:
-            answer = answer(result.text)
+        reply = agent.cite_sources(answer(result), context.sources)
         call = {"id": "call_0_0", "type": "function", "function": {"name": name, "arguments": arguments}}
         messages += [
             {"role": "assistant", "content": "", "tool_calls": [call]},
             {"role": "tool", "content": result.text, "tool_call_id": "call_0_0", "name": name},
         ]
-        answer = agent.cite_sources(answer, context.sources)
-    messages.append({"role": "assistant", "content": answer})
+    messages.append({"role": "assistant", "content": reply})
     conversation = helper.conversation(messages)
-    conversation["source"] = f"agent_data.py {kind} seed={settings['synthetic']['seed']}"
+    conversation["source"] = f"agent_data.py {kind} seed={synthetic['seed']}"
     return conversation
 
 
@@ -471,128 +290,44 @@ def generate(settings):
     rng = random.Random(synthetic["seed"])
     kinds, weights = zip(*synthetic["mix"].items(), strict=True)
     train, held_out, asked = [], [], set()
-    for _ in range(synthetic["conversations"]):
-        conversation = one_conversation(rng, rng.choices(kinds, weights)[0], settings)
-        chat.check_conversation(conversation)
-        question = conversation["messages"][1]["content"]
-        bucket = int(hashlib.sha256(question.encode("utf-8")).hexdigest()[:8], 16) / 16**8
-        if bucket >= synthetic["eval_fraction"]:
-            train.append(conversation)
-        elif question not in asked:
-            asked.add(question)
-            held_out.append(conversation)
+    with tempfile.TemporaryDirectory(prefix="agent-data-") as folder:
+        family = Family(folder, synthetic)
+        for _ in range(synthetic["conversations"]):
+            conversation = one_conversation(rng, rng.choices(kinds, weights)[0], settings, family)
+            chat.check_conversation(conversation)
+            question = user_question(conversation)
+            bucket = int(hashlib.sha256(question.encode("utf-8")).hexdigest()[:8], 16) / 16**8
+            if bucket >= synthetic["eval_fraction"]:
+                train.append(conversation)
+            elif question not in asked:
+                asked.add(question)
+                held_out.append(conversation)
+        family.conn.close()
     return train, held_out
 
 
-def write_jsonl(path, conversations):
+def user_question(conversation):
+    return next(m["content"] for m in conversation["messages"] if m["role"] == "user")
 
+
+def call_arguments(conversation):
+    """The arguments of the conversation's call as one canonical string, or None without a call."""
+    for message in conversation["messages"]:
+        for call in message.get("tool_calls", []):
+            return json.dumps(chat.arguments_of(call), ensure_ascii=False, sort_keys=True)
+    return None
+
+
+def unseen_share(train, held_out):
+    """(held-out calls, the share of them whose arguments no training call has)."""
+    seen = {call_arguments(c) for c in train} - {None}
+    calls = [arguments for arguments in map(call_arguments, held_out) if arguments is not None]
+    return len(calls), sum(arguments not in seen for arguments in calls) / max(1, len(calls))
+
+
+def write_jsonl(path, conversations):
     text = "".join(json.dumps(c, ensure_ascii=False) + "\n" for c in conversations)
     fileio.write_atomic(path, lambda f: f.write(text.encode("utf-8")))
-
-
-# -----------------------------------------------------------------------------
-# Evaluation
-
-
-def reference_of(conversation):
-    """(prompt messages, reference first assistant message, prompt up to the result, answer) of a
-    generated conversation."""
-    messages = conversation["messages"]
-    first = messages[2]
-    if "tool_calls" not in first:
-        return messages[:2], first, None, first["content"]
-    return messages[:2], first, messages[:4], messages[4]["content"]
-
-
-def result_fact(name, arguments, result, answer):
-    """The piece of a tool result the reference answer states (lower case), or None when there is none."""
-    if result.startswith("Error:"):
-        return "no he podido"
-    if name == "buscar_web":
-        return "no he encontrado" if result == "Sin resultados" else "[1]"
-    if name == "fecha_hora":
-        facts = DATE_PATTERN.findall(result.split(": ")[-1]) + TIME_PATTERN.findall(result)
-        stated = [fact for fact in facts if fact in answer]
-        return stated[0] if stated else None
-    return result.lower()
-
-
-def evaluate(conversations, reply, log=print, examples=5):
-    """The four rates over the conversations; reply(conversation) -> generated text (the model). The
-    report keeps the counts and the first `examples` questions with the model's first reply."""
-    counts = dict.fromkeys(("tool", "all", "valid", "right", "exact", "answered", "uses"), 0)
-    shown = []
-    for index, conversation in enumerate(conversations):
-        prompt, first, with_result, answer = reference_of(conversation)
-        tools = conversation.get("tools")
-        text = reply({"messages": prompt, "tools": tools})
-        if len(shown) < examples:
-            shown.append({"question": prompt[-1]["content"], "reply": text})
-        calls = agent.parse_reply(text).calls
-        good = bool(calls) and all(call.error is None for call in calls)
-        expected = first["tool_calls"][0]["function"] if "tool_calls" in first else None
-        counts["all"] += 1
-        if expected is None:
-            counts["right"] += not calls
-        else:
-            counts["tool"] += 1
-            counts["valid"] += good
-            counts["right"] += bool(calls) and calls[0].name == expected["name"]
-            counts["exact"] += good and calls[0].arguments == chat.arguments_of(first["tool_calls"][0])
-            fact = result_fact(
-                expected["name"], expected["arguments"], with_result[3]["content"], answer.lower()
-            )
-            if fact is not None:
-                counts["answered"] += 1
-                text = agent.parse_reply(reply({"messages": with_result, "tools": tools})).content
-                counts["uses"] += fact in text.lower()
-        if (index + 1) % 25 == 0:
-            log(f"  {index + 1}/{len(conversations)} conversations")
-    rate = lambda part, whole: round(counts[part] / counts[whole], 4) if counts[whole] else None
-    return {
-        "counts": counts,
-        "conversations": counts["all"],
-        "needing_a_tool": counts["tool"],
-        "valid_syntax_rate": rate("valid", "tool"),
-        "right_tool_rate": rate("right", "all"),
-        "exact_argument_rate": rate("exact", "tool"),
-        "uses_result_rate": rate("uses", "answered"),
-        "examples": shown,
-    }
-
-
-def model_reply(model, tokenizer, max_new_tokens):
-    """Greedy generation of the next assistant turn, up to <|end|>: the model as a policy. The KV cache of
-    the previous prompt is kept and rewound to the prefix the next prompt shares with it (the answer's
-    prompt extends the first reply's), which halves the prefill of the evaluation; the logits are those
-    of a full forward pass either way. Prompts longer than the context are cut from the left, as
-    model.generate does."""
-    import torch
-
-    end = tokenizer.special_ids["<|end|>"]
-    state = {"ids": [], "cache": model.new_kv_cache()}
-
-    def reply(conversation):
-        ids, _ = chat.render(conversation, tokenizer, for_generation=True)
-        ids = ids[-(model.seq_len - max_new_tokens) :]
-        cached, cache = state["ids"], state["cache"]
-        shared = 0
-        while shared < min(len(cached), len(ids) - 1) and cached[shared] == ids[shared]:
-            shared += 1
-        cache.length = shared  # later positions are overwritten
-        out = []
-        with torch.no_grad():
-            logits = model.forward_with_cache(torch.tensor([ids[shared:]]), cache)
-            for _ in range(max_new_tokens):
-                token = int(logits[0, -1].argmax())
-                if token in (end, tokenizer.eos_id):
-                    break
-                out.append(token)
-                logits = model.forward_with_cache(torch.tensor([[token]]), cache)
-        state["ids"] = ids + out  # the tokens whose keys and values the cache holds
-        return tokenizer.decode(out)
-
-    return reply
 
 
 def read_jsonl(path):
@@ -601,46 +336,25 @@ def read_jsonl(path):
 
 
 def main(argv):
-    parser = argparse.ArgumentParser(description="Tool-use conversations: generate them, or evaluate a run.")
+    parser = argparse.ArgumentParser(description="Tool-use conversations for training and evaluation.")
     commands = parser.add_subparsers(dest="command", required=True)
     make = commands.add_parser("generate", help="write OUT/train.jsonl and OUT/eval.jsonl")
     make.add_argument("out")
     make.add_argument("--settings", default=agent.DEFAULT_SETTINGS, help="an agent layer file")
-    check = commands.add_parser("eval", help="the tool-use rates of a run on held-out conversations")
-    check.add_argument("run", help="run directory or checkpoint")
-    check.add_argument("data", help="held-out conversations (eval.jsonl of generate)")
-    check.add_argument("--offset", type=int, default=0, help="skip the first N conversations")
-    check.add_argument("--limit", type=int, default=0, help="only N conversations")
-    check.add_argument("--report", help="where to write the JSON report (default <run>/agent_eval.json)")
-    check.add_argument("--max-new-tokens", type=int, default=96)
     args = parser.parse_args(argv)
-
-    if args.command == "generate":
-        try:
-            settings = agent.load_settings(path=args.settings)
-        except config.ConfigError as exc:
-            print(f"agent_data.py: {exc}", file=sys.stderr)
-            return 2
-        train, held_out = generate(settings)
-        write_jsonl(os.path.join(args.out, "train.jsonl"), train)
-        write_jsonl(os.path.join(args.out, "eval.jsonl"), held_out)
-        print(f"{args.out}: {len(train)} train and {len(held_out)} eval conversations")
-        return 0
-
-    from sample import SampleError, load_run
-
     try:
-        model, _, tokenizer, ckpt_path = load_run(args.run)
-    except SampleError as exc:
+        settings = agent.load_settings(path=args.settings)
+    except config.ConfigError as exc:
         print(f"agent_data.py: {exc}", file=sys.stderr)
         return 2
-    conversations = read_jsonl(args.data)[args.offset :][: args.limit or None]
-    report = evaluate(conversations, model_reply(model, tokenizer, args.max_new_tokens))
-    report.update(checkpoint=ckpt_path, data=args.data, offset=args.offset)
-    print(json.dumps(report, indent=1, ensure_ascii=False))
-
-    folder = args.run if os.path.isdir(args.run) else os.path.dirname(args.run)
-    fileio.write_json(args.report or os.path.join(folder, "agent_eval.json"), report)
+    train, held_out = generate(settings)
+    write_jsonl(os.path.join(args.out, "train.jsonl"), train)
+    write_jsonl(os.path.join(args.out, "eval.jsonl"), held_out)
+    calls, unseen = unseen_share(train, held_out)
+    print(
+        f"{args.out}: {len(train)} train and {len(held_out)} eval conversations; the arguments of "
+        f"{100 * unseen:.1f}% of the {calls} held-out calls appear in no training call"
+    )
     return 0
 
 

@@ -6,6 +6,7 @@ there, never in tests.
 
 import sys
 
+import bench_agent
 import bench_data
 import bench_eval
 import bench_model
@@ -20,6 +21,7 @@ SECTIONS = {
     "serve": bench_serve.bench_serve,
     "memory": bench_serve.bench_memory,
     "eval": bench_eval.bench_eval,
+    "agent": bench_agent.bench_agent,
 }
 
 

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 import agent
+import agent_grammar
 import chat
 import checkpoint
 import config
@@ -70,9 +71,10 @@ class StreamDecoder:
         return new
 
 
-def stream_text(model, tokenizer, prompt_ids, args, generator, write, stop_token=None):
+def stream_text(model, tokenizer, prompt_ids, args, generator, write, stop_token=None, constraint=None):
     """Generate from prompt_ids, handing decoded text to write(piece) as it comes; write returns True to
-    end the reply early. Stops at stop_token or the end-of-text token (neither is written)."""
+    end the reply early. Stops at stop_token or the end-of-text token (neither is written). A constraint
+    (agent_grammar) masks each step's logits: the tool calls of a chat reply."""
     device = model.embed_tokens.weight.device
     stop_tokens = {stop_token, tokenizer.eos_id} - {None}
     decoder = StreamDecoder(tokenizer)
@@ -83,6 +85,7 @@ def stream_text(model, tokenizer, prompt_ids, args, generator, write, stop_token
         top_k=args.top_k,
         top_p=args.top_p,
         generator=generator,
+        constraint=constraint,
     ):  # stop tokens are checked here: a chat has two (end of turn, end of text)
         if token in stop_tokens:
             break
@@ -230,7 +233,7 @@ def run_chat(model, tokenizer, cfg, args, stdin=sys.stdin, out=sys.stdout, polic
         elif policy is not None:
             policy = shown_reply(policy, out)
         else:
-            policy = streamed_reply(model, tokenizer, args, generator, end_id, budget, out)
+            policy = streamed_reply(model, tokenizer, args, generator, end_id, budget, out, settings)
     out.write(f"chat with {args.run}; /reset clears the history, /exit quits\n")
     while True:
         out.write("> ")
@@ -284,8 +287,9 @@ def run_chat(model, tokenizer, cfg, args, stdin=sys.stdin, out=sys.stdout, polic
             out.write("(empty reply)\n")
 
 
-def streamed_reply(model, tokenizer, args, generator, end_id, budget, out):
-    """agent.run_turn's generate: the model's next reply, streamed to out without its tool calls."""
+def streamed_reply(model, tokenizer, args, generator, end_id, budget, out, settings):
+    """agent.run_turn's generate: the model's next reply, streamed to out without its tool calls; its calls
+    constrained to the tools on offer (agent_grammar) unless agent.constrained is off."""
 
     def reply(conversation):
         ids, _ = chat.render(conversation, tokenizer, for_generation=True)
@@ -302,8 +306,10 @@ def streamed_reply(model, tokenizer, args, generator, end_id, budget, out):
             shown[0] = max(shown[0], len(visible))
             return False
 
+        tools = conversation.get("tools")
+        constraint = agent_grammar.constraint_for(tokenizer, tools, settings, args.max_new_tokens)
         try:
-            stream_text(model, tokenizer, ids, args, generator, write, stop_token=end_id)
+            stream_text(model, tokenizer, ids, args, generator, write, end_id, constraint)
         except KeyboardInterrupt:  # Ctrl-C ends this reply, not the session
             out.write(" [interrupted]")
         out.write("\n")
@@ -329,7 +335,8 @@ def show_tool_event(out):
     def show(kind, info):
         if kind == "call":
             what = info["raw"].strip() if info["error"] else json.dumps(info["arguments"], ensure_ascii=False)
-            out.write(f"  [tool call] {info['name'] or '?'} {what}\n")
+            line = f"{info['name'] or '?'} {what}"
+            out.write(f"  [tool call] {line if len(line) <= 400 else line[:400] + '…'}\n")
         elif kind == "result":
             text = info["text"] if len(info["text"]) <= 400 else info["text"][:400] + "…"
             label = "tool result" if info["ok"] else "tool error"

@@ -61,6 +61,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 import agent
+import agent_grammar
 import chat
 import config
 import fileio
@@ -224,6 +225,17 @@ class Server:
                            "plus the answer", param="messages", code="context_length_exceeded")  # fmt: skip
         return ids, min(max_tokens, room), head + turns, helper
 
+    async def client_tools_constraint(self, tools, max_tokens):
+        """agent_grammar's constraint for a client's own tools (None when agent.constrained is off); a schema
+        it cannot enforce is a 400 naming the tool. The grammar compiles off the event loop, once per tool
+        set."""
+        try:
+            return await asyncio.to_thread(
+                agent_grammar.constraint_for, self.worker.tokenizer, tools, self.agent_settings, max_tokens
+            )
+        except agent_grammar.GrammarError as e:
+            raise ApiError(400, f"tools: {e}", param="tools", code="invalid_value") from None
+
     # --- memories (memory.py decides who reads and changes what; this only binds the caller)
     def memories(self, member, function, *args, **kwargs):
         """function(connection, name, role, *args, **kwargs) of memory.py, as this member."""
@@ -243,14 +255,16 @@ class Server:
         return memory.Caller(member["name"], member["role"], self.store.db, self.store.lock, self.memory_cfg)
 
     # --- generation
-    def start(self, request, member, prompt_ids, max_tokens, temperature, top_p, seed, turn=None):
+    def start(
+        self, request, member, prompt_ids, max_tokens, temperature, top_p, seed, turn=None, constraint=None
+    ):
         count = self.pending.get(member["id"], 0)
         if count >= self.settings["max_pending_per_member"]:
             raise ApiError(429, f"{count} requests of yours are already waiting; wait for them to finish",
                            code="too_many_requests", retry_after=self.settings["retry_after_s"])  # fmt: skip
         loop = asyncio.get_running_loop()
         job = serve_worker.Job(
-            loop, prompt_ids, max_tokens, temperature, top_p, self.settings["top_k"], seed, turn
+            loop, prompt_ids, max_tokens, temperature, top_p, self.settings["top_k"], seed, turn, constraint
         )
         try:
             self.worker.submit(job)
@@ -409,7 +423,8 @@ async def chat_completions(request):
         member, system, turns, tools, max_tokens, False, helper
     )
     turn = (helper, messages) if helper else None
-    job = server.start(request, member, prompt_ids, max_tokens, temperature, top_p, seed, turn)
+    constraint = await server.client_tools_constraint(tools, max_tokens) if tools else None
+    job = server.start(request, member, prompt_ids, max_tokens, temperature, top_p, seed, turn, constraint)
     reply = Reply(stop, tools)
     base = {"id": "chatcmpl-" + uuid.uuid4().hex, "created": int(time.time()), "model": server.model_id,
             "system_fingerprint": None}  # fmt: skip

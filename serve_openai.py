@@ -183,11 +183,14 @@ def tool_calls_of(text, tools):
     calls = agent.parse_reply(text).calls
     if not calls or any(call.error or call.name not in names for call in calls):
         return None
-    return [
-        {"id": "call_" + secrets.token_hex(12), "type": "function",
-         "function": {"name": call.name, "arguments": json.dumps(call.arguments, ensure_ascii=False)}}
-        for call in calls
-    ]  # fmt: skip
+    try:
+        return [
+            {"id": "call_" + secrets.token_hex(12), "type": "function",
+             "function": {"name": call.name, "arguments": json.dumps(call.arguments, ensure_ascii=False)}}
+            for call in calls
+        ]  # fmt: skip
+    except RecursionError:  # arguments nested nearly as deep as json.loads allows: text, not a call
+        return None
 
 
 class Reply:

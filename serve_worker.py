@@ -22,6 +22,7 @@ import threading
 import time
 
 import agent
+import agent_grammar
 import chat
 
 
@@ -30,15 +31,17 @@ class Job:
     prompt tokens) or ("error", message), to the request's event loop. cancel() makes the worker stop at
     the next token (its "done" then has finish_reason None). With `turn` = (agent.Agent, messages) the
     answer is an agent turn: the server's tools run between generations (prompt_ids is then only the first
-    prompt, already checked against the context). `constraint` (None, or an object with mask(logits) ->
-    logits and accept(token), see model.Decoder.sample) steers every token of the job's generations, in
-    order: the one generation of an answer, each generation of an agent turn."""
+    prompt, already checked against the context). `constraint` (None, or agent_grammar's object with
+    mask(logits) -> logits and accept(token), see model.Decoder.sample) steers every token of a plain
+    answer offered client tools; an agent turn's generations each get one for the tools they offer."""
 
-    def __init__(self, loop, prompt_ids, max_tokens, temperature, top_p, top_k, seed, turn=None):
+    def __init__(
+        self, loop, prompt_ids, max_tokens, temperature, top_p, top_k, seed, turn=None, constraint=None
+    ):
         self.loop, self.events = loop, asyncio.Queue()
         self.prompt_ids, self.max_tokens, self.turn = prompt_ids, max_tokens, turn
         self.temperature, self.top_p, self.top_k, self.seed = temperature, top_p, top_k, seed
-        self.constraint = None
+        self.constraint = constraint
         self.cancelled = threading.Event()
         self.reserved = False  # an agent turn holding a slot for its first generation (the worker's)
 
@@ -55,8 +58,9 @@ class Generation:
     ends, finish is "stop", "length" or None (cancelled), or failed is True; count is its tokens; then
     on_end(generation) runs on the decode thread."""
 
-    def __init__(self, job, prompt_ids, write, on_end):
+    def __init__(self, job, prompt_ids, write, on_end, constraint=None):
         self.job, self.prompt_ids, self.write, self.on_end = job, prompt_ids, write, on_end
+        self.constraint = constraint
         self.finish, self.failed, self.count = None, False, 0
         self.row = self.text = None
 
@@ -177,7 +181,7 @@ class Worker:
             free -= 1
             if job.turn is None:
                 starting.append(Generation(job, job.prompt_ids, lambda piece, job=job: job.send("text", piece),
-                                           self.answer_ended))  # fmt: skip
+                                           self.answer_ended, job.constraint))  # fmt: skip
             elif job.cancelled.is_set():
                 free += 1
                 self.stats["cancelled"] += 1
@@ -204,7 +208,7 @@ class Worker:
                 self.decoder_of = self.model
             generation.row = self.decoder.add(
                 generation.prompt_ids, job.temperature, job.top_k, top_p,
-                torch.Generator().manual_seed(job.seed), job.constraint,
+                torch.Generator().manual_seed(job.seed), generation.constraint,
             )  # fmt: skip
         except Exception as e:
             return self.fail([generation], e)
@@ -295,11 +299,11 @@ class Worker:
                 self.lock.notify()
             job.send(*(ended or ("error", "generation failed on the server")))
 
-    def generate(self, job, prompt_ids, write):
+    def generate(self, job, prompt_ids, write, constraint=None):
         """One generation of an agent turn, as a row of the batch: waits for it and returns (finish_reason,
         tokens generated); raises GenerationFailed when it failed."""
         ended = threading.Event()
-        generation = Generation(job, prompt_ids, write, lambda _: ended.set())
+        generation = Generation(job, prompt_ids, write, lambda _: ended.set(), constraint)
         with self.lock:
             self.resumed.append(generation)
             self.lock.notify()
@@ -331,7 +335,11 @@ class Worker:
                     show(visible[len(shown) :], shown)
                     shown = visible
 
-            finish, count = self.generate(job, ids, write)
+            tools = conversation.get("tools")
+            constraint = agent_grammar.constraint_for(
+                self.tokenizer, tools, agent_of_turn.settings, job.max_tokens
+            )
+            finish, count = self.generate(job, ids, write, constraint)
             totals["prompt"] += len(ids)
             totals["completion"] += count
             if finish is None:

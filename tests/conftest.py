@@ -302,11 +302,12 @@ class ScriptedModel:
     the prompts it got."""
 
     def __init__(self, *scripts, delay=0.0):
-        self.scripts, self.delay, self.prompts = scripts, delay, []
+        self.scripts, self.delay, self.prompts, self.constraints = scripts, delay, [], []
 
-    def script_for(self, prompt):
+    def script_for(self, prompt, constraint=None):
         ids = self.scripts[len(self.prompts) % len(self.scripts)]
         self.prompts.append(list(prompt))
+        self.constraints.append(constraint)  # scripted choices are never masked
         return ids
 
     def decoder(self, slots, allocate=False):
@@ -325,7 +326,7 @@ class ScriptedDecoder:
         self.model = model
 
     def add(self, prompt, temperature=1.0, top_k=None, top_p=None, generator=None, constraint=None):
-        return ScriptedRow(self.model.script_for(prompt))
+        return ScriptedRow(self.model.script_for(prompt, constraint))
 
     def sample(self, row):
         return row.script[min(row.step, len(row.script) - 1)]

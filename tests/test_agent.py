@@ -202,6 +202,52 @@ def test_an_unknown_tool_is_an_error_naming_the_tools_there_are(settings):
     ]
 
 
+def deep_call(levels):
+    return (
+        '<tool_call>\n{"name": "calculadora", "arguments": {"expresion": '
+        + "[" * levels
+        + "]" * levels
+        + "}}\n</tool_call>"
+    )
+
+
+@pytest.mark.parametrize("levels", [20, 990, 1000, 100_000])
+def test_a_call_nested_deeper_than_max_call_depth_is_an_error_result_not_a_recursion_error(settings, levels):
+    new, events = run(settings, Script(deep_call(levels), "Vaya."))
+    (result,) = tool_texts(new)
+    assert result.startswith("Error: llamada mal formada: ") and agent.RETRY_HINT in result
+    assert "16 niveles" in result or "demasiados niveles" in result
+    assert new[0]["tool_calls"][0]["function"]["arguments"] == {}  # never rendered back at that depth
+    assert events[0][1]["arguments"] == {}
+
+
+def test_an_integer_past_pythons_digit_limit_is_an_error_result_not_an_attribute_error(settings):
+    huge = '<tool_call>\n{"name": "fecha_hora", "arguments": {"dias": ' + "9" * 5000 + "}}\n</tool_call>"
+    new, _ = run(settings, Script(huge, "Vaya."))
+    assert tool_texts(new) == [
+        "Error: llamada mal formada: un número del JSON tiene demasiadas cifras. " + agent.RETRY_HINT
+    ]
+
+
+def test_model_text_quoted_back_in_an_error_is_cut_to_max_echo_chars(settings):
+    limit = settings["max_echo_chars"]
+    long_name, long_zone, long_key = "x" * 20_000, "Europe/" + "y" * 20_000, "z" * 20_000
+    script = Script(
+        call_text(long_name, {}),
+        call_text("fecha_hora", {"zona": long_zone}),
+        call_text("calculadora", {"expresion": "1", long_key: 1}),
+        call_text("calculadora", {"expresion": ["w" * 20_000]}),
+        "Vaya.",
+    )
+    new, _ = run(settings, script)
+    texts = tool_texts(new)
+    assert len(texts) == 4
+    for text in texts:
+        assert text.startswith("Error: ") and len(text) < 2 * limit + 200, text[:300]
+    assert texts[0].startswith("Error: no existe la herramienta 'xxxx") and "…" in texts[0]
+    assert new[1]["name"] == new[0]["tool_calls"][0]["function"]["name"] and len(new[1]["name"]) <= limit
+
+
 def test_after_the_maximum_of_calls_the_model_answers_once_with_tools_left_out(settings):
     settings["max_calls_per_turn"] = 3
     again = call_text("calculadora", {"expresion": "1+1"})
@@ -322,6 +368,8 @@ def test_the_parser_reads_text_and_calls_laid_out_as_chat_renders_them():
             '"arguments" debe ser un objeto',
         ),
         ('<tool_call>\n["calculadora"]\n</tool_call>', 'con "name" y "arguments", llegó list'),
+        ('<tool_call>\n{"name": "calculadora"}\n</tool_call>', 'falta "arguments"'),
+        ('<tool_call>\n{"arguments": {}, "a": 1, "b": 2}\n</tool_call>', 'falta "name" y sobran 2 claves'),
         ('<tool_call>\n{"name": "", "arguments": {}}\n</tool_call>', '"name" debe ser'),
         ("Hola </tool_call>", "</tool_call> sin <tool_call>"),
     ],
@@ -416,6 +464,12 @@ def test_the_date_tool_refuses_an_unknown_zone_and_huge_offsets(settings):
         in helper.call(agent.Call("fecha_hora", {"zona": "Marte/Olimpo"})).text
     )
     assert "supera el máximo de 36500 días" in helper.call(agent.Call("fecha_hora", {"dias": 10**9})).text
+
+
+@pytest.mark.parametrize("zone", ["Europe", "America/Argentina", "../../etc/passwd", "/etc/localtime", ""])
+def test_a_folder_of_tzdata_or_a_path_is_an_unknown_zone_not_an_internal_failure(settings, zone):
+    result = agent.Agent(settings, clock=lambda: MONDAY).call(agent.Call("fecha_hora", {"zona": zone}))
+    assert not result.ok and result.text.startswith(f"Error: no conozco la zona horaria {zone!r}")
 
 
 # --- the config layer ------------------------------------------------------------------------------------

@@ -1,20 +1,24 @@
-"""agent_data.py: the seeded tool-use conversations and the evaluation's four rates."""
+"""agent_data.py: the seeded tool-use conversations — every kind, real tool results, values a model can
+copy from the question, wide enough that arguments rarely repeat — and the hand-written set they never
+repeat."""
 
 import collections
 import json
+import re
 
 import pytest
 
 import agent
 import agent_data
+import agent_eval
 import chat
-import config
+import memory
 
 
 @pytest.fixture(scope="module")
 def small():
     settings = agent.load_settings()
-    settings["synthetic"]["conversations"] = 300
+    settings["synthetic"]["conversations"] = 900
     settings["synthetic"]["eval_fraction"] = 0.2
     return settings
 
@@ -24,8 +28,18 @@ def generated(small):
     return agent_data.generate(small)
 
 
+@pytest.fixture(scope="module")
+def shipped_training_data():
+    """The training conversations of the shipped agent layer: what make sft-agent trains on."""
+    return agent_data.generate(agent.load_settings())[0]
+
+
 def kind_of(conversation):
     return conversation["source"].split()[1]
+
+
+def the_call(conversation):
+    return next(m["tool_calls"][0]["function"] for m in conversation["messages"] if "tool_calls" in m)
 
 
 def test_the_same_seed_writes_the_same_conversations_and_another_seed_others(small, generated):
@@ -35,21 +49,27 @@ def test_the_same_seed_writes_the_same_conversations_and_another_seed_others(sma
     assert agent_data.generate(other)[0] != generated[0]
 
 
-def test_every_kind_of_the_mix_is_there_and_every_conversation_renders(generated):
+def test_every_kind_of_the_mix_is_there_and_every_conversation_renders(generated, small):
     train, held_out = generated
     kinds = collections.Counter(kind_of(c) for c in train + held_out)
-    assert set(kinds) == set(agent.load_settings()["synthetic"]["mix"])
+    assert set(kinds) == set(small["synthetic"]["mix"])
+    member_tools = agent.tool_specs(small, agent.default_tools(member="someone"))
+    offered = collections.Counter()
     for conversation in train + held_out:
         chat.check_conversation(conversation)
-        assert conversation["tools"] == agent.tool_specs(agent.load_settings())
-        assert conversation["messages"][0]["content"].startswith(agent.load_settings()["system_prompt"])
+        assert conversation["tools"] in (agent.tool_specs(small), member_tools)
+        assert conversation["messages"][0]["content"].startswith(small["system_prompt"])
+        offered[len(conversation["tools"])] += 1
+        if kind_of(conversation) in agent_data.MEMORY_KINDS:
+            assert conversation["tools"] == member_tools
+    assert offered[3] > 50 and offered[6] > 300  # both the REPL's tools and the server's member tools
 
 
 def test_no_question_is_both_trained_on_and_held_out(generated):
     train, held_out = generated
-    asked = [c["messages"][1]["content"] for c in held_out]
+    asked = [agent_data.user_question(c) for c in held_out]
     assert len(asked) == len(set(asked)) > 10
-    assert not set(asked) & {c["messages"][1]["content"] for c in train}
+    assert not set(asked) & {agent_data.user_question(c) for c in train}
 
 
 def test_tool_results_are_the_real_tools_and_answers_state_them(generated, small):
@@ -57,108 +77,151 @@ def test_tool_results_are_the_real_tools_and_answers_state_them(generated, small
     seen = collections.Counter()
     for conversation in train + held_out:
         messages = conversation["messages"]
-        if "tool_calls" not in messages[2]:
-            assert len(messages) == 3
+        called = [i for i, m in enumerate(messages) if "tool_calls" in m]
+        if not called:
+            assert kind_of(conversation) == "sin_herramienta" and messages[-2]["role"] == "user"
             continue
-        call = messages[2]["tool_calls"][0]["function"]
-        result, answer = messages[3]["content"], messages[4]["content"]
+        call, result, answer = (
+            the_call(conversation),
+            messages[called[0] + 1]["content"],
+            messages[-1]["content"],
+        )
+        kind = kind_of(conversation)
         if call["name"] == "calculadora":
             value = agent.calculate(call["arguments"]["expresion"], small["calculator"])
             assert result == agent.format_number(value)
-        if kind_of(conversation) == "sin_resultados":
+        if kind == "sin_resultados":
             assert result == "Sin resultados"
-        if kind_of(conversation) == "error_busqueda":
+        if kind == "error_busqueda":
             assert result.startswith("Error: la búsqueda ha fallado en todos los proveedores")
-        if kind_of(conversation) == "buscar_web":
+        if kind == "buscar_web":
             assert result.startswith("[1] ") and answer.startswith("Según [1]")
             assert answer.endswith("\n\nFuentes:\n[1] " + result.split(" — ")[1].split("\n")[0])
-        fact = agent_data.result_fact(call["name"], call["arguments"], result, answer.lower())
-        assert fact is not None and fact in answer.lower(), (result, answer)
-        seen[kind_of(conversation)] += 1
-    assert min(seen.values()) > 0
+        if kind == "recordar":
+            assert re.fullmatch(
+                r"Recuerdo \d+ guardado \((privado|de la familia)\)\.", result
+            ) or result.startswith("Error: solo una persona adulta puede guardar recuerdos de la familia")
+        if kind == "olvidar":
+            number = call["arguments"]["id"]
+            assert result.startswith(f"Recuerdo {number} borrado: «")
+            # the number is in the question, or in the memories the system turn lists
+            assert str(number) in messages[-4]["content"] or f"[{number}]" in messages[0]["content"]
+        if kind == "buscar_recuerdos":
+            assert result == "Sin recuerdos que coincidan." or result.startswith("- [")
+        fact = agent_eval.result_fact(call["name"], result, answer.lower())
+        assert fact and agent_eval.states(answer, fact), (result, answer)
+        seen[kind] += 1
+    assert min(seen.values()) > 0 and len(seen) == 8
 
 
-def replaying(conversations, broken=False, silent=False):
-    """A policy that gives the reference reply (or a broken / tool-less version of it)."""
-    by_prompt = {}
-    for conversation in conversations:
-        messages = conversation["messages"]
-        by_prompt[json.dumps(messages[:2])] = chat.assistant_text(messages[2])
-        if "tool_calls" in messages[2]:
-            by_prompt[json.dumps(messages[:4])] = messages[4]["content"]
-
-    def reply(conversation):
-        text = by_prompt[json.dumps(conversation["messages"])]
-        if silent:
-            return "No lo sé."
-        if broken and "<tool_call>" in text:
-            return text.replace("}}", "}")
-        return text
-
-    return reply
+def test_memory_conversations_list_the_members_memories_as_the_server_does(generated):
+    train, _ = generated
+    header = memory.load_config()["header"]
+    listed = [c for c in train if header in c["messages"][0]["content"]]
+    assert len(listed) > 100
+    for conversation in listed:
+        system = conversation["messages"][0]["content"]
+        assert re.search(r"^- \[\d+\] ", system, re.M)
+        assert system.rstrip().splitlines()[-1].startswith("Hoy es ")
 
 
-def test_the_reference_replies_score_one_on_every_rate(generated):
-    _, held_out = generated
-    report = agent_data.evaluate(held_out, replaying(held_out), log=lambda *a: None)
-    assert report["conversations"] == len(held_out)
-    assert report["valid_syntax_rate"] == report["right_tool_rate"] == 1.0
-    assert report["exact_argument_rate"] == report["uses_result_rate"] == 1.0
+def copyable(conversation):
+    """Whether the call's values can be copied from what the model reads (question or system turn)."""
+    call, kind = the_call(conversation), kind_of(conversation)
+    question = agent_data.user_question(conversation)
+    arguments = call["arguments"]
+    if kind == "calculadora":
+        numbers = re.findall(r"\d+(?:[.,]\d+)?", arguments["expresion"])
+        constants = {"100", "121", "60", "24", "7", "12", "1000", "3600", "2", "3", "4", "5"}
+        return all(n in question or n in constants for n in numbers)
+    if kind == "fecha_hora":
+        if "dias" in arguments and abs(arguments["dias"]) > 2:
+            return str(abs(arguments["dias"])) in question
+        return True
+    if kind == "recordar":
+        return agent_eval.plain(arguments["texto"][1:]) in agent_eval.plain(question)
+    if kind == "olvidar":
+        number = str(arguments["id"])
+        return number in question or f"[{number}]" in conversation["messages"][0]["content"]
+    return True
 
 
-def test_a_model_that_never_calls_scores_zero_syntax_and_right_tool_only_where_none_is_needed(generated):
-    _, held_out = generated
-    report = agent_data.evaluate(held_out, replaying(held_out, silent=True), log=lambda *a: None)
-    no_tool = sum("tool_calls" not in c["messages"][2] for c in held_out)
-    assert report["valid_syntax_rate"] == report["exact_argument_rate"] == report["uses_result_rate"] == 0.0
-    assert report["right_tool_rate"] == round(no_tool / len(held_out), 4)
-    assert report["needing_a_tool"] == len(held_out) - no_tool
+def test_a_calls_values_come_from_the_question_or_the_listed_memories(generated):
+    train, held_out = generated
+    calls = [c for c in train + held_out if kind_of(c) != "sin_herramienta"]
+    assert all(copyable(c) for c in calls), [agent_data.user_question(c) for c in calls if not copyable(c)][
+        :5
+    ]
 
 
-def test_broken_json_counts_against_syntax_but_the_named_tool_still_counts_as_right(generated):
-    _, held_out = generated
-    report = agent_data.evaluate(held_out, replaying(held_out, broken=True), log=lambda *a: None)
-    assert report["valid_syntax_rate"] == report["exact_argument_rate"] == 0.0
-    assert report["right_tool_rate"] == 1.0
+def test_arguments_are_drawn_wide_enough_that_few_repeat(generated):
+    train, held_out = generated
+    arguments = collections.Counter(agent_data.call_arguments(c) for c in train) - collections.Counter(
+        {None: 10**9}
+    )
+    per_kind = collections.defaultdict(set)
+    for conversation in train:
+        if kind_of(conversation) in ("calculadora", "recordar", "olvidar", "buscar_web"):
+            per_kind[kind_of(conversation)].add(agent_data.call_arguments(conversation))
+    counts = collections.Counter(kind_of(c) for c in train)
+    for kind, distinct in per_kind.items():  # nearly every calculation, memory and search is new
+        assert len(distinct) > 0.8 * counts[kind], kind
+    (most, times), *_ = arguments.most_common(1)
+    assert most == "{}" and times < 0.1 * sum(arguments.values())  # "what day is it?" repeats, rightly
+    calls, unseen = agent_data.unseen_share(train, held_out)
+    assert calls > 80 and unseen > 0.5
+    questions = [agent_data.user_question(c) for c in train]
+    assert len(set(questions)) > 0.9 * len(questions)
 
 
-def test_generate_writes_both_files(tmp_path):
+def test_generate_writes_both_files_and_reports_the_unseen_share(tmp_path, capsys):
     settings_file = tmp_path / "agent" / "tiny.yaml"
     settings_file.parent.mkdir()
     (tmp_path / "agent" / "default.yaml").write_text(open(agent.DEFAULT_SETTINGS, encoding="utf-8").read())
-    settings_file.write_text("include: agent/default.yaml\nagent:\n  synthetic:\n    conversations: 40\n")
+    settings_file.write_text("include: agent/default.yaml\nagent:\n  synthetic:\n    conversations: 60\n")
     assert agent_data.main(["generate", str(tmp_path / "out"), "--settings", str(settings_file)]) == 0
     train = agent_data.read_jsonl(tmp_path / "out" / "train.jsonl")
     held_out = agent_data.read_jsonl(tmp_path / "out" / "eval.jsonl")
-    assert 0 < len(held_out) < len(train) and len(train) + len(held_out) <= 40
+    assert 0 < len(held_out) < len(train) and len(train) + len(held_out) <= 60
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["eval.jsonl", "train.jsonl"]
+    assert "% of the " in capsys.readouterr().out
 
 
-def test_the_model_policy_reuses_its_cache_and_generates_what_generate_does(generated, shard_data_dir):
-    import torch
+# --- the hand-written set ------------------------------------------------------------------------------
 
-    import data
-    from model import Transformer
 
-    tokenizer = data.SentencePieceTokenizer(f"{shard_data_dir}/tokenizer.model")
-    torch.manual_seed(0)
-    cfg = config.load_layer("model", f"{agent.ROOT}/configs/model/smoke.yaml")
-    cfg.update(vocab_size=tokenizer.vocab_size, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2)
-    cfg.update(ffn_hidden=64, seq_len=2048)
-    model = Transformer(cfg).eval()
-    _, held_out = generated
-    tool_conversation = next(c for c in held_out if "tool_calls" in c["messages"][2])
-    prompts = [
-        {"messages": tool_conversation["messages"][:2], "tools": tool_conversation["tools"]},
-        {"messages": tool_conversation["messages"][:4], "tools": tool_conversation["tools"]},  # extends it
-        {"messages": held_out[1]["messages"][:2], "tools": held_out[1]["tools"]},
-        {"messages": tool_conversation["messages"][:2], "tools": tool_conversation["tools"]},
-    ]
-    reply = agent_data.model_reply(model, tokenizer, max_new_tokens=6)
-    end = tokenizer.special_ids["<|end|>"]
-    for prompt in prompts:
-        ids, _ = chat.render(prompt, tokenizer, for_generation=True)
-        expected = list(model.generate(torch.tensor(ids), 6, temperature=0.0, stop_token=end))
-        assert reply(prompt) == tokenizer.decode([t for t in expected if t != end])
-    report = agent_data.evaluate(held_out[:3], reply, log=lambda *a: None)
-    assert report["conversations"] == 3 and 0.0 <= report["right_tool_rate"] <= 1.0
+def handwritten():
+    return agent_data.read_jsonl(agent_eval.HANDWRITTEN)
+
+
+def test_the_handwritten_set_has_every_tool_and_no_tool_in_equal_shares():
+    entries = handwritten()
+    shares = collections.Counter(entry["tool"] for entry in entries)
+    assert len(entries) >= 80 and set(shares) == {*agent.TOOLS, None}
+    assert len(set(shares.values())) == 1
+    assert (
+        len({entry["id"] for entry in entries}) == len({entry["prompt"] for entry in entries}) == len(entries)
+    )
+
+
+def test_every_handwritten_reference_call_is_valid_and_holds_its_key_values():
+    settings = agent.load_settings()
+    for entry in handwritten():
+        if entry["tool"] is None:
+            assert set(entry) == {"id", "prompt", "tool"}
+            continue
+        assert agent.argument_problem(agent.TOOLS[entry["tool"]], entry["call"], settings) is None, entry[
+            "id"
+        ]
+        assert agent_eval.key_values_hold(entry["call"], entry["keys"]), entry["id"]
+        for wanted in entry["keys"].values():  # a listed key value is in the question
+            if isinstance(wanted, list):
+                assert all(agent_eval.plain(w) in agent_eval.plain(entry["prompt"]) for w in wanted), entry[
+                    "id"
+                ]
+
+
+def test_no_handwritten_prompt_is_in_the_training_data(shipped_training_data):
+    trained = {agent_eval.plain(agent_data.user_question(c)).strip(" ?¿!¡.") for c in shipped_training_data}
+    for entry in handwritten():
+        assert agent_eval.plain(entry["prompt"]).strip(" ?¿!¡.") not in trained, entry["id"]

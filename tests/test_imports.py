@@ -74,7 +74,7 @@ def test_the_graph_holds_the_imports_made_inside_functions():
     graph = import_graph(ROOT)
     assert {"corpus", "corpus_docs", "serve", "serve_worker", "config", "fileio"} <= graph.keys()
     assert "corpus_encode" in graph["corpus"]  # corpus.encode() imports it when it runs
-    assert "sample" in graph["agent_data"]  # agent_data.main() imports it for `eval` only
+    assert "sample" in graph["agent_eval"]  # agent_eval.main() imports it when it loads a run
     assert graph["fileio"] == [] and graph["config"] == []  # the bottom of the house
 
 

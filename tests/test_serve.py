@@ -183,6 +183,43 @@ def test_client_tools_are_rendered_and_the_models_calls_come_back_as_tool_calls(
     )
 
 
+def test_tool_calls_are_constrained_to_the_clients_and_to_the_servers_own_tools(
+    chat_model, tmp_path, monkeypatch
+):
+    import jsonschema
+    from test_agent_grammar import CLIENT_TOOLS, MALFORMED, NoisyModel
+
+    import agent
+    import agent_data
+
+    monkeypatch.setattr(agent, "searcher_from_env", lambda provider: agent_data.CannedSearch([]))
+    tokenizer = chat_model[1]
+    model = NoisyModel(tokenizer, ends=True).eval()  # opens a call at once, then noise; ends where it may
+    schemas = {spec["function"]["name"]: spec["function"]["parameters"] for spec in CLIENT_TOOLS}
+    with live_server(chat_model, tmp_path, model=model, context=4096) as (url, server):
+        openai_client = client(url, member(server, "ana"))
+        for seed in range(4):
+            answer = openai_client.chat.completions.create(
+                model="chat", messages=USER, tools=CLIENT_TOOLS, max_tokens=500, temperature=1.0, seed=seed
+            )
+            assert answer.choices[0].finish_reason == "tool_calls"
+            for call in answer.choices[0].message.tool_calls:
+                jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+        model.prompts.clear()
+        own = openai_client.chat.completions.create(model="chat", messages=USER, max_tokens=500, seed=5)
+        bad = ask(url, member(server, "eva"), model="chat", messages=USER, tools=[{"type": "function", "function": {
+            "name": "rara", "parameters": {"type": "object", "properties": {"n": {"type": "integer", "minimum": 3,
+                                                                              "maximum": 1}}}}}])  # fmt: skip
+    assert own.choices[0].finish_reason in ("stop", "length")
+    results = [tokenizer.decode(prompt).split("<tool_response>\n")[-1] for prompt in model.prompts[1:]]
+    assert len(results) == server.agent_settings["max_calls_per_turn"]  # a call per generation, all run
+    assert not [
+        text for text in results if any(word in text.split("\n</tool_response>")[0] for word in MALFORMED)
+    ]
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tools"
+    assert "tool 'rara'" in bad.json()["error"]["message"]
+
+
 def test_without_client_tools_the_servers_tools_run_between_generations(chat_model, tmp_path):
     tokenizer = chat_model[1]
     end = tokenizer.special_ids["<|end|>"]

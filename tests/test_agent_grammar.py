@@ -1,0 +1,313 @@
+"""agent_grammar.py: constrained tool calls. A model whose logits are noise (uniform, or adversarial: the
+tokens that break a call made far likelier) generates through the real model.generate loop; every call it
+writes parses, names a tool on offer and has arguments valid for that tool's schema."""
+
+import contextlib
+import io
+import json
+from types import SimpleNamespace
+
+import jsonschema
+import pytest
+import torch
+
+import agent
+import agent_data
+import agent_grammar
+import chat
+import data
+import sample
+from model import Transformer
+
+ROOT_TOOLS = ("buscar_web", "calculadora", "fecha_hora", "recordar", "buscar_recuerdos", "olvidar")
+CLIENT_TOOLS = [
+    {"type": "function", "function": {"name": "encender_luz", "description": "Enciende una luz", "parameters": {
+        "type": "object",
+        "properties": {
+            "sala": {"enum": ["cocina", "salón", "baño"]},
+            "brillo": {"type": "integer", "minimum": 1, "maximum": 100},
+            "color": {"type": "string", "maxLength": 12},
+        },
+        "required": ["sala"],
+        "additionalProperties": False,
+    }}},
+    {"type": "function", "function": {"name": "lista_compra", "description": "Añade a la lista", "parameters": {
+        "type": "object",
+        "properties": {
+            "cosas": {"type": "array", "items": {"type": "string", "maxLength": 20}, "minItems": 1, "maxItems": 4},
+            "urgente": {"type": "boolean"},
+            "precio": {"type": "number", "minimum": 0, "maximum": 500},
+            "tienda": {"type": "object", "properties": {"nombre": {"type": "string", "maxLength": 15}},
+                       "required": ["nombre"], "additionalProperties": False},
+        },
+        "required": ["cosas"],
+        "additionalProperties": False,
+    }}},
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tokenizer(shard_data_dir):
+    return data.SentencePieceTokenizer(f"{shard_data_dir}/tokenizer.model")
+
+
+@pytest.fixture
+def settings():
+    return agent.load_settings()
+
+
+class NoisyModel(Transformer):
+    """A Transformer whose logits are noise, generating through the real model.generate (which applies the
+    constraint): uniform noise, after opening a call at once, or adversarial noise that makes the tokens
+    breaking a call (control tokens, tags, braces, quotes, the pieces of a tag) far likelier than the rest."""
+
+    def __init__(self, tokenizer, adversarial=False, seed=0, ends=False):
+        cfg = {"vocab_size": tokenizer.vocab_size, "d_model": 8, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1,
+               "ffn_hidden": 8, "seq_len": 4096, "rope_base": 10000.0, "norm_eps": 1e-6, "init_std": 0.02,
+               "z_loss_coef": 0.0}  # fmt: skip
+        super().__init__(cfg)
+        self.adversarial, self.noise = adversarial, torch.Generator().manual_seed(seed)
+        pieces = [
+            '"',
+            "}",
+            "{",
+            "}}",
+            '"}',
+            "\\",
+            "<",
+            ">",
+            "/",
+            "tool",
+            "_",
+            "call",
+            "[",
+            "]",
+            ",",
+            ":",
+            "\n",
+            " ",
+        ]
+        spelled = {token for piece in pieces for token in tokenizer.encode(piece)}
+        self.hostile = torch.tensor(sorted(spelled | set(data.TOKEN_TABLE.values())))
+        self.open_id = data.TOKEN_TABLE["<tool_call>"]
+        self.end_id = tokenizer.special_ids["<|end|>"] if ends else None  # then it ends wherever it may
+        self.prompts = []
+
+    def generate(self, idx, *args, **kwargs):
+        self.prompts.append(idx.tolist())
+        return super().generate(idx, *args, **kwargs)
+
+    def forward_with_cache(self, idx, cache):
+        first = cache.length == 0
+        cache.length += idx.shape[1]
+        logits = torch.rand(idx.shape[0], idx.shape[1], self.cfg["vocab_size"], generator=self.noise) * 0.01
+        if self.adversarial:
+            boosted = self.hostile[torch.rand(len(self.hostile), generator=self.noise) < 0.5]
+            logits[..., boosted] += 30.0
+        if first:
+            logits[..., self.open_id] += 100.0  # the reply opens a call at once
+        if self.end_id is not None:
+            logits[..., self.end_id] += 50.0
+        return logits
+
+
+def noisy_replies(tokenizer, tools, settings, count, adversarial, budget=400, told=True):
+    """(text, constraint) of `count` replies of the noisy model, sampled with temperature 1; told: the
+    constraint knows the budget, as every generation path tells it."""
+    model = NoisyModel(tokenizer, adversarial).eval()
+    end = tokenizer.special_ids["<|end|>"]
+    generator = torch.Generator().manual_seed(1)
+    replies = []
+    for _ in range(count):
+        constraint = agent_grammar.constraint_for(tokenizer, tools, settings, budget if told else None)
+        out = []
+        for token in model.generate(torch.tensor([1]), budget, 1.0, stop_token=end, generator=generator,
+                                    constraint=constraint):  # fmt: skip
+            if token in (end, tokenizer.eos_id):
+                break
+            out.append(token)
+        replies.append((tokenizer.decode(out), constraint))
+    return replies
+
+
+def assert_only_valid_calls(replies, tools, settings):
+    """Every reply ended (no call cut by the budget), has at least one call, and every call is valid."""
+    schemas = {spec["function"]["name"]: spec["function"]["parameters"] for spec in tools}
+    for text, constraint in replies:
+        assert not constraint.in_call, text
+        reply = agent.parse_reply(text)
+        assert reply.calls and constraint.calls == len(reply.calls) == text.count("<tool_call>"), text
+        for call in reply.calls:
+            assert call.error is None and call.name in schemas, (call, text)
+            jsonschema.validate(call.arguments, schemas[call.name])
+            if call.name in agent.TOOLS:
+                assert agent.argument_problem(agent.TOOLS[call.name], call.arguments, settings) is None
+        assert text.startswith("<tool_call>\n")  # as chat.render lays a call out: opened at once
+        body = text[len("<tool_call>\n") :].split("\n</tool_call>")[0]
+        assert json.loads(body) == {"name": reply.calls[0].name, "arguments": reply.calls[0].arguments}
+
+
+@pytest.mark.parametrize("adversarial", [False, True], ids=["uniform", "adversarial"])
+def test_noise_writes_only_valid_calls_to_the_assistants_tools(tokenizer, settings, adversarial):
+    tools = agent.tool_specs(settings, list(ROOT_TOOLS))
+    replies = noisy_replies(tokenizer, tools, settings, 24, adversarial)
+    assert_only_valid_calls(replies, tools, settings)
+    names = {call.name for text, _ in replies for call in agent.parse_reply(text).calls}
+    assert len(names) >= 3  # the noise reaches several tools, not one path of the grammar
+
+
+@pytest.mark.parametrize("adversarial", [False, True], ids=["uniform", "adversarial"])
+def test_noise_writes_only_valid_calls_to_a_clients_own_tools(tokenizer, settings, adversarial):
+    replies = noisy_replies(tokenizer, CLIENT_TOOLS, settings, 16, adversarial)
+    assert_only_valid_calls(replies, CLIENT_TOOLS, settings)
+
+
+@pytest.mark.parametrize("adversarial", [False, True], ids=["uniform", "adversarial"])
+def test_a_budget_never_cuts_a_call_the_constraint_knows_of(tokenizer, settings, adversarial):
+    tools = agent.tool_specs(settings, list(ROOT_TOOLS))
+    reserve = settings["call_reserve_tokens"]
+    cut = noisy_replies(tokenizer, tools, settings, 6, adversarial, budget=3 * reserve, told=False)
+    assert any(constraint.in_call for _, constraint in cut)  # without the budget, noise runs out mid-call
+    for budget in (3 * reserve, 4 * reserve):
+        replies = noisy_replies(tokenizer, tools, settings, 12, adversarial, budget=budget)
+        assert_only_valid_calls(replies, tools, settings)
+    tight = noisy_replies(tokenizer, tools, settings, 4, adversarial, budget=2 * reserve)
+    assert all("<tool_call>" not in text for text, _ in tight)  # too little room: no call opens
+
+
+def test_without_the_constraint_the_same_noise_writes_broken_calls(tokenizer, settings):
+    settings["constrained"] = False
+    assert agent_grammar.constraint_for(tokenizer, CLIENT_TOOLS, settings) is None
+    model = NoisyModel(tokenizer, adversarial=True).eval()
+    generator = torch.Generator().manual_seed(1)
+    texts = [
+        tokenizer.decode(list(model.generate(torch.tensor([1]), 40, 1.0, generator=generator)))
+        for _ in range(8)
+    ]
+    assert all(any(call.error for call in agent.parse_reply(text).calls) for text in texts)
+
+
+def test_free_text_is_not_constrained_but_a_call_opens_only_with_the_tag_token(tokenizer, settings):
+    constraint = agent_grammar.constraint_for(tokenizer, agent.tool_specs(settings), settings)
+    logits = torch.randn(tokenizer.vocab_size)
+    masked = constraint.mask(logits.clone())
+    close = data.TOKEN_TABLE["</tool_call>"]
+    assert masked[close] == float("-inf")
+    keep = torch.ones(tokenizer.vocab_size, dtype=torch.bool)
+    keep[close] = False
+    assert torch.equal(masked[keep], logits[keep])
+    for token in tokenizer.encode("Mira: <tool_call"):  # the tag spelled out of pieces never closes
+        constraint.accept(token)
+    masked = constraint.mask(torch.zeros(tokenizer.vocab_size))
+    closing = [i for i in range(tokenizer.vocab_size) if tokenizer.decode([i]).startswith(">")]
+    assert closing and all(masked[token] == float("-inf") for token in closing)
+    assert masked[tokenizer.encode("x")[0]] == 0.0
+    assert masked[data.TOKEN_TABLE["<tool_call>"]] == 0.0
+    none = agent_grammar.constraint_for(tokenizer, None, settings)  # no tools on offer: no call at all
+    assert none.mask(torch.zeros(tokenizer.vocab_size))[data.TOKEN_TABLE["<tool_call>"]] == float("-inf")
+
+
+def test_the_calls_chat_render_writes_pass_the_grammar_token_by_token(tokenizer, settings):
+    tools = agent.tool_specs(settings, list(ROOT_TOOLS))
+    calls = [
+        ("calculadora", {"expresion": "(12,5*3 + 4) / 7 - 2**3"}),
+        ("fecha_hora", {}),
+        ("fecha_hora", {"zona": "America/Argentina/Buenos_Aires", "dias": -45}),
+        ("buscar_web", {"consulta": "farmacia de guardia en Logroño «hoy»", "max_resultados": 3}),
+        ("recordar", {"texto": "A Lucía no le gusta el pescado ni «el marisco»", "ambito": "familia"}),
+        ("buscar_recuerdos", {"consulta": "cumpleaños de la abuela"}),
+        ("olvidar", {"id": 1234}),
+    ]
+    message = {"role": "assistant", "content": "Lo miro.", "tool_calls": [
+        {"type": "function", "function": {"name": name, "arguments": arguments}} for name, arguments in calls
+    ]}  # fmt: skip
+    ids, _ = chat.render({"messages": [message], "tools": tools}, tokenizer)
+    reply = ids[ids.index(tokenizer.special_ids["<|assistant|>"]) + 1 :]
+    constraint = agent_grammar.constraint_for(tokenizer, tools, settings)
+    for token in reply:
+        assert constraint.mask(torch.zeros(tokenizer.vocab_size))[token] == 0.0, tokenizer.decode([token])
+        constraint.accept(token)
+    assert reply[-1] == tokenizer.special_ids["<|end|>"] and constraint.calls == len(calls)
+
+
+@pytest.mark.parametrize(
+    "arguments",
+    [
+        {"zona": "Europe"},
+        {"zona": "Marte/Olimpo"},
+        {"dias": 36501},
+        {"dias": "3"},
+        {"zona": "Europe/Madrid", "x": 1},
+    ],
+)
+def test_what_the_tools_refuse_is_outside_the_grammar(tokenizer, settings, arguments):
+    tools = agent.tool_specs(settings, ["fecha_hora"])
+    text = "\n" + json.dumps({"name": "fecha_hora", "arguments": arguments}, ensure_ascii=False) + "\n"
+    constraint = agent_grammar.constraint_for(tokenizer, tools, settings)
+    constraint.accept(data.TOKEN_TABLE["<tool_call>"])
+    refused = False
+    for token in tokenizer.encode(text) + [data.TOKEN_TABLE["</tool_call>"]]:
+        if constraint.mask(torch.zeros(tokenizer.vocab_size))[token] == float("-inf"):
+            refused = True
+            break
+        constraint.accept(token)
+    assert refused
+
+
+def test_a_schema_the_engine_cannot_enforce_is_an_error_naming_the_tool(tokenizer, settings):
+    bad = [{"type": "function", "function": {"name": "rara", "parameters": {"type": "object", "properties": {
+        "a": {"type": "integer", "minimum": 5, "maximum": 2}}}}}]  # fmt: skip
+    with pytest.raises(agent_grammar.GrammarError, match=r"tool 'rara': .*minimum greater than maximum"):
+        agent_grammar.constraint_for(tokenizer, bad, settings)
+
+
+def test_a_tool_set_is_compiled_once(tokenizer, settings):
+    tools = agent.tool_specs(settings)
+    first = agent_grammar.tool_grammar(tokenizer, tools, settings)
+    assert agent_grammar.tool_grammar(tokenizer, json.loads(json.dumps(tools)), settings) is first
+    assert agent_grammar.tool_grammar(tokenizer, tools[:1], settings) is not first
+
+
+MALFORMED = ("llamada mal formada", "no existe la herramienta", "argumento", "tipo")
+
+
+def test_the_chat_repl_constrains_each_generation_of_the_loop(tokenizer, settings, monkeypatch):
+    monkeypatch.setattr(agent, "searcher_from_env", lambda provider: agent_data.CannedSearch([]))
+    args = SimpleNamespace(run="noise", max_new_tokens=700, temperature=1.0, top_k=None, top_p=None, seed=0,
+                           system="", no_tools=False)  # fmt: skip
+    model = NoisyModel(tokenizer, adversarial=True, ends=True).eval()
+    out = io.StringIO()
+    cfg = {"model": model.cfg, "agent": settings}
+    sample.run_chat(model, tokenizer, cfg, args, io.StringIO("hola\nhola otra vez\n/exit\n"), out)
+    shown = out.getvalue()
+    calls = [line for line in shown.splitlines() if line.startswith("  [tool call] ")]
+    errors = [line for line in shown.splitlines() if line.startswith("  [tool error] ")]
+    assert len(calls) == 2 * settings["max_calls_per_turn"]  # every generation with tools calls at once
+    for line in calls:
+        name, arguments = line.removeprefix("  [tool call] ").split(" ", 1)
+        assert agent.argument_problem(agent.TOOLS[name], json.loads(arguments), settings) is None
+    assert not [line for line in errors if any(word in line for word in MALFORMED)], errors
+
+
+def test_the_structural_tag_for_vllm_takes_what_chat_render_writes_and_refuses_a_bad_call(settings):
+    import xgrammar
+
+    tools = agent.tool_specs(settings, list(ROOT_TOOLS))
+    tag = agent_grammar.structural_tag(tools, settings)
+    assert tag["type"] == "structural_tag" and tag["triggers"] == ["<tool_call>"]
+    items = [xgrammar.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"])
+             for s in tag["structures"]]  # fmt: skip
+    grammar = xgrammar.Grammar.from_structural_tag(items, tag["triggers"])
+    compiled = xgrammar.GrammarCompiler(xgrammar.TokenizerInfo(["a"])).compile_grammar(grammar)
+
+    def accepts(arguments, name="calculadora"):
+        call = {"function": {"name": name, "arguments": arguments}}
+        return xgrammar.GrammarMatcher(compiled).accept_string("Lo miro.\n" + chat.tool_call_text(call))
+
+    assert accepts({"expresion": "2+2"}) and accepts({"zona": "America/Lima", "dias": 3}, "fecha_hora")
+    assert not accepts({"expresion": 4}) and not accepts({"zona": "Europe"}, "fecha_hora")
+    assert not accepts({"consulta": "x"}, "no_existe")
+    main_out = io.StringIO()
+    with contextlib.redirect_stdout(main_out):
+        assert agent_grammar.main(["structural-tag", "--member"]) == 0
+    assert len(json.loads(main_out.getvalue())["structures"]) == len(agent.TOOLS)
