@@ -31,9 +31,10 @@ class Job:
     prompt tokens) or ("error", message), to the request's event loop. cancel() makes the worker stop at
     the next token (its "done" then has finish_reason None). With `turn` = (agent.Agent, messages) the
     answer is an agent turn: the server's tools run between generations (prompt_ids is then only the first
-    prompt, already checked against the context). `constraint` (None, or agent_grammar's object with
-    mask(logits) -> logits and accept(token), see model.Decoder.sample) steers every token of a plain
-    answer offered client tools; an agent turn's generations each get one for the tools they offer."""
+    prompt, already checked against the context). `constraint` (None, or an object with mask(logits) ->
+    logits and accept(token), see model.Decoder.sample) steers every token of the job's generations, in
+    order: serve.py gives one to a plain answer offered client tools. An agent turn without one gets
+    agent_grammar's for the tools each of its generations offers."""
 
     def __init__(
         self, loop, prompt_ids, max_tokens, temperature, top_p, top_k, seed, turn=None, constraint=None
@@ -335,9 +336,8 @@ class Worker:
                     show(visible[len(shown) :], shown)
                     shown = visible
 
-            tools = conversation.get("tools")
-            constraint = agent_grammar.constraint_for(
-                self.tokenizer, tools, agent_of_turn.settings, job.max_tokens
+            constraint = job.constraint or agent_grammar.constraint_for(
+                self.tokenizer, conversation.get("tools"), agent_of_turn.settings, job.max_tokens
             )
             finish, count = self.generate(job, ids, write, constraint)
             totals["prompt"] += len(ids)

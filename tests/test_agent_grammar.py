@@ -97,15 +97,22 @@ class NoisyModel(Transformer):
         self.prompts.append(idx.tolist())
         return super().generate(idx, *args, **kwargs)
 
-    def forward_with_cache(self, idx, cache):
-        first = cache.length == 0
-        cache.length += idx.shape[1]
-        logits = torch.rand(idx.shape[0], idx.shape[1], self.cfg["vocab_size"], generator=self.noise) * 0.01
+    def forward_with_cache(self, idx, cache, slot=None):  # the prompt's prefill: the reply's first token
+        cache.lengths[slot or 0] += idx.shape[1]
+        logits = self.noisy_logits(idx.shape[0], idx.shape[1])
+        logits[..., self.open_id] += 100.0  # the reply opens a call at once
+        return logits
+
+    def decode_step(self, tokens, cache, rows):  # every later token
+        for row in rows:
+            cache.lengths[row] += 1
+        return self.noisy_logits(tokens.shape[0], 1)[:, 0]
+
+    def noisy_logits(self, batch, length):
+        logits = torch.rand(batch, length, self.cfg["vocab_size"], generator=self.noise) * 0.01
         if self.adversarial:
             boosted = self.hostile[torch.rand(len(self.hostile), generator=self.noise) < 0.5]
             logits[..., boosted] += 30.0
-        if first:
-            logits[..., self.open_id] += 100.0  # the reply opens a call at once
         if self.end_id is not None:
             logits[..., self.end_id] += 50.0
         return logits
