@@ -66,16 +66,16 @@ class ChatError(Exception):
 # Checking a conversation
 
 
-def _schema_validator():
-    return jsonschema.Draft202012Validator(config.load_schema("conversation"))
+def schema_problems(name, record, what):
+    """Every error of record against schema/<name>.schema.json, as 'path: message' (what: the empty path)."""
+    validator = jsonschema.Draft202012Validator(config.load_schema(name))
+    errors = sorted(validator.iter_errors(record), key=lambda e: list(map(str, e.path)))
+    return [f"{'.'.join(str(p) for p in error.absolute_path) or what}: {error.message}" for error in errors]
 
 
 def conversation_problems(conversation):
     """Every reason this conversation is invalid (empty list when it is fine)."""
-    problems = []
-    for error in sorted(_schema_validator().iter_errors(conversation), key=lambda e: list(map(str, e.path))):
-        where = ".".join(str(p) for p in error.absolute_path) or "conversation"
-        problems.append(f"{where}: {error.message}")
+    problems = schema_problems("conversation", conversation, "conversation")
     if problems:
         return problems
     open_calls = 0  # calls of the last assistant turn not yet answered by a tool turn
@@ -272,32 +272,22 @@ def expand_paths(patterns, key):
 
 
 # -----------------------------------------------------------------------------
-# Preference pairs: TRL's conversational preference format, one pair per line
-#
-#     {"prompt": [messages], "chosen": [assistant message], "rejected": [assistant message], "tools"?: [...]}
-#
-# prompt + chosen and prompt + rejected must each be a valid conversation; the prompt ends with the user's
-# (or a tool's) turn and each answer is assistant turns (with tool calls, their results between them).
+# Preference pairs: prompt + chosen and prompt + rejected are each a valid conversation; the prompt ends
+# with the user's (or a tool's) turn, each answer is assistant turns (tool calls and results between them)
 
 
 def preference_problems(pair):
     """Every reason this preference pair is invalid (empty list when it is fine)."""
-    validator = jsonschema.Draft202012Validator(config.load_schema("preference"))
-    problems = [
-        f"{'.'.join(str(p) for p in error.absolute_path) or 'pair'}: {error.message}"
-        for error in sorted(validator.iter_errors(pair), key=lambda e: list(map(str, e.path)))
-    ]
+    problems = schema_problems("preference", pair, "pair")
     if problems:
         return problems
     if pair["prompt"][-1].get("role") not in ("user", "tool"):
         problems.append("prompt: must end with a user (or tool) message, the turn the answers reply to")
+    tools = {"tools": pair["tools"]} if "tools" in pair else {}
     for side in ("chosen", "rejected"):
-        answer = pair[side]
-        if answer[0].get("role") != "assistant" or answer[-1].get("role") != "assistant":
+        if pair[side][0].get("role") != "assistant" or pair[side][-1].get("role") != "assistant":
             problems.append(f"{side}: must start and end with an assistant message")
-        conversation = {"messages": pair["prompt"] + answer} | (
-            {"tools": pair["tools"]} if "tools" in pair else {}
-        )
+        conversation = {"messages": pair["prompt"] + pair[side]} | tools
         problems += [f"{side}: {problem}" for problem in conversation_problems(conversation)]
     return problems
 
@@ -628,8 +618,7 @@ def import_file(kind, path, out_path, skip_bad=False, lang=None, log=print):
 
 
 # -----------------------------------------------------------------------------
-# Preference pairs for DPO: from the family's feedback (python chat.py preferences) and from conversations
-# (python chat.py seed-pairs, the smoke run's data)
+# Pairs from the family's feedback (chat.py preferences) and from conversations (chat.py seed-pairs)
 
 
 def write_pairs(path, pairs):
@@ -649,9 +638,7 @@ def export_preferences(db_path, out_path, val_path=None, val_share=None, log=pri
     the prompts go there instead: a prompt's side is drawn from the hash of its text, so it stays on its
     side as feedback grows and a prompt is never in both. Returns the counts."""
     if (val_path is None) != (val_share is None):
-        raise ChatError(
-            "--val and --val-share go together (e.g. --val var/preferences/val.jsonl --val-share 0.1)"
-        )
+        raise ChatError("--val and --val-share go together (e.g. --val VAL.jsonl --val-share 0.1)")
     if val_share is not None and not 0 < val_share < 1:
         raise ChatError(f"--val-share {val_share}: expected a share between 0 and 1, e.g. 0.1")
     if not os.path.isfile(db_path):
