@@ -185,6 +185,7 @@ def evaluate(model, reference, cfg, hardware, ctx):
 
 
 def prompt_key(loader, pair):
-    """The same for every pair of one prompt and chosen answer: a digest of the chosen row's tokens."""
-    tokens, _ = loader.row(2 * pair)
-    return hashlib.sha256(tokens.tobytes()).hexdigest()
+    """The same for every pair of one prompt and chosen answer: a digest of the chosen answer's tokens (so
+    also when one of its pairs had to drop the prompt's oldest turns to fit a row)."""
+    tokens, mask = loader.row(2 * pair)
+    return hashlib.sha256(tokens[mask.astype(bool)].tobytes()).hexdigest()
