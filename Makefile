@@ -20,7 +20,7 @@ TRAIN := $(if $(filter 1,$(NPROC)),$(PY),$(VENV)/bin/torchrun --standalone --npr
 .PHONY: setup lint check-configs test clean smoke smoke-2060 pretrain resume-check data-smoke \
 	corpus tokenizer encode corpus-smoke corpus-report smoke-corpus sample chat eval serve bench search agent-data \
 	agent-eval sft-agent sync remote-setup remote-smoke-2060 remote-pretrain logs fetch status chat-prepare sft sft-smoke \
-	plot export gguf-check snapshot restore preferences dpo dpo-smoke
+	plot export gguf-check snapshot restore install-service preferences dpo dpo-smoke
 
 setup: $(STAMP)
 
@@ -207,6 +207,38 @@ snapshot: $(STAMP)
 restore: $(STAMP)
 	@test -n "$(SNAPSHOT)" || { echo "usage: make restore SNAPSHOT=var/snapshots/<time>" >&2; exit 2; }
 	$(PY) memory.py $(if $(DB),--db $(DB)) restore $(SNAPSHOT)
+
+# --- the family's server as a system service (docs/servidor.md) -----------------------------------
+
+# sudo make install-service RUN=runs/NAME [PORT=8000] [HOST=0.0.0.0]: scripts/enlace.service with this
+# folder's paths, run as SERVICE_USER (a system user, created when missing, that owns var/), enabled at
+# boot and (re)started; again with another RUN= to serve another run. Without PORT=/HOST= the unit takes
+# serve.port and serve.host of configs/serve/default.yaml.
+SERVICE_USER ?= enlace
+UNIT_DIR ?= /etc/systemd/system
+SYSTEMCTL ?= systemctl
+# serve.host and serve.port of the serve layer, read once and only when install-service needs them.
+SERVE_DEFAULTS = $(eval SERVE_DEFAULTS := $$(shell $(PY) -c "import config; s = config.load_layer('serve', \
+	'configs/serve/default.yaml'); print(s['host'], s['port'])"))$(SERVE_DEFAULTS)
+SERVICE_HOST = $(if $(filter command line,$(origin HOST)),$(HOST),$(word 1,$(SERVE_DEFAULTS)))
+SERVICE_PORT = $(if $(filter command line,$(origin PORT)),$(PORT),$(word 2,$(SERVE_DEFAULTS)))
+
+install-service: $(STAMP)
+	@test -e $(SERVE_RUN) || { echo "install-service: no run $(SERVE_RUN); pass RUN=runs/NAME" >&2; exit 2; }
+	id -u $(SERVICE_USER) >/dev/null 2>&1 || useradd --system --user-group --home-dir $(CURDIR)/var \
+		--no-create-home --shell /usr/sbin/nologin $(SERVICE_USER)
+	@runuser -u $(SERVICE_USER) -- test -r $(SERVE_RUN) -a -x $(PY) || { echo "install-service: user" \
+		"$(SERVICE_USER) cannot read $(CURDIR)/$(SERVE_RUN) or run $(PY): put the repository where" \
+		"every user can read it (e.g. /srv/enlace)" >&2; exit 2; }
+	mkdir -p var && chown -R $(SERVICE_USER): var
+	sed -e 's|@ROOT@|$(CURDIR)|g' -e 's|@USER@|$(SERVICE_USER)|g' -e 's|@RUN@|$(SERVE_RUN)|g' \
+		-e 's|@PORT@|$(SERVICE_PORT)|g' -e 's|@HOST@|$(SERVICE_HOST)|g' scripts/enlace.service \
+		> $(UNIT_DIR)/enlace.service
+	$(SYSTEMCTL) daemon-reload
+	$(SYSTEMCTL) enable enlace.service
+	$(SYSTEMCTL) restart enlace.service
+	@echo "install-service: $(SERVE_RUN) on http://$(SERVICE_HOST):$(SERVICE_PORT)/ as $(SERVICE_USER);" \
+		"logs: journalctl -u enlace"
 
 # --- the GPU server over SSH (settings in .env, see .env.example) ---------------------------------
 
