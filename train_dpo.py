@@ -185,7 +185,10 @@ def evaluate(model, reference, cfg, hardware, ctx):
 
 
 def prompt_key(loader, pair):
-    """The same for every pair of one prompt and chosen answer: a digest of the chosen answer's tokens (so
-    also when one of its pairs had to drop the prompt's oldest turns to fit a row)."""
-    tokens, mask = loader.row(2 * pair)
-    return hashlib.sha256(tokens[mask.astype(bool)].tobytes()).hexdigest()
+    """The same for every pair of one prompt and chosen answer, as packed: a digest of the chosen row. Not
+    the answer alone, nor the last user turn with it: two conversations may end in the same exchange
+    ("Gracias" - "De nada.") after different histories. A pair that had to drop its prompt's oldest turns
+    to fit a row (a long rejected answer) scores its chosen answer in a shorter context, so it counts as a
+    prompt of its own."""
+    tokens, _ = loader.row(2 * pair)
+    return hashlib.sha256(tokens.tobytes()).hexdigest()

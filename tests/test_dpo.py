@@ -236,6 +236,44 @@ def test_a_dpo_run_logs_its_rewards_and_held_out_figures_and_keeps_the_starting_
     assert os.path.exists(plot.plot([train.run_dir_of(cfg)], str(tmp_path / "dpo.png")))  # make plot
 
 
+def test_held_out_prompts_are_told_apart_by_their_whole_context_not_by_their_last_exchange(
+    pair_data, tmp_path
+):
+    # val_chosen_likelier counts prompts: the pairs of one prompt and chosen answer share a key; two
+    # conversations that end in the same exchange after different histories are two prompts; a pair that
+    # had to drop its prompt's first exchange to fit (a long rejected answer) scores its answer in another
+    # context, and counts on its own.
+    folder = tmp_path / "pairs"
+    folder.mkdir()
+    (folder / "shard_dir.txt").write_text((pair_data / "shard_dir.txt").read_text(encoding="utf-8"))
+    (folder / "train.jsonl").write_text((pair_data / "train.jsonl").read_text(encoding="utf-8"))
+
+    def history(question):
+        return [
+            {"role": "user", "content": question},
+            {"role": "assistant", "content": "Son 4."},
+            {"role": "user", "content": "Gracias"},
+        ]
+
+    def pair(prompt, rejected):
+        chosen = [{"role": "assistant", "content": "De nada."}]
+        return {"prompt": prompt, "chosen": chosen, "rejected": [{"role": "assistant", "content": rejected}]}
+
+    pairs = [
+        pair(history("¿Cuánto es 2 más 2?"), "No sé."),
+        pair(history("¿Cuánto es 2 más 2?"), "Nada."),
+        pair(history("¿Y 3 más 1?"), "No sé."),
+        pair(history("¿Cuánto es 2 más 2?"), "Pues mira, " * 7),  # too long with its first exchange
+    ]
+    write_jsonl(folder / "val.jsonl", pairs)
+    cfg = dpo_config(folder, "runs/none", tmp_path)
+    loader = data.build_loader(cfg["data"], "val", 4, CHAT_SEQ_LEN, 0)
+    answer_starts = [int(loader.row(2 * p)[1].nonzero()[0][0]) for p in range(4)]
+    assert answer_starts[3] < answer_starts[0]  # the last pair did lose its first exchange
+    keys = [train_dpo.prompt_key(loader, p) for p in range(4)]
+    assert keys[0] == keys[1] and len({keys[0], keys[2], keys[3]}) == 3
+
+
 def test_resuming_a_dpo_run_is_bit_exact_and_keeps_its_reference(pair_data, chat_run, tmp_path):
     def run(name, *overrides):
         return dpo_config(
