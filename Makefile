@@ -20,7 +20,7 @@ TRAIN := $(if $(filter 1,$(NPROC)),$(PY),$(VENV)/bin/torchrun --standalone --npr
 .PHONY: setup lint check-configs test clean smoke smoke-2060 pretrain resume-check data-smoke \
 	corpus tokenizer encode corpus-smoke corpus-report smoke-corpus sample chat eval serve bench search agent-data \
 	agent-eval sft-agent sync remote-setup remote-smoke-2060 remote-pretrain logs fetch status chat-prepare sft sft-smoke \
-	plot export gguf-check snapshot restore install-service preferences dpo dpo-smoke
+	plot export gguf-check snapshot restore install-service fuzz gpu-check preferences dpo dpo-smoke
 
 setup: $(STAMP)
 
@@ -46,6 +46,30 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench.py $(ARGS)
+
+# The GPU acceptance check on the board this machine has (gpu_check.py, report in gpu-report.md). A bare
+# machine gets the check's own venv first (requirements-gpu-check.txt: the runtime and transformers, not
+# the test tools), timed into the report. DEVICE=cpu runs the same plumbing with tiny shapes in .venv.
+DEVICE ?= cuda
+GPU_CHECK_VENV := .venv-gpu-check
+gpu-check: $(if $(filter cpu,$(DEVICE)),$(STAMP))
+	@start=$$(date +%s); python=$(PY); \
+	if [ "$(DEVICE)" != cpu ]; then \
+		python=$(GPU_CHECK_VENV)/bin/python; \
+		test -x $$python || $(PYTHON) -m venv $(GPU_CHECK_VENV) || exit 1; \
+		if ! cat requirements-gpu-check.txt requirements.txt | cmp -s - $(GPU_CHECK_VENV)/.installed; then \
+			echo "gpu-check: installing requirements-gpu-check.txt into $(GPU_CHECK_VENV) ..."; \
+			$$python -m pip install --quiet --upgrade pip && \
+			$$python -m pip install --quiet -r requirements-gpu-check.txt || exit 1; \
+			cat requirements-gpu-check.txt requirements.txt > $(GPU_CHECK_VENV)/.installed; \
+		fi; \
+	fi; \
+	$$python gpu_check.py --device $(DEVICE) --setup-seconds $$(( $$(date +%s) - start )) $(ARGS)
+
+# Hostile input at every request path, many examples per route and a new seed each time (make test runs
+# a few of each); a failing example is kept in .hypothesis/ and replayed first on the next run.
+fuzz: $(STAMP)
+	ENLACE_FUZZ_PROFILE=fuzz $(VENV)/bin/pytest -q tests/test_fuzz.py $(ARGS)
 
 clean:
 	rm -rf .pytest_cache .ruff_cache
@@ -91,6 +115,12 @@ pretrain: $(STAMP)
 resume-check: $(STAMP)
 	$(PY) corpus.py all $(CONFIG) $(filter-out --%,$(ARGS))
 	$(PY) train.py $(CONFIG) --resume-check $(ARGS)
+
+# The micro-batch that fits: CONFIG's estimated peak memory per step (train_memory.py, no torch);
+# `python train_memory.py --table` prints tiny-50m on every GPU profile.
+.PHONY: microbatch
+microbatch: $(STAMP)
+	$(PY) train_memory.py $(CONFIG) $(ARGS)
 
 # --- fine-tuning on conversations (SFT) -----------------------------------------------------------
 

@@ -713,6 +713,10 @@ def cite_sources(answer, sources):
 
 
 def main(argv):
+    problem = config.undecodable_argument(argv)
+    if problem:
+        print(f"agent.py: error: {problem}", file=sys.stderr)
+        return 2
     parser = argparse.ArgumentParser(description="The assistant's tools: list them or run one.")
     parser.add_argument("--settings", default=DEFAULT_SETTINGS, help="an agent layer file")
     commands = parser.add_subparsers(dest="command", required=True)

@@ -7,6 +7,7 @@ import collections
 import gzip
 import json
 import os
+import re
 import shutil
 import statistics
 import tempfile
@@ -192,33 +193,159 @@ def bench_language_id():
         )
 
 
-def bench_word_split(texts, cfg):
-    """The datatrove filters' verdicts and CPU time with corpus_filters.RegexWords against datatrove's spaCy
-    tokenizer (FineWeb-2's word split for spa_Latn), on ~2,000-character slices of the texts."""
+# -----------------------------------------------------------------------------
+# FineWeb-2 fidelity: the corpus step's quality filters against FineWeb-2's own, on a mixed sample
+
+FINEWEB2_REFERENCE = os.path.join(ROOT, "tests", "fixtures", "corpus", "fineweb2-spa_Latn.yml")
+SHARED = os.path.join(ROOT, "..", "shared", "corpus")
+# The mixed sample: [name, file, JSON text field or None for blank-line documents]; the shared sources are
+# used when ../shared/corpus is there, the embedded ones (corpus/) always.
+SAMPLE_SOURCES = [
+    ["novelas-cligs", os.path.join(SHARED, "novelas-cligs.jsonl.gz"), "text"],
+    ["parlamint-es", os.path.join(SHARED, "parlamint-es.jsonl.gz"), "text"],
+    ["openstax-es", os.path.join(SHARED, "openstax-es.jsonl.gz"), "text"],
+    ["rv1909", os.path.join(ROOT, "corpus", "rv1909.txt.gz"), None],
+    ["fortunes-es", os.path.join(ROOT, "corpus", "fortunes-es.txt.gz"), None],
+    ["técnico", os.path.join(ROOT, "corpus", "tecnico-dialogo.jsonl"), "text"],
+    ["diálogo", os.path.join(ROOT, "corpus", "tecnico-dialogo.jsonl"), "text"],
+]
+PAGE_CHARS = (700, 1500, 3000, 6000)  # the lengths long documents are cut to, in turn: web pages vary so
+
+
+def fineweb2_reference(path=FINEWEB2_REFERENCE):
+    """FineWeb-2's three quality filters for Spanish, built as its pipeline builds them (the file says from
+    where): datatrove's filters, spaCy's Spanish word split, FineWeb-2's thresholds and stop words."""
+    import yaml
+    from datatrove.pipeline.filters import FineWebQualityFilter, GopherQualityFilter, GopherRepetitionFilter
+
     import corpus_filters
 
-    try:
-        import spacy  # noqa: F401
-    except ImportError:
-        print("corpus: spaCy is not installed (pip install spacy==3.8.18); word-split comparison skipped")
-        return
+    with open(path, encoding="utf-8") as f:
+        reference = yaml.safe_load(f)
+    language, c, fixed = reference["language"], reference["config"], reference["pipeline"]
+    filters = [
+        GopherRepetitionFilter(language=language, dup_line_frac=c["dup_line_frac"], top_n_grams=c["top_n_grams"],
+                               dup_n_grams=c["dup_n_grams"], **fixed["gopher_repetition"]),
+        FineWebQualityFilter(language=language, line_punct_thr=c["line_punct_thr"],
+                             new_line_ratio=c["new_line_ratio"], **fixed["fineweb_quality"]),
+        GopherQualityFilter(language=language, max_avg_word_length=c["max_avg_word_length"],
+                            min_avg_word_length=c["min_avg_word_length"], stop_words=c["stopwords"],
+                            max_non_alpha_words_ratio=c["max_non_alpha_words_ratio"], **fixed["gopher_quality"]),
+    ]  # fmt: skip
+    return [corpus_filters.DatatroveStage(f"fineweb2:{f.name}", f) for f in filters]
+
+
+def keeps(stages, text):
+    """Whether a document passes every stage (corpus_filters stages: (keep, reason) of a Document)."""
+    import corpus_filters
+
+    return all(stage(corpus_filters.document(text))[0] for stage in stages)
+
+
+def pages(text, count, first=0):
+    """Up to `count` pieces of a long text, evenly spread over it: cut at line ends (at sentence ends inside
+    an overlong line) to the lengths of PAGE_CHARS in turn, starting with PAGE_CHARS[first]."""
+    units = []
+    for line in text.split("\n"):
+        sentences = re.split(r"(?<=[.!?]) ", line) if len(line) > PAGE_CHARS[-1] else [line]
+        units += [(sentence, " " if i else "\n") for i, sentence in enumerate(sentences)]
+    pieces, piece = [], ""
+    for unit, separator in units:
+        piece = piece + separator + unit if piece else unit
+        if len(piece) >= PAGE_CHARS[(first + len(pieces)) % len(PAGE_CHARS)]:
+            pieces.append(piece)
+            piece = ""
+    pieces += [piece] if piece else []
+    return pieces[:: max(1, len(pieces) // count)][:count]
+
+
+def fidelity_sample(per_source, min_chars, sources=SAMPLE_SOURCES):
+    """[(source name, text)]: documents of each source present, cleaned as the corpus step cleans them, at
+    least min_chars long, long ones cut into web-page-sized pieces; at most per_source of each source,
+    spread over it. The one-line proverbs are grouped into pages of proverbs; técnico and diálogo are the
+    two kinds of corpus/tecnico-dialogo.jsonl."""
+    sample = []
+    for name, path, text_field in sources:
+        if not os.path.exists(path):
+            continue
+        with (
+            gzip.open(path, "rt", encoding="utf-8")
+            if path.endswith(".gz")
+            else open(path, encoding="utf-8") as f
+        ):
+            if text_field is None:
+                documents = f.read().split("\n\n")
+            else:
+                records = [json.loads(line) for line in f]
+                documents = [r[text_field] for r in records if r.get("kind", name) == name]
+        if name == "fortunes-es":
+            documents = ["\n".join(documents)]
+        documents = [text for text in map(corpus.clean_text, documents) if len(text) >= min_chars]
+        chosen = documents[:: max(1, len(documents) // per_source)]
+        each = max(1, per_source // len(chosen))
+        texts = [
+            piece
+            for number, text in enumerate(chosen)
+            for piece in (pages(text, each, number) if len(text) > PAGE_CHARS[-1] else [text])
+        ]
+        sample += [(name, text) for text in texts if len(text) >= min_chars][:per_source]
+    return sample
+
+
+def filter_agreement(sample, stages, reference):
+    """(agreement per source {name: (same, documents)}, kept by stages, kept by the reference, CPU seconds
+    of the stages): the keep/drop verdict of the three filters against the reference's, document by
+    document. Each side starts with empty word-split caches; loading the word tokenizer is not timed."""
     import datatrove.utils.text
 
-    slices = [text[i : i + 2000] for text in texts for i in range(0, min(len(text), 60_000), 2000)]
-    verdicts, seconds = {}, {}
-    for name in ("regex", "spacy"):
-        stages = corpus_filters.quality_stages(cfg["filters"] | {"word_tokenizer": name})
-        datatrove.utils.text.split_into_parts.cache_clear()
+    keeps(stages, "Una frase para cargar el tokenizador antes de medir.")  # spaCy loads once, untimed
+    datatrove.utils.text.split_into_parts.cache_clear()
+    start = time.process_time()
+    ours = [keeps(stages, text) for _, text in sample]
+    seconds = time.process_time() - start
+    datatrove.utils.text.split_into_parts.cache_clear()
+    theirs = [keeps(reference, text) for _, text in sample]
+    by_source = collections.defaultdict(lambda: [0, 0])
+    for (name, _), a, b in zip(sample, ours, theirs, strict=True):
+        by_source[name][0] += a == b
+        by_source[name][1] += 1
+    return dict(by_source), sum(ours), sum(theirs), seconds
+
+
+def bench_fidelity(cfg):
+    """The keep/drop agreement of the quality filters with each word split (data.corpus.filters.
+    word_tokenizer) against FineWeb-2's own filters, per source of the mixed sample, and the CPU cost per
+    MB of each split (the three filters, then MinHash)."""
+    import corpus_filters
+
+    per_source = int(os.environ.get("BENCH_FIDELITY_DOCS", "120"))
+    sample = fidelity_sample(per_source, cfg["min_chars"])
+    megabytes = sum(len(t.encode("utf-8")) for _, t in sample) / 1e6
+    sources = collections.Counter(name for name, _ in sample)
+    print(f"corpus: FineWeb-2 fidelity sample: {len(sample)} documents, {megabytes:.2f} MB: "
+          + ", ".join(f"{n} {c}" for n, c in sources.items()))  # fmt: skip
+    reference = fineweb2_reference()
+    for name in ("spacy", "regex"):
+        filters_cfg = cfg["filters"] | {"word_tokenizer": name}
+        by_source, kept, kept_reference, seconds = filter_agreement(
+            sample, corpus_filters.quality_stages(filters_cfg), reference
+        )
+        same = sum(a for a, _ in by_source.values())
+        hasher = corpus_filters.MinHasher(cfg["near_dedup"], corpus_filters.word_splitter(name))
+        hasher.bucket_keys(sample[0][1])  # builds the signer, untimed
         start = time.process_time()
-        verdicts[name] = [[stage(corpus_filters.document(s))[0] for stage in stages] for s in slices]
-        seconds[name] = time.process_time() - start
-    same = sum(a == b for a, b in zip(verdicts["regex"], verdicts["spacy"], strict=True))
-    kept = {name: sum(all(v) for v in verdicts[name]) for name in verdicts}
-    print(
-        f"corpus: word split regex vs spaCy on {len(slices)} slices of 2,000 characters: the three filters agree "
-        f"on {100 * same / len(slices):.1f}% (kept {kept['regex']} vs {kept['spacy']}); regex is "
-        f"{seconds['spacy'] / seconds['regex']:.0f}x faster ({seconds['regex']:.1f} vs {seconds['spacy']:.1f} CPU-s)"
-    )
+        for _, text in sample:
+            hasher.bucket_keys(text)
+        minhash = time.process_time() - start
+        print(
+            f"corpus: word_tokenizer {name}: keep/drop agrees with FineWeb-2's filters on {100 * same / len(sample):.1f}% "
+            f"of {len(sample)} documents (kept {kept} vs {kept_reference}); by source "
+            + ", ".join(f"{n} {100 * a / t:.0f}%" for n, (a, t) in by_source.items())
+        )
+        print(
+            f"corpus: word_tokenizer {name}: filters {seconds / megabytes:.2f} CPU-s per MB, MinHash "
+            f"{minhash / megabytes:.2f} CPU-s per MB"
+        )
 
 
 def bench_corpus():
@@ -229,17 +356,17 @@ def bench_corpus():
     import corpus_filters
 
     bench_language_id()
+    cfg = data_layer("corpus")["corpus"]
+    bench_fidelity(cfg)
     novelas = os.path.join(ROOT, "..", "shared", "corpus", "novelas-cligs.jsonl.gz")
     if not os.path.exists(novelas):
         print("corpus: ../shared/corpus/novelas-cligs.jsonl.gz not found; stage timings skipped")
         return
-    cfg = data_layer("corpus")["corpus"]
     limit = int(os.environ.get("BENCH_CORPUS_DOCS", "20"))  # novels timed (83 in all)
     with gzip.open(novelas, "rt", encoding="utf-8") as f:
         texts = [
             corpus.clean_text(json.loads(line)["text"]) for _, line in zip(range(limit), f, strict=False)
         ]
-    bench_word_split(texts, cfg)
     megabytes = sum(len(t.encode("utf-8")) for t in texts) / 1e6
     documents = [corpus_filters.document(t) for t in texts]
     stages = {"language": corpus_filters.LanguageStage(cfg["filters"]["language"])}

@@ -22,7 +22,7 @@ import data
 import model
 import search
 import train
-from bench_common import ROOT, per_call_seconds, percentile
+from bench_common import ROOT, layer, per_call_seconds, percentile
 
 # -----------------------------------------------------------------------------
 # search: parse time per page, and what the provider chain costs when the primary answers
@@ -124,77 +124,224 @@ def serve_bench_run(folder):
     return os.path.join(folder, "runs", cfg["run_name"])
 
 
-def bench_serve(clients=20, requests_per_client=10, max_tokens=8):
+def bench_serve(clients=20, requests_per_client=10, max_tokens=8, new_tokens=64, repeats=3):
+    """Continuous batching, side by side in one run: aggregate decode rates at 1, 2, 4 and 8 streams for the
+    served smoke run and the tiny-50m shape; the `clients` x `requests_per_client` load test through
+    serve.py with max_batch 1 (one answer at a time) and the default max_batch; single-stream decoding
+    against llama.cpp on the same weights in GGUF f32."""
+    import checkpoint
+
+    print(f"serve: load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs, torch with "
+          f"{torch.get_num_threads()} threads", flush=True)  # fmt: skip
+    batch = config.load_layer("serve", os.path.join(ROOT, "configs", "serve", "default.yaml"))["max_batch"]
+    with tempfile.TemporaryDirectory(prefix="bench-serve-") as folder:
+        run = serve_bench_run(folder)
+        smoke, cfg, tokenizer, _ = checkpoint.load_run(run, log=lambda message: None)
+        torch.manual_seed(0)
+        tiny_cfg = layer("model", "tiny-50m")
+        tiny = model.Transformer(tiny_cfg).eval()  # random weights: the rates do not depend on them
+        name = os.path.basename(run)
+        for label, net in ((name, smoke), ("tiny-50m (random weights)", tiny)):
+            scaling_table(label, net, batch, new_tokens, repeats)
+        # The load test of before batching (short answers: each request's own prefill weighs), then the same
+        # with answers of new_tokens, where the rows have more decoding to share.
+        for answer_tokens in (max_tokens, new_tokens):
+            sequential = load_test(run, folder, clients, requests_per_client, answer_tokens, 1)
+            batched = load_test(run, folder, clients, requests_per_client, answer_tokens, batch)
+            print(
+                f"serve: {clients} clients x {requests_per_client} requests (up to {answer_tokens} greedy tokens): "
+                f"latency p95 {1e3 * batched['p95']:.0f} ms with max_batch={batch} vs "
+                f"{1e3 * sequential['p95']:.0f} ms with max_batch=1 -> {batched['p95'] / sequential['p95']:.2f} "
+                f"(target <= 0.33); requests/s {batched['rps'] / sequential['rps']:.2f}x",
+                flush=True,
+            )
+        against_llama_cpp(name, smoke, cfg, tokenizer, folder, new_tokens)
+        # GGUF needs the tokenizer: the tiny-50m shape with the smoke run's vocabulary.
+        tiny_cfg = {"run_name": "tiny-50m", "model": dict(tiny_cfg, vocab_size=cfg["model"]["vocab_size"])}
+        torch.manual_seed(0)
+        tiny = model.Transformer(tiny_cfg["model"]).eval()
+        label = f"tiny-50m shape, vocabulary {tiny_cfg['model']['vocab_size']}"
+        against_llama_cpp(label, tiny, tiny_cfg, tokenizer, folder, new_tokens)
+    print(f"serve: load average {os.getloadavg()[0]:.1f} at the end", flush=True)
+
+
+def stream_rate(net, streams, slots, new_tokens):
+    """Generated tokens per second of `streams` answers of new_tokens each (after 32-token prompts,
+    prefills included, sampled at 0.8 with their own seeds, no stop token) decoded by a model.Decoder of
+    `slots` slots: what the server's worker does, without HTTP."""
+    import sample
+
+    vocab = net.cfg["vocab_size"]
+    prompts = [torch.randint(0, vocab, (32,), generator=torch.Generator().manual_seed(i)).tolist()
+               for i in range(streams)]  # fmt: skip
+
+    def seeded(index):
+        return {"temperature": 0.8, "top_k": 50, "generator": torch.Generator().manual_seed(index)}
+
+    start = time.perf_counter()
+    answers = sample.generate_batch(net, prompts, new_tokens, slots, seeded)
+    return sum(map(len, answers)) / (time.perf_counter() - start)
+
+
+def scaling_table(label, net, batch, new_tokens, repeats):
+    """The aggregate rate at 1, 2, 4 and 8 streams with max_batch slots, against one stream with one slot
+    (model.generate, and the server at max_batch 1); the configurations interleave, medians of repeats."""
+    cases = [(1, 1)] + [(streams, batch) for streams in (1, 2, 4, 8) if streams <= batch]
+    stream_rate(net, 2, 2, 4)  # warm-up
+    rates = {case: [] for case in cases}
+    for _ in range(repeats):
+        for streams, slots in cases:
+            rates[(streams, slots)].append(stream_rate(net, streams, slots, new_tokens))
+    rates = {case: statistics.median(values) for case, values in rates.items()}
+    print(f"serve: decode scaling, {label} ({net.num_params() / 1e6:.1f}M parameters), answers of {new_tokens} "
+          f"tokens, median of {repeats}:")  # fmt: skip
+    print("serve:   streams | max_batch | tokens/s | x one stream at max_batch=1")
+    for (streams, slots), rate in rates.items():
+        print(f"serve:   {streams:7d} | {slots:9d} | {rate:8.1f} | {rate / rates[(1, 1)]:.2f}")
+
+
+def load_test(run, folder, clients, requests_per_client, max_tokens, max_batch):
     """requests/s and latency of serve.py (a real process on 127.0.0.1) with `clients` threads, one member
     each, sending `requests_per_client` greedy chat completions; and the server's wall seconds per answer
-    over the seconds its worker spent generating them (the same answers without HTTP, queue or JSON),
-    both from the same run."""
+    over the seconds its worker spent generating (the same answers without HTTP, queue or JSON)."""
     import httpx
 
     import serve_accounts
 
-    with tempfile.TemporaryDirectory(prefix="bench-serve-") as folder:
-        run = serve_bench_run(folder)
-        database = os.path.join(folder, "bench.sqlite")
-        store = serve_accounts.Store(database)
-        admin = store.add_member("admin", "admin")
-        keys = [store.add_member(f"c{i}", "adult") for i in range(clients)]
-        command = [sys.executable, "serve.py", run, "--port", "0", f"serve.database={database}",
-                   f"serve.queue_size={clients}"]  # fmt: skip
-        proc = subprocess.Popen(
-            command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
-        )
-        try:
-            url = proc.stdout.readline().split(" at ")[1].split()[0].rstrip("/")
-            admin_headers = {"Authorization": f"Bearer {admin}"}
-            model_id = httpx.get(url + "/v1/models", headers=admin_headers).json()["data"][0]["id"]
-            messages = [{"role": "user", "content": "Hola, ¿me cuentas un cuento corto?"}]
-            body = {"model": model_id, "messages": messages, "max_tokens": max_tokens, "temperature": 0}
-            latencies, statuses, lock = [], [], threading.Lock()
+    database = os.path.join(folder, f"bench-{max_batch}-{max_tokens}.sqlite")
+    store = serve_accounts.Store(database)
+    admin = store.add_member("admin", "admin")
+    keys = [store.add_member(f"c{i}", "adult") for i in range(clients)]
+    command = [sys.executable, "serve.py", run, "--port", "0", f"serve.database={database}",
+               f"serve.queue_size={clients}", f"serve.max_batch={max_batch}"]  # fmt: skip
+    proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        url = proc.stdout.readline().split(" at ")[1].split()[0].rstrip("/")
+        admin_headers = {"Authorization": f"Bearer {admin}"}
+        model_id = httpx.get(url + "/v1/models", headers=admin_headers).json()["data"][0]["id"]
+        messages = [{"role": "user", "content": "Hola, ¿me cuentas un cuento corto?"}]
+        body = {"model": model_id, "messages": messages, "max_tokens": max_tokens, "temperature": 0}
+        latencies, statuses, lock = [], [], threading.Lock()
 
-            def client(key, count):
-                with httpx.Client(headers={"Authorization": f"Bearer {key}"}, timeout=300) as http:
-                    for _ in range(count):
-                        start = time.perf_counter()
-                        status = http.post(url + "/v1/chat/completions", json=body).status_code
-                        with lock:
-                            latencies.append(time.perf_counter() - start)
-                            statuses.append(status)
+        def client(key, count):
+            with httpx.Client(headers={"Authorization": f"Bearer {key}"}, timeout=300) as http:
+                for _ in range(count):
+                    start = time.perf_counter()
+                    status = http.post(url + "/v1/chat/completions", json=body).status_code
+                    with lock:
+                        latencies.append(time.perf_counter() - start)
+                        statuses.append(status)
 
-            client(admin, 3)  # warm-up, not counted
-            latencies.clear()
-            statuses.clear()
-            before = httpx.get(url + "/api/server", headers=admin_headers).json()
-            rss_before = serve_rss_kib(proc.pid)
-            threads = [threading.Thread(target=client, args=(key, requests_per_client)) for key in keys]
-            started = time.perf_counter()
-            for thread in threads:
-                thread.start()
-            for thread in threads:
-                thread.join()
-            wall = time.perf_counter() - started
-            after = httpx.get(url + "/api/server", headers=admin_headers).json()
-            rss_after = serve_rss_kib(proc.pid)
-        finally:
-            proc.kill()
-            proc.wait()
+        client(admin, 3)  # warm-up, not counted
+        latencies.clear()
+        statuses.clear()
+        before = httpx.get(url + "/api/server", headers=admin_headers).json()
+        rss_before = serve_rss_kib(proc.pid)
+        threads = [threading.Thread(target=client, args=(key, requests_per_client)) for key in keys]
+        started = time.perf_counter()
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        wall = time.perf_counter() - started
+        after = httpx.get(url + "/api/server", headers=admin_headers).json()
+        rss_after = serve_rss_kib(proc.pid)
+    finally:
+        proc.kill()
+        proc.wait()
     answered = statuses.count(200)
     served_s = wall / max(answered, 1)
     generate_s = (after["generate_s"] - before["generate_s"]) / max(after["answered"] - before["answered"], 1)
     others = len(statuses) - answered - statuses.count(503)
+    result = {"p50": percentile(latencies, 0.5), "p95": percentile(latencies, 0.95), "rps": answered / wall}
+    tokens = after["generated_tokens"] - before["generated_tokens"]
     print(
-        f"serve: {clients} clients x {requests_per_client} requests, {max_tokens} greedy tokens each, run "
-        f"{os.path.basename(run)}, load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
+        f"serve: max_batch={max_batch}, up to {max_tokens} tokens: {answered}/{len(statuses)} answered "
+        f"({statuses.count(503)} refused 503, {others} other) | {result['rps']:.1f} requests/s, "
+        f"{tokens / wall:.0f} tokens/s | latency p50 {1e3 * result['p50']:.0f} ms, p95 {1e3 * result['p95']:.0f} ms "
+        f"| {after['peak_active']} rows at most in a step | server RSS {rss_before / 1024:.0f} -> "
+        f"{rss_after / 1024:.0f} MiB | {1e3 * served_s:.1f} ms of wall time per answer, {1e3 * generate_s:.1f} ms "
+        "of worker time",
+        flush=True,
     )
-    print(
-        f"serve: {answered}/{len(statuses)} answered ({statuses.count(503)} refused 503, {others} other) | "
-        f"{answered / wall:.1f} requests/s | latency p50 {1e3 * percentile(latencies, 0.5):.0f} ms, p95 "
-        f"{1e3 * percentile(latencies, 0.95):.0f} ms | server RSS {rss_before / 1024:.0f} -> {rss_after / 1024:.0f} MiB"
+    return result
+
+
+def against_llama_cpp(label, net, cfg, tokenizer, folder, new_tokens):
+    """Single-stream greedy decoding, tokens/s after a 32-token prompt: ENLACE's model.generate against
+    llama.cpp (llama-cpp-python, the same weights exported to GGUF f32, as many threads); then where
+    ENLACE's decoding step spends its time."""
+    try:
+        import llama_cpp
+        import numpy as np
+    except ImportError:
+        print(
+            "serve: llama.cpp: llama-cpp-python is not installed (make gguf-check installs it); no comparison"
+        )
+        return
+    import export
+
+    text = gzip.open(os.path.join(ROOT, "corpus", "fortunes-es.txt.gz"), "rt", encoding="utf-8").read(2000)
+    prompt = [tokenizer.bos_id, *tokenizer.encode(text)][:32]
+    path = os.path.join(folder, f"{cfg['run_name']}.gguf")
+    export.write_gguf(path, net, cfg, tokenizer, "f32")
+    threads = torch.get_num_threads()
+    llm = llama_cpp.Llama(model_path=path, n_ctx=cfg["model"]["seq_len"], n_threads=threads,
+                          n_threads_batch=threads, verbose=False, seed=0)  # fmt: skip
+
+    def llama_rate():
+        llm.reset()
+        llm.eval(prompt)
+        token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        start = time.perf_counter()
+        for _ in range(new_tokens - 1):  # as many decoding steps as ENLACE's below
+            llm.eval([token])
+            token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        return (new_tokens - 1) / (time.perf_counter() - start)
+
+    def enlace_rate():
+        stream = net.generate(torch.tensor(prompt), new_tokens, temperature=0)
+        next(stream)  # the prefill's token
+        start = time.perf_counter()
+        count = sum(1 for _ in stream)
+        return count / (time.perf_counter() - start)
+
+    ours, theirs = [], []
+    for _ in range(3):  # interleaved: drift on a busy machine hits both alike
+        ours.append(enlace_rate())
+        theirs.append(llama_rate())
+    llm.close()
+    ours, theirs = statistics.median(ours), statistics.median(theirs)
+    print(f"serve: single stream, {label}: ENLACE {ours:,.0f} tok/s, llama.cpp (GGUF f32, {threads} threads) "
+          f"{theirs:,.0f} tok/s -> ENLACE/llama.cpp {ours / theirs:.2f}")  # fmt: skip
+    if ours < theirs:
+        print(f"serve:   where an ENLACE step goes: {decode_profile(net, prompt, new_tokens)}")
+
+
+def decode_profile(net, prompt, new_tokens):
+    """The shares of one decoding step's wall time: matrix products, the other torch operators, and what
+    is left outside operators (Python, the dispatcher)."""
+    from torch.profiler import profile
+
+    stream = net.generate(torch.tensor(prompt), new_tokens, temperature=0)
+    next(stream)
+    with profile() as prof:
+        start = time.perf_counter()
+        steps = sum(1 for _ in stream)
+        wall = time.perf_counter() - start
+    totals = {}
+    for event in prof.key_averages():
+        totals[event.key] = totals.get(event.key, 0.0) + event.self_cpu_time_total / 1e6
+    matmul = sum(
+        seconds for key, seconds in totals.items() if key in ("aten::mm", "aten::addmm", "aten::bmm")
     )
-    print(
-        f"serve: {1e3 * served_s:.1f} ms of wall time per answer through the server vs {1e3 * generate_s:.1f} ms "
-        f"generating it in the worker -> overhead ratio {served_s / generate_s:.2f}"
-    )
+    ops = sum(totals.values())
+    top = sorted(((s, k) for k, s in totals.items() if k not in ("aten::mm", "aten::addmm", "aten::bmm")),
+                 reverse=True)[:3]  # fmt: skip
+    others = ", ".join(f"{key} {100 * seconds / wall:.0f}%" for seconds, key in top)
+    return (f"{1e3 * wall / steps:.2f} ms per step under the profiler: matrix products {100 * matmul / wall:.0f}%, "
+            f"other operators {100 * (ops - matmul) / wall:.0f}% ({others}), outside operators (Python, "
+            f"dispatch) {100 * max(wall - ops, 0) / wall:.0f}%")  # fmt: skip
 
 
 def serve_rss_kib(pid):

@@ -32,6 +32,11 @@ Preference pairs (DPO) are TRL's conversational preference format, one per line:
 the same template, trained on the answer only (render_pair). They come from the family's feedback
 (`chat.py preferences`, by feedback.py's rules and consent), from public sets (`chat.py import --from
 preference`) or, for the smoke run, from conversations with worse answers made up (`chat.py seed-pairs`).
+
+The tool tags are single pieces that tokenizer.encode does find inside text, so text from outside the model
+(the system turn with its memories, user turns, tool results such as a web page) could imitate the protocol
+in front of it. plain_text() escapes them there ("<tool_call>" -> "&lt;tool_call&gt;"): the only tag pieces
+in a prompt are the template's own and those of the model's own calls.
 """
 
 import bisect
@@ -53,6 +58,8 @@ import feedback
 import fileio
 
 ROLES = ("system", "user", "assistant", "tool")
+# data.TOOL_TAGS, the tokenizer's pieces for them (chat.py stays free of torch; a test keeps the two equal).
+PROTOCOL_TAGS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<tools>", "</tools>")
 # Bump when segments() changes what a conversation renders to: checkpoints record the version they
 # were trained with, and the export writes it beside the Jinja copy of the template.
 CHAT_TEMPLATE_VERSION = 1
@@ -75,7 +82,7 @@ def schema_problems(name, record, what):
 
 def conversation_problems(conversation):
     """Every reason this conversation is invalid (empty list when it is fine)."""
-    problems = schema_problems("conversation", conversation, "conversation")
+    problems = text_problems(conversation) or schema_problems("conversation", conversation, "conversation")
     if problems:
         return problems
     open_calls = 0  # calls of the last assistant turn not yet answered by a tool turn
@@ -106,6 +113,13 @@ def conversation_problems(conversation):
     return problems
 
 
+def text_problems(conversation):
+    """A string that is not Unicode text (a lone surrogate, as JSON's "\\ud800" escape gives): the tokenizer
+    cannot encode it."""
+    problem = config.text_problem(conversation)
+    return [f"{problem[0] or 'conversation'}: {problem[1]}"] if problem else []
+
+
 def check_conversation(conversation, where="conversation"):
     problems = conversation_problems(conversation)
     if problems:
@@ -129,6 +143,15 @@ def arguments_of(call):
 # The template
 
 
+def plain_text(text):
+    """Text from outside the model with the protocol's tags escaped (the template's <tools> list, its tags
+    around a tool result and the model's own calls are the only tag pieces a prompt holds)."""
+    if "<" in text:
+        for tag in PROTOCOL_TAGS:
+            text = text.replace(tag, f"&lt;{tag[1:-1]}&gt;")
+    return text
+
+
 def tool_call_text(call):
     body = json.dumps({"name": call["function"]["name"], "arguments": arguments_of(call)}, ensure_ascii=False)
     return f"<tool_call>\n{body}\n</tool_call>"
@@ -145,18 +168,19 @@ def assistant_text(message):
 
 
 def segments(conversation, for_generation=False):
-    """The layout as (control token or None, text, trained) triples, in order; render() encodes them."""
+    """The layout as (control token or None, text, trained) triples, in order; render() encodes them. Text
+    from outside the model (system, user and tool turns) goes through plain_text()."""
     messages = conversation["messages"]
     tools = conversation.get("tools") or []
     out = [("<|bos|>", "", False)]
-    system = messages[0]["content"] if messages and messages[0]["role"] == "system" else None
+    system = plain_text(messages[0]["content"]) if messages and messages[0]["role"] == "system" else None
     if system is not None or tools:
         text = "\n\n".join(part for part in (system, tools_text(tools) if tools else "") if part)
         out += [("<|system|>", text, False), ("<|end|>", "", False)]
     for message in messages[1:] if system is not None else messages:
         role = message["role"]
         if role == "user":
-            out += [("<|user|>", message["content"], False), ("<|end|>", "", False)]
+            out += [("<|user|>", plain_text(message["content"]), False), ("<|end|>", "", False)]
         elif role == "assistant":
             out += [
                 ("<|assistant|>", "", False),
@@ -164,7 +188,7 @@ def segments(conversation, for_generation=False):
                 ("<|end|>", "", True),
             ]
         elif role == "tool":
-            text = f"<tool_response>\n{message['content']}\n</tool_response>"
+            text = f"<tool_response>\n{plain_text(message['content'])}\n</tool_response>"
             out += [("<|tool|>", text, False), ("<|end|>", "", False)]
         else:
             raise ChatError(f"a {role} message may only come first")

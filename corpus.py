@@ -28,6 +28,7 @@ Files in DIR
 
 import collections
 import contextlib
+import glob
 import hashlib
 import heapq
 import json
@@ -153,7 +154,7 @@ class FilterTask:
     def paths(self, rank):
         return {
             name: os.path.join(self.workdir, f"{name}_{rank:05d}.{ext}")
-            for name, ext in (("kept", "jsonl"), ("keys", "npy"), ("stats", "json"))
+            for name, ext in (("kept", "jsonl"), ("keys", "npy"), ("stats", "json"), ("error", "txt"))
         }
 
     def __call__(self, data, rank=0, world_size=1):
@@ -161,6 +162,22 @@ class FilterTask:
         paths = self.paths(rank)
         if os.path.exists(paths["stats"]):  # finished by an earlier run of the same config
             return
+        # What an earlier attempt left: its error, and the file it was writing when it was killed.
+        for path in paths.values():
+            temps = glob.glob(os.path.join(self.workdir, f".{os.path.basename(path)}.*.tmp"))
+            for leftover in [path, *temps]:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(leftover)
+        try:
+            self.filter(paths, rank, world_size)
+        except DataError as e:  # a source that cannot be read: one line on the terminal (task_errors)
+            from loguru import logger
+
+            logger.opt(exception=e).debug(f"task {rank}: {e}")  # the traceback: the task's log file only
+            message = str(e).encode("utf-8")
+            write_atomic(paths["error"], lambda f: f.write(message))
+
+    def filter(self, paths, rank, world_size):
         cfg = self.corpus_cfg
         filters_cfg = cfg["filters"]
         language = (
@@ -249,11 +266,48 @@ class FilterTask:
             for line in kept_lines():
                 f.write(line)
 
-        write_atomic(paths["kept"], write_kept)
-        progress.close()
+        try:
+            write_atomic(paths["kept"], write_kept)
+        finally:
+            progress.close()  # its line ends before any error is printed
         array = np.array(keys, dtype=np.uint64).reshape(len(keys), width)
         write_atomic(paths["keys"], lambda f: np.save(f, array))
         write_json(paths["stats"], {"sources": stats, "examples": examples})
+
+
+def quiet_local_executor(**settings):
+    """datatrove's LocalPipelineExecutor, its logging kept in the step's log files: the terminal shows
+    corpus.py's own lines and the tasks' progress, and datatrove's only when something fails unexpectedly
+    (ERROR, with its traceback; a source that cannot be read is one line of corpus.py's instead)."""
+    from datatrove.executor import LocalPipelineExecutor
+
+    log_file = os.path.join(settings["logging_dir"], "executor.log")
+
+    def to_file():
+        from loguru import logger  # imported here: in a pool worker, the worker's own logger
+
+        logger.remove()
+        logger.add(log_file, level="DEBUG")
+        logger.add(sys.stderr, level="ERROR")
+
+    class QuietLocalExecutor(LocalPipelineExecutor):
+        def run(self):
+            from datatrove.utils.logging import setup_default_logger
+
+            to_file()
+            try:
+                return super().run()
+            finally:
+                setup_default_logger()  # datatrove's own default, for the rest of this process
+
+        def _run_for_rank(self, rank, local_rank=0, node_rank=-1):
+            # datatrove copies a task's log to the terminal at INFO for local rank 0, at ERROR for the others
+            try:
+                return super()._run_for_rank(rank, 1, node_rank)
+            finally:
+                to_file()  # its task logger ended with the terminal at DEBUG again
+
+    return QuietLocalExecutor(**settings)
 
 
 def executor_for(task, data_cfg, workdir):
@@ -264,9 +318,7 @@ def executor_for(task, data_cfg, workdir):
     common = {"pipeline": [task], "tasks": tasks, "logging_dir": os.path.join(workdir, "logs"),
               "skip_completed": False}  # fmt: skip
     if executor_cfg["kind"] == "local":
-        from datatrove.executor import LocalPipelineExecutor
-
-        executor = LocalPipelineExecutor(**common, workers=min(tasks, processes_of(data_cfg)))
+        executor = quiet_local_executor(**common, workers=min(tasks, processes_of(data_cfg)))
     elif executor_cfg["kind"] == "slurm":
         from datatrove.executor import SlurmPipelineExecutor
 
@@ -350,11 +402,29 @@ def task_error(log_path):
     return errors[-1] if errors else None
 
 
+def task_errors(task, tasks, remove=False):
+    """What the tasks that could not read a source said (FilterTask writes it instead of raising, so the
+    terminal shows one line rather than a traceback per task; the traceback is in the task's log)."""
+    errors = []
+    for rank in range(tasks):
+        path = task.paths(rank)["error"]
+        if os.path.exists(path):
+            with open(path, encoding="utf-8") as f:
+                errors.append(f.read())
+            if remove:
+                os.remove(path)
+    return errors
+
+
 def run_tasks(task, data_cfg, workdir, log):
     """Run the filter tasks on the configured datatrove executor; the number of tasks when every one has
     finished here, None when they were only submitted (Slurm: run the step again once the jobs are done)."""
     executor, tasks = executor_for(task, data_cfg, workdir)
     executor_cfg = data_cfg["corpus"]["executor"]
+    if executor_cfg["kind"] == "slurm":  # what the jobs of the last submission could not read
+        errors = task_errors(task, tasks, remove=True)
+        if errors:
+            raise DataError(errors[0])
     logging_dir = os.path.join(workdir, "logs")
     finished = sum(os.path.exists(task.paths(rank)["stats"]) for rank in range(tasks))
     log(
@@ -372,6 +442,9 @@ def run_tasks(task, data_cfg, workdir, log):
         while cause is not None and not isinstance(cause, DataError):
             cause = cause.__cause__ or cause.__context__
         raise (cause or e) from None
+    errors = task_errors(task, tasks)
+    if errors:
+        raise DataError(errors[0])
     failed = [rank for rank in range(tasks) if not os.path.exists(task.paths(rank)["stats"])]
     if failed and executor_cfg["kind"] == "ray":  # Ray waited for every task: these failed
         logs = [os.path.join(logging_dir, "logs", f"task_{rank:05d}.log") for rank in failed]

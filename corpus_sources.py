@@ -18,6 +18,8 @@ import json
 import os
 import zlib
 
+import zstandard
+
 from data import NEWLINE, DataError
 
 PARQUET_METADATA = ("id", "url", "language_score", "minhash_cluster_size")  # kept when present (FineWeb-2)
@@ -60,9 +62,6 @@ class ZstdReader(io.RawIOBase):
     (zstandard's stream reader would end quietly there)."""
 
     def __init__(self, path):
-        import zstandard
-
-        self.zstandard = zstandard
         self.file, self.path = open(path, "rb"), path
         self.decompressor, self.pending = zstandard.ZstdDecompressor().decompressobj(), b""
 
@@ -77,7 +76,7 @@ class ZstdReader(io.RawIOBase):
                     raise EOFError("the file ends inside a zstd frame (truncated)")
                 return 0
             if self.decompressor.eof:  # a new frame follows
-                self.decompressor = self.zstandard.ZstdDecompressor().decompressobj()
+                self.decompressor = zstandard.ZstdDecompressor().decompressobj()
             self.pending = self.decompressor.decompress(compressed)
         size = min(len(buffer), len(self.pending))
         buffer[:size], self.pending = self.pending[:size], self.pending[size:]
@@ -244,11 +243,7 @@ def raw_documents(corpus_cfg, stats_of):
                     break
                 taken[index] += 1
                 yield index, text, meta
-        except (OSError, EOFError, zlib.error, ValueError) as e:
-            import zstandard
-
-            if isinstance(e, ValueError) and not isinstance(e, zstandard.ZstdError):
-                raise
+        except (OSError, EOFError, zlib.error, zstandard.ZstdError) as e:  # damaged: not a bug of ours
             reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e) or type(e).__name__
             raise DataError(f"{path}: cannot read ({reason}) [data.corpus.sources[{index}]]") from None
         finally:

@@ -56,14 +56,18 @@ class ExportError(Exception):
 # Both write chat.segments()'s layout; test_export.py checks the Jinja one against chat.render_text.
 # Tool-call arguments may be a dict (written with tojson, like chat.py's json.dumps) or a JSON string
 # (written as it is: identical when it is json.dumps' default formatting, as OpenAI's Python client sends).
+# The macro plain() is chat.plain_text: the tool tags in system, user and tool text escaped.
 
 CHAT_TEMPLATE = (
+    "{%- macro plain(text) -%}{{- text"
+    + "".join(f" | replace('{tag}', '&lt;{tag[1:-1]}&gt;')" for tag in chat.PROTOCOL_TAGS)
+    + " -}}{%- endmacro -%}"
     "{{- '<|bos|>' -}}"
     "{%- if messages and messages[0]['role'] == 'system' -%}"
     "{%- set system = messages[0]['content'] -%}{%- set rest = messages[1:] -%}"
     "{%- else -%}{%- set system = none -%}{%- set rest = messages -%}{%- endif -%}"
     "{%- if system is not none or tools -%}"
-    "{{- '<|system|>' -}}{%- if system -%}{{- system -}}{%- endif -%}"
+    "{{- '<|system|>' -}}{%- if system -%}{{- plain(system) -}}{%- endif -%}"
     "{%- if system and tools -%}{{- '\\n\\n' -}}{%- endif -%}"
     "{%- if tools -%}{{- '<tools>\\n' -}}"
     "{%- for tool in tools -%}{%- if not loop.first -%}{{- '\\n' -}}{%- endif -%}{{- tool | tojson -}}"
@@ -71,7 +75,7 @@ CHAT_TEMPLATE = (
     "{{- '<|end|>' -}}"
     "{%- endif -%}"
     "{%- for message in rest -%}"
-    "{%- if message['role'] == 'user' -%}{{- '<|user|>' + message['content'] + '<|end|>' -}}"
+    "{%- if message['role'] == 'user' -%}{{- '<|user|>' + plain(message['content']) + '<|end|>' -}}"
     "{%- elif message['role'] == 'assistant' -%}{{- '<|assistant|>' -}}"
     "{%- set content = message['content'] if message['content'] else '' -%}{{- content -}}"
     "{%- for call in message['tool_calls'] or [] -%}"
@@ -84,7 +88,7 @@ CHAT_TEMPLATE = (
     "{{- '}\\n</tool_call>' -}}"
     "{%- endfor -%}{{- '<|end|>' -}}"
     "{%- elif message['role'] == 'tool' -%}"
-    "{{- '<|tool|><tool_response>\\n' + message['content'] + '\\n</tool_response><|end|>' -}}"
+    "{{- '<|tool|><tool_response>\\n' + plain(message['content']) + '\\n</tool_response><|end|>' -}}"
     "{%- else -%}{{- raise_exception('a ' + message['role'] + ' message may only come first') -}}"
     "{%- endif -%}"
     "{%- endfor -%}"
@@ -95,7 +99,9 @@ CHAT_TEMPLATE = (
 # messages in .Messages are skipped, as in Ollama's own Qwen templates. Its json function (Go's
 # encoding/json, the only JSON writer a template has) writes compact JSON with <, > and & escaped, and a
 # tool's "required" before its "properties": only the JSON inside <tools> and a call's arguments differ
-# from chat.render's text (tests/ollama_template.go executes this template as Ollama does).
+# from chat.render's text (tests/ollama_template.go executes this template as Ollama does). A Go template
+# has no string replacement: tool tags inside system, user or tool text reach an Ollama model as the tags
+# (chat.plain_text escapes them everywhere else; serve.py renders with chat.render).
 OLLAMA_TEMPLATE = """<|bos|>{{- if or .System .Tools }}<|system|>{{ .System }}
 {{- if and .System .Tools }}
 

@@ -168,14 +168,21 @@ def may_change(role, memory):
     return memory["scope"] == "private" or role == "adult"
 
 
+def readable_row(conn, member, role, memory_id):
+    """The row of a memory the caller may read, or None (an id past SQLite's 64-bit integers is none)."""
+    check_reader(role)
+    if not -(2**63) <= memory_id < 2**63:
+        return None
+    where, params = readable_sql(member)
+    return conn.execute(
+        f"SELECT * FROM memories m WHERE m.id = ? AND {where}", (memory_id, *params)
+    ).fetchone()
+
+
 def writable_row(conn, member, role, memory_id):
     """The row of a memory the caller may change. Any other id reads as not existing, so a member cannot
     probe others' memories."""
-    check_reader(role)
-    where, params = readable_sql(member)
-    row = conn.execute(
-        f"SELECT * FROM memories m WHERE m.id = ? AND {where}", (memory_id, *params)
-    ).fetchone()
+    row = readable_row(conn, member, role, memory_id)
     if row is None or not may_change(role, row):
         raise MemoryNotFound(f"no memory {memory_id} of {member}")
     return row
@@ -233,11 +240,7 @@ def list_memories(conn, member, role):
 
 
 def get(conn, member, role, memory_id):
-    check_reader(role)
-    where, params = readable_sql(member)
-    row = conn.execute(
-        f"SELECT * FROM memories m WHERE m.id = ? AND {where}", (memory_id, *params)
-    ).fetchone()
+    row = readable_row(conn, member, role, memory_id)
     if row is None:
         raise MemoryNotFound(f"no memory {memory_id} of {member}")
     return as_dict(row)
@@ -733,6 +736,10 @@ def parse_args(argv):
 
 
 def main(argv):
+    problem = config.undecodable_argument(argv)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     args = parse_args(argv)
     try:
         cfg = load_config(args.config)

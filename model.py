@@ -84,19 +84,30 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg["norm_eps"])
         self.k_norm = RMSNorm(self.head_dim, cfg["norm_eps"])
 
-    def forward(self, x, cos, sin, cache=None, layer_index=None):
+    def project(self, x, cos, sin):
+        """q, k, v of x (B, T, d_model), shaped (B, heads, T, head_dim), q and k normed and rotated."""
         B, T, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(B, T, self.n_heads, self.head_dim))
         k = self.k_norm(self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim))
         v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, head_dim)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+    def attend(self, q, k, v, mask=None, is_causal=False, backends=None):
+        with sdpa_kernel(self.backend if backends is None else backends):
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=self.n_kv_heads != self.n_heads
+            )
+
+    def forward(self, x, cos, sin, cache=None, layer_index=None, slot=None):
+        B, T, _ = x.shape
+        q, k, v = self.project(x, cos, sin)
         mask, is_causal, backends = None, True, self.backend
         if cache is not None:
             # Flash kernels take no explicit mask: decoding may fall back to the math kernel.
             backends = [self.backend, SDPBackend.MATH]
-            start = cache.length
-            k, v = cache.store(layer_index, k, v)
+            start = cache.lengths[slot or 0]
+            k, v = cache.store(layer_index, k, v, slot)
             if start > 0:
                 # New queries sit at positions start..start+T-1 and see every cached key up to their own
                 # position; is_causal would align the mask to the top-left corner instead.
@@ -105,11 +116,30 @@ class Attention(nn.Module):
                     key_pos = torch.arange(start + T, device=x.device)
                     query_pos = torch.arange(start, start + T, device=x.device)
                     mask = key_pos[None, :] <= query_pos[:, None]
-        with sdpa_kernel(backends):
-            y = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=self.n_kv_heads != self.n_heads
-            )
+        y = self.attend(q, k, v, mask, is_causal, backends)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+    def decode(self, x, cos, sin, cache, layer_index, step):
+        """One new token for each cache slot: x (slots, 1, d_model) at each slot's own position (cos, sin:
+        (slots, 1, head_dim)); step (a DecodeStep) lists the slots in use, the others' outputs are zeros.
+        The projections run over every slot at once; attention runs row by row over the row's own filled
+        keys, so that it is exactly the computation of that row decoding alone. (One masked attention over
+        the longest row would add the other rows' lengths to each row's softmax sums, which changes their
+        float32 rounding.) A single query needs no mask; these three products cost about what the flash
+        kernel does and a fifth to a twentieth of the math kernel with its grouped-query expansion."""
+        slots = x.shape[0]
+        q, k, v = self.project(x, cos, sin)
+        keys, values = cache.store_step(layer_index, k[:, :, 0], v[:, :, 0], step)
+        # Query heads grouped by the key/value head they read: head h reads kv head h // group.
+        q = q.reshape(slots, self.n_kv_heads, -1, self.head_dim) * self.head_dim**-0.5
+        outputs = []
+        for row, end in zip(step.rows, step.ends, strict=True):
+            scores = q[row] @ keys[row, :, :end].transpose(1, 2)  # (kv_heads, group, end)
+            outputs.append(scores.softmax(-1) @ values[row, :, :end])  # (kv_heads, group, head_dim)
+        y = torch.stack(outputs)
+        if len(step.rows) < slots:
+            y = q.new_zeros(q.shape).index_copy_(0, step.index, y)
+        return self.o_proj(y.reshape(slots, 1, -1))
 
 
 class MLP(nn.Module):
@@ -131,36 +161,191 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg["d_model"], cfg["norm_eps"])
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, cache=None, layer_index=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer_index)
+    def forward(self, x, cos, sin, cache=None, layer_index=None, slot=None, step=None):
+        """With a DecodeStep, x holds one new token per cache slot (Attention.decode), else a block of
+        tokens."""
+        h = self.input_layernorm(x)
+        if step is None:
+            x = x + self.self_attn(h, cos, sin, cache, layer_index, slot)
+        else:
+            x = x + self.self_attn.decode(h, cos, sin, cache, layer_index, step)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class KVCache:
-    """Keys and values of every layer for positions 0..length-1, preallocated to the context length on the
-    first store (with the dtype and device of the first keys stored)."""
+    """Keys and values of every layer for `slots` sequences, each at its own length: per layer a keys and a
+    values tensor (slots, kv_heads, max_len, head_dim), preallocated by allocate() or on the first store
+    (with the dtype and device of the first keys stored). lengths[s] positions of slot s are filled."""
 
-    def __init__(self, n_layers, max_len):
-        self.max_len = max_len
-        self.length = 0
+    def __init__(self, n_layers, max_len, slots=1):
+        self.max_len, self.slots = max_len, slots
+        self.lengths = [0] * slots
         self.keys = [None] * n_layers
         self.values = [None] * n_layers
 
-    def store(self, layer_index, k, v):
-        """Write k, v (B, kv_heads, T, head_dim) at positions length..length+T-1 and return the keys and
-        values of positions 0..length+T-1. The caller advances `length` once every layer has stored."""
+    @property
+    def length(self):
+        """The filled length of a cache whose slots are filled together (forward_with_cache without slot)."""
+        return self.lengths[0]
+
+    @length.setter
+    def length(self, value):
+        self.lengths = [value] * self.slots
+
+    def allocate(self, kv_heads, head_dim, dtype, device):
+        for layer_index in range(len(self.keys)):
+            shape = (self.slots, kv_heads, self.max_len, head_dim)
+            self.keys[layer_index] = torch.zeros(shape, dtype=dtype, device=device)
+            self.values[layer_index] = torch.zeros(shape, dtype=dtype, device=device)
+
+    def store(self, layer_index, k, v, slot=None):
+        """Write k, v (B, kv_heads, T, head_dim) after the filled positions, into every slot (B = slots,
+        filled together) or into slot `slot` alone (B = 1); return the keys and values of those slots'
+        positions 0..length+T-1. The caller advances the lengths once every layer has stored."""
         B, H, T, D = k.shape
         if self.keys[layer_index] is None:
-            self.keys[layer_index] = k.new_empty(B, H, self.max_len, D)
-            self.values[layer_index] = v.new_empty(B, H, self.max_len, D)
-        end = self.length + T
-        self.keys[layer_index][:, :, self.length : end] = k
-        self.values[layer_index][:, :, self.length : end] = v
-        return self.keys[layer_index][:, :, :end], self.values[layer_index][:, :, :end]
+            self.allocate(H, D, k.dtype, k.device)
+        rows = slice(None) if slot is None else slice(slot, slot + 1)
+        start = self.lengths[slot or 0]
+        end = start + T
+        self.keys[layer_index][rows, :, start:end] = k
+        self.values[layer_index][rows, :, start:end] = v
+        return self.keys[layer_index][rows, :, :end], self.values[layer_index][rows, :, :end]
+
+    def store_step(self, layer_index, k, v, step):
+        """Write one position per slot in use (a DecodeStep), at that slot's length: k, v (slots, kv_heads,
+        head_dim) hold every slot's new key and value. Returns the layer's whole keys and values."""
+        if self.keys[layer_index] is None:
+            self.allocate(k.shape[1], k.shape[2], k.dtype, k.device)
+        self.keys[layer_index][step.index, :, step.positions] = k[step.index]
+        self.values[layer_index][step.index, :, step.positions] = v[step.index]
+        return self.keys[layer_index], self.values[layer_index]
+
+
+class DecodeStep:
+    """The slots in use in one decode_step: rows (ints, ascending) and as a tensor (index), their
+    positions (a tensor: the slots' lengths before the step) and the lengths after it (ends)."""
+
+    def __init__(self, rows, lengths, device):
+        self.rows = sorted(rows)
+        self.ends = [lengths[row] + 1 for row in self.rows]
+        self.index = torch.tensor(self.rows, device=device)
+        self.positions = torch.tensor([end - 1 for end in self.ends], device=device)
+
+
+def logits_losses(logits, targets, z_loss_coef):
+    """Cross-entropy on float32 logits plus the PaLM z-loss z_loss_coef * mean(logsumexp(logits)^2),
+    which keeps the softmax normalizer near 1 so float16 logits cannot drift out of range. Both are
+    means over the positions whose target is not -1. The unchunked path (loss_chunk_size 0): the full
+    logits and autograd's backward; ChunkedLMHeadLoss computes the same without them."""
+    logits = logits.float().flatten(0, -2)
+    targets = targets.flatten()
+    keep = targets != -1
+    rows = targets.clamp(min=0)[:, None]  # ignored rows pick column 0, then count for nothing
+    log_probs = F.log_softmax(logits, dim=-1)
+    target_log_prob = log_probs.gather(1, rows).squeeze(1)
+    # log_softmax = logits - logsumexp(logits): the normalizer comes from the same column for free,
+    # one pass over the logits fewer than calling logsumexp.
+    log_normalizer = logits.gather(1, rows).squeeze(1) - target_log_prob
+    count = keep.sum().clamp(min=1)
+    ce = -torch.where(keep, target_log_prob, 0.0).sum() / count
+    z_loss = z_loss_coef * torch.where(keep, log_normalizer.square(), 0.0).sum() / count
+    return {"loss": ce + z_loss, "ce": ce, "z_loss": z_loss}
+
+
+class ChunkedLMHeadLoss(torch.autograd.Function):
+    """The LM head and both losses of logits_losses over chunks of `chunk_size` positions: the
+    (positions x vocab_size) logits never exist whole, only one chunk's at a time. Each chunk's gradient
+    is computed in the forward pass, while its logits are at hand (Liger Kernel's fused linear
+    cross-entropy): three matmuls per chunk like the unchunked path, where a backward that recomputed the
+    logits would need four. backward() then only scales the stored gradients by the incoming one.
+
+    Dtypes follow the unchunked path under autocast: the matmuls run in `compute_dtype` (the autocast
+    dtype, else the weight's), softmax and losses in float32. The stored gradients are those of the summed
+    loss, not yet divided by the count of positions nor multiplied by a GradScaler's scale, so in float16
+    they sit near 1 whatever the batch or the scale; backward applies both in float32."""
+
+    @staticmethod
+    def forward(ctx, h, weight, targets, z_loss_coef, chunk_size, compute_dtype, needs_grad):
+        ctx.h_shape, ctx.h_dtype = h.shape, h.dtype
+        h = h.reshape(-1, h.shape[-1])
+        targets = targets.reshape(-1)
+        keep = targets != -1
+        rows = targets.clamp(min=0)  # ignored rows pick column 0, then count for nothing
+        count = keep.sum().clamp(min=1)
+        weight_c = weight.to(compute_dtype)
+        ce_sum = torch.zeros((), dtype=torch.float32, device=h.device)
+        z_sum = torch.zeros((), dtype=torch.float32, device=h.device)
+        if needs_grad:
+            grad_h = torch.empty(h.shape, dtype=compute_dtype, device=h.device)
+            grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=h.device)
+        # One chunk's logits, reused by every chunk (and a compute-dtype twin for the half-precision
+        # matmuls): the largest tensors here, allocated once.
+        logits_buffer = h.new_empty((min(chunk_size, h.shape[0]), weight.shape[0]), dtype=torch.float32)
+        half_buffer = None if compute_dtype == torch.float32 else logits_buffer.to(compute_dtype)
+        with torch.autocast(h.device.type, enabled=False):  # every dtype below is explicit
+            for start in range(0, h.shape[0], chunk_size):
+                chunk = slice(start, start + chunk_size)
+                h_c, keep_c, rows_c = h[chunk].to(compute_dtype), keep[chunk], rows[chunk]
+                logits = logits_buffer[: h_c.shape[0]]
+                if half_buffer is None:
+                    torch.mm(h_c, weight_c.T, out=logits)
+                else:
+                    logits.copy_(torch.mm(h_c, weight_c.T, out=half_buffer[: h_c.shape[0]]))
+                target_logit = logits.gather(1, rows_c[:, None]).squeeze(1)
+                # logsumexp by hand, leaving exp(logits - max) in the buffer for the gradient
+                row_max = logits.amax(dim=1, keepdim=True)
+                probs = logits.sub_(row_max).exp_()
+                row_sum = probs.sum(dim=1, keepdim=True)
+                log_normalizer = (row_max + row_sum.log()).squeeze(1)
+                ce_sum += torch.where(keep_c, log_normalizer - target_logit, 0.0).sum()
+                z_sum += torch.where(keep_c, log_normalizer.square(), 0.0).sum()
+                if needs_grad:
+                    # d(sum of kept ce + z_loss_coef * lse^2)/d logits = softmax * (1 + 2 z lse) - one_hot
+                    coef = torch.where(keep_c, 1.0 + 2.0 * z_loss_coef * log_normalizer, 0.0)[:, None]
+                    grad_logits = probs.mul_(coef / row_sum)
+                    grad_logits.scatter_add_(1, rows_c[:, None], -keep_c[:, None].float())
+                    if half_buffer is None:
+                        torch.mm(grad_logits, weight_c, out=grad_h[chunk])
+                        # in place (FLOP counters do not see addmm_)
+                        torch.addmm(grad_weight, grad_logits.T, h_c, out=grad_weight)
+                    else:
+                        grad_logits = half_buffer[: h_c.shape[0]].copy_(grad_logits)
+                        torch.mm(grad_logits, weight_c, out=grad_h[chunk])
+                        grad_weight += grad_logits.T @ h_c
+        ce, z_loss = ce_sum / count, z_loss_coef * z_sum / count
+        loss = ce + z_loss
+        ctx.mark_non_differentiable(ce, z_loss)
+        if needs_grad:
+            ctx.save_for_backward(grad_h, grad_weight, count)
+        return loss, ce, z_loss
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_loss, _grad_ce, _grad_z_loss):
+        grad_h, grad_weight, count = ctx.saved_tensors
+        scale = grad_loss.float() / count
+        grad_h = (grad_h.float() * scale).to(ctx.h_dtype).view(ctx.h_shape)
+        grad_weight = grad_weight * scale
+        return grad_h, grad_weight, None, None, None, None, None
+
+
+def chunked_losses(h, weight, targets, z_loss_coef, chunk_size):
+    """logits_losses(h @ weight.T, targets, z_loss_coef) computed over chunks of positions: h (..., d_model)
+    the final norm's output, weight (vocab_size, d_model) the LM head's."""
+    device = h.device.type
+    compute_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
+    needs_grad = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
+    if targets.shape != h.shape[:-1]:
+        raise ValueError(f"targets of shape {tuple(targets.shape)} for positions of {tuple(h.shape[:-1])}")
+    loss, ce, z_loss = ChunkedLMHeadLoss.apply(
+        h, weight, targets, z_loss_coef, chunk_size, compute_dtype, needs_grad
+    )
+    return {"loss": loss, "ce": ce, "z_loss": z_loss}
 
 
 class Transformer(nn.Module):
-    def __init__(self, model_cfg, attention_backend="math"):
+    def __init__(self, model_cfg, attention_backend="math", loss_chunk_size=0):
         super().__init__()
         config.check_section("model", model_cfg)  # the schema and config.py's rules, nowhere else
         if attention_backend not in ATTENTION_BACKENDS:
@@ -170,6 +355,9 @@ class Transformer(nn.Module):
         self.cfg = dict(model_cfg)
         self.seq_len = model_cfg["seq_len"]
         self.z_loss_coef = model_cfg["z_loss_coef"]
+        if not isinstance(loss_chunk_size, int) or loss_chunk_size < 0:
+            raise ValueError(f"loss_chunk_size={loss_chunk_size!r} must be an int >= 0 (0: the full logits)")
+        self.loss_chunk_size = loss_chunk_size  # positions per chunk of the LM head + loss; 0 = unchunked
         backend = ATTENTION_BACKENDS[attention_backend]
         self.embed_tokens = nn.Embedding(model_cfg["vocab_size"], model_cfg["d_model"])
         self.layers = nn.ModuleList(DecoderLayer(model_cfg, backend) for _ in range(model_cfg["n_layers"]))
@@ -210,9 +398,11 @@ class Transformer(nn.Module):
         return 6 * self.num_params() + 12 * self.cfg["n_layers"] * self.cfg["d_model"] * seq_len
 
     def forward(self, idx, targets=None):
-        """idx (B, T) token ids, T <= seq_len -> (logits (B, T, vocab_size), losses). losses is None without
-        targets, else {"loss": ce + z_loss, "ce": ..., "z_loss": ...} as 0-dim float32 tensors; targets
-        equal to -1 are ignored."""
+        """idx (B, T) token ids, T <= seq_len. Without targets -> (logits (B, T, vocab_size), None). With
+        targets (B, T) -> (None, losses): {"loss": ce + z_loss, "ce": ..., "z_loss": ...} as 0-dim float32
+        tensors, means over the positions whose target is not -1 (targets equal to -1 are ignored). The
+        full logits are not materialized then (loss_chunk_size > 0: chunk by chunk, see ChunkedLMHeadLoss);
+        `loss` is the one to differentiate, ce and z_loss are its two parts, reported."""
         T = idx.shape[1]
         if T > self.seq_len:
             raise ValueError(f"sequence of {T} tokens is longer than model.seq_len={self.seq_len}")
@@ -220,40 +410,34 @@ class Transformer(nn.Module):
         cos, sin = self.rope_cos[:T], self.rope_sin[:T]
         for layer in self.layers:
             x = layer(x, cos, sin)
-        logits = self.lm_head(self.norm(x))
+        h = self.norm(x)
         if targets is None:
-            return logits, None
-        return logits, self.losses(logits, targets)
-
-    def losses(self, logits, targets):
-        """Cross-entropy on float32 logits plus the PaLM z-loss z_loss_coef * mean(logsumexp(logits)^2),
-        which keeps the softmax normalizer near 1 so float16 logits cannot drift out of range. Both are
-        means over the positions whose target is not -1."""
-        logits = logits.float().flatten(0, -2)
-        targets = targets.flatten()
-        keep = targets != -1
-        rows = targets.clamp(min=0)[:, None]  # ignored rows pick column 0, then count for nothing
-        log_probs = F.log_softmax(logits, dim=-1)
-        target_log_prob = log_probs.gather(1, rows).squeeze(1)
-        # log_softmax = logits - logsumexp(logits): the normalizer comes from the same column for free,
-        # one pass over the logits fewer than calling logsumexp.
-        log_normalizer = logits.gather(1, rows).squeeze(1) - target_log_prob
-        count = keep.sum().clamp(min=1)
-        ce = -torch.where(keep, target_log_prob, 0.0).sum() / count
-        z_loss = self.z_loss_coef * torch.where(keep, log_normalizer.square(), 0.0).sum() / count
-        return {"loss": ce + z_loss, "ce": ce, "z_loss": z_loss}
+            return self.lm_head(h), None
+        if self.loss_chunk_size:
+            return None, chunked_losses(
+                h, self.lm_head.weight, targets, self.z_loss_coef, self.loss_chunk_size
+            )
+        return None, logits_losses(self.lm_head(h), targets, self.z_loss_coef)
 
     # ---- inference with a KV cache ----
 
-    def new_kv_cache(self):
-        """An empty cache for forward_with_cache, holding up to seq_len positions."""
-        return KVCache(len(self.layers), self.seq_len)
+    def new_kv_cache(self, slots=1):
+        """An empty cache for forward_with_cache and decode_step: `slots` sequences of up to seq_len
+        positions each."""
+        return KVCache(len(self.layers), self.seq_len, slots)
 
-    def forward_with_cache(self, idx, cache):
+    def kv_cache_bytes(self, slots, bytes_per_value=4):
+        """Memory of a KVCache of `slots` slots: keys and values of every layer, seq_len positions each."""
+        attn = self.layers[0].self_attn
+        return 2 * len(self.layers) * slots * attn.n_kv_heads * self.seq_len * attn.head_dim * bytes_per_value
+
+    def forward_with_cache(self, idx, cache, slot=None):
         """Run the new tokens idx (B, T) at positions cache.length..cache.length+T-1, attending to every
-        cached position, and append their keys/values to the cache. Returns logits (B, T, vocab_size):
-        the same as the full forward pass over all the tokens seen so far, at the new positions."""
-        start, T = cache.length, idx.shape[1]
+        cached position, and append their keys/values to the cache: to every slot (B = cache.slots, all
+        filled together), or with `slot` to that slot alone (B = 1, from its own length). Returns logits
+        (B, T, vocab_size): the same as the full forward pass over all the tokens seen so far, at the new
+        positions."""
+        start, T = cache.lengths[slot or 0], idx.shape[1]
         if start + T > cache.max_len:
             raise ValueError(
                 f"{start} cached + {T} new tokens exceed model.seq_len={cache.max_len}; "
@@ -262,20 +446,60 @@ class Transformer(nn.Module):
         x = self.embed_tokens(idx)
         cos, sin = self.rope_cos[start : start + T], self.rope_sin[start : start + T]
         for layer_index, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cache, layer_index)
-        cache.length = start + T
+            x = layer(x, cos, sin, cache, layer_index, slot)
+        if slot is None:
+            cache.length = start + T
+        else:
+            cache.lengths[slot] = start + T
         return self.lm_head(self.norm(x))
+
+    def decode_step(self, tokens, cache, rows):
+        """One generation step for several sequences at once, each at its own position: tokens (slots,)
+        holds the next token of each cache slot, of which the slots listed in `rows` are in use (the
+        others' tokens are ignored). Appends the rows' keys and values at their slots' lengths and returns
+        logits (slots, vocab_size). The projections and the LM head always run over all cache.slots
+        rows, so a row's logits are bit for bit the same whichever other slots are in use (a float32
+        matrix product may round a row differently when the number of rows changes)."""
+        full = [row for row in rows if cache.lengths[row] >= cache.max_len]
+        if full:
+            raise ValueError(
+                f"slots {full} hold model.seq_len={cache.max_len} positions; restart their window"
+            )
+        step = DecodeStep(rows, cache.lengths, tokens.device)
+        positions = torch.zeros(cache.slots, dtype=torch.long, device=tokens.device)
+        positions[step.index] = step.positions
+        x = self.embed_tokens(tokens[:, None])
+        cos, sin = self.rope_cos[positions][:, None, :], self.rope_sin[positions][:, None, :]
+        for layer_index, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, cache, layer_index, step=step)
+        for row, end in zip(step.rows, step.ends, strict=True):
+            cache.lengths[row] = end
+        return self.lm_head(self.norm(x))[:, 0]
+
+    def decoder(self, slots, allocate=False):
+        """A Decoder over this model with `slots` slots (allocate: its KV cache now, in the weights'
+        dtype, rather than on the first prefill)."""
+        return Decoder(self, slots, allocate)
 
     @torch.no_grad()
     def generate(
-        self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, stop_token=None, generator=None
+        self,
+        idx,
+        max_new_tokens,
+        temperature=1.0,
+        top_k=None,
+        top_p=None,
+        stop_token=None,
+        generator=None,
+        constraint=None,
     ):
         """Yield up to max_new_tokens new token ids (ints), one per step, continuing the prompt idx (a 1-D
         tensor or shape (1, T)). temperature 0 or top_k 1 is greedy argmax; otherwise sample from
         softmax(logits / temperature), restricted to the top_k tokens and/or the smallest set whose
         probability reaches top_p, drawing with `generator` (sampling runs on the generator's device, so a
-        CPU generator gives the same draws whatever the model's device). The stop token is yielded, then
-        generation ends.
+        CPU generator gives the same draws whatever the model's device). A constraint (see Decoder.sample)
+        masks each step's logits before sampling and is told the token chosen. The stop token is yielded,
+        then generation ends. This is a Decoder with one slot: the server's batches run the same steps.
 
         Each step's logits are exactly those of a full forward pass over a window of the most recent
         tokens. The first window is the prompt's last seq_len tokens; each step adds the new token to it
@@ -290,23 +514,102 @@ class Transformer(nn.Module):
             raise ValueError(
                 f"generate needs a non-empty prompt of shape (T,) or (1, T), not {tuple(idx.shape)}"
             )
-        check_sampling(temperature, top_k, top_p)
-        device = self.embed_tokens.weight.device
-        window = idx.tolist()[-self.seq_len :]
-        cache = self.new_kv_cache()
-        logits = self.forward_with_cache(torch.tensor([window], device=device), cache)
+        decoder = Decoder(self, slots=1)
+        row = decoder.add(idx.tolist(), temperature, top_k, top_p, generator, constraint)
         for step in range(max_new_tokens):
-            token = sample_token(logits[0, -1], temperature, top_k, top_p, generator)
+            token = decoder.sample(row)
             yield token
             if token == stop_token or step == max_new_tokens - 1:
                 return
-            window.append(token)
-            if cache.length < self.seq_len:
-                logits = self.forward_with_cache(torch.tensor([[token]], device=device), cache)
+            decoder.advance({row: token})
+
+
+class Row:
+    """One sequence of a Decoder: its cache slot, the window of tokens its cache holds, its sampling
+    settings, and the logits of its next token."""
+
+    def __init__(self, slot, window, temperature, top_k, top_p, generator, constraint):
+        self.slot, self.window, self.logits = slot, window, None
+        self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
+        self.generator, self.constraint = generator, constraint
+
+
+class Decoder:
+    """Generation for up to `slots` sequences at once, each at its own position (continuous batching:
+    rows join and leave between steps). add() prefills a prompt on its own into a free slot of the KV
+    cache; sample() picks a row's next token with the row's own settings, generator and constraint;
+    advance() feeds every continuing row its token in one batched decode_step; remove() frees the slot.
+    A row's tokens are those it would get alone in a Decoder of as many slots (decode_step). Windows
+    past seq_len restart as Transformer.generate describes, each row on its own."""
+
+    def __init__(self, model, slots, allocate=False):
+        self.model, self.slots = model, slots
+        self.cache = model.new_kv_cache(slots)
+        weight = model.embed_tokens.weight
+        self.device = weight.device
+        if allocate:
+            attn = model.layers[0].self_attn
+            self.cache.allocate(attn.n_kv_heads, attn.head_dim, weight.dtype, weight.device)
+        self.free = list(range(slots))
+        self.rows = {}  # slot -> Row
+
+    @torch.no_grad()
+    def add(self, prompt, temperature=1.0, top_k=None, top_p=None, generator=None, constraint=None):
+        """A new row continuing `prompt` (a list of token ids, its last seq_len read), prefilled into the
+        lowest free slot; raises ValueError when every slot is taken."""
+        check_sampling(temperature, top_k, top_p)
+        if not prompt:
+            raise ValueError("a row needs a non-empty prompt")
+        if not self.free:
+            raise ValueError(f"all {self.slots} slots are in use")
+        row = Row(min(self.free), list(prompt)[-self.model.seq_len :], temperature, top_k, top_p, generator,
+                  constraint)  # fmt: skip
+        self.prefill(row)
+        self.free.remove(row.slot)
+        self.rows[row.slot] = row
+        return row
+
+    def prefill(self, row):
+        self.cache.lengths[row.slot] = 0
+        ids = torch.tensor([row.window], device=self.device)
+        row.logits = self.model.forward_with_cache(ids, self.cache, row.slot)[0, -1]
+
+    def sample(self, row):
+        """The row's next token: its logits, masked by its constraint (constraint.mask(logits) returns the
+        logits with forbidden tokens at -inf; constraint.accept(token) is told the choice), then
+        sample_token with its settings and generator."""
+        logits = row.logits
+        if row.constraint is not None:
+            logits = row.constraint.mask(logits)
+        token = sample_token(logits, row.temperature, row.top_k, row.top_p, row.generator)
+        if row.constraint is not None:
+            row.constraint.accept(token)
+        return token
+
+    @torch.no_grad()
+    def advance(self, tokens):
+        """Feed each row of `tokens` ({row: token}) its token: one decode_step for the rows whose slot has
+        room, a prefill of its last seq_len // 2 tokens for a row whose window is full."""
+        batched = []
+        for row, token in tokens.items():
+            row.window.append(token)
+            if self.cache.lengths[row.slot] < self.model.seq_len:
+                batched.append(row)
             else:
-                window = window[-(self.seq_len // 2) :]
-                cache = self.new_kv_cache()
-                logits = self.forward_with_cache(torch.tensor([window], device=device), cache)
+                row.window = row.window[-(self.model.seq_len // 2) :]
+                self.prefill(row)
+        if batched:
+            ids = torch.zeros(self.slots, dtype=torch.long)
+            for row in batched:
+                ids[row.slot] = row.window[-1]
+            logits = self.model.decode_step(ids.to(self.device), self.cache, [row.slot for row in batched])
+            for row in batched:
+                row.logits = logits[row.slot]
+
+    def remove(self, row):
+        """Free the row's slot (a later add() overwrites its cache)."""
+        if self.rows.pop(row.slot, None) is row:
+            self.free.append(row.slot)
 
 
 def check_sampling(temperature, top_k, top_p):

@@ -2,7 +2,7 @@
 Use a trained run: generate text, chat, or measure bits per byte.
 
     python sample.py runs/smoke-cpu --prompt "Había una vez" --max-new-tokens 200 --seed 1
-    python sample.py runs/smoke-cpu/ckpt_0000300.pt --prompt-file prompt.txt --num-samples 3
+    python sample.py runs/smoke-cpu/ckpt_0000300.pt --prompt-file prompt.txt --num-samples 3 --batch 3
     python sample.py runs/sft-smoke-cpu --chat --system "Eres un asistente amable."
     python sample.py runs/sft-smoke-cpu --chat-eval val --max-new-tokens 400   # held-out conversations
     python sample.py runs/smoke-cpu --eval val            # the run's validation split
@@ -25,6 +25,7 @@ import torch.nn.functional as F
 import agent
 import chat
 import checkpoint
+import config
 import data
 from checkpoint import CheckpointError
 
@@ -90,6 +91,32 @@ def stream_text(model, tokenizer, prompt_ids, args, generator, write, stop_token
     write(decoder.flush())
 
 
+def generate_batch(model, prompts, max_new_tokens, slots, sampling, stop_tokens=()):
+    """Continuous batching over a list of prompts (lists of token ids): up to `slots` rows decode together
+    in a model.Decoder, a row leaving at a stop token (kept) or after max_new_tokens, the next prompt taking
+    its slot. sampling(i) gives prompt i's Decoder.add settings (temperature, top_k, top_p, generator).
+    Returns each prompt's new token ids, in order. The tokens are those each prompt gets alone in a
+    decoder of as many slots; against --batch 1 they can differ only where float32 rounding flips a tie."""
+    decoder = model.decoder(slots)
+    waiting, rows, generated = list(enumerate(prompts)), {}, [[] for _ in prompts]
+    with torch.no_grad():
+        while waiting or rows:
+            while waiting and len(rows) < slots:
+                index, prompt = waiting.pop(0)
+                rows[decoder.add(prompt, **sampling(index))] = index
+            going_on = {}
+            for row, index in list(rows.items()):
+                token = decoder.sample(row)
+                generated[index].append(token)
+                if token in stop_tokens or len(generated[index]) == max_new_tokens:
+                    decoder.remove(row)
+                    del rows[row]
+                else:
+                    going_on[row] = token
+            decoder.advance(going_on)
+    return generated
+
+
 def write_to(out, collected=None):
     def write(piece):
         out.write(piece)
@@ -111,18 +138,35 @@ def prompt_ids_of(tokenizer, text):
 
 
 def run_generation(model, tokenizer, args):
+    """--num-samples samples of the prompt; sample i draws with its own generator seeded --seed + i, so
+    that --batch (samples decoded together, each printed when all are done) draws the same."""
     if args.prompt_file:
         with open(args.prompt_file, encoding="utf-8") as f:
             prompt = f.read()
     else:
         prompt = args.prompt
     prompt_ids = prompt_ids_of(tokenizer, prompt)
-    generator = torch.Generator().manual_seed(args.seed)  # CPU: same text on any device
+
+    def generator_of(index):
+        return torch.Generator().manual_seed(args.seed + index)  # CPU: the same draws on any device
+
+    def settings(index):
+        return {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
+                "generator": generator_of(index)}  # fmt: skip
+
+    slots = min(args.batch or 1, args.num_samples)
+    if slots > 1:
+        samples = generate_batch(model, [prompt_ids] * args.num_samples, args.max_new_tokens, slots, settings,
+                                 {tokenizer.eos_id} - {None})  # fmt: skip
     for index in range(args.num_samples):
         if args.num_samples > 1:
             print(f"--- sample {index + 1}/{args.num_samples}")
         sys.stdout.write(prompt)
-        stream_text(model, tokenizer, prompt_ids, args, generator, write_to(sys.stdout))
+        if slots > 1:
+            ids = [token for token in samples[index] if token != tokenizer.eos_id]
+            sys.stdout.write(tokenizer.decode(ids))
+        else:
+            stream_text(model, tokenizer, prompt_ids, args, generator_of(index), write_to(sys.stdout))
         sys.stdout.write("\n")
         sys.stdout.flush()
 
@@ -321,7 +365,8 @@ def run_chat_eval(model, cfg, tokenizer, args, out=sys.stdout):
         raise SampleError(f"{', '.join(paths)}: no conversations")
     nats, count, num_bytes, ended, examples = 0.0, 0, 0, 0, []
     end_turns, end_guessed = 0, 0
-    for where, conversation in conversations:
+    answers = greedy_answers(model, tokenizer, [c for _, c in conversations], args, end_id)
+    for (where, conversation), answer in zip(conversations, answers, strict=True):
         ids, mask = chat.render(conversation, tokenizer)
         n, c, b = evaluate_tokens(
             model,
@@ -339,11 +384,6 @@ def run_chat_eval(model, cfg, tokenizer, args, out=sys.stdout):
             end_guessed += sum(int(logits[0, p].argmax()) == end_id for p in ends)
         messages = conversation["messages"]
         first_answer = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
-        prompt, _ = chat.render({"messages": messages[:first_answer]}, tokenizer, for_generation=True)
-        device = model.embed_tokens.weight.device
-        answer = list(
-            model.generate(torch.tensor(prompt, device=device), args.max_new_tokens, 0.0, stop_token=end_id)
-        )
         ended += answer[-1] == end_id
         if len(examples) < args.show:
             examples.append(
@@ -366,6 +406,22 @@ def run_chat_eval(model, cfg, tokenizer, args, out=sys.stdout):
         f"<|end|> the top guess where an answer ends: {end_guessed}/{end_turns}\n"
     )
     return result
+
+
+def greedy_answers(model, tokenizer, conversations, args, end_id):
+    """The greedy answer (token ids, up to <|end|> included) to each conversation's first prompt, --batch
+    conversations decoded together."""
+    prompts = []
+    for conversation in conversations:
+        messages = conversation["messages"]
+        first_answer = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
+        prompts.append(chat.render({"messages": messages[:first_answer]}, tokenizer, for_generation=True)[0])
+    if (args.batch or 1) > 1:
+        return generate_batch(model, prompts, args.max_new_tokens, args.batch, lambda _: {"temperature": 0.0},
+                              {end_id})  # fmt: skip
+    device = model.embed_tokens.weight.device
+    return [list(model.generate(torch.tensor(prompt, device=device), args.max_new_tokens, 0.0, stop_token=end_id))
+            for prompt in prompts]  # fmt: skip
 
 
 # -----------------------------------------------------------------------------
@@ -439,7 +495,7 @@ def run_eval(model, cfg, tokenizer, args):
     if len(tokens) < 2:
         raise SampleError(f"{source}: fewer than 2 tokens, nothing to score")
     stride = args.stride or max(1, model.seq_len // 2)
-    nats, count, num_bytes = evaluate_tokens(model, tokens, tokenizer.token_bytes, stride)
+    nats, count, num_bytes = evaluate_tokens(model, tokens, tokenizer.token_bytes, stride, args.batch or 8)
     loss = nats / count
     bpb = nats / (math.log(2) * max(num_bytes, 1))
     print(f"{source}: {count} tokens, {num_bytes} bytes | loss {loss:.4f} | bpb {bpb:.4f}")
@@ -469,6 +525,12 @@ def parse_args(argv):
     parser.add_argument("--top-p", type=float, default=None)
     parser.add_argument("--seed", type=int, default=1337)
     parser.add_argument("--num-samples", type=int, default=1)
+    parser.add_argument(
+        "--batch",
+        type=int,
+        help="sequences together: --num-samples and --chat-eval answers decoded at once (continuous "
+        "batching; default 1), --eval windows per forward pass (default 8)",
+    )
     parser.add_argument("--system", default="", help="system prompt for --chat")
     parser.add_argument("--no-tools", action="store_true", help="--chat without agent.py's tools")
     parser.add_argument("--stride", type=int, default=0, help="--eval window stride (default seq_len/2)")
@@ -479,10 +541,16 @@ def parse_args(argv):
     args = parser.parse_args(argv)
     if args.max_new_tokens < 1 or args.num_samples < 1:
         parser.error("--max-new-tokens and --num-samples must be >= 1")
+    if args.batch is not None and args.batch < 1:
+        parser.error(f"--batch {args.batch}: must be >= 1")
     return args
 
 
 def main(argv):
+    problem = config.undecodable_argument(argv)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     args = parse_args(argv)
     try:
         model, cfg, tokenizer, ckpt_path = load_run(args.run, args.device)

@@ -35,6 +35,8 @@ from urllib.parse import parse_qs, urlencode, urlsplit
 
 import urllib3
 
+import config
+
 log = logging.getLogger("search")
 
 DDG_URL = "https://lite.duckduckgo.com/lite/"
@@ -812,6 +814,11 @@ def print_response(response: SearchResponse) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    problem = config.undecodable_argument(argv)
+    if problem:
+        print(f"search.py: error: {problem}", file=sys.stderr)
+        return 2
     parser = argparse.ArgumentParser(description="Search the web: DuckDuckGo lite, then Brave as fallback.")
     parser.add_argument("query", nargs="+", help="the search terms (quote them or not)")
     parser.add_argument("-n", "--max-results", type=max_results_arg, default=10, help="1-20, default 10")

@@ -9,8 +9,9 @@ chat page in web/.
     python serve.py member list | remove NAME | new-key NAME
 
 One process: uvicorn runs the Starlette app on the event loop, and one model worker thread (serve_worker.py)
-generates one answer at a time, taking requests from a bounded queue (a full queue answers 503 with
-Retry-After).
+decodes up to serve.max_batch answers at once (continuous batching), taking requests from a bounded queue
+(a full queue answers 503 with Retry-After). The KV cache of the batch's slots is computed, printed and
+checked against the device's free memory (and serve.max_kv_cache_mib) at start.
 The server binds 127.0.0.1 unless --host says otherwise: --host 0.0.0.0 opens it to every device on the
 network, over plain HTTP (see the README before doing that).
 
@@ -25,7 +26,7 @@ serve_web.py's; other features add theirs with build_app(..., extra_routes)):
     GET|POST /api/members; DELETE /api/members/{name}                         admin only (a member made
                                            here is provisional until they change the password the admin set)
     POST /api/members/{name}/key           a new API key: the caller's own only
-    GET  /api/server                       queue and worker counters, admin only
+    GET  /api/server                       worker counters: slots in use, queued jobs, tokens/s; admin only
     GET|POST|DELETE /api/memories; GET /api/memories/export; PATCH|DELETE /api/memories/{id}
                                            the member's memories (memory.py), never the admin's business
     POST|DELETE /api/conversations/{id}/messages/{n}/feedback   the member's 👍/👎 of answer n (counted
@@ -617,6 +618,47 @@ def load_model(run, device):
     return model, tokenizer, cfg["run_name"], cfg["model"]["seq_len"]
 
 
+def free_memory_bytes(device):
+    """Memory free for the KV cache on the device: CUDA's free memory, or the kernel's MemAvailable for the
+    CPU; None where it cannot be read."""
+    if device.startswith("cuda"):
+        import torch
+
+        return torch.cuda.mem_get_info(torch.device(device))[0]
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
+def memory_text(size):
+    return f"{size / 2**20:,.1f} MiB" if size >= 2**20 else f"{size / 1024:.0f} KiB"
+
+
+def check_kv_cache(model, settings, device):
+    """Print the KV cache's memory for serve.max_batch slots; a ServeError when it exceeds
+    serve.max_kv_cache_mib or the device's free memory, with the largest max_batch that fits."""
+    slots = settings["max_batch"]
+    per_slot = model.kv_cache_bytes(1, model.embed_tokens.weight.element_size())
+    needed = slots * per_slot
+    print(f"serve: KV cache {slots} slots x {memory_text(per_slot)} = {memory_text(needed)} (serve.max_batch="
+          f"{slots}, {model.seq_len} positions per slot)", file=sys.stderr)  # fmt: skip
+    limits = []
+    cap = settings["max_kv_cache_mib"]
+    if cap is not None:
+        limits.append((cap * 2**20, f"serve.max_kv_cache_mib={cap}"))
+    free = free_memory_bytes(device)
+    if free is not None:
+        limits.append((free, f"the {memory_text(free)} free on {device}"))
+    for limit, what in limits:
+        if needed > limit:
+            fits = int(limit // per_slot)
+            advice = f"set serve.max_batch to at most {fits}" if fits else "not even one slot fits"
+            raise ServeError(f"serve.max_batch={slots}: the KV cache needs {memory_text(needed)} "
+                             f"({memory_text(per_slot)} per slot), more than {what}; {advice}")  # fmt: skip
+
+
 def serving_info(run, model, tokenizer, settings, memory_cfg):
     """What this server uses, for the snapshots of its database (memory.hold_lock writes it)."""
     processor = getattr(tokenizer, "processor", None)  # sentencepiece, possibly from inside the checkpoint
@@ -667,7 +709,8 @@ def serve_main(argv):
     port = settings["port"] if args.port is None else args.port
     store = serve_accounts.Store(settings["database"], settings["busy_timeout_ms"])
     model, tokenizer, model_id, context = load_model(args.run, args.device)
-    model_worker = serve_worker.Worker(model, tokenizer, settings["queue_size"])
+    check_kv_cache(model, settings, args.device)
+    model_worker = serve_worker.Worker(model, tokenizer, settings["queue_size"], settings["max_batch"])
     server = Server(settings, store, model_worker, model_id, context, memory_cfg=memory_cfg)
     # memory.py: the database's lock, held until this process ends (restore refuses to run meanwhile, and
     # so does a second server on the same file), and the snapshot schedule on a daemon thread.
@@ -700,6 +743,10 @@ def serve_main(argv):
 
 
 def main(argv):
+    problem = config.undecodable_argument(argv)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     try:
         if argv and argv[0] == "member":
             return serve_accounts.member_main(argv[1:], load_settings, DEFAULT_CONFIG)

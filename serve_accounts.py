@@ -24,6 +24,7 @@ import threading
 import time
 import uuid
 
+import config
 import feedback
 import memory
 
@@ -263,12 +264,21 @@ def password_problem(password, settings):
 
 
 def read_password(settings, stream=sys.stdin):
-    if stream.isatty():
-        password = getpass.getpass("password or PIN: ")
-        if getpass.getpass("again: ") != password:
-            raise AccountError("the two passwords differ")
-    else:
-        password = stream.readline().rstrip("\n")
+    """The password typed twice on a terminal, or one line of stdin. Bytes that are not in the terminal's
+    encoding are refused: the same password typed on another device would not match."""
+    not_text = AccountError("the password is not valid UTF-8: the terminal sends another encoding than the "
+                            "locale says; set it to UTF-8 and type the password again")  # fmt: skip
+    try:
+        if stream.isatty():
+            password = getpass.getpass("password or PIN: ")
+            if getpass.getpass("again: ") != password:
+                raise AccountError("the two passwords differ")
+        else:
+            password = stream.readline().rstrip("\n")
+    except UnicodeDecodeError:  # a strict decoder (a UTF-8 locale)
+        raise not_text from None
+    if config.LONE_SURROGATE.search(password):  # a surrogateescape decoder (the C locale)
+        raise not_text
     problem = password_problem(password, settings)
     if problem:
         raise AccountError(problem)

@@ -9,6 +9,7 @@ import json
 import secrets
 
 import agent
+import config
 
 MESSAGE_ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -43,6 +44,20 @@ def expect(value, kinds, param, what):
         raise ApiError(400, f"{param}: expected {what}, got {json.dumps(value)[:80]}", param=param,
                        code="invalid_type")  # fmt: skip
     return value
+
+
+def check_text(value, max_depth):
+    """The one check of a request's text (serve_web.read_json runs it on every JSON body): every string and
+    key must be Unicode text (JSON's "\\ud800" escape gives a lone surrogate, which SQLite, the tokenizer and
+    the JSON answer all refuse) and the nesting at most max_depth deep; else a 400 naming the field."""
+    problem = config.text_problem(value, max_depth)
+    if problem:
+        raise text_error(*problem)
+
+
+def text_error(param, why):
+    return ApiError(400, f"{param or 'body'}: {why}", param=param or None,
+                    code="invalid_text")  # fmt: skip
 
 
 def text_of(content, param):

@@ -8,20 +8,22 @@ and who is asking; read_json is the one request-body reader, serve.py's too.
 
 import asyncio
 import json
+import sys
 
 from starlette.responses import JSONResponse
 
 import feedback
 import memory
 import serve_accounts
-from serve_openai import ApiError, expect
+from serve_openai import ApiError, check_text, expect, text_error
 
 SESSION_COOKIE = "enlace_session"
 
 
 async def read_json(request, limit):
     """The JSON body as a dict; 413 past `limit` bytes (the rest is read and dropped, so the client gets
-    the answer rather than a reset connection), 400 when it is not a JSON object."""
+    the answer rather than a reset connection), 400 when it is not a JSON object, or when any of its text is
+    not Unicode (serve_openai.check_text: every route that reads a body gets that check here)."""
     body, size = bytearray(), 0
     async for chunk in request.stream():
         size += len(chunk)
@@ -30,10 +32,16 @@ async def read_json(request, limit):
     if size > limit:
         raise ApiError(413, f"the request body is {size} bytes; at most {limit} are accepted",
                        code="request_too_large")  # fmt: skip
+    depth = request.app.state.server.settings["max_json_depth"]
     try:
         value = json.loads(bytes(body))
+        check_text(value, depth)
     except (ValueError, UnicodeDecodeError) as e:
         raise ApiError(400, f"the body is not valid JSON: {e}", code="invalid_json") from None
+    except (ApiError, RecursionError) as e:  # one line in the log; nothing was read or stored yet
+        refused = e if isinstance(e, ApiError) else text_error("", f"nested deeper than {depth} levels")
+        print(f"serve: {request.method} {request.url.path}: refused: {refused.message}", file=sys.stderr)
+        raise refused from None
     return expect(value, dict, "body", "a JSON object")
 
 
@@ -212,8 +220,7 @@ async def new_member_key(request):
 async def server_status(request):
     server = request.app.state.server
     server.admin_of(request)
-    stats = dict(server.worker.stats) | {"queued": server.worker.jobs.qsize()}
-    return JSONResponse(stats | {"model": server.model_id})
+    return JSONResponse(server.worker.status() | {"model": server.model_id})
 
 
 # --- memories: the logged-in member's own (memory.py); the admin has none

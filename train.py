@@ -29,7 +29,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 import chat
 import checkpoint as ckpt
@@ -37,6 +36,7 @@ import config
 import data
 import fileio
 import train_dpo
+import train_memory
 from checkpoint import (
     list_checkpoints,
     load_checkpoint,
@@ -415,6 +415,24 @@ class StopRequest:
             signal.signal(sig, handler)
 
 
+def memory_line(model_cfg, batch, profile):
+    """The step's estimated peak memory against the profile's memory_gib (train_memory.py), and what to
+    change when it does not fit."""
+    dtype, chunk, memory_gib = profile["dtype"], profile["loss_chunk_size"], profile["memory_gib"]
+    peak = train_memory.step_peak_bytes(model_cfg, batch, dtype, chunk) / train_memory.GIB
+    fits = train_memory.largest_micro_batch(model_cfg, dtype, chunk, memory_gib * train_memory.GIB)
+    line = (
+        f"memory: ~{peak:.1f} GiB estimated for a step of {batch} sequences ({fits} fit in {memory_gib} GiB)"
+    )
+    if batch > fits:
+        line += (
+            f"; WARNING: it may not fit hardware.memory_gib: lower train.micro_batch_size to {fits} and raise "
+            "train.grad_accum_steps to keep the global batch"
+            + ("" if chunk else ", or set hardware.loss_chunk_size (0 keeps the full logits)")
+        )
+    return line
+
+
 # -----------------------------------------------------------------------------
 # The run
 
@@ -441,15 +459,12 @@ def evaluate(model, cfg, hardware, ctx, token_bytes):
         for _ in range(train["eval_batches"]):
             x, y = (t.to(hardware.device) for t in loader.next_batch())
             with hardware.autocast():
-                logits, _ = model(x)
+                _, losses = model(x, y)  # the training loss's path: no full logits in memory
             # Targets -1 (chat data: prompt and padding positions) are not scored.
-            nats = F.cross_entropy(
-                logits.float().flatten(0, 1), y.flatten(), ignore_index=-1, reduction="sum"
-            )
             scored = y != -1
             totals += torch.stack(
                 [
-                    nats.double(),
+                    losses["ce"].double() * scored.sum(),
                     scored.sum().double(),
                     torch.where(scored, token_bytes[y.clamp(min=0)], 0.0).sum().double(),
                 ]
@@ -532,7 +547,9 @@ def _train(cfg, ctx, resume, stop_after, log, handle_signals):
             "trained on (or start a new run)"
         )
     token_bytes = torch.as_tensor(tokenizer.token_bytes, dtype=torch.float64, device=hardware.device)
-    model = Transformer(model_cfg, attention_backend=hardware.attention_backend).to(hardware.device)
+    model = Transformer(
+        model_cfg, attention_backend=hardware.attention_backend, loss_chunk_size=profile["loss_chunk_size"]
+    ).to(hardware.device)
     optimizer = build_optimizer(model, train_cfg, hardware.device)
     batch, seq_len, accum = train_cfg["micro_batch_size"], model_cfg["seq_len"], train_cfg["grad_accum_steps"]
     loader = data.build_loader(
@@ -596,6 +613,8 @@ def _train(cfg, ctx, resume, stop_after, log, handle_signals):
                 f"global batch {tokens_per_step} tokens = {ctx.world_size} ranks x {batch} sequences x "
                 f"{seq_len} tokens x {accum} accumulation; {train_cfg['max_steps']} steps"
             )
+        if profile["memory_gib"] is not None and not dpo:  # the estimate models a next-token step
+            log(memory_line(model_cfg, batch, profile))
     metrics_file = open(metrics_path, "a", encoding="utf-8") if ctx.is_main else None
 
     def write_metrics(record):

@@ -10,7 +10,6 @@ import subprocess
 import sys
 import threading
 import time
-import types
 
 import jsonschema
 import pytest
@@ -43,6 +42,7 @@ TINY = [
     "train.keep_last=2",
     "train.sample_tokens=0",
     "hardware.peak_tflops=1.0",  # skips the ~1 s start-up matmul that measures the MFU reference
+    "hardware.loss_chunk_size=24",  # the LM head + loss in several chunks, the last one short (64 = 24+24+16)
 ]
 
 
@@ -290,21 +290,46 @@ def chat_model(chat_run):
 
 
 class ScriptedModel:
-    """Stands in for the model's choices: its generations yield the scripts in turn (round robin), each
-    repeating its last id, `delay` s per token. It keeps the prompts it got."""
+    """Stands in for the model's choices: its generations (rows of its decoder) yield the scripts in turn
+    (round robin), each repeating its last id; every decoding step of the batch takes `delay` s. It keeps
+    the prompts it got."""
 
     def __init__(self, *scripts, delay=0.0):
         self.scripts, self.delay, self.prompts = scripts, delay, []
-        import torch
 
-        self.embed_tokens = types.SimpleNamespace(weight=torch.zeros(1))
-
-    def generate(self, prompt, max_new_tokens, temperature, top_k, top_p, generator=None):
+    def script_for(self, prompt):
         ids = self.scripts[len(self.prompts) % len(self.scripts)]
-        self.prompts.append(prompt.tolist())
-        for step in range(max_new_tokens):
-            time.sleep(self.delay)
-            yield ids[min(step, len(ids) - 1)]
+        self.prompts.append(list(prompt))
+        return ids
+
+    def decoder(self, slots, allocate=False):
+        return ScriptedDecoder(self)
+
+
+class ScriptedRow:
+    def __init__(self, script):
+        self.script, self.step = script, 0
+
+
+class ScriptedDecoder:
+    """model.Decoder's interface over a ScriptedModel."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def add(self, prompt, temperature=1.0, top_k=None, top_p=None, generator=None, constraint=None):
+        return ScriptedRow(self.model.script_for(prompt))
+
+    def sample(self, row):
+        return row.script[min(row.step, len(row.script) - 1)]
+
+    def advance(self, tokens):
+        time.sleep(self.model.delay)
+        for row in tokens:
+            row.step += 1
+
+    def remove(self, row):
+        pass
 
 
 @contextlib.contextmanager
@@ -323,7 +348,9 @@ def live_server(chat_model, tmp_path, *overrides, model=None, context=None):
     )
     real_model, tokenizer, model_id, run_context = chat_model
     context = context or run_context
-    model_worker = serve_worker.Worker(model or real_model, tokenizer, settings["queue_size"])
+    model_worker = serve_worker.Worker(
+        model or real_model, tokenizer, settings["queue_size"], settings["max_batch"]
+    )
     store = serve_accounts.Store(database, settings["busy_timeout_ms"])
     server = serve.Server(settings, store, model_worker, model_id, context)
     sock = socket.socket()

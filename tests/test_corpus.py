@@ -392,6 +392,83 @@ def test_corrupt_or_wrong_inputs_are_refused_naming_the_file_and_the_problem(tmp
         assert not os.path.exists(corpus_docs.docs_path(cfg, "train"))
 
 
+def damaged_sources(folder, fixtures):
+    """A file of each kind the corpus step reads, damaged as files get: cut short, or garbage inside."""
+    text = "\n\n".join(f"Documento {i}: " + " ".join(str(i * j) for j in range(60)) for i in range(300))
+    (folder / "cortado.txt.gz").write_bytes(gzip.compress(text.encode())[:2000])
+    (folder / "cortado.txt.bz2").write_bytes(bz2.compress(text.encode())[:2000])
+    (folder / "cortado.jsonl.zst").write_bytes(open(f"{fixtures}/notas.jsonl.zst", "rb").read()[:200])
+    (folder / "basura.jsonl.zst").write_bytes(
+        b"\x28\xb5\x2f\xfd" + bytes(range(256)) * 2
+    )  # frame header, garbage
+    (folder / "rota.parquet").write_bytes(open(f"{fixtures}/fineweb2.parquet", "rb").read()[:300])
+    (folder / "cortado.xml.bz2").write_bytes(bz2.compress(b'<mediawiki xmlns="x"><page><title>A</ti'))
+    return [
+        source("gz", "text", str(folder / "cortado.txt.gz"), documents="blank_line"),
+        source("bz2", "text", str(folder / "cortado.txt.bz2"), documents="blank_line"),
+        source("zst", "jsonl", str(folder / "cortado.jsonl.zst"), text_field="texto"),
+        source("basura", "jsonl", str(folder / "basura.jsonl.zst"), text_field="texto"),
+        source("parquet", "parquet", str(folder / "rota.parquet"), text_field="text"),
+        source("xml", "mediawiki", str(folder / "cortado.xml.bz2")),
+    ]
+
+
+def test_an_unreadable_source_of_any_kind_is_one_line_naming_it_and_its_traceback_stays_in_the_log(
+    tmp_path, fixtures, capfd
+):
+    for src in damaged_sources(tmp_path, fixtures):
+        cfg = corpus_cfg(tmp_path, [src])
+        cfg["dir"] = str(tmp_path / f"out-{src['name']}")
+        with pytest.raises(data.DataError) as error:
+            corpus.build_corpus(cfg, log=print)
+        assert str(error.value).startswith(src["path"] + ": "), str(error.value)
+        terminal = capfd.readouterr()
+        assert "Traceback" not in terminal.err + terminal.out and "datatrove" not in terminal.err, terminal
+        workdir = glob.glob(os.path.join(cfg["dir"], "work", "*"))[0]
+        task_log = open(os.path.join(workdir, "logs", "logs", "task_00000.log"), encoding="utf-8").read()
+        assert "Traceback" in task_log and os.path.basename(src["path"]) in task_log
+        assert not os.path.exists(corpus_docs.docs_path(cfg, "train"))
+
+
+def test_the_command_line_names_a_damaged_zstd_file_in_one_line_whatever_the_number_of_tasks(
+    tmp_path, fixtures
+):
+    broken = damaged_sources(tmp_path, fixtures)[3]  # zstandard's own error, which is no OSError
+    cfg = corpus_cfg(tmp_path, [broken])
+    overrides = [
+        f"data.dir={tmp_path / 'out'}",
+        "data.processes=2",
+        f"data.corpus={json.dumps(cfg['corpus'])}",
+    ]
+    result = run_corpus_cli("corpus", CORPUS_SMOKE_RUN, *overrides)
+    assert result.returncode == 2
+    lines = [
+        line for line in result.stderr.splitlines() if line.strip() and not line.startswith("filter task")
+    ]
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith(f"error: {broken['path']}: cannot read (zstd decompressor error: ")
+    assert lines[0].endswith(") [data.corpus.sources[0]]")
+    assert "Traceback" not in result.stdout + result.stderr
+
+
+def test_files_a_killed_task_was_writing_are_removed_by_the_next_run(tmp_path):
+    cfg = corpus_cfg(tmp_path, [text_source("t", sample_text(tmp_path))])
+    workdir = os.path.join(cfg["dir"], "work", corpus.filter_fingerprint(cfg)[:16])
+    os.makedirs(workdir)
+    left = [
+        os.path.join(workdir, name) for name in (".kept_00000.jsonl.4242.tmp", ".keys_00000.npy.4242.tmp")
+    ]
+    for path in left:
+        open(path, "wb").write(b'{"i": 0, "text": "a medio escribir')
+    corpus.build_corpus(cfg, log=quiet)
+    assert not glob.glob(os.path.join(workdir, ".*.tmp")) and os.listdir(workdir)
+
+
+def sample_text(tmp_path):
+    (tmp_path / "t.txt").write_text("\n\n".join(f"Un documento de prueba, el número {i}." for i in range(40)))
+    return str(tmp_path / "t.txt")
+
+
 def test_a_source_without_a_licence_and_a_missing_eval_file_are_refused(tmp_path):
     run = os.path.join(ROOT, "configs", "smoke-corpus-cpu.yaml")
     with pytest.raises(config.ConfigError, match=r"data.corpus.sources.0.*licence"):
@@ -465,6 +542,35 @@ def test_fineweb2_quality_filters_keep_prose_and_drop_repetition_lists_and_forei
         False,
         "gopher_quality:gopher_enough_stop_words",
     )
+
+
+def test_the_default_filters_give_fineweb2s_verdict_on_every_document_of_the_mixed_sample():
+    import bench_data
+
+    embedded = [
+        source for source in bench_data.SAMPLE_SOURCES if os.path.dirname(source[1]) == f"{ROOT}/corpus"
+    ]
+    cfg = data_layer("corpus")["corpus"]  # the stage-1 example, with the shipped defaults
+    sample = bench_data.fidelity_sample(16, cfg["min_chars"], embedded)
+    assert {name for name, _ in sample} == {"rv1909", "fortunes-es", "técnico", "diálogo"} and len(
+        sample
+    ) > 50
+    reference = bench_data.fineweb2_reference()  # FineWeb-2's own filters, built as its pipeline builds them
+    agreement, kept, kept_by_fineweb2, _ = bench_data.filter_agreement(
+        sample, corpus_filters.quality_stages(cfg["filters"]), reference
+    )
+    assert all(same == count for same, count in agreement.values()), agreement
+    assert 0 < kept == kept_by_fineweb2 < len(sample)  # the sample has documents of both verdicts
+
+
+def test_the_regex_word_split_is_an_option_that_splits_technical_text_finer_than_fineweb2s():
+    assert data_layer("corpus")["corpus"]["filters"]["word_tokenizer"] == "spacy"
+    regex = corpus_filters.RegexWords()
+    from datatrove.utils.word_tokenizers import load_word_tokenizer
+
+    fineweb2 = load_word_tokenizer(corpus_filters.word_splitter("spacy"))
+    text = "Véase less(1), p. ej. en /etc."
+    assert len(regex.word_tokenize(text)) > len(fineweb2.word_tokenize(text))
 
 
 def test_pii_is_replaced_only_where_the_check_digits_hold(fixtures):

@@ -6,6 +6,7 @@ import pytest
 import torch
 import yaml
 
+import config
 import train
 from train import DeviceCaps, check_hardware
 
@@ -78,3 +79,10 @@ def test_the_cpu_profile_measures_its_own_peak_for_mfu():
     hardware = train.setup_hardware(profile("cpu"), caps=NO_CUDA)
     assert hardware.device.type == "cpu" and hardware.peak_tflops > 0
     assert not hardware.scaler.is_enabled()
+
+
+def test_a_negative_loss_chunk_size_is_refused_naming_the_key():
+    with pytest.raises(
+        config.ConfigError, match=r"hardware.loss_chunk_size: -1 is out of range; expected >= 0"
+    ):
+        config.load(os.path.join(ROOT, "configs", "smoke-cpu.yaml"), ["hardware.loss_chunk_size=-1"])

@@ -11,6 +11,9 @@ import torch
 import torch.nn.functional as F
 import yaml
 from torch.profiler import profile
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode
 
 import bench_model
 import config
@@ -32,9 +35,9 @@ def tiny(**changes):
     return cfg
 
 
-def build(cfg, backend="math", seed=0):
+def build(cfg, backend="math", seed=0, loss_chunk_size=0):
     torch.manual_seed(seed)
-    return Transformer(cfg, backend).eval()
+    return Transformer(cfg, backend, loss_chunk_size).eval()
 
 
 def tokens(batch, length, vocab_size=256, seed=1):
@@ -203,12 +206,14 @@ def test_parameter_names_follow_the_hugging_face_qwen3_decoder():
 # ---- losses and initialization ----
 
 
-def test_loss_is_cross_entropy_plus_z_loss_matching_its_formula():
+@pytest.mark.parametrize("loss_chunk_size", [0, 5])
+def test_loss_is_cross_entropy_plus_z_loss_matching_its_formula(loss_chunk_size):
     cfg = tiny(z_loss_coef=0.01)
-    net = Transformer(cfg)
+    net = build(cfg, loss_chunk_size=loss_chunk_size)
     idx, targets = tokens(2, 12), tokens(2, 12, seed=2)
-    logits, losses = net(idx, targets)
-    flat = logits.float().view(-1, cfg["vocab_size"])
+    no_logits, losses = net(idx, targets)
+    assert no_logits is None  # with targets the full logits are not returned (nor, chunked, computed)
+    flat = net(idx)[0].float().view(-1, cfg["vocab_size"])
     ce = F.cross_entropy(flat, targets.view(-1))
     z_loss = 0.01 * torch.logsumexp(flat, dim=-1).pow(2).mean()
     torch.testing.assert_close(losses["ce"], ce)
@@ -217,12 +222,14 @@ def test_loss_is_cross_entropy_plus_z_loss_matching_its_formula():
     assert all(value.dim() == 0 and value.dtype == torch.float32 for value in losses.values())
 
 
-def test_targets_equal_to_minus_one_are_left_out_of_both_losses():
-    net = Transformer(tiny(z_loss_coef=0.01))
+@pytest.mark.parametrize("loss_chunk_size", [0, 3])
+def test_targets_equal_to_minus_one_are_left_out_of_both_losses(loss_chunk_size):
+    net = build(tiny(z_loss_coef=0.01), loss_chunk_size=loss_chunk_size)
     idx, targets = tokens(1, 12), tokens(1, 12, seed=2)
     masked = targets.clone()
     masked[0, 5:] = -1
-    logits, losses = net(idx, masked)
+    _, losses = net(idx, masked)
+    logits, _ = net(idx)
     _, kept = net(idx[:, :5], targets[:, :5])  # causal: the first 5 logits do not see the rest
     torch.testing.assert_close(losses["ce"], kept["ce"])
     torch.testing.assert_close(losses["z_loss"], kept["z_loss"])
@@ -251,14 +258,157 @@ def test_residual_output_projections_start_smaller_by_sqrt_of_twice_the_depth():
     assert torch.equal(layer.input_layernorm.weight, torch.ones(256))
 
 
+@pytest.mark.parametrize("loss_chunk_size", [0, 24])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_autocast_forward_is_finite_at_init(dtype):
-    net = build(tiny())
+def test_autocast_forward_is_finite_at_init(dtype, loss_chunk_size):
+    net = build(tiny(), loss_chunk_size=loss_chunk_size)
     with torch.no_grad(), torch.autocast("cpu", dtype=dtype):
-        logits, losses = net(tokens(2, 32), tokens(2, 32, seed=2))
+        logits, _ = net(tokens(2, 32))
+        _, losses = net(tokens(2, 32), tokens(2, 32, seed=2))
     assert logits.dtype == dtype  # autocast really ran the matmuls in half precision
     assert torch.isfinite(logits).all()
     assert all(torch.isfinite(value) and value.dtype == torch.float32 for value in losses.values())
+
+
+# ---- the chunked LM head + loss ----
+
+
+def loss_and_gradients(net, idx, targets, dtype=None, loss_scale=1.0):
+    """(losses, {parameter name: gradient}) of one forward + backward, under autocast to `dtype` if given,
+    the loss multiplied by `loss_scale` before backward as a GradScaler does."""
+    net.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
+        _, losses = net(idx, targets)
+    (losses["loss"] * loss_scale).backward()
+    return losses, {name: param.grad.clone() for name, param in net.named_parameters()}
+
+
+def largest_relative_difference(got, want):
+    return ((got - want).abs().max() / want.abs().max()).item()
+
+
+def with_ignored_targets(targets):
+    """Targets with prompt-like runs of -1 at the start of the first row and the end of the last."""
+    targets = targets.clone()
+    targets[0, : targets.shape[1] // 3] = -1
+    targets[-1, -2:] = -1
+    return targets
+
+
+@pytest.mark.parametrize(
+    "batch, length, vocab_size, loss_chunk_size, z_loss_coef",
+    [
+        (2, 32, 256, 7, 1e-4),  # 64 positions: nine chunks of 7 and a last one of 1
+        (3, 17, 300, 64, 0.01),  # one chunk larger than the 51 positions
+        (1, 32, 97, 1, 0.0),  # a chunk per position, no z-loss
+        (4, 24, 1000, 32, 1e-4),  # three chunks, vocabulary larger than the positions
+    ],
+)
+def test_the_chunked_loss_gives_the_unchunked_losses_and_every_parameters_gradient(
+    batch, length, vocab_size, loss_chunk_size, z_loss_coef
+):
+    cfg = tiny(vocab_size=vocab_size, z_loss_coef=z_loss_coef)
+    unchunked, chunked = build(cfg), build(cfg, loss_chunk_size=loss_chunk_size)  # the same weights
+    idx = tokens(batch, length, vocab_size)
+    targets = with_ignored_targets(tokens(batch, length, vocab_size, seed=2))
+    want_losses, want = loss_and_gradients(unchunked, idx, targets)
+    got_losses, got = loss_and_gradients(chunked, idx, targets)
+    for key in ("loss", "ce", "z_loss"):  # float32 rounding: a few units in the last place
+        torch.testing.assert_close(got_losses[key], want_losses[key], rtol=2e-6, atol=1e-9)
+    assert set(got) == set(want) and "embed_tokens.weight" in got  # the tied LM head's gradient is in it
+    for name in want:
+        assert largest_relative_difference(got[name], want[name]) <= 1e-5, name
+
+
+@pytest.mark.parametrize("dtype, loss_scale", [(torch.float16, 2.0**16), (torch.bfloat16, 1.0)])
+def test_under_autocast_the_chunked_loss_is_as_close_to_float32_as_the_unchunked_one(dtype, loss_scale):
+    # The RTX 2060 trains in float16 with a GradScaler: the scaled gradients of the chunked path must
+    # neither overflow nor underflow, and stray from the float32 gradients no more than today's path does.
+    cfg = tiny(vocab_size=1000)
+    unchunked, chunked = build(cfg), build(cfg, loss_chunk_size=16)
+    idx = tokens(2, 32, 1000)
+    targets = with_ignored_targets(tokens(2, 32, 1000, seed=2))
+    exact_losses, exact = loss_and_gradients(unchunked, idx, targets, None, loss_scale)
+    want_losses, want = loss_and_gradients(unchunked, idx, targets, dtype, loss_scale)
+    got_losses, got = loss_and_gradients(chunked, idx, targets, dtype, loss_scale)
+    torch.testing.assert_close(got_losses["loss"], want_losses["loss"], rtol=1e-5, atol=0)
+    assert all(value.dtype == torch.float32 for value in got_losses.values())
+    for name in exact:
+        assert torch.isfinite(got[name]).all() and got[name].dtype == torch.float32, name
+        today = largest_relative_difference(want[name], exact[name])  # ~1e-3 in float16, ~1e-2 in bf16
+        assert largest_relative_difference(got[name], exact[name]) <= 2 * today, name
+
+
+class LargestTensor(TorchDispatchMode):
+    """The most elements any operation run inside it returned, backward included."""
+
+    def __init__(self):
+        super().__init__()
+        self.elements = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in pytree.tree_leaves(out):
+            if isinstance(tensor, torch.Tensor):
+                self.elements = max(self.elements, tensor.numel())
+        return out
+
+
+def test_the_chunked_loss_never_holds_the_full_logits():
+    cfg = tiny(vocab_size=1000)
+    idx, targets = tokens(4, 32, 1000), tokens(4, 32, 1000, seed=2)
+    full_logits = 4 * 32 * 1000
+    largest = {}
+    for loss_chunk_size in (0, 8):
+        net = build(cfg, loss_chunk_size=loss_chunk_size)
+        with LargestTensor() as mode:
+            net(idx, targets)[1]["loss"].backward()
+        largest[loss_chunk_size] = mode.elements
+    assert largest[0] >= full_logits  # the unchunked path does hold them: the check can see them
+    # Chunked, the largest tensor is the embedding's gradient (1000 x 64); a chunk's logits are 8 x 1000.
+    assert largest[8] == cfg["vocab_size"] * cfg["d_model"] < full_logits
+
+
+def test_the_chunked_loss_costs_the_unchunked_flops_in_training_and_no_gradient_work_without_grad():
+    cfg = tiny(vocab_size=1000)
+    idx, targets = tokens(4, 32, 1000), tokens(4, 32, 1000, seed=2)
+
+    def flops(net, step):
+        with FlopCounterMode(display=False) as counter:
+            step(net)
+        return counter.get_total_flops()
+
+    def train_step(net):
+        net(idx, targets)[1]["loss"].backward()
+
+    def evaluation(net):
+        with torch.no_grad():
+            net(idx, targets)
+
+    unchunked, chunked = build(cfg), build(cfg, loss_chunk_size=8)
+    # Three matmuls per chunk, the gradients' made in the forward pass: no recomputed logits.
+    assert flops(chunked, train_step) == flops(unchunked, train_step)
+    assert flops(chunked, evaluation) == flops(unchunked, evaluation) == flops(unchunked, lambda n: n(idx))
+
+
+def test_only_the_total_loss_carries_a_gradient_in_the_chunked_path():
+    net = build(tiny(), loss_chunk_size=4)
+    _, losses = net(tokens(2, 8), tokens(2, 8, seed=2))
+    assert losses["loss"].requires_grad
+    assert not losses["ce"].requires_grad and not losses["z_loss"].requires_grad  # reported parts
+
+
+def test_a_batch_with_every_target_ignored_has_zero_loss_and_zero_gradients():
+    net = build(tiny(), loss_chunk_size=5)
+    _, losses = net(tokens(2, 16), torch.full((2, 16), -1))
+    losses["loss"].backward()
+    assert losses["loss"].item() == 0.0
+    assert all(not param.grad.any() for param in net.parameters())
+
+
+def test_a_bad_loss_chunk_size_is_named():
+    with pytest.raises(ValueError, match="loss_chunk_size=-1 must be an int >= 0"):
+        Transformer(tiny(), "math", -1)
 
 
 # ---- sizes ----
@@ -360,7 +510,7 @@ def test_incremental_decoding_with_the_kv_cache_gives_the_full_forward_logits(ba
     idx = tokens(2, 24)
     with torch.no_grad():
         full, _ = net(idx)
-        cache = net.new_kv_cache()
+        cache = net.new_kv_cache(slots=2)
         pieces = [net.forward_with_cache(idx[:, :10], cache)]  # prefill
         pieces += [net.forward_with_cache(idx[:, t : t + 1], cache) for t in range(10, 16)]  # one at a time
         pieces.append(net.forward_with_cache(idx[:, 16:], cache))  # a chunk after cached positions
@@ -405,10 +555,10 @@ def test_past_seq_len_generation_prefills_once_every_half_window_not_at_every_st
     prefill_lengths = []
     forward_with_cache = net.forward_with_cache
 
-    def counting(idx, cache):
+    def counting(idx, cache, slot=None):
         if idx.shape[1] > 1:
             prefill_lengths.append(idx.shape[1])
-        return forward_with_cache(idx, cache)
+        return forward_with_cache(idx, cache, slot)
 
     monkeypatch.setattr(net, "forward_with_cache", counting)
     assert len(list(net.generate(tokens(1, 10)[0], 6 + 8 * 3 + 1, temperature=0))) == 31
@@ -450,3 +600,126 @@ def test_top_k_and_top_p_only_draw_from_the_kept_tokens():
     assert {sample_token(logits, 1.0, top_p=0.5, generator=generator) for _ in range(50)} == {0}
     with pytest.raises(ValueError, match="top_p=1.5"):
         sample_token(logits, 1.0, top_p=1.5)
+
+
+# ---- batched decoding (model.Decoder): rows at their own positions, joining and leaving between steps
+
+
+def forced_tokens(count, seed):
+    return tokens(1, count, seed=seed)[0].tolist()
+
+
+def test_a_decode_step_over_several_rows_gives_each_row_its_single_row_logits():
+    net = build(tiny(seq_len=32))
+    prompts = [forced_tokens(length, seed=length) for length in (3, 9, 20, 31)]
+    fed = [forced_tokens(24, seed=100 + i) for i in range(len(prompts))]  # the same inputs in both runs
+    batch = net.decoder(len(prompts))
+    rows = [batch.add(prompt, temperature=0) for prompt in prompts]
+    alone = [net.decoder(1) for _ in prompts]
+    solo_rows = [decoder.add(prompt, temperature=0) for decoder, prompt in zip(alone, prompts, strict=True)]
+    for step in range(24):  # the rows of 20 and 31 tokens pass seq_len: their windows restart on their own
+        for row, solo in zip(rows, solo_rows, strict=True):
+            torch.testing.assert_close(row.logits, solo.logits, rtol=0, atol=1e-5)
+        batch.advance({row: fed[i][step] for i, row in enumerate(rows)})
+        for i, decoder in enumerate(alone):
+            decoder.advance({solo_rows[i]: fed[i][step]})
+
+
+def run_rows(net, slots, plans, steps):
+    """Decode with `slots` slots. plans: (prompt, first step, last step, sampling kwargs) per row; a row
+    joins at its first step and leaves after its last. Returns each row's (tokens, logits per step)."""
+    decoder = net.decoder(slots)
+    rows, results = {}, [([], []) for _ in plans]
+    for step in range(steps):
+        for i, (prompt, first, _, sampling) in enumerate(plans):
+            if step == first:
+                rows[i] = decoder.add(prompt, **sampling)
+        chosen = {}
+        for i, row in list(rows.items()):
+            token = decoder.sample(row)
+            results[i][0].append(token)
+            results[i][1].append(row.logits.clone())
+            if step == plans[i][2]:
+                decoder.remove(rows.pop(i))
+            else:
+                chosen[row] = token
+        decoder.advance(chosen)
+    return results
+
+
+def seeded(temperature, seed):
+    return {"temperature": temperature, "generator": torch.Generator().manual_seed(seed)}
+
+
+def test_a_rows_tokens_and_logits_are_bit_for_bit_its_own_whatever_the_other_rows_do():
+    net = build(tiny(seq_len=32))
+    target = (forced_tokens(7, seed=1), 3, 40, {"temperature": 0})
+    others = [(forced_tokens(n, seed=n), first, last, seeded(0.8, n))
+              for n, first, last in [(12, 0, 9), (2, 1, 30), (25, 5, 12), (4, 20, 45)]]  # fmt: skip
+    for target_sampling in ({"temperature": 0}, "seeded"):
+        sampling = seeded(0.8, 5) if target_sampling == "seeded" else target_sampling
+        alone = run_rows(net, 4, [(target[0], 0, 37, sampling)], 38)[0]
+        sampling = seeded(0.8, 5) if target_sampling == "seeded" else target_sampling
+        together = run_rows(net, 4, [*others[:2], (target[0], 3, 40, sampling), *others[2:]], 41)[2]
+        assert together[0] == alone[0]  # the row joined at step 3, in slot 2, among rows coming and going
+        assert all(torch.equal(a, b) for a, b in zip(together[1], alone[1], strict=True))
+
+
+class Forced:
+    """A constraint that allows only the next token of `sequence` (then anything), recording its calls."""
+
+    def __init__(self, sequence):
+        self.sequence, self.accepted = list(sequence), []
+
+    def mask(self, logits):
+        if len(self.accepted) >= len(self.sequence):
+            return logits
+        allowed = torch.full_like(logits, float("-inf"))
+        allowed[self.sequence[len(self.accepted)]] = 0.0
+        return logits + allowed
+
+    def accept(self, token):
+        self.accepted.append(token)
+
+
+class Forbidden:
+    def __init__(self, token):
+        self.token = token
+
+    def mask(self, logits):
+        logits[self.token] = float("-inf")  # in place: the contract allows returning the same tensor
+        return logits
+
+    def accept(self, token):
+        pass
+
+
+def test_a_constraint_masks_each_steps_logits_before_sampling_and_hears_each_token():
+    net = build(tiny())
+    prompt = tokens(1, 5)[0]
+    forced = Forced([7, 7, 3, 250, 0])
+    drawn = list(net.generate(prompt, 8, temperature=1.5, generator=torch.Generator().manual_seed(0),
+                              constraint=forced))  # fmt: skip
+    assert drawn[:5] == [7, 7, 3, 250, 0] and forced.accepted == drawn
+    greedy = list(net.generate(prompt, 1, temperature=0))[0]
+    runner_up = int(net.decoder(1).add(prompt.tolist()).logits.topk(2).indices[1])
+    assert list(net.generate(prompt, 1, temperature=0, constraint=Forbidden(greedy))) == [runner_up]
+    # In a batch the constraint steers its own row only.
+    plans = [
+        (prompt.tolist(), 0, 9, {"temperature": 0}),
+        (forced_tokens(9, seed=3), 0, 9, {"temperature": 0}),
+    ]
+    free = run_rows(net, 2, plans, 10)
+    plans[1] = (*plans[1][:3], {"temperature": 0, "constraint": Forced([1, 2, 3])})
+    steered = run_rows(net, 2, plans, 10)
+    assert steered[1][0][:3] == [1, 2, 3] != free[1][0][:3] and steered[0][0] == free[0][0]
+
+
+def test_a_decoder_refuses_a_row_when_every_slot_is_taken_and_reuses_a_freed_slot():
+    net = build(tiny())
+    decoder = net.decoder(2)
+    first, second = decoder.add([1, 2, 3]), decoder.add([4])
+    with pytest.raises(ValueError, match="all 2 slots are in use"):
+        decoder.add([5])
+    decoder.remove(first)
+    assert decoder.add([5, 6]).slot == first.slot and second.slot == 1

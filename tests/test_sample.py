@@ -152,3 +152,61 @@ def test_the_chat_prompt_is_chat_render_of_the_history(sentencepiece_run):
     assert prompt == chat.render({"messages": system + history}, tokenizer, for_generation=True)[0]
     short, dropped = sample.fit_history(system, list(history), tokenizer, budget=len(prompt) - 1)
     assert dropped and short == chat.render({"messages": system + history[2:]}, tokenizer, True)[0]
+
+
+def test_samples_decoded_together_are_the_samples_drawn_one_at_a_time(byte_run):
+    common = [
+        byte_run,
+        "--prompt",
+        "Había una vez",
+        "--seed",
+        "3",
+        "--max-new-tokens",
+        "30",
+        "--num-samples",
+        "3",
+    ]
+    one_at_a_time, together = run_sample(*common), run_sample(*common, "--batch", "3")
+    assert one_at_a_time.returncode == 0, one_at_a_time.stderr
+    assert together.stdout == one_at_a_time.stdout and together.stdout.count("--- sample") == 3
+    samples = one_at_a_time.stdout.split("--- sample")[1:]
+    assert len(set(samples)) == 3  # sample i draws with --seed + i
+    with pytest.raises(SystemExit):
+        sample.parse_args([byte_run, "--batch", "0"])
+
+
+def test_a_prompts_tokens_in_a_batch_are_bit_for_bit_its_tokens_in_a_batch_of_its_own(sentencepiece_run):
+    model, cfg, tokenizer, _ = sample.load_run(sentencepiece_run)
+    prompts = [
+        sample.prompt_ids_of(tokenizer, text) for text in ("El sol", "Había una vez un rey", "Sí", "Mañana")
+    ]
+
+    def seeded(index):
+        return {"temperature": 0.9, "top_k": 40, "generator": torch.Generator().manual_seed(index)}
+
+    together = sample.generate_batch(
+        model, prompts, 25, 2, seeded, {tokenizer.eos_id}
+    )  # two slots, four rows
+    for index, prompt in enumerate(prompts):
+        alone = sample.generate_batch(
+            model, [prompt], 25, 2, lambda _, i=index: seeded(i), {tokenizer.eos_id}
+        )
+        assert alone == [together[index]]
+
+
+def test_chat_eval_with_batch_gives_the_same_report(sentencepiece_run, tmp_path):
+    from conftest import example_conversations, write_jsonl
+
+    model, cfg, tokenizer, _ = sample.load_run(sentencepiece_run)
+    path = write_jsonl(tmp_path / "held_out.jsonl", example_conversations(6))
+    reports = {}
+    for batch in (None, 4):
+        args = SimpleNamespace(
+            run=sentencepiece_run, chat_eval=path, limit=0, max_new_tokens=12, show=6, batch=batch
+        )
+        out = []
+        reports[batch] = (
+            sample.run_chat_eval(model, cfg, tokenizer, args, out=SimpleNamespace(write=out.append)),
+            out,
+        )
+    assert reports[4] == reports[None] and reports[4][0]["conversations"] == 6

@@ -14,6 +14,7 @@ import torch
 import yaml
 from conftest import ROOT, start_training, tiny_args, tiny_config, wait_for_step
 
+import model
 import train
 
 quiet = lambda *a, **k: None  # noqa: E731
@@ -58,6 +59,21 @@ def test_the_loss_starts_near_ln_vocab_and_falls(tmp_path, byte_data_dir):
     assert losses[-1] < losses[0] - 1.5
 
 
+def test_the_loss_chunk_size_changes_memory_not_the_run(tmp_path, shard_data_dir):
+    # The shard data's 600-token vocabulary: a chunk of 24 positions is far smaller than the full logits.
+    def run(name, chunk):
+        cfg = tiny_config(
+            tmp_path, "shards", shard_data_dir, f"run_name={name}", f"hardware.loss_chunk_size={chunk}"
+        )
+        train.train(cfg, log=quiet)
+        return [json.loads(line) for line in open(tmp_path / name / "metrics.jsonl")]
+
+    full, chunked = run("full", 0), run("chunked", 24)
+    for key in ("loss", "grad_norm", "val_loss", "val_bpb"):
+        want, got = [r[key] for r in full if key in r], [r[key] for r in chunked if key in r]
+        assert len(got) == len(want) > 0 and got == pytest.approx(want, rel=1e-5), key
+
+
 def test_sigint_finishes_the_step_writes_a_checkpoint_and_exits_0(tmp_path, byte_data_dir):
     args = tiny_args(tmp_path, "bytes", byte_data_dir, "run_name=interrupted", "train.max_steps=2000")
     proc = start_training(args)
@@ -72,17 +88,18 @@ def test_sigint_finishes_the_step_writes_a_checkpoint_and_exits_0(tmp_path, byte
 
 
 @contextlib.contextmanager
-def lm_head_outputs_times(factor, from_step):
+def training_losses_times(factor, from_step):
     """A fault injected into torch's forward pass (not into our code): from optimizer step `from_step` on
-    (2 micro-batches a step in the tiny config), the byte-level LM head's output is multiplied by
+    (2 micro-batches a step in the tiny config), the training losses the model returns are multiplied by
     `factor` (nan, or inf to overflow)."""
     calls = {"train_forward": 0}
 
     def hook(module, args, output):
-        if module.training and isinstance(module, torch.nn.Linear) and module.out_features == 256:
+        if module.training and isinstance(module, model.Transformer):
             calls["train_forward"] += 1
             if calls["train_forward"] > 2 * (from_step - 1):
-                return output * factor
+                logits, losses = output
+                return logits, {name: value * factor for name, value in losses.items()}
         return output
 
     handle = torch.nn.modules.module.register_module_forward_hook(hook)
@@ -96,7 +113,7 @@ def test_consecutive_nonfinite_losses_stop_the_run_and_keep_the_last_good_checkp
     cfg = tiny_config(
         tmp_path, "bytes", byte_data_dir, "run_name=nan", "train.max_nonfinite=3", "train.max_steps=20"
     )
-    with lm_head_outputs_times(float("nan"), from_step=3):
+    with training_losses_times(float("nan"), from_step=3):
         with pytest.raises(
             train.TrainError, match=r"step 5: 3 consecutive non-finite.*train.max_nonfinite=3"
         ):
@@ -114,7 +131,7 @@ def test_the_grad_scaler_skips_overflowing_float16_steps_and_backs_off(tmp_path,
         tmp_path, "bytes", byte_data_dir, "run_name=fp16", "train.max_nonfinite=3", "train.max_steps=20"
     )
     cfg["hardware"] |= {"dtype": "float16", "grad_scaler": True}
-    with lm_head_outputs_times(float("inf"), from_step=3):
+    with training_losses_times(float("inf"), from_step=3):
         with pytest.raises(train.TrainError, match="step 5: 3 consecutive non-finite"):
             train.train(cfg, log=quiet)
     records = [json.loads(line) for line in open(tmp_path / "fp16" / "metrics.jsonl")]

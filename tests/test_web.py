@@ -63,9 +63,13 @@ def family(chat_run, tmp_path_factory):
 
 
 def wait_for(driver, condition, timeout=30):
+    from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.support.ui import WebDriverWait
 
-    return WebDriverWait(driver, timeout).until(lambda d: condition(d))
+    # the page re-renders lists when an answer ends: an element read mid-render is "not yet", not a failure
+    return WebDriverWait(driver, timeout, ignored_exceptions=(StaleElementReferenceException,)).until(
+        lambda d: condition(d)
+    )
 
 
 def by_id(driver, element_id):
@@ -194,10 +198,18 @@ def test_a_new_conversation_starts_empty_and_its_owner_deletes_one_from_the_page
         assert [m.text for m in all_of(browser, ".message.user")] == [text]  # a conversation of its own
 
     by_id(browser, "menu").click()
-    items = wait_for(browser, lambda d: [li for li in all_of(d, "#conversations li") if li.is_displayed()])
-    assert [li.text for li in items] == ["Segunda pregunta", "Primera pregunta"]  # newest first
-    first_id = items[1].get_attribute("data-id")
-    items[1].click()
+    titles = wait_for(
+        browser, lambda d: [li.text for li in all_of(d, "#conversations li") if li.is_displayed()]
+    )
+    assert titles == ["Segunda pregunta", "Primera pregunta"]  # newest first
+
+    def open_first(d):  # read and click the same rendering of the list
+        item = all_of(d, "#conversations li")[1]
+        first = item.get_attribute("data-id")
+        item.click()
+        return first
+
+    first_id = wait_for(browser, open_first)
     wait_for(
         browser, lambda d: by_id(d, "title").text == "Primera pregunta" and len(all_of(d, ".message")) == 2
     )
