@@ -8,6 +8,7 @@ STAMP := $(VENV)/.requirements.stamp
 
 CONFIG ?= configs/pretrain-2060.yaml
 SFT_CONFIG ?= configs/sft-2060.yaml
+DPO_CONFIG ?= configs/dpo-2060.yaml
 NPROC ?= 1
 RUN ?= runs/smoke-cpu
 DB ?=
@@ -19,7 +20,7 @@ TRAIN := $(if $(filter 1,$(NPROC)),$(PY),$(VENV)/bin/torchrun --standalone --npr
 .PHONY: setup lint check-configs test clean smoke smoke-2060 pretrain resume-check data-smoke \
 	corpus tokenizer encode corpus-smoke corpus-report smoke-corpus sample chat eval serve bench search agent-data \
 	agent-eval sft-agent sync remote-setup remote-smoke-2060 remote-pretrain logs fetch status chat-prepare sft sft-smoke \
-	plot export gguf-check snapshot restore install-service fuzz gpu-check eval-bench report
+	plot export gguf-check snapshot restore install-service fuzz gpu-check eval-bench report preferences dpo dpo-smoke
 
 setup: $(STAMP)
 
@@ -140,6 +141,31 @@ sft-smoke: corpus-smoke
 	$(PY) train.py configs/sft-smoke-cpu.yaml $(ARGS)
 	$(PY) sample.py runs/sft-smoke-cpu --chat-eval val --max-new-tokens 400
 
+# --- the family teaches its assistant: preference pairs and DPO ---------------------------------------
+
+# The pairs of the feedback of the members who consent (under var/, never committed), a tenth of the
+# prompts held out: python chat.py preferences --db DB ...
+preferences: $(STAMP)
+	$(PY) chat.py preferences --db $(or $(DB),var/enlace.sqlite) var/preferences/train.jsonl \
+		--val var/preferences/val.jsonl --val-share 0.1
+
+dpo: $(STAMP)
+	$(PY) chat.py prepare $(DPO_CONFIG)
+	$(TRAIN) $(DPO_CONFIG) $(ARGS) $(RESUME_FLAG)
+
+# sft-smoke-cpu (made by `make sft-smoke` when missing) -> preference pairs made from the seed
+# conversations (train) and the held-out ones (val): the seed answer chosen, a worse one rejected -> DPO
+# from the SFT run (from scratch each time) -> the held-out figures, printed by the final eval line: reward
+# accuracy, and the share of held-out prompts whose chosen answer the tuned model finds likelier than the
+# SFT run did.
+dpo-smoke: corpus-smoke
+	ls runs/sft-smoke-cpu/ckpt_*.pt >/dev/null 2>&1 || $(MAKE) sft-smoke ARGS=
+	$(PY) chat.py seed-pairs data/seed-pairs/train.jsonl conversations/seed/*.jsonl --seed 0
+	$(PY) chat.py seed-pairs data/seed-pairs/val.jsonl conversations/heldout.jsonl --seed 1
+	$(PY) chat.py prepare configs/dpo-smoke-cpu.yaml
+	rm -rf runs/dpo-smoke-cpu
+	$(PY) train.py configs/dpo-smoke-cpu.yaml $(ARGS)
+
 # --- using a model --------------------------------------------------------------------------------
 
 sample: $(STAMP)
@@ -153,7 +179,7 @@ RUN_DIR = $(if $(filter %.pt,$(RUN)),$(patsubst %/,%,$(dir $(RUN))),$(RUN))
 # Pretraining data is rebuilt from the run's saved config (chat data comes from `chat.py prepare`); a
 # config saved by an older version may no longer validate: then the data already there is used.
 eval: $(STAMP)
-	if [ -f $(RUN_DIR)/config.yaml ] && ! grep -q '^  format: chat$$' $(RUN_DIR)/config.yaml; then \
+	if [ -f $(RUN_DIR)/config.yaml ] && ! grep -qE '^  format: (chat|preference)$$' $(RUN_DIR)/config.yaml; then \
 		$(PY) corpus.py all $(RUN_DIR)/config.yaml || echo "eval: could not rebuild the run's data (above)"; fi
 	$(PY) sample.py $(RUN) --eval val $(ARGS)
 

@@ -27,6 +27,12 @@ assistant turn's text, its calls and its closing <|end|>) and 0 elsewhere (<|bos
 turns, and the <|assistant|> opener, which the prompt supplies). Text between control tokens is encoded
 with tokenizer.encode, so a user typing "<|system|>" gets plain text, never the control token.
 
+Preference pairs (DPO) are TRL's conversational preference format, one per line: {"prompt": [messages],
+"chosen": [assistant message], "rejected": [assistant message]}; each answer renders after its prompt with
+the same template, trained on the answer only (render_pair). They come from the family's feedback
+(`chat.py preferences`, by feedback.py's rules and consent), from public sets (`chat.py import --from
+preference`) or, for the smoke run, from conversations with worse answers made up (`chat.py seed-pairs`).
+
 The tool tags are single pieces that tokenizer.encode does find inside text, so text from outside the model
 (the system turn with its memories, user turns, tool results such as a web page) could imitate the protocol
 in front of it. plain_text() escapes them there ("<tool_call>" -> "&lt;tool_call&gt;"): the only tag pieces
@@ -34,15 +40,21 @@ in a prompt are the template's own and those of the model's own calls.
 """
 
 import bisect
+import collections
+import contextlib
 import glob
+import hashlib
 import json
 import os
+import sqlite3
 import sys
 
 import jsonschema
 import numpy as np
 
+import chat_convert
 import config
+import feedback
 import fileio
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -61,18 +73,16 @@ class ChatError(Exception):
 # Checking a conversation
 
 
-def _schema_validator():
-    return jsonschema.Draft202012Validator(config.load_schema("conversation"))
+def schema_problems(name, record, what):
+    """Every error of record against schema/<name>.schema.json, as 'path: message' (what: the empty path)."""
+    validator = jsonschema.Draft202012Validator(config.load_schema(name))
+    errors = sorted(validator.iter_errors(record), key=lambda e: list(map(str, e.path)))
+    return [f"{'.'.join(str(p) for p in error.absolute_path) or what}: {error.message}" for error in errors]
 
 
 def conversation_problems(conversation):
     """Every reason this conversation is invalid (empty list when it is fine)."""
-    problems = text_problems(conversation)
-    if problems:
-        return problems
-    for error in sorted(_schema_validator().iter_errors(conversation), key=lambda e: list(map(str, e.path))):
-        where = ".".join(str(p) for p in error.absolute_path) or "conversation"
-        problems.append(f"{where}: {error.message}")
+    problems = text_problems(conversation) or schema_problems("conversation", conversation, "conversation")
     if problems:
         return problems
     open_calls = 0  # calls of the last assistant turn not yet answered by a tool turn
@@ -236,25 +246,31 @@ def read_conversations(path, bad_lines="fatal", log=print):
     """[(where, conversation)] of a JSONL file, where = 'FILE:LINE'; blank lines are ignored. A line that
     is not a valid conversation raises ChatError naming FILE:LINE and the reason, or with bad_lines='skip'
     is reported and left out. Returns (conversations, number of skipped lines)."""
+    return read_jsonl(path, conversation_problems, bad_lines, log)
+
+
+def read_jsonl(path, problems_of, bad_lines="fatal", log=print):
+    """[(where, record)] of a JSONL file of JSON objects that problems_of(record) finds valid, and the
+    number of lines skipped (see read_conversations)."""
     try:
         with open(path, "rb") as f:
             raw = f.read()
     except OSError as e:
         raise ChatError(f"{path}: cannot read ({e.strerror})") from None
-    conversations, skipped = [], 0
+    records, skipped = [], 0
     for number, line in enumerate(decode_utf8(raw, path).split("\n"), start=1):
         if not line.strip():
             continue
         where = f"{path}:{number}"
         try:
-            conversation = json.loads(line)
+            record = json.loads(line)
         except ValueError as e:
             problems = [f"not JSON ({e})"]
         else:
             problems = (
-                conversation_problems(conversation)
-                if isinstance(conversation, dict)
-                else [f"expected a JSON object, got {type(conversation).__name__}"]
+                problems_of(record)
+                if isinstance(record, dict)
+                else [f"expected a JSON object, got {type(record).__name__}"]
             )
         if problems:
             if bad_lines == "fatal":
@@ -262,8 +278,8 @@ def read_conversations(path, bad_lines="fatal", log=print):
             log(f"skipping {where}: " + "; ".join(problems))
             skipped += 1
             continue
-        conversations.append((where, conversation))
-    return conversations, skipped
+        records.append((where, record))
+    return records, skipped
 
 
 def expand_paths(patterns, key):
@@ -277,6 +293,63 @@ def expand_paths(patterns, key):
             raise ChatError(f"{key}: {pattern!r} matches no file")
         paths += matches
     return paths
+
+
+# -----------------------------------------------------------------------------
+# Preference pairs: prompt + chosen and prompt + rejected are each a valid conversation; the prompt ends
+# with the user's (or a tool's) turn, each answer is assistant turns (tool calls and results between them)
+
+
+def preference_problems(pair):
+    """Every reason this preference pair is invalid (empty list when it is fine)."""
+    problems = schema_problems("preference", pair, "pair")
+    if problems:
+        return problems
+    if pair["prompt"][-1].get("role") not in ("user", "tool"):
+        problems.append("prompt: must end with a user (or tool) message, the turn the answers reply to")
+    tools = {"tools": pair["tools"]} if "tools" in pair else {}
+    for side in ("chosen", "rejected"):
+        if pair[side][0].get("role") != "assistant" or pair[side][-1].get("role") != "assistant":
+            problems.append(f"{side}: must start and end with an assistant message")
+        conversation = {"messages": pair["prompt"] + pair[side]} | tools
+        problems += [f"{side}: {problem}" for problem in conversation_problems(conversation)]
+    return problems
+
+
+def read_preferences(path, bad_lines="fatal", log=print):
+    """[(where, pair)] of a preference JSONL file and the number of lines skipped (as read_conversations)."""
+    return read_jsonl(path, preference_problems, bad_lines, log)
+
+
+def render_pair(pair, tokenizer):
+    """((ids, mask) of prompt + chosen, (ids, mask) of prompt + rejected), rendered by render(): the mask is
+    kept on the answer's tokens only, since the prompt's own assistant turns are context here."""
+    tools = {"tools": pair["tools"]} if "tools" in pair else {}
+    prompt_ids, _ = render({"messages": pair["prompt"]} | tools, tokenizer, for_generation=True)
+    rendered = []
+    for side in ("chosen", "rejected"):
+        ids, mask = render({"messages": pair["prompt"] + pair[side]} | tools, tokenizer)
+        if ids[: len(prompt_ids)] != prompt_ids:  # render() lays out turns one after another
+            raise ChatError(f"{side}: prompt + answer does not start with the rendered prompt")
+        rendered.append((ids, [0] * len(prompt_ids) + mask[len(prompt_ids) :]))
+    return rendered
+
+
+def fit_pair(pair, tokenizer, row_len, too_long):
+    """render_pair() of the pair when both sequences fit row_len tokens; with too_long 'truncate', of the
+    pair with its prompt's oldest turns dropped (up to the next user message; the system message stays)
+    until they fit. Returns (rendered or None, whether turns were dropped)."""
+    prompt = pair["prompt"]
+    system = prompt[:1] if prompt[0]["role"] == "system" else []
+    turns, cut = prompt[len(system) :], False
+    while True:
+        rendered = render_pair({**pair, "prompt": system + turns}, tokenizer)
+        if max(len(ids) for ids, _ in rendered) <= row_len:
+            return rendered, cut
+        later = [i for i, message in enumerate(turns) if message["role"] == "user" and i > 0]
+        if too_long == "drop" or not later:
+            return None, False
+        turns, cut = turns[later[0] :], True
 
 
 # -----------------------------------------------------------------------------
@@ -354,15 +427,48 @@ def pack_split(conversations, tokenizer, row_len, too_long, log=print):
     return tokens, masks, stats
 
 
+def pack_pairs(pairs, tokenizer, row_len, too_long, log=print):
+    """Render preference pairs into (tokens, mask) arrays of shape (2 x pairs, row_len): pair p's chosen
+    sequence in row 2p and its rejected one in row 2p + 1, each alone in its row (a pair's log-probabilities
+    must not depend on what else shares the row), padded with <|eos|> under mask 0."""
+    stats = {"pairs": len(pairs), "dropped_too_long": 0, "truncated": 0}
+    kept = []
+    for where, pair in pairs:
+        rendered, cut = fit_pair(pair, tokenizer, row_len, too_long)
+        if rendered is None:
+            stats["dropped_too_long"] += 1
+            log(f"dropping {where}: prompt + answer longer than a row of seq_len + 1 = {row_len} tokens")
+            continue
+        stats["truncated"] += int(cut)
+        kept += rendered
+    tokens = np.full((len(kept), row_len), tokenizer.eos_id, dtype=np.uint16)
+    masks = np.zeros((len(kept), row_len), dtype=np.uint16)
+    for row, (ids, mask) in enumerate(kept):
+        tokens[row, : len(ids)] = ids
+        masks[row, : len(ids)] = mask
+    used = sum(len(ids) for ids, _ in kept)
+    stats |= {
+        "packed": len(kept) // 2,
+        "rows": len(kept),
+        "tokens": used,
+        "trained_tokens": int(masks.sum()),
+        "fill": used / max(1, len(kept) * row_len),
+    }
+    return tokens, masks, stats
+
+
 def prepare(cfg, log=print):
-    """Pack data.chat's train and val conversations into DIR (see data.ChatLoader for the layout). The
-    manifest records each finished shard, so an interrupted run continues after the last one, and a rerun
-    with unchanged inputs does nothing."""
+    """Pack data.chat's train and val conversations (data.format chat) or preference pairs (data.format
+    preference) into DIR (see data.ChatLoader and data.PairLoader for the layouts). The manifest records
+    each finished shard, so an interrupted run continues after the last one, and a rerun with unchanged
+    inputs does nothing."""
     import data  # not at the top: the server imports chat.py and has no use for torch here
 
     data_cfg, seq_len = cfg["data"], cfg["model"]["seq_len"]
-    if data_cfg["format"] != "chat":
-        raise ChatError(f"data.format is {data_cfg['format']!r}; `chat.py prepare` needs data.format: chat")
+    if data_cfg["format"] not in ("chat", "preference"):
+        raise ChatError(
+            f"data.format is {data_cfg['format']!r}; `chat.py prepare` needs data.format: chat or preference"
+        )
     chat_cfg, directory = data_cfg["chat"], data_cfg["dir"]
     try:
         tokenizer = data.SentencePieceTokenizer(chat_cfg["tokenizer"])
@@ -394,6 +500,7 @@ def prepare(cfg, log=print):
         key = fileio.fingerprint(
             {
                 "version": PREPARE_VERSION,
+                "format": data_cfg["format"],
                 "files": [[path, fileio.sha256_of_file(path)] for path in paths],
                 "tokenizer": tokenizer_sha,
                 "seq_len": seq_len,
@@ -435,15 +542,18 @@ def prepare_split(data_cfg, split, key, paths, tokenizer, row_len, log):
         if os.path.basename(path) not in keep:
             os.remove(path)
 
-    conversations, skipped = [], 0
+    pairs = data_cfg["format"] == "preference"
+    records, skipped = [], 0
     for path in paths:
-        found, bad = read_conversations(path, chat_cfg["bad_lines"], log)
-        conversations += found
+        found, bad = (read_preferences if pairs else read_conversations)(path, chat_cfg["bad_lines"], log)
+        records += found
         skipped += bad
-    tokens, masks, stats = pack_split(conversations, tokenizer, row_len, chat_cfg["too_long"], log)
+    pack = pack_pairs if pairs else pack_split
+    tokens, masks, stats = pack(records, tokenizer, row_len, chat_cfg["too_long"], log)
     stats["skipped_bad_lines"] = skipped
+    what = "preference pair" if pairs else "conversation"
     if stats["rows"] == 0:
-        raise ChatError(f"data.chat.{split}: no conversation left to pack ({stats})")
+        raise ChatError(f"data.chat.{split}: no {what} left to pack ({stats})")
 
     def save_manifest(complete):
         manifest = data.read_manifest(data_cfg)
@@ -467,7 +577,7 @@ def prepare_split(data_cfg, split, key, paths, tokenizer, row_len, log):
         save_manifest(complete=False)
     save_manifest(complete=True)
     log(
-        f"prepare: {split} {stats['packed']:,}/{stats['conversations']:,} conversations "
+        f"prepare: {split} {stats['packed']:,}/{stats['pairs' if pairs else 'conversations']:,} {what}s "
         f"({stats['skipped_bad_lines']} bad lines skipped, {stats['dropped_too_long']} too long dropped, "
         f"{stats['truncated']} truncated) -> {stats['rows']:,} rows of {row_len} tokens, "
         f"{100 * stats['fill']:.1f}% filled, {stats['trained_tokens']:,} trained tokens, "
@@ -477,7 +587,7 @@ def prepare_split(data_cfg, split, key, paths, tokenizer, row_len, log):
 
 
 # -----------------------------------------------------------------------------
-# Importers: public data in other shapes -> our conversations JSONL
+# Importing public data (the converters are chat_convert.py's) -> our conversations JSONL
 
 
 def read_records(path):
@@ -502,142 +612,21 @@ def read_records(path):
                 raise ChatError(f"{path}:{number}: not JSON ({e})") from None
 
 
-def field(record, key):
-    value = record.get(key) if isinstance(record, dict) else None
-    if not isinstance(value, str):
-        raise ChatError(f"missing or non-text field {key!r}")
-    return value
-
-
-def from_alpaca(records, source):
-    """{"instruction", "input"?, "output", "system"?} -> system?, user (instruction + input), assistant."""
-    for where, record in records:
-        try:
-            user = field(record, "instruction").strip()
-            if record.get("input"):
-                user += "\n\n" + field(record, "input").strip()
-            messages = [
-                {"role": "user", "content": user},
-                {"role": "assistant", "content": field(record, "output")},
-            ]
-            if record.get("system"):
-                messages.insert(0, {"role": "system", "content": field(record, "system")})
-            yield where, {"messages": messages, "source": source}
-        except ChatError as e:
-            yield where, e
-
-
-SHAREGPT_ROLES = {
-    "system": "system",
-    "human": "user",
-    "user": "user",
-    "gpt": "assistant",
-    "assistant": "assistant",
-    "chatgpt": "assistant",
-    "bard": "assistant",
-    "bing": "assistant",
-    "model": "assistant",
-}
-
-
-def from_sharegpt(records, source):
-    """{"conversations": [{"from": "human" | "gpt" | "system" ..., "value": ...}], "system"?}."""
-    for where, record in records:
-        turns = record.get("conversations") if isinstance(record, dict) else None
-        if not isinstance(turns, list):
-            yield where, ChatError("missing list 'conversations'")
-            continue
-        messages = [{"role": "system", "content": record["system"]}] if record.get("system") else []
-        try:
-            for number, turn in enumerate(turns):
-                speaker = turn.get("from") if isinstance(turn, dict) else None
-                if speaker not in SHAREGPT_ROLES:
-                    raise ChatError(
-                        f"conversations.{number}: unknown speaker {speaker!r}; known: {', '.join(SHAREGPT_ROLES)}"
-                    )
-                messages.append({"role": SHAREGPT_ROLES[speaker], "content": field(turn, "value")})
-        except ChatError as e:
-            yield where, e
-            continue
-        yield where, {"messages": messages, "source": source}
-
-
-def best_thread(root, replies_of):
-    """The thread from root following, at each message, its best-ranked reply (rank 0 is best; unranked
-    replies come after ranked ones, ties keep the file's order); deleted messages are never followed."""
-    thread, node = [root], root
-    while True:
-        replies = [
-            r for r in replies_of(node) if not r.get("deleted") and r.get("review_result") is not False
-        ]
-        if not replies:
-            return thread
-        ranked = sorted(
-            enumerate(replies),
-            key=lambda item: (item[1].get("rank") is None, item[1].get("rank") or 0, item[0]),
-        )
-        node = ranked[0][1]
-        thread.append(node)
-
-
-def from_oasst(records, source, lang=None):
-    """OpenAssistant message trees -> the highest-ranked thread of each root. Reads both exports: trees
-    (one tree per line, {"prompt": {..., "replies": [...]}}) and flat messages (one message per line with
-    message_id / parent_id)."""
-    records = list(records)
-    trees, children, roots = [], {}, []
-    for where, record in records:
-        if not isinstance(record, dict):
-            yield where, ChatError(f"expected a JSON object, got {type(record).__name__}")
-        elif isinstance(record.get("prompt"), dict):
-            trees.append((where, record["prompt"]))
-        elif "message_id" in record:
-            if record.get("parent_id") is None:
-                roots.append((where, record))
-            else:
-                children.setdefault(record["parent_id"], []).append(record)
-        else:
-            yield where, ChatError("neither a message tree ({'prompt': ...}) nor a message (message_id)")
-    roles = {"prompter": "user", "assistant": "assistant"}
-    for where, root, replies_of in [(w, r, lambda m: m.get("replies") or []) for w, r in trees] + [
-        (w, r, lambda m: children.get(m["message_id"], [])) for w, r in roots
-    ]:
-        if root.get("deleted") or (lang and root.get("lang") != lang):
-            continue
-        thread = best_thread(root, replies_of)
-        while thread and thread[-1].get("role") != "assistant":
-            thread.pop()  # a thread ends with an answer
-        if not thread:
-            continue
-        try:
-            messages = []
-            for message in thread:
-                if message.get("role") not in roles:
-                    raise ChatError(f"unknown OASST role {message.get('role')!r}; known: prompter, assistant")
-                messages.append({"role": roles[message["role"]], "content": field(message, "text")})
-        except ChatError as e:
-            yield where, e
-            continue
-        yield where, {"messages": messages, "source": source}
-
-
-IMPORTERS = {"alpaca": from_alpaca, "sharegpt": from_sharegpt, "oasst": from_oasst}
-
-
 def import_file(kind, path, out_path, skip_bad=False, lang=None, log=print):
-    """Convert a public data file to our conversations JSONL (written atomically). Returns (written, skipped)."""
+    """Convert a public data file to our conversations JSONL, or (kind preference) preference JSONL, written
+    atomically. Returns (written, skipped)."""
 
     source = f"{kind}:{os.path.basename(path)}"
     records = read_records(path)
-    converted = (
-        IMPORTERS[kind](records, source, lang) if kind == "oasst" else IMPORTERS[kind](records, source)
-    )
+    converter = chat_convert.IMPORTERS[kind]
+    converted = converter(records, source, lang) if kind == "oasst" else converter(records, source)
+    problems_of = preference_problems if kind == "preference" else conversation_problems
     lines, skipped = [], 0
     for where, conversation in converted:
         problems = (
             [str(conversation)]
-            if isinstance(conversation, ChatError)
-            else conversation_problems(conversation)
+            if isinstance(conversation, chat_convert.RecordError)
+            else problems_of(conversation)
         )
         if problems:
             if not skip_bad:
@@ -647,8 +636,74 @@ def import_file(kind, path, out_path, skip_bad=False, lang=None, log=print):
             continue
         lines.append(json.dumps(conversation, ensure_ascii=False) + "\n")
     fileio.write_atomic(out_path, lambda f: f.write("".join(lines).encode("utf-8")))
-    log(f"import: {len(lines):,} conversations from {path} ({kind}) -> {out_path}; {skipped} skipped")
+    what = "preference pairs" if kind == "preference" else "conversations"
+    log(f"import: {len(lines):,} {what} from {path} ({kind}) -> {out_path}; {skipped} skipped")
     return len(lines), skipped
+
+
+# -----------------------------------------------------------------------------
+# Pairs from the family's feedback (chat.py preferences) and from conversations (chat.py seed-pairs)
+
+
+def write_pairs(path, pairs):
+    """Check every pair (a bad one is a bug of its maker: refused, naming it) and write them atomically."""
+    for number, pair in enumerate(pairs, start=1):
+        problems = preference_problems(pair)
+        if problems:
+            raise ChatError(f"pair {number} ({pair.get('source')}) for {path}: " + "; ".join(problems))
+    lines = "".join(json.dumps(pair, ensure_ascii=False) + "\n" for pair in pairs)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fileio.write_atomic(path, lambda f: f.write(lines.encode("utf-8")))
+
+
+def export_preferences(db_path, out_path, val_path=None, val_share=None, log=print):
+    """The pairs of the family's consented feedback (feedback.py: whose consent is on now, by its rules)
+    from the server's database, written as preference JSONL. With val_path, the pairs of a val_share of
+    the prompts go there instead: a prompt's side is drawn from the hash of its text, so it stays on its
+    side as feedback grows and a prompt is never in both. Returns the counts."""
+    if (val_path is None) != (val_share is None):
+        raise ChatError("--val and --val-share go together (e.g. --val VAL.jsonl --val-share 0.1)")
+    if val_share is not None and not 0 < val_share < 1:
+        raise ChatError(f"--val-share {val_share}: expected a share between 0 and 1, e.g. 0.1")
+    if not os.path.isfile(db_path):
+        raise ChatError(f"{db_path}: no such database (the server's serve.database, e.g. var/enlace.sqlite)")
+    try:
+        conn = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True)
+        conn.row_factory = sqlite3.Row
+        with contextlib.closing(conn):
+            records, left_out = feedback.training_records(conn), feedback.unconsented_count(conn)
+    except sqlite3.Error as e:
+        raise ChatError(f"{db_path}: cannot read the feedback ({e}); is it the server's database?") from None
+    pairs, counts = feedback.preference_pairs(records)
+    sides = {out_path: []} | ({val_path: []} if val_path else {})
+    for pair in pairs:
+        digest = hashlib.sha256(json.dumps(pair["prompt"], sort_keys=True).encode("utf-8")).digest()
+        held_out = val_path and int.from_bytes(digest[:8], "big") / 2**64 < val_share
+        sides[val_path if held_out else out_path].append(pair)
+    for path, chosen in sides.items():
+        write_pairs(path, chosen)
+    members = len({record["member_id"] for record in records})
+    written = ", ".join(f"{len(chosen)} -> {path}" for path, chosen in sides.items())
+    log(
+        f"preferences: {len(pairs)} pairs from the feedback of {members} consenting member(s) ({written}): "
+        f"{counts['improved']} improved answers, {counts['rated_pairs']} from a 👎 and a 👍 to the same prompt; "
+        f"not pairs: {counts['lone_dislikes']} lone 👎, {counts['likes']} 👍; left out: {left_out} ratings of "
+        "members whose consent is off"
+    )
+    return counts | {"pairs": len(pairs), "unconsented": left_out}
+
+
+def write_seed_pairs(paths, out_path, seed, log=print):
+    """The pairs chat_convert.seed_pairs makes from the conversations of paths, as preference JSONL."""
+    conversations = [found for path in paths for found in read_conversations(path)[0]]
+    pairs = chat_convert.seed_pairs(conversations, seed)
+    write_pairs(out_path, pairs)
+    kinds = collections.Counter(pair["source"].split(":")[1] for pair in pairs)
+    log(
+        f"seed-pairs: {len(pairs)} pairs from {len(conversations)} conversations -> {out_path} "
+        f"({', '.join(f'{count} {kind}' for kind, count in sorted(kinds.items()))})"
+    )
+    return pairs
 
 
 # -----------------------------------------------------------------------------
@@ -700,8 +755,10 @@ def show(path, tokenizer_path=None, color=False, limit=None, out=sys.stdout):
 # -----------------------------------------------------------------------------
 
 USAGE = """usage:
-  python chat.py prepare CONFIG [section.key=value ...]      pack data.chat's conversations for training
-  python chat.py import --from alpaca|sharegpt|oasst FILE OUT.jsonl [--skip-bad] [--lang es]
+  python chat.py prepare CONFIG [section.key=value ...]      pack data.chat's conversations (or pairs)
+  python chat.py import --from alpaca|sharegpt|oasst|preference FILE OUT.jsonl [--skip-bad] [--lang es]
+  python chat.py preferences --db DB OUT.jsonl [--val VAL.jsonl --val-share 0.1]   the family's pairs
+  python chat.py seed-pairs OUT.jsonl FILE.jsonl... --seed N     pairs with worse answers made up
   python chat.py show FILE.jsonl [--tokenizer MODEL] [--limit N] [--color auto|always|never]"""
 
 
@@ -710,7 +767,7 @@ def main(argv):
 
     import data  # the command line may pay for torch; importing chat.py does not
 
-    if not argv or argv[0] not in ("prepare", "import", "show"):
+    if not argv or argv[0] not in ("prepare", "import", "preferences", "seed-pairs", "show"):
         print(USAGE, file=sys.stderr)
         return 2
     command, rest = argv[0], argv[1:]
@@ -727,13 +784,30 @@ def main(argv):
             prepare(cfg)
         elif command == "import":
             parser = argparse.ArgumentParser(prog="chat.py import")
-            parser.add_argument("--from", dest="kind", required=True, choices=sorted(IMPORTERS))
+            parser.add_argument("--from", dest="kind", required=True, choices=sorted(chat_convert.IMPORTERS))
             parser.add_argument("file")
             parser.add_argument("out")
             parser.add_argument("--skip-bad", action="store_true", help="leave out bad records (counted)")
             parser.add_argument("--lang", help="oasst: keep only trees whose first message has this language")
             args = parser.parse_args(rest)
             import_file(args.kind, args.file, args.out, args.skip_bad, args.lang)
+        elif command == "preferences":
+            parser = argparse.ArgumentParser(prog="chat.py preferences")
+            parser.add_argument("--db", required=True, help="the server's database (serve.database)")
+            parser.add_argument("out", help="preference JSONL to write (e.g. var/preferences/train.jsonl)")
+            parser.add_argument("--val", help="also write held-out pairs here (a share of the prompts)")
+            parser.add_argument("--val-share", type=float, help="share of the prompts held out in --val")
+            args = parser.parse_args(rest)
+            export_preferences(args.db, args.out, args.val, args.val_share)
+        elif command == "seed-pairs":
+            parser = argparse.ArgumentParser(prog="chat.py seed-pairs")
+            parser.add_argument("out", help="preference JSONL to write")
+            parser.add_argument("files", nargs="+", help="conversation JSONL files; each answer is chosen")
+            parser.add_argument(
+                "--seed", type=int, required=True, help="draws the other conversation's answer"
+            )
+            args = parser.parse_args(rest)
+            write_seed_pairs(args.files, args.out, args.seed)
         else:
             parser = argparse.ArgumentParser(prog="chat.py show")
             parser.add_argument("file")

@@ -316,7 +316,7 @@ def _cross_field_problems(config, origins):
     hardware, model, train, data = (config[name] for name in ("hardware", "model", "train", "data"))
     for key, message in _model_problems(model):
         problem(("model", key), message)
-    if data["format"] in ("shards", "chat") and model["vocab_size"] > 65536:
+    if data["format"] in ("shards", "chat", "preference") and model["vocab_size"] > 65536:
         problem(
             ("model", "vocab_size"),
             f"{model['vocab_size']} does not fit the uint16 shards; expected <= 65536",
@@ -329,6 +329,24 @@ def _cross_field_problems(config, origins):
         )
     if data["format"] == "bytes" and model["vocab_size"] != 256:
         problem(("model", "vocab_size"), f"{model['vocab_size']} but data.format is bytes; expected 256")
+
+    dpo_run, pairs = train["objective"] == "dpo", data["format"] == "preference"
+    if dpo_run and not pairs:
+        problem(("data", "format"), f"{data['format']!r}, but train.objective dpo trains on preference pairs; "
+                "expected preference (packed by `python chat.py prepare`)")  # fmt: skip
+    if pairs and not dpo_run:
+        problem(("train", "objective"), f"{train['objective']!r}, but data.format preference holds pairs for "
+                "DPO; expected dpo")  # fmt: skip
+    if dpo_run and train["init_from"] is None:
+        problem(("train", "init_from"), "null, but DPO starts from a run, which is also its reference model; "
+                "name it (e.g. runs/sft-smoke-cpu)")  # fmt: skip
+    dpo = train.get("dpo")
+    if dpo and not dpo_run:
+        problem(("train", "dpo"), f"set, but train.objective is {train['objective']!r}; remove it, or set "
+                "train.objective: dpo")  # fmt: skip
+    if dpo and dpo["loss_type"] == "sigmoid" and dpo["label_smoothing"] > 0:
+        problem(("train", "dpo", "label_smoothing"), f"{dpo['label_smoothing']} with loss_type sigmoid, which "
+                "ignores it (as TRL's DPOTrainer does); use loss_type: robust, or 0")  # fmt: skip
 
     decay_steps = int(train["decay_fraction"] * train["max_steps"])
     if train["warmup_steps"] + decay_steps > train["max_steps"]:

@@ -4,7 +4,8 @@ exact state. corpus.py (stage 1) builds the files they read.
 
 Format chat (SFT): DIR holds tokenizer.model (a copy of the pretraining one), {train,val}_NNNNNN.bin (packed
 rows of seq_len + 1 tokens) and mask_{train,val}_NNNNNN.bin (1 = a token the model learns to produce),
-written by `python chat.py prepare CONFIG`.
+written by `python chat.py prepare CONFIG`. Format preference (DPO) uses the same files with one sequence
+per row: row 2p holds pair p's prompt + chosen answer, row 2p + 1 its prompt + rejected answer.
 
 Shard format (version 1, the layout of llm.c's token files): a header of 256 little-endian int32
     [0] magic 20240520   [1] version 1   [2] number of tokens   [3] vocabulary size   [4:] zero
@@ -19,6 +20,8 @@ Loaders yield windows of seq_len + 1 tokens as (x, y) = (window[:-1], window[1:]
     chat:   rows of seq_len + 1 packed conversations (chat.py prepare) and their loss mask; y is -1 where the
             mask is 0. Each epoch visits the rows in an order drawn from (seed, epoch); rank r takes rows
             r, r + world_size, ... of that order.
+    preference: the same for pairs: a batch of batch_size pairs is 2 x batch_size rows, the chosen ones
+            first (TRL's layout), and next_batch() also returns the pairs' indices.
 Their state_dict() holds only tensors, ints and strings, so checkpoints load with weights_only=True, and
 a restored loader continues with exactly the batches the uninterrupted one would have produced. A state
 from another rank count, batch geometry or data is refused with the differences listed.
@@ -194,7 +197,7 @@ class SentencePieceTokenizer:
 def load_tokenizer(data_cfg):
     if data_cfg["format"] == "bytes":
         return ByteTokenizer()
-    if data_cfg["format"] == "chat":  # the copy `chat.py prepare` made of data.chat.tokenizer
+    if data_cfg["format"] in ("chat", "preference"):  # the copy `chat.py prepare` made of data.chat.tokenizer
         path = tokenizer_path(data_cfg)
         if not os.path.exists(path):
             raise DataError(f"{path}: not found; pack the conversations with `python chat.py prepare CONFIG`")
@@ -285,7 +288,7 @@ def load_split_tokens(data_cfg, split):
     check_split(split)
     if data_cfg["format"] == "bytes":
         return np.asarray(ByteLoader.open(byte_path(data_cfg, split)))
-    if data_cfg["format"] == "chat":
+    if data_cfg["format"] in ("chat", "preference"):
         raise DataError(
             f"{data_cfg['dir']}: packed conversations are rows with a loss mask, not one token stream; "
             "evaluate a chat run with `python sample.py RUN --chat-eval FILE.jsonl`"
@@ -307,6 +310,8 @@ def build_loader(data_cfg, split, batch_size, seq_len, seed, rank=0, world_size=
         return ByteLoader(byte_path(data_cfg, split), split, batch_size, seq_len, seed, rank, world_size)
     if data_cfg["format"] == "chat":
         return ChatLoader(data_cfg, split, batch_size, seq_len, seed, rank, world_size)
+    if data_cfg["format"] == "preference":
+        return PairLoader(data_cfg, split, batch_size, seq_len, seed, rank, world_size)
     return ShardLoader(data_cfg, split, batch_size, seq_len, seed, rank, world_size)
 
 
@@ -570,6 +575,61 @@ class ChatLoader:
         check_state(state, self.identity(), f"{self.split} chat")
         self.seed, self.epoch, self.position = state["seed"], state["epoch"], state["position"]
         self.order_epoch = None
+
+
+class PairLoader(ChatLoader):
+    """Preference pairs (`python chat.py prepare` with data.format preference): rows 2p and 2p + 1 are pair
+    p's prompt + chosen and prompt + rejected sequences, with the loss mask on the answers only. A batch of
+    batch_size pairs gives x, y of 2 x batch_size rows (the chosen ones first, then the rejected ones in
+    the same order: TRL's layout) and the pairs' indices. Each epoch visits every pair once, in an order
+    drawn from (seed, epoch); rank r takes pairs r, r + world_size, ... of that order."""
+
+    def __init__(self, data_cfg, split, batch_size, seq_len, seed, rank, world_size):
+        super().__init__(data_cfg, split, batch_size, seq_len, seed, rank, world_size)
+        rows = int(self.row_starts[-1])
+        if rows % 2:
+            raise DataError(
+                f"{data_cfg['dir']}/{split}_*.bin: {rows} rows, not whole pairs; rerun `python chat.py prepare CONFIG`"
+            )
+        self.pairs = rows // 2
+        self.pairs_per_rank = self.pairs // world_size
+        if self.pairs_per_rank == 0:
+            raise DataError(f"{data_cfg['dir']}/{split}_*.bin: {self.pairs} pairs, fewer than one per rank")
+
+    def pairs_of_epoch(self):
+        if self.order_epoch != self.epoch:
+            order = np.random.default_rng([self.seed, self.epoch]).permutation(self.pairs)
+            self.order = order[self.rank :: self.world_size][: self.pairs_per_rank]
+            self.order_epoch = self.epoch
+        return self.order
+
+    def rank_pairs(self):
+        """This rank's share of the pairs, each once, in file order (evaluation and reference log-probs)."""
+        return list(range(self.rank, self.pairs, self.world_size))
+
+    def pair_rows(self, pairs):
+        """x, y of the pairs: 2 x len(pairs) rows, chosen first; y = -1 where the mask is 0."""
+        rows = [2 * p for p in pairs] + [2 * p + 1 for p in pairs]
+        tokens = np.empty((len(rows), self.row_len), dtype=np.int64)
+        trained = np.empty((len(rows), self.row_len), dtype=bool)
+        for i, row in enumerate(rows):
+            tokens[i], trained[i] = self.row(row)
+        x = torch.from_numpy(tokens[:, :-1].copy())
+        y = torch.from_numpy(np.where(trained[:, 1:], tokens[:, 1:], -1))
+        return x, y
+
+    def next_batch(self):
+        pairs = []
+        for _ in range(self.batch_size):
+            pairs.append(int(self.pairs_of_epoch()[self.position]))
+            self.position += 1
+            if self.position == self.pairs_per_rank:
+                self.position, self.epoch = 0, self.epoch + 1
+        x, y = self.pair_rows(pairs)
+        return x, y, torch.tensor(pairs, dtype=torch.int64)
+
+    def identity(self):
+        return super().identity() | {"format": "preference"}
 
 
 if __name__ == "__main__":

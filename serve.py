@@ -29,9 +29,14 @@ serve_web.py's; other features add theirs with build_app(..., extra_routes)):
     GET  /api/server                       worker counters: slots in use, queued jobs, tokens/s; admin only
     GET|POST|DELETE /api/memories; GET /api/memories/export; PATCH|DELETE /api/memories/{id}
                                            the member's memories (memory.py), never the admin's business
+    POST|DELETE /api/conversations/{id}/messages/{n}/feedback   the member's 👍/👎 of answer n (counted
+                                           from 0 in the conversation's messages) and the answer they wanted
+    GET|DELETE /api/feedback; GET /api/feedback/export; DELETE /api/feedback/{id}   their own feedback
+    GET|PUT /api/consent; PUT /api/members/{name}/consent   "usar mis valoraciones para entrenar": their
+                                           own (adults), a child's (set by an adult), feedback.py
 Every request is authenticated by `Authorization: Bearer <API key>` or the session cookie. A member only
-ever reaches their own conversations (anything else is 404, whoever asks, admins included). Members,
-sessions and conversations are serve_accounts.py's (SQLite).
+ever reaches their own conversations and feedback (anything else is 404, whoever asks, admins included).
+Members, sessions and conversations are serve_accounts.py's (SQLite).
 
 A request that brings its own `tools` gets them rendered by chat.render and the model's calls back as
 OpenAI tool_calls; any other request runs agent.py's loop with the server's tools (search, calculator,
@@ -474,8 +479,10 @@ async def post_message(request):
         store.add_message(member["id"], conversation_id, "assistant", text)
 
     reply = Reply(stop, None)
+    # message_index: where the answer is stored (after the member's message), for rating it.
     base = {"id": "chatcmpl-" + uuid.uuid4().hex, "object": "chat.completion.chunk", "created": int(time.time()),
-            "model": server.model_id, "conversation_id": conversation_id}  # fmt: skip
+            "model": server.model_id, "conversation_id": conversation_id,
+            "message_index": len(conversation["messages"]) + 1}  # fmt: skip
     if stream:
         return streaming_response(stream_answer(request, server, member, job, reply, base, True, on_end))
     try:
@@ -484,7 +491,8 @@ async def post_message(request):
         return Response(status_code=499)
     on_end(text)
     message = {"role": "assistant", "content": text}
-    return JSONResponse({"conversation_id": conversation_id, "message": message, "finish_reason": finish,
+    return JSONResponse({"conversation_id": conversation_id, "message_index": base["message_index"],
+                         "message": message, "finish_reason": finish,
                          "usage": usage_of(prompt_tokens, tokens)})  # fmt: skip
 
 
@@ -571,6 +579,17 @@ def routes():
         Route("/api/memories/export", serve_web.export_memories),
         Route("/api/memories/{id:int}", serve_web.edit_memory, methods=["PATCH"]),
         Route("/api/memories/{id:int}", serve_web.delete_memory, methods=["DELETE"]),
+        Route("/api/conversations/{id}/messages/{n:int}/feedback", serve_web.rate_answer, methods=["POST"]),
+        Route(
+            "/api/conversations/{id}/messages/{n:int}/feedback", serve_web.unrate_answer, methods=["DELETE"]
+        ),
+        Route("/api/feedback", serve_web.list_feedback),
+        Route("/api/feedback", serve_web.delete_all_feedback, methods=["DELETE"]),
+        Route("/api/feedback/export", serve_web.export_feedback),
+        Route("/api/feedback/{id:int}", serve_web.delete_feedback, methods=["DELETE"]),
+        Route("/api/consent", serve_web.get_consent),
+        Route("/api/consent", serve_web.set_own_consent, methods=["PUT"]),
+        Route("/api/members/{name}/consent", serve_web.set_member_consent, methods=["PUT"]),
         Mount("/web", StaticFiles(directory=WEB_DIR)),
     ]
 

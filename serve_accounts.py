@@ -1,10 +1,13 @@
 """
 The family's accounts and conversations, in one SQLite file (WAL): members with a role (admin, adult,
 child), their API keys (stored as SHA-256: they are random 256-bit secrets) and web passwords or PINs
-(salted scrypt), web sessions, and each member's conversations. No HTTP here: serve.py is the only user,
+(salted scrypt), web sessions, and each member's conversations (with their ratings of the answers and
+their consent to train on them: feedback.py's tables, created here). No HTTP here: serve.py is the only user,
 and `python serve.py member ...` is this file's command line (member_main).
 
 Every query about conversations names their owner, so no member's rows can come back to another.
+Deleting a member deletes their conversations, feedback and consent (foreign keys) and their memories; freed
+pages are overwritten (secure_delete).
 """
 
 import argparse
@@ -22,6 +25,7 @@ import time
 import uuid
 
 import config
+import feedback
 import memory
 
 ROLES = ("admin", "adult", "child")
@@ -87,9 +91,11 @@ class Store:
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=FULL")
         self.db.execute("PRAGMA foreign_keys=ON")
+        self.db.execute("PRAGMA secure_delete=ON")  # a deleted account or conversation leaves no text behind
         self.db.executescript(SCHEMA_SQL)
         self.migrate()
         memory.ensure_schema(self.db)
+        feedback.ensure_schema(self.db)
 
     def migrate(self):
         """Columns added since a database was created: members.provisional (an account made through the
@@ -287,7 +293,7 @@ def member_main(argv, load_settings, default_config):
     add = commands.add_parser("add", help="create a member and print their API key once")
     add.add_argument("name")
     add.add_argument("--role", choices=ROLES, required=True)
-    for name, text in (("remove", "delete a member and their conversations"),
+    for name, text in (("remove", "delete a member with their conversations, feedback and memories"),
                        ("new-key", "replace a member's API key and print the new one"),
                        ("password", "set the web password or PIN (asked twice, or one line on stdin)")):  # fmt: skip
         commands.add_parser(name, help=text).add_argument("name")
@@ -307,7 +313,7 @@ def member_main(argv, load_settings, default_config):
     elif args.command == "remove":
         if not store.remove_member(args.name):
             raise AccountError(f"no member {args.name!r}")
-        print(f"member {args.name} removed with their conversations")
+        print(f"member {args.name} removed with their conversations, feedback and memories")
     elif args.command == "new-key":
         key = store.new_key(args.name)
         if key is None:

@@ -1,8 +1,8 @@
 """
 serve.py's routes beside the chat itself: web sessions (login, logout, the member's own password
 change), the member's stored conversations (listing, opening, deleting; their turns stream through
-serve.py's post_message), accounts (admin only, and each member's own API key) and the member's memories
-(memory.py). Each handler reads request.app.state.server (serve.Server) for the settings, the database
+serve.py's post_message), accounts (admin only, and each member's own API key), the member's memories
+(memory.py), and the member's ratings of answers and their consent to train on them (feedback.py). Each handler reads request.app.state.server (serve.Server) for the settings, the database
 and who is asking; read_json is the one request-body reader, serve.py's too.
 """
 
@@ -12,6 +12,7 @@ import sys
 
 from starlette.responses import JSONResponse
 
+import feedback
 import memory
 import serve_accounts
 from serve_openai import ApiError, check_text, expect, text_error
@@ -142,9 +143,15 @@ def owned(server, member, conversation_id):
 
 
 async def get_conversation(request):
+    """The conversation with the member's own rating on each answer they rated ("feedback")."""
     server = request.app.state.server
     member = server.member_of(request)
-    return JSONResponse(owned(server, member, request.path_params["id"]))
+    conversation = owned(server, member, request.path_params["id"])
+    messages = conversation["messages"]
+    for item in feedback_call(server, feedback.list_feedback, member["id"], conversation["id"]):
+        if item["message_index"] < len(messages):
+            messages[item["message_index"]]["feedback"] = {k: item[k] for k in ("id", "rating", "better")}
+    return JSONResponse(conversation)
 
 
 async def delete_conversation(request):
@@ -294,3 +301,128 @@ async def export_memories(request):
     member = memory_member(server, request)
     disposition = {"Content-Disposition": 'attachment; filename="recuerdos.json"'}
     return JSONResponse(memory_call(server, member, memory.export), headers=disposition)
+
+
+# --- ratings of answers and consent to train on them (feedback.py): each member's own, the admin's too
+
+
+def feedback_call(server, function, *args):
+    """feedback.py's errors as 4xx; a member's feedback that is not there or not theirs is the same 404."""
+    with server.store.lock:
+        try:
+            return function(server.store.db, *args)
+        except feedback.FeedbackNotFound as e:
+            raise ApiError(404, str(e), code="feedback_not_found") from None
+        except feedback.ConsentForbidden as e:
+            raise ApiError(403, str(e), code="consent_forbidden") from None
+        except feedback.FeedbackError as e:
+            raise ApiError(400, str(e), code="invalid_feedback") from None
+
+
+def rated_answer(server, member, request):
+    """(conversation id, message index, the messages) of an answer in the member's own conversation."""
+    conversation = owned(server, member, request.path_params["id"])
+    index, messages = request.path_params["n"], conversation["messages"]
+    if not 0 <= index < len(messages) or messages[index]["role"] != "assistant":
+        raise ApiError(404, f"message {index} of conversation {conversation['id']!r} is not an answer of the "
+                       "assistant (messages count from 0)", code="message_not_found")  # fmt: skip
+    return conversation["id"], index, messages
+
+
+async def rate_answer(request):
+    """{"rating": 1 | -1, "better": "the answer wanted"?}: the member's rating of one answer (a second one
+    replaces the first)."""
+    server = request.app.state.server
+    member = server.member_of(request)
+    conversation_id, index, messages = rated_answer(server, member, request)
+    body = await read_json(request, server.settings["max_body_bytes"])
+    rating = expect(body.get("rating"), int, "rating", "1 (👍) or -1 (👎)")
+    better = body.get("better")
+    if better is not None:
+        expect(better, str, "better", "the text of the answer you wanted")
+    prompt = [{"role": m["role"], "content": m["content"]} for m in messages[:index]]
+    answer = messages[index]["content"]
+    stored = feedback_call(
+        server, feedback.rate, member["id"], conversation_id, index, prompt, answer, rating, better
+    )
+    return JSONResponse(stored)
+
+
+async def unrate_answer(request):
+    server = request.app.state.server
+    member = server.member_of(request)
+    conversation_id, index, _ = rated_answer(server, member, request)
+    removed = feedback_call(server, feedback.remove_of_message, member["id"], conversation_id, index)
+    return JSONResponse({"deleted": removed})
+
+
+async def list_feedback(request):
+    server = request.app.state.server
+    member = server.member_of(request)
+    return JSONResponse({"data": feedback_call(server, feedback.list_feedback, member["id"])})
+
+
+async def delete_feedback(request):
+    server = request.app.state.server
+    member = server.member_of(request)
+    removed = feedback_call(server, feedback.remove, member["id"], request.path_params["id"])
+    return JSONResponse({"deleted": removed})
+
+
+async def delete_all_feedback(request):
+    server = request.app.state.server
+    member = server.member_of(request)
+    return JSONResponse({"deleted": feedback_call(server, feedback.remove_all, member["id"])})
+
+
+async def export_feedback(request):
+    server = request.app.state.server
+    member = server.member_of(request)
+    disposition = {"Content-Disposition": 'attachment; filename="valoraciones.json"'}
+    return JSONResponse(feedback_call(server, feedback.export, member), headers=disposition)
+
+
+def consent_view(server, member):
+    """The member's consent, whether they may change it, and for an adult the family's children's."""
+    view = feedback_call(server, feedback.consent, member["id"])
+    view["may_change"] = feedback.may_set_consent(member, member) is None
+    if member["role"] in feedback.ADULT_ROLES:
+        children = [m for m in server.store.members() if m["role"] == "child"]
+        view["children"] = [
+            {"name": child["name"]} | feedback_call(server, feedback.consent, child["id"])
+            for child in children
+        ]
+    return view
+
+
+async def get_consent(request):
+    server = request.app.state.server
+    return JSONResponse(consent_view(server, server.member_of(request)))
+
+
+async def consent_of_body(request, server):
+    body = await read_json(request, server.settings["max_form_bytes"])
+    return expect(body.get("granted"), bool, "granted", "true or false")
+
+
+async def set_own_consent(request):
+    """{"granted": true | false}: "usar mis valoraciones para entrenar" (adults; a child's is an adult's)."""
+    server = request.app.state.server
+    member = server.member_of(request)
+    granted = await consent_of_body(request, server)
+    feedback_call(server, feedback.set_consent, member, member, granted)
+    return JSONResponse(consent_view(server, member))
+
+
+async def set_member_consent(request):
+    """An adult (or the admin) sets a child's consent; anyone else's is theirs to set."""
+    server = request.app.state.server
+    member = server.member_of(request)
+    if member["role"] not in feedback.ADULT_ROLES:  # before the name is looked up: nothing to learn here
+        raise ApiError(403, "a child's consent is set by an adult of the family", code="consent_forbidden")
+    target = server.store.member(request.path_params["name"])
+    if target is None:
+        raise ApiError(404, f"no member {request.path_params['name']!r}", code="member_not_found")
+    granted = await consent_of_body(request, server)
+    changed = feedback_call(server, feedback.set_consent, member, target, granted)
+    return JSONResponse({"name": target["name"]} | changed)

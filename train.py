@@ -8,7 +8,8 @@ Train ENLACE from a run file.
     torchrun --nproc_per_node=2 train.py configs/pretrain-2060.yaml
 
 Everything a run writes lives in <train.runs_dir>/<run_name>/: config.yaml (resolved), metrics.jsonl
-and ckpt_<step>.pt (atomic, the last `keep_last` kept). This file is the only code that knows how
+and ckpt_<step>.pt (atomic, the last `keep_last` kept). train.objective picks what a step minimizes: the
+next token's cross-entropy (pretraining, SFT), or DPO on preference pairs (train_dpo.py). This file is the only code that knows how
 boards differ; the hardware profile (configs/hardware/) is the only config layer that does.
 """
 
@@ -34,6 +35,7 @@ import checkpoint as ckpt
 import config
 import data
 import fileio
+import train_dpo
 import train_memory
 from checkpoint import (
     list_checkpoints,
@@ -49,7 +51,7 @@ SHAPE_KEYS = [
     ("model", k) for k in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden")
 ]
 SHAPE_KEYS += [("model", "seq_len"), ("train", "micro_batch_size"), ("train", "grad_accum_steps")]
-SHAPE_KEYS += [("data", "format")]
+SHAPE_KEYS += [("data", "format"), ("train", "objective")]
 
 
 class TrainError(Exception):
@@ -591,6 +593,13 @@ def _train(cfg, ctx, resume, stop_after, log, handle_signals):
         model.load_state_dict(init_state["model"])
         log(f"initialized from {init_path} (step {init_state['step']}); fresh optimizer and schedule")
 
+    dpo = train_cfg["objective"] == "dpo"
+    reference = None  # DPO: {split: (pairs, 2)} log-probs of the answers under the starting run
+    if dpo and checkpoint is not None:
+        reference = checkpoint["reference"]
+    elif dpo:  # the weights just loaded from init_from, before any step
+        reference = train_dpo.reference_log_probs(model, cfg, hardware, ctx, log)
+
     raw_model = model
     if profile["compile"]:
         model = torch.compile(model)
@@ -612,11 +621,18 @@ def _train(cfg, ctx, resume, stop_after, log, handle_signals):
             f"{hardware.description}, {profile['dtype']}, attention {hardware.attention_backend}, "
             f"matmul peak {hardware.peak_tflops:.3g} TFLOP/s (MFU reference)"
         )
-        log(
-            f"global batch {tokens_per_step} tokens = {ctx.world_size} ranks x {batch} sequences x "
-            f"{seq_len} tokens x {accum} accumulation; {train_cfg['max_steps']} steps"
-        )
-        if profile["memory_gib"] is not None:
+        if dpo:
+            log(
+                f"global batch {ctx.world_size * batch * accum} pairs = {ctx.world_size} ranks x {batch} pairs "
+                f"(a chosen and a rejected sequence each, up to {seq_len} tokens) x {accum} accumulation; "
+                f"{train_cfg['max_steps']} steps"
+            )
+        else:
+            log(
+                f"global batch {tokens_per_step} tokens = {ctx.world_size} ranks x {batch} sequences x "
+                f"{seq_len} tokens x {accum} accumulation; {train_cfg['max_steps']} steps"
+            )
+        if profile["memory_gib"] is not None and not dpo:  # the estimate models a next-token step
             log(memory_line(model_cfg, batch, profile))
     metrics_file = open(metrics_path, "a", encoding="utf-8") if ctx.is_main else None
 
@@ -642,6 +658,7 @@ def _train(cfg, ctx, resume, stop_after, log, handle_signals):
                 "skipped_steps": skipped_steps,
                 "world_size": ctx.world_size,
                 "tokenizer": tokenizer_record,
+                **({"reference": reference} if dpo else {}),
                 "config": cfg,
                 "code_version": fileio.code_version(),
             }
@@ -652,7 +669,7 @@ def _train(cfg, ctx, resume, stop_after, log, handle_signals):
 
     nonfinite_streak = 0
     start_step = step
-    window_start, window_steps = time.perf_counter(), 0
+    window_start, window_steps, window_tokens = time.perf_counter(), 0, 0
     run_start = time.perf_counter()
     stopped_by = None
     with StopRequest(enabled=handle_signals) as stop:
@@ -663,15 +680,24 @@ def _train(cfg, ctx, resume, stop_after, log, handle_signals):
 
             # Micro-steps: DDP syncs gradients only on the last one (no_sync on the others).
             loss_sum = torch.zeros((), device=hardware.device)
+            pair_sums = torch.zeros(len(train_dpo.STATS), dtype=torch.float64)  # DPO's logged figures
             for micro in range(accum):
-                x, y = (t.to(hardware.device, non_blocking=True) for t in loader.next_batch())
                 sync = micro == accum - 1
                 with model.no_sync() if ctx.enabled and not sync else contextlib.nullcontext():
-                    with hardware.autocast():
-                        _, losses = model(x, y)
-                    loss = losses["loss"] / accum
+                    if dpo:
+                        loss, sums, tokens = train_dpo.micro_step(
+                            model, loader.next_batch(), reference["train"], train_cfg["dpo"], hardware
+                        )
+                        pair_sums += sums
+                    else:
+                        x, y = (t.to(hardware.device, non_blocking=True) for t in loader.next_batch())
+                        with hardware.autocast():
+                            _, losses = model(x, y)
+                        loss, tokens = losses["loss"], x.numel()
+                    loss = loss / accum
                     hardware.scaler.scale(loss).backward()
                 loss_sum += loss.detach()
+                window_tokens += tokens
 
             hardware.scaler.unscale_(optimizer)
             max_norm = train_cfg["grad_clip"] if train_cfg["grad_clip"] > 0 else float("inf")
@@ -707,10 +733,12 @@ def _train(cfg, ctx, resume, stop_after, log, handle_signals):
                 if ctx.enabled:
                     dist.all_reduce(loss_sum)  # gloo has no AVG
                     loss_sum /= ctx.world_size
+                    pair_sums = pair_sums.to(hardware.device)
+                    dist.all_reduce(pair_sums)
                 if hardware.device.type == "cuda":
                     torch.cuda.synchronize()
                 now = time.perf_counter()
-                tokens_per_second = tokens_per_step * window_steps / (now - window_start)
+                tokens_per_second = window_tokens * ctx.world_size / (now - window_start)
                 mfu = flops_per_token * tokens_per_second / (hardware.peak_tflops * 1e12 * ctx.world_size)
                 elapsed = now - run_start
                 eta = elapsed / (step - start_step) * (train_cfg["max_steps"] - step)
@@ -727,21 +755,34 @@ def _train(cfg, ctx, resume, stop_after, log, handle_signals):
                 }
                 if hardware.scaler.is_enabled():
                     record["loss_scale"] = hardware.scaler.get_scale()
+                pairs = train_dpo.means(pair_sums.cpu()) if dpo else {}  # this step's pairs
+                record |= {key: pairs[key] for key in ("margin", "chosen_reward", "rejected_reward", "accuracy")
+                           if key in pairs}  # fmt: skip
                 write_metrics(record)
                 log(
-                    f"step {step}/{train_cfg['max_steps']} | loss {record['loss']:.4f} | lr {lr:.1e} | "
-                    f"gnorm {record['grad_norm']:.2f} | {format_rate(tokens_per_second)} tok/s | "
+                    f"step {step}/{train_cfg['max_steps']} | loss {record['loss']:.4f} | "
+                    + (f"margin {pairs['margin']:.3f} | acc {100 * pairs['accuracy']:.0f}% | " if dpo else "")
+                    + f"lr {lr:.1e} | gnorm {record['grad_norm']:.2f} | {format_rate(tokens_per_second)} tok/s | "
                     f"mfu {100 * mfu:.0f}% | {format_duration(elapsed)} | eta {format_duration(eta)}"
                     + (f" | skipped {skipped_steps}" if skipped_steps else "")
                 )
-                window_start, window_steps = time.perf_counter(), 0
+                window_start, window_steps, window_tokens = time.perf_counter(), 0, 0
 
             stop_now = stop.signal_name is not None or (stop_after is not None and step >= stop_after)
             if ctx.enabled:  # a signal may reach one rank first; stop together
                 stop_now = not all_ranks_true(not stop_now, ctx, hardware.device)
             at_end = step == train_cfg["max_steps"]
             eval_due = train_cfg["eval_interval"] and step % train_cfg["eval_interval"] == 0
-            if (eval_due or at_end) and not stop_now:
+            if (eval_due or at_end) and not stop_now and dpo:
+                result = train_dpo.evaluate(model, reference, cfg, hardware, ctx)
+                write_metrics({"step": step, **result})
+                log(
+                    f"eval step {step} | val_loss {result['val_loss']:.4f} | held-out reward accuracy "
+                    f"{100 * result['val_accuracy']:.1f}% of {result['val_pairs']} pairs | margin "
+                    f"{result['val_margin']:.3f} | chosen answer likelier than under {train_cfg['init_from']} for "
+                    f"{100 * result['val_chosen_likelier']:.1f}% of {result['val_prompts']} prompts"
+                )
+            elif (eval_due or at_end) and not stop_now:
                 result = evaluate(model, cfg, hardware, ctx, token_bytes)
                 write_metrics({"step": step, **result})
                 log(f"eval step {step} | val_loss {result['val_loss']:.4f} | val_bpb {result['val_bpb']:.4f}")
@@ -753,7 +794,7 @@ def _train(cfg, ctx, resume, stop_after, log, handle_signals):
             if step % train_cfg["ckpt_interval"] == 0 or at_end or stop_now:
                 make_checkpoint(step)
             if eval_due or at_end or step % train_cfg["ckpt_interval"] == 0 or benchmark_due:
-                window_start, window_steps = time.perf_counter(), 0  # tokens/s counts training only
+                window_start, window_steps, window_tokens = time.perf_counter(), 0, 0  # training only
             if stop_now:
                 stopped_by = stop.signal_name or f"stop after step {stop_after}"
                 break
@@ -763,7 +804,7 @@ def _train(cfg, ctx, resume, stop_after, log, handle_signals):
     if stopped_by:
         log(f"stopped at step {step} ({stopped_by}); continue with --resume")
     elif ctx.is_main and train_cfg["sample_tokens"] > 0:
-        chat_run = cfg["data"]["format"] == "chat"
+        chat_run = cfg["data"]["format"] in ("chat", "preference")
         log(f"sample: {sample_text(raw_model, tokenizer, train_cfg, hardware, chat_run)}")
     return step
 

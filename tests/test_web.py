@@ -298,7 +298,7 @@ def test_the_page_loads_nothing_from_outside_the_server(chat_model, tmp_path):
         scripts = re.findall(r'(?:src|href)="([^"]+)"', page.text)
         assets = [httpx.get(url + path) for path in scripts]
     assert page.status_code == 200 and "default-src 'self'" in page.headers["content-security-policy"]
-    assert sorted(scripts) == ["/web/app.js", "/web/memories.js", "/web/style.css"]
+    assert sorted(scripts) == ["/web/app.js", "/web/feedback.js", "/web/memories.js", "/web/style.css"]
     assert all(asset.status_code == 200 for asset in assets)
 
 

@@ -178,7 +178,11 @@ async function openConversation(id) {
     $("title").textContent = conversation.title;
     $("delete-conversation").hidden = false;
     $("messages").replaceChildren();
-    for (const message of conversation.messages) addMessage(message.role, message.content).dataset.done = "true";
+    conversation.messages.forEach((message, index) => {
+      const bubble = addMessage(message.role, message.content);
+      bubble.dataset.done = "true";
+      if (message.role === "assistant") answerShown(bubble, conversation.id, index, message.feedback);
+    });
     for (const item of $("conversations").children) item.classList.toggle("active", item.dataset.id === id);
     $("sidebar").classList.remove("open");
   } catch (error) {
@@ -206,6 +210,14 @@ function addMessage(role, text) {
   $("messages").append(bubble);
   bubble.scrollIntoView({ block: "end" });
   return bubble;
+}
+
+// An answer the server has stored: feedback.js puts its 👍 / 👎 / "Mejorar" under it. index: its place
+// among the conversation's messages (the server's numbering), feedback: the member's rating, if any.
+function answerShown(bubble, conversation, index, feedback) {
+  bubble.dataset.index = index;
+  const detail = { bubble, conversation, index, feedback: feedback || null };
+  document.dispatchEvent(new CustomEvent("enlace:answer", { detail }));
 }
 
 function stopAnswer() {
@@ -241,6 +253,7 @@ $("composer").addEventListener("submit", async (event) => {
     $("chat-error").textContent = error.message;
     return;
   }
+  const conversationId = state.current;
   $("input").value = "";
   addMessage("user", text);
   const bubble = addMessage("assistant", "");
@@ -248,11 +261,14 @@ $("composer").addEventListener("submit", async (event) => {
   state.controller = controller;
   setBusy(true);
   try {
-    await streamAnswer(state.current, text, bubble, controller.signal);
+    await streamAnswer(conversationId, text, bubble, controller.signal);
   } catch (error) {
     if (error.name !== "AbortError") $("chat-error").textContent = error.message;
   } finally {
     bubble.dataset.done = "true";
+    if (bubble.isConnected && bubble.textContent && bubble.dataset.index) {
+      answerShown(bubble, conversationId, Number(bubble.dataset.index), null);
+    }
     state.controller = null;
     setBusy(false);
     $("input").focus();
@@ -288,6 +304,7 @@ async function streamAnswer(id, text, bubble, signal) {
         if (data === "[DONE]") return;
         const chunk = JSON.parse(data);
         if (chunk.error) throw new Error(chunk.error.message);
+        if (chunk.message_index !== undefined) bubble.dataset.index = chunk.message_index;
         const delta = chunk.choices && chunk.choices[0] && chunk.choices[0].delta;
         if (delta && delta.content) {
           bubble.textContent += delta.content;

@@ -1,0 +1,194 @@
+"""
+DPO for train.py (train.objective: dpo): Direct Preference Optimization (Rafailov et al., 2023) on the pairs
+`chat.py prepare` lays out (data.format preference), starting from the run in train.init_from, which is
+also the reference model.
+
+For a pair of a prompt x, a chosen answer c and a rejected answer r, with log p(a|x) the sum of the
+log-probabilities of the answer's tokens (the completion mask: the prompt is context, never scored):
+
+    chosen reward   = beta * (log p_model(c|x) - log p_ref(c|x))
+    rejected reward = beta * (log p_model(r|x) - log p_ref(r|x))
+    margin          = chosen reward - rejected reward
+    loss            = -log sigmoid(margin)                                          loss_type sigmoid
+                    = (-(1 - e) log sigmoid(margin) + e log sigmoid(-margin)) / (1 - 2e)   loss_type robust
+
+(e = label_smoothing, the probability that a pair's preference is flipped: Robust DPO), the formulas and
+names of TRL's DPOTrainer; tests/test_dpo.py checks the numbers against TRL's own code. Logged per step:
+the loss, the mean margin, the mean chosen and rejected rewards, and the accuracy (share of pairs whose
+margin > 0).
+
+The reference: the log-probabilities of every pair's two answers under the starting run, computed once
+when the run starts, with the weights just loaded from init_from and before the first step (TRL's
+precompute_ref_log_probs), and saved in every checkpoint: a resumed run uses the very same numbers, and no
+second copy of the model is kept in memory or run at every step (why: docs/conversaciones.md).
+
+Log-probabilities come from the logits of the model's forward pass without targets (answer_log_probs),
+so they do not depend on how the model computes its own training loss.
+"""
+
+import hashlib
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import data
+
+STATS = ("loss", "margin", "chosen_reward", "rejected_reward", "correct", "pairs")
+
+
+def completion_log_probs(logits, targets):
+    """Per row, the sum of log p(target) over the positions whose target is not -1: (rows,), in float32
+    (float64 for float64 logits)."""
+    log_probs = F.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
+    picked = log_probs.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return torch.where(targets != -1, picked, 0.0).sum(dim=-1)
+
+
+def answer_log_probs(model, x, y, hardware):
+    """(log p of each row's answer, tokens run): rows are cut after the last position any of them scores,
+    since the rest is padding that a causal model's earlier positions never see."""
+    scored = (y != -1).any(dim=0).nonzero()
+    length = int(scored[-1]) + 1 if len(scored) else 1
+    x, y = x[:, :length], y[:, :length]
+    with hardware.autocast():
+        logits, _ = model(x)
+    return completion_log_probs(logits, y), x.numel()
+
+
+def dpo_losses(chosen, rejected, ref_chosen, ref_rejected, dpo):
+    """(per-pair losses, chosen rewards, rejected rewards) of policy and reference log-probs (pairs,)."""
+    beta, smoothing = dpo["beta"], dpo["label_smoothing"]
+    chosen_ratio, rejected_ratio = chosen - ref_chosen, rejected - ref_rejected
+    margin = beta * (chosen_ratio - rejected_ratio)
+    if dpo["loss_type"] == "sigmoid":
+        losses = -F.logsigmoid(margin)
+    else:  # robust
+        losses = (-(1 - smoothing) * F.logsigmoid(margin) + smoothing * F.logsigmoid(-margin)) / (
+            1 - 2 * smoothing
+        )
+    return losses, beta * chosen_ratio.detach(), beta * rejected_ratio.detach()
+
+
+def pair_stats(losses, chosen_rewards, rejected_rewards):
+    """Sums of STATS over a micro-batch's pairs, as a float64 tensor (summed over steps and ranks)."""
+    margins = chosen_rewards - rejected_rewards
+    sums = [losses.detach().sum(), margins.sum(), chosen_rewards.sum(), rejected_rewards.sum()]
+    sums += [(margins > 0).sum(), torch.tensor(len(losses))]
+    return torch.stack([value.double().cpu() for value in sums])
+
+
+def means(sums):
+    """STATS sums -> {name: mean over the pairs} (accuracy for correct)."""
+    pairs = max(sums[-1].item(), 1.0)
+    values = {name: sums[i].item() / pairs for i, name in enumerate(STATS[:-1])}
+    values["accuracy"] = values.pop("correct")
+    return values
+
+
+def micro_step(model, batch, reference, dpo, hardware):
+    """(mean loss of the micro-batch's pairs, their STATS sums, tokens run) of one micro-batch from
+    data.PairLoader: x, y of 2 x B rows (chosen first) and the B pairs' indices into reference."""
+    x, y, pairs = batch
+    device = hardware.device
+    log_probs, tokens = answer_log_probs(model, x.to(device), y.to(device), hardware)
+    chosen, rejected = log_probs.chunk(2)
+    ref = reference[pairs.to(reference.device)].to(device)
+    losses, chosen_rewards, rejected_rewards = dpo_losses(chosen, rejected, ref[:, 0], ref[:, 1], dpo)
+    return losses.mean(), pair_stats(losses, chosen_rewards, rejected_rewards), tokens
+
+
+# -----------------------------------------------------------------------------
+# The reference and the held-out figures
+
+
+def split_loader(cfg, split, ctx):
+    train = cfg["train"]
+    return data.build_loader(
+        cfg["data"], split, train["micro_batch_size"], cfg["model"]["seq_len"], train["seed"], ctx.rank,
+        ctx.world_size,
+    )  # fmt: skip
+
+
+@torch.no_grad()
+def split_log_probs(model, loader, pairs, hardware):
+    """{pair: (log p chosen, log p rejected)} of the pairs, in micro-batches of the loader's size."""
+    found = {}
+    for first in range(0, len(pairs), loader.batch_size):
+        chunk = pairs[first : first + loader.batch_size]
+        x, y = loader.pair_rows(chunk)
+        log_probs, _ = answer_log_probs(model, x.to(hardware.device), y.to(hardware.device), hardware)
+        chosen, rejected = log_probs.float().cpu().chunk(2)
+        found.update({p: (c, r) for p, c, r in zip(chunk, chosen.tolist(), rejected.tolist(), strict=True)})
+    return found
+
+
+def reference_log_probs(model, cfg, hardware, ctx, log=print):
+    """{split: (pairs, 2) float32 CPU tensor} of every pair's chosen and rejected log-probs under `model`,
+    the run just loaded from init_from. Rank r computes pairs r, r + world_size, ...; an all-reduce of
+    the tables (zeros elsewhere) gives every rank all of them."""
+    model.eval()
+    tables = {}
+    for split in data.SPLITS:
+        loader = split_loader(cfg, split, ctx)
+        table = torch.zeros(loader.pairs, 2, dtype=torch.float32)
+        for pair, values in split_log_probs(model, loader, loader.rank_pairs(), hardware).items():
+            table[pair] = torch.tensor(values)
+        if ctx.enabled:
+            shared = table.to(hardware.device)
+            dist.all_reduce(shared)
+            table = shared.cpu()
+        tables[split] = table
+        log(
+            f"reference: log-probs of the {loader.pairs} {split} pairs' answers under {cfg['train']['init_from']}"
+        )
+    model.train()
+    return tables
+
+
+def evaluate(model, reference, cfg, hardware, ctx):
+    """Held-out figures over the val pairs, each once (at most train.eval_batches micro-batches per rank):
+    the mean DPO loss (val_loss), margin and rewards, the reward accuracy (share of pairs whose margin > 0),
+    and val_chosen_likelier: the share of held-out prompts (a prompt with its chosen answer, counted once
+    however many pairs share it) whose chosen answer this model finds likelier than the reference run did."""
+    loader = split_loader(cfg, "val", ctx)
+    pairs = loader.rank_pairs()[: cfg["train"]["eval_batches"] * loader.batch_size]
+    model.eval()
+    found = split_log_probs(model, loader, pairs, hardware)
+    model.train()
+    ref = reference["val"][pairs]
+    chosen = torch.tensor([found[p][0] for p in pairs])
+    rejected = torch.tensor([found[p][1] for p in pairs])
+    losses, chosen_rewards, rejected_rewards = dpo_losses(
+        chosen, rejected, ref[:, 0], ref[:, 1], cfg["train"]["dpo"]
+    )
+    sums = pair_stats(losses, chosen_rewards, rejected_rewards)
+    prompts = [
+        (prompt_key(loader, p), reward) for p, reward in zip(pairs, chosen_rewards.tolist(), strict=True)
+    ]
+    if ctx.enabled:
+        sums = sums.to(hardware.device)
+        dist.all_reduce(sums)
+        gathered = [None] * ctx.world_size
+        dist.all_gather_object(gathered, prompts)
+        prompts = [item for part in gathered for item in part]
+    rewards = {}
+    for key, reward in prompts:
+        rewards.setdefault(key, []).append(reward)
+    likelier = sum(sum(values) / len(values) > 0 for values in rewards.values())
+    figures = means(sums.cpu())
+    return {f"val_{name}": value for name, value in figures.items()} | {
+        "val_chosen_likelier": likelier / max(len(rewards), 1),
+        "val_pairs": int(sums[-1].item()),
+        "val_prompts": len(rewards),
+    }
+
+
+def prompt_key(loader, pair):
+    """The same for every pair of one prompt and chosen answer, as packed: a digest of the chosen row. Not
+    the answer alone, nor the last user turn with it: two conversations may end in the same exchange
+    ("Gracias" - "De nada.") after different histories. A pair that had to drop its prompt's oldest turns
+    to fit a row (a long rejected answer) scores its chosen answer in a shorter context, so it counts as a
+    prompt of its own."""
+    tokens, _ = loader.row(2 * pair)
+    return hashlib.sha256(tokens.tobytes()).hexdigest()
