@@ -8,6 +8,7 @@ against no cache.
     python bench_model.py loss tiny-50m chunked    # the LM head + loss alone: its peak memory
 """
 
+import argparse
 import json
 import math
 import os
@@ -346,12 +347,20 @@ def bench_decode():
     )
 
 
-if __name__ == "__main__":
-    args = sys.argv[1:]
+def main(argv):
+    """One row of the model section, in this process: a JSON line (bench_model runs each row this way)."""
     rows = {"step": CONTENDERS, "loss": LOSSES}
-    if len(args) != 3 or args[0] not in rows or args[1] not in SHAPES or args[2] not in rows[args[0]]:
-        sys.exit(
-            f"usage: python bench_model.py step|loss SHAPE LABEL\n  SHAPE: {', '.join(SHAPES)}\n"
-            f"  step LABEL: {', '.join(CONTENDERS)}\n  loss LABEL: {', '.join(LOSSES)}"
-        )
-    print(json.dumps((step_row if args[0] == "step" else loss_row)(args[1], args[2])))
+    parser = argparse.ArgumentParser(description="One row of make bench ARGS=model, printed as a JSON line")
+    parser.add_argument(
+        "kind", choices=list(rows), help="step: a training step; loss: the LM head + loss alone"
+    )
+    parser.add_argument("shape", choices=list(SHAPES))
+    parser.add_argument("label", help=f"step: {', '.join(CONTENDERS)}; loss: {', '.join(LOSSES)}")
+    args = parser.parse_args(argv)
+    if args.label not in rows[args.kind]:
+        parser.error(f"{args.kind} has no row {args.label!r}; one of: {', '.join(rows[args.kind])}")
+    print(json.dumps((step_row if args.kind == "step" else loss_row)(args.shape, args.label)))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
