@@ -307,11 +307,11 @@ class BrokenModel(ScriptedModel):
         super().__init__(*scripts)
         self.failures = failures
 
-    def script_for(self, prompt):
+    def script_for(self, prompt, constraint=None):
         if self.failures:
             self.failures -= 1
             raise RuntimeError("CUDA out of memory at /secret/path/model.py:123")
-        return super().script_for(prompt)
+        return super().script_for(prompt, constraint)
 
 
 def test_a_failed_generation_is_a_500_in_openais_shape_and_the_worker_lives_on(chat_model, tmp_path):
