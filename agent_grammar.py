@@ -84,7 +84,7 @@ class Vocabulary:
         # Every token of data.py's table but the newline is special: xgrammar never lets one into a call
         # (an empty string is how its TokenizerInfo tells a special token), </tool_call> only as the stop.
         protocol = set(data.TOKEN_TABLE.values()) - {self.newline_id}
-        pieces, self.bytes = [], []
+        pieces, self.bytes, self.byte_ids = [], [], {}
         for index in range(self.size):
             piece = processor.id_to_piece(index)
             if index in protocol:
@@ -93,6 +93,7 @@ class Vocabulary:
             elif processor.is_byte(index):
                 pieces.append(piece)
                 self.bytes.append(bytes([int(piece[3:5], 16)]))
+                self.byte_ids[int(piece[3:5], 16)] = index
             else:
                 pieces.append(piece)
                 self.bytes.append(piece.replace("\u2581", " ").encode("utf-8"))
@@ -118,6 +119,16 @@ class Vocabulary:
         allowed = torch.zeros(size, dtype=torch.bool)
         allowed[: self.size] = torch.from_numpy(bits.view(bool))
         return allowed
+
+    def invalid_after(self, lead, size):
+        """The byte tokens that cannot follow the lead byte of a UTF-8 sequence: xgrammar 0.2.9 takes an
+        overlong form (E0 80 AF for "/") or a surrogate (ED A0 80) as one character, which Python decodes as
+        three replacement characters, past a schema's maxLength and never what the model meant."""
+        mask = torch.zeros(size, dtype=torch.bool)
+        for value in OVERLONG_OR_SURROGATE.get(lead, ()):
+            if value in self.byte_ids:
+                mask[self.byte_ids[value]] = True
+        return mask
 
     def closers_mask(self, size):
         mask = torch.zeros(size, dtype=torch.bool)
@@ -168,7 +179,9 @@ def plain_bounded_strings(schema):
     """The schema with each string's minLength/maxLength (without a pattern of its own) turned into a
     pattern of as many plain characters: no quote, backslash or control character. xgrammar 0.2.9 compiles
     a length bound into a rule that lets raw control characters in (which json.loads refuses) and no
-    escapes; the pattern keeps the JSON valid, for a value that then never holds a quote or backslash."""
+    escapes; the pattern keeps the JSON valid, for a value that then never holds a quote or backslash. Nor
+    a surrogate: xgrammar takes their UTF-8 form (ED A0 80) as one character, which decodes as three
+    replacement characters and so breaks the bound."""
     if isinstance(schema, list):
         return [plain_bounded_strings(item) for item in schema]
     if not isinstance(schema, dict):
@@ -177,7 +190,7 @@ def plain_bounded_strings(schema):
     bounded = "minLength" in schema or "maxLength" in schema
     if schema.get("type") == "string" and bounded and "pattern" not in schema and "format" not in schema:
         low, high = schema.pop("minLength", 0), schema.pop("maxLength", "")
-        schema["pattern"] = f'^[^"\\\\\\x00-\\x1f]{{{low},{high}}}$'
+        schema["pattern"] = f'^[^"\\\\\\x00-\\x1f\\ud800-\\udfff]{{{low},{high}}}$'
     return schema
 
 
@@ -268,6 +281,9 @@ def constraint_for(tokenizer, tools, settings, max_tokens=None):
 # One reply's constraint
 
 TEXT, CALL, AFTER, NEXT = "text", "call", "after", "next"
+# second bytes that make a 3- or 4-byte UTF-8 sequence overlong, a surrogate or past U+10FFFF (RFC 3629)
+OVERLONG_OR_SURROGATE = {0xE0: range(0x80, 0xA0), 0xED: range(0xA0, 0xC0), 0xF0: range(0x80, 0x90),
+                         0xF4: range(0x90, 0xC0)}  # fmt: skip
 
 
 class ToolCallConstraint:
@@ -308,6 +324,8 @@ class ToolCallConstraint:
             return out
         self.matcher.fill_next_token_bitmask(self.bitmask)
         allowed = vocab.allowed(self.bitmask, logits.shape[0])
+        if self.tail[-1:] and self.tail[-1] in OVERLONG_OR_SURROGATE:  # a byte token opened a character
+            allowed &= ~vocab.invalid_after(self.tail[-1], logits.shape[0])
         spelled = vocab.tag_completions(self.tail)
         if spelled and allowed[spelled].any():
             fewer = allowed.clone()

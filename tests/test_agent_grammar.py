@@ -93,11 +93,8 @@ class NoisyModel(Transformer):
         self.end_id = tokenizer.special_ids["<|end|>"] if ends else None  # then it ends wherever it may
         self.prompts = []
 
-    def generate(self, idx, *args, **kwargs):
-        self.prompts.append(idx.tolist())
-        return super().generate(idx, *args, **kwargs)
-
     def forward_with_cache(self, idx, cache, slot=None):  # the prompt's prefill: the reply's first token
+        self.prompts.append(idx[0].tolist())
         cache.lengths[slot or 0] += idx.shape[1]
         logits = self.noisy_logits(idx.shape[0], idx.shape[1])
         logits[..., self.open_id] += 100.0  # the reply opens a call at once
@@ -318,3 +315,35 @@ def test_the_structural_tag_for_vllm_takes_what_chat_render_writes_and_refuses_a
     with contextlib.redirect_stdout(main_out):
         assert agent_grammar.main(["structural-tag", "--member"]) == 0
     assert len(json.loads(main_out.getvalue())["structures"]) == len(agent.TOOLS)
+
+
+def test_a_bounded_string_refuses_a_surrogates_bytes_that_would_decode_past_its_bound():
+    import xgrammar
+
+    # xgrammar's own character classes take ED A0 80 (a surrogate's UTF-8 form) as one character; Python
+    # decodes it as three replacement characters, past a maxLength the grammar counted within.
+    vocabulary = xgrammar.TokenizerInfo([bytes([b]) for b in range(256)], vocab_type=xgrammar.VocabType.RAW)
+    schema = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 3}}, "required": ["s"],
+              "additionalProperties": False}  # fmt: skip
+    grammar = xgrammar.GrammarCompiler(vocabulary).compile_json_schema(
+        json.dumps(agent_grammar.plain_bounded_strings(schema)), any_whitespace=False
+    )
+
+    def accepted(text):
+        matcher = xgrammar.GrammarMatcher(grammar)
+        return all(matcher.accept_token(b) for b in text)
+
+    assert accepted(b'{"s": "a\xc3\xb1b"}') and not accepted(b'{"s": "abcd"}')
+    assert not accepted(b'{"s": "a\xed\xa0\x80"}')
+
+
+def test_a_byte_token_never_completes_an_overlong_or_surrogate_character_in_a_call(tokenizer, settings):
+    # xgrammar alone takes E0 80 AF ("/" overlong) or ED A0 80 (a surrogate) as one character of a string
+    start = '\n{"name": "lista_compra", "arguments": {"cosas": ["'
+    for lead, bad, good in ((0xE0, 0x80, 0xA0), (0xED, 0xA0, 0x80), (0xF0, 0x8F, 0x90)):
+        probe = agent_grammar.constraint_for(tokenizer, CLIENT_TOOLS, settings)
+        vocab = probe.vocab
+        for token in [data.TOKEN_TABLE["<tool_call>"], *tokenizer.encode(start), vocab.byte_ids[lead]]:
+            probe.accept(token)
+        allowed = probe.mask(torch.zeros(tokenizer.vocab_size)) == 0.0
+        assert not allowed[vocab.byte_ids[bad]] and allowed[vocab.byte_ids[good]], hex(lead)
