@@ -414,7 +414,9 @@ def test_chat_eval_counts_an_answer_as_ended_only_when_end_comes_within_the_budg
         embedding[end] = 1000 * second
     path = write_jsonl(tmp_path / "two.jsonl", example_conversations(2, start=1))
     for budget, ended in ((1, 0.0), (2, 1.0), (5, 1.0)):
-        args = SimpleNamespace(run=sft_run, chat_eval=path, max_new_tokens=budget, show=1, limit=0, batch=None)
+        args = SimpleNamespace(
+            run=sft_run, chat_eval=path, max_new_tokens=budget, show=1, limit=0, batch=None
+        )
         out = io.StringIO()
         assert sample.run_chat_eval(model, cfg, tokenizer, args, out=out)["ended"] == ended, budget
         assert f"answers ending with <|end|> within {budget} tokens: {int(2 * ended)}/2" in out.getvalue()
