@@ -173,6 +173,17 @@ def option_strings(parser):
     return known
 
 
+def module_of(dotted):
+    """The importable module `python -m dotted` runs when it is one of ours (a package runs its
+    __main__), else None."""
+    path = os.path.join(ROOT, *dotted.split("."))
+    if os.path.isfile(path + ".py"):
+        return dotted
+    if os.path.isfile(os.path.join(path, "__main__.py")):
+        return f"{dotted}.__main__"
+    return None
+
+
 def is_placeholder(word):
     return bool(PLACEHOLDER.search(word))
 
@@ -203,7 +214,7 @@ def run_cli(module_name, argv):
         stack.enter_context(mock.patch.object(argparse.ArgumentParser, "parse_args", parse_args))
         stack.enter_context(mock.patch.object(config, "load", load))
         stack.enter_context(mock.patch.object(sys, "argv", [f"{module_name}.py", *argv]))  # argparse's prog
-        if module_name == "bench":
+        if hasattr(module, "SECTIONS"):  # bench: its sections are picked, not run
             stack.enter_context(mock.patch.dict(module.SECTIONS, dict.fromkeys(module.SECTIONS, picked)))
         stack.enter_context(contextlib.chdir(ROOT))  # the docs' paths are relative to the repository
         stack.enter_context(contextlib.redirect_stdout(out))
@@ -233,14 +244,20 @@ def check_python(words, partial, shown):
     if words[0].endswith("torchrun"):
         while rest and rest[0].startswith("-"):
             rest = rest[1:]
-    if not rest or rest[0].startswith("-"):
-        return None  # python -m ..., python -c ...: not a script of ours
-    script, argv = rest[0], rest[1:]
-    if not os.path.isfile(os.path.join(ROOT, script)):
-        return f"there is no {script} in the repository"
-    if "/" in script:
-        return None  # a helper script elsewhere: it exists, its command line is its own business
-    name = script[:-3]
+    if rest[:1] == ("-m",) and len(rest) > 1:
+        script, argv = f"-m {rest[1]}", rest[2:]
+        name = module_of(rest[1])
+        if name is None:
+            return None  # python -m pip, python -m venv: not a module of ours
+    elif not rest or rest[0].startswith("-"):
+        return None  # python -c ...: not a script of ours
+    else:
+        script, argv = rest[0], rest[1:]
+        if not os.path.isfile(os.path.join(ROOT, script)):
+            return f"there is no {script} in the repository"
+        if "/" in script:
+            return None  # a helper script elsewhere: it exists, its command line is its own business
+        name = script[:-3]
     if not hasattr(importlib.import_module(name), "main"):
         return f"{script} has no main(argv)"
     accepted, output, parser, validated = run_cli(name, argv)
@@ -462,3 +479,14 @@ def test_a_transcript_may_show_an_error_but_only_the_one_the_command_prints(tmp_
         tmp_path, f"```\n$ python config.py configs/smoke-cpu.yaml train.sedes=1\n{shown}\n```\n"
     )
     assert "the docs show output it no longer prints" in doc_problems(wrong, "page.md")[0]
+
+
+def test_a_module_run_with_python_m_is_checked_like_a_script(tmp_path):
+    doc = write_doc(
+        tmp_path,
+        "```bash\npython -m pip install x\npython -m export runs/sft --to hf out/x\n"
+        "python -m export runs/sft --format hf out/x\npython -m nothing_of_ours --flag\n```\n",
+    )
+    problems = doc_problems(doc, "page.md")
+    assert len(problems) == 1 and problems[0].startswith("page.md:4: `python -m export runs/sft --format hf")
+    assert "-m export rejects it" in problems[0] and "--format" in problems[0]

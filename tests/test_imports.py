@@ -1,5 +1,5 @@
-"""Imports go downwards: no module of the project (the flat *.py files at the top of the repository)
-imports one that imports it back, directly or through others. An import inside a function counts too: it
+"""Imports go downwards: no module of the project (the flat *.py files at the top of the repository and
+the modules of each stage's package) imports one that imports it back, directly or through others. An import inside a function counts too: it
 hides the circle from Python at import time, not from a reader who has to know both files at once."""
 
 import ast
@@ -9,20 +9,34 @@ from conftest import ROOT
 
 
 def project_modules(root):
-    return {name[:-3]: os.path.join(root, name) for name in os.listdir(root) if name.endswith(".py")}
+    """name -> path: the top-level files (`config`) and the modules of each package, a folder with an
+    __init__.py (`corpus` for corpus/__init__.py, `corpus.filters` for corpus/filters.py)."""
+    modules = {}
+    for name in sorted(os.listdir(root)):
+        path = os.path.join(root, name)
+        if name.endswith(".py"):
+            modules[name[:-3]] = path
+        elif os.path.isfile(os.path.join(path, "__init__.py")):
+            for file in sorted(os.listdir(path)):
+                if file.endswith(".py"):
+                    module = name if file == "__init__.py" else f"{name}.{file[:-3]}"
+                    modules[module] = os.path.join(path, file)
+    return modules
 
 
 def imported_names(path):
     """Every module name the file imports, at the top or inside a function (`import a.b`, `from a import
-    b`, `importlib.import_module("a")`)."""
+    b`, `importlib.import_module("a")`), as written and, for `from a import b`, also as `a.b` (b may be a
+    module of package a)."""
     with open(path, encoding="utf-8") as f:
         tree = ast.parse(f.read(), path)
     names = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            names.update(alias.name.split(".")[0] for alias in node.names)
+            names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names.add(node.module.split(".")[0])
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
         elif (
             isinstance(node, ast.Call)
             and isinstance(node.func, ast.Attribute | ast.Name)
@@ -31,14 +45,27 @@ def imported_names(path):
             and isinstance(node.args[0], ast.Constant)
             and isinstance(node.args[0].value, str)
         ):
-            names.add(node.args[0].value.split(".")[0])
+            names.add(node.args[0].value)
     return names
+
+
+def resolve(name, modules):
+    """The project module an imported name loads: the longest known prefix (`a.b.c` -> `a.b`), or None."""
+    parts = name.split(".")
+    for end in range(len(parts), 0, -1):
+        if ".".join(parts[:end]) in modules:
+            return ".".join(parts[:end])
+    return None
 
 
 def import_graph(root):
     """module -> the project's modules it imports."""
     modules = project_modules(root)
-    return {name: sorted((imported_names(path) & modules.keys()) - {name}) for name, path in modules.items()}
+    graph = {}
+    for name, path in modules.items():
+        found = {resolve(imported, modules) for imported in imported_names(path)}
+        graph[name] = sorted(found - {None, name})
+    return graph
 
 
 def circles(graph):
@@ -88,3 +115,16 @@ def test_a_circle_through_a_lazy_import_is_found_and_named(tmp_path):
     graph = import_graph(str(tmp_path))
     assert graph == {"top": ["middle"], "middle": ["bottom"], "bottom": ["top"], "apart": ["top"]}
     assert circles(graph) == [["bottom", "top", "middle", "bottom"]]
+
+
+def test_a_circle_between_modules_of_packages_is_found_through_from_imports(tmp_path):
+    (tmp_path / "stage").mkdir()
+    (tmp_path / "stage" / "__init__.py").write_text("")
+    (tmp_path / "stage" / "a.py").write_text("from stage import b as bee\n")
+    (tmp_path / "stage" / "b.py").write_text("def f():\n    import low\n")
+    (tmp_path / "low.py").write_text("from stage.a import thing\n")
+    (tmp_path / "notes").mkdir()  # a folder without __init__.py is no package
+    (tmp_path / "notes" / "x.py").write_text("import low\n")
+    graph = import_graph(str(tmp_path))
+    assert graph == {"low": ["stage.a"], "stage": [], "stage.a": ["stage", "stage.b"], "stage.b": ["low"]}
+    assert circles(graph) == [["low", "stage.a", "stage.b", "low"]]
