@@ -56,7 +56,9 @@ def test_the_loss_starts_near_ln_vocab_and_falls(tmp_path, byte_data_dir):
     losses = [json.loads(line).get("loss") for line in open(tmp_path / "learns" / "metrics.jsonl")]
     losses = [x for x in losses if x is not None]
     assert abs(losses[0] - math.log(256)) < 0.3
-    assert losses[-1] < losses[0] - 1.5
+    # Measured over seeds 0-4 on an AVX2 EPYC, with ATEN_CPU_CAPABILITY=default and avx2: it falls by 1.81-2.39
+    # (5.55 -> 3.2-3.7, the bytes' unigram level); 1.0 leaves a margin that no kernel or seed has come near.
+    assert losses[-1] < losses[0] - 1.0
 
 
 def test_the_loss_chunk_size_changes_memory_not_the_run(tmp_path, shard_data_dir):
