@@ -45,9 +45,9 @@ test: $(STAMP)
 	$(VENV)/bin/pytest -q
 
 bench: $(STAMP)
-	$(PY) bench.py $(ARGS)
+	$(PY) -m bench $(ARGS)
 
-# The GPU acceptance check on the board this machine has (gpu_check.py, report in gpu-report.md). A bare
+# The GPU acceptance check on the board this machine has (bench/gpu_check.py, report in gpu-report.md). A bare
 # machine gets the check's own venv first (requirements-gpu-check.txt: the runtime and transformers, not
 # the test tools), timed into the report. DEVICE=cpu runs the same plumbing with tiny shapes in .venv.
 DEVICE ?= cuda
@@ -64,7 +64,7 @@ gpu-check: $(if $(filter cpu,$(DEVICE)),$(STAMP))
 			cat requirements-gpu-check.txt requirements.txt > $(GPU_CHECK_VENV)/.installed; \
 		fi; \
 	fi; \
-	$$python gpu_check.py --device $(DEVICE) --setup-seconds $$(( $$(date +%s) - start )) $(ARGS)
+	$$python -m bench.gpu_check --device $(DEVICE) --setup-seconds $$(( $$(date +%s) - start )) $(ARGS)
 
 # Hostile input at every request path, many examples per route and a new seed each time (make test runs
 # a few of each); a failing example is kept in .hypothesis/ and replayed first on the next run.
@@ -81,20 +81,20 @@ data-smoke: $(STAMP)
 	scripts/prepare_smoke_data.sh
 
 corpus: $(STAMP)
-	$(PY) corpus.py corpus $(CONFIG)
+	$(PY) -m corpus corpus $(CONFIG)
 
 tokenizer: $(STAMP)
-	$(PY) corpus.py tokenizer $(CONFIG)
+	$(PY) -m corpus tokenizer $(CONFIG)
 
 encode: $(STAMP)
-	$(PY) corpus.py encode $(CONFIG)
+	$(PY) -m corpus encode $(CONFIG)
 
 corpus-smoke: $(STAMP)
-	$(PY) corpus.py all configs/smoke-corpus-cpu.yaml
-	$(PY) corpus.py report configs/smoke-corpus-cpu.yaml
+	$(PY) -m corpus all configs/smoke-corpus-cpu.yaml
+	$(PY) -m corpus report configs/smoke-corpus-cpu.yaml
 
 corpus-report: $(STAMP)
-	$(PY) corpus.py report $(CONFIG)
+	$(PY) -m corpus report $(CONFIG)
 
 # --- training -------------------------------------------------------------------------------------
 
@@ -113,19 +113,19 @@ pretrain: $(STAMP)
 # The data a check or an evaluation reads is built first (idempotent: a no-op when up to date), so both
 # work on a fresh clone as `make smoke` does.
 resume-check: $(STAMP)
-	$(PY) corpus.py all $(CONFIG) $(filter-out --%,$(ARGS))
+	$(PY) -m corpus all $(CONFIG) $(filter-out --%,$(ARGS))
 	$(PY) train.py $(CONFIG) --resume-check $(ARGS)
 
-# The micro-batch that fits: CONFIG's estimated peak memory per step (train_memory.py, no torch);
-# `python train_memory.py --table` prints tiny-50m on every GPU profile.
+# The micro-batch that fits: CONFIG's estimated peak memory per step (microbatch.py, no torch);
+# `python microbatch.py --table` prints tiny-50m on every GPU profile.
 .PHONY: microbatch
 microbatch: $(STAMP)
-	$(PY) train_memory.py $(CONFIG) $(ARGS)
+	$(PY) microbatch.py $(CONFIG) $(ARGS)
 
 # --- fine-tuning on conversations (SFT) -----------------------------------------------------------
 
 chat-prepare: $(STAMP)
-	$(PY) chat.py prepare $(SFT_CONFIG)
+	$(PY) -m chat prepare $(SFT_CONFIG)
 
 sft: chat-prepare
 	$(TRAIN) $(SFT_CONFIG) $(ARGS) $(RESUME_FLAG)
@@ -136,7 +136,7 @@ sft: chat-prepare
 # a reply end.
 sft-smoke: corpus-smoke
 	ls runs/smoke-corpus-cpu/ckpt_*.pt >/dev/null 2>&1 || $(PY) train.py configs/smoke-corpus-cpu.yaml
-	$(PY) chat.py prepare configs/sft-smoke-cpu.yaml
+	$(PY) -m chat prepare configs/sft-smoke-cpu.yaml
 	rm -rf runs/sft-smoke-cpu
 	$(PY) train.py configs/sft-smoke-cpu.yaml $(ARGS)
 	$(PY) sample.py runs/sft-smoke-cpu --chat-eval val --max-new-tokens 400
@@ -144,13 +144,13 @@ sft-smoke: corpus-smoke
 # --- the family teaches its assistant: preference pairs and DPO ---------------------------------------
 
 # The pairs of the feedback of the members who consent (under var/, never committed), a tenth of the
-# prompts held out: python chat.py preferences --db DB ...
+# prompts held out: python -m chat preferences --db DB ...
 preferences: $(STAMP)
-	$(PY) chat.py preferences --db $(or $(DB),var/enlace.sqlite) var/preferences/train.jsonl \
+	$(PY) -m chat preferences --db $(or $(DB),var/enlace.sqlite) var/preferences/train.jsonl \
 		--val var/preferences/val.jsonl --val-share 0.1
 
 dpo: $(STAMP)
-	$(PY) chat.py prepare $(DPO_CONFIG)
+	$(PY) -m chat prepare $(DPO_CONFIG)
 	$(TRAIN) $(DPO_CONFIG) $(ARGS) $(RESUME_FLAG)
 
 # sft-smoke-cpu (made by `make sft-smoke` when missing) -> preference pairs made from the seed
@@ -160,9 +160,9 @@ dpo: $(STAMP)
 # SFT run did.
 dpo-smoke: corpus-smoke
 	ls runs/sft-smoke-cpu/ckpt_*.pt >/dev/null 2>&1 || $(MAKE) sft-smoke ARGS=
-	$(PY) chat.py seed-pairs data/seed-pairs/train.jsonl conversations/seed/*.jsonl --seed 0
-	$(PY) chat.py seed-pairs data/seed-pairs/val.jsonl conversations/heldout.jsonl --seed 1
-	$(PY) chat.py prepare configs/dpo-smoke-cpu.yaml
+	$(PY) -m chat seed-pairs data/seed-pairs/train.jsonl conversations/seed/*.jsonl --seed 0
+	$(PY) -m chat seed-pairs data/seed-pairs/val.jsonl conversations/heldout.jsonl --seed 1
+	$(PY) -m chat prepare configs/dpo-smoke-cpu.yaml
 	rm -rf runs/dpo-smoke-cpu
 	$(PY) train.py configs/dpo-smoke-cpu.yaml $(ARGS)
 
@@ -176,17 +176,17 @@ chat: $(STAMP)
 
 RUN_DIR = $(if $(filter %.pt,$(RUN)),$(patsubst %/,%,$(dir $(RUN))),$(RUN))
 
-# Pretraining data is rebuilt from the run's saved config (chat data comes from `chat.py prepare`); a
+# Pretraining data is rebuilt from the run's saved config (chat data comes from `chat/template.py prepare`); a
 # config saved by an older version may no longer validate: then the data already there is used.
 eval: $(STAMP)
 	if [ -f $(RUN_DIR)/config.yaml ] && ! grep -qE '^  format: (chat|preference)$$' $(RUN_DIR)/config.yaml; then \
-		$(PY) corpus.py all $(RUN_DIR)/config.yaml || echo "eval: could not rebuild the run's data (above)"; fi
+		$(PY) -m corpus all $(RUN_DIR)/config.yaml || echo "eval: could not rebuild the run's data (above)"; fi
 	$(PY) sample.py $(RUN) --eval val $(ARGS)
 
 plot: $(STAMP)
-	$(PY) plot.py $(RUN)
+	$(PY) -m evaluation.plot $(RUN)
 
-# --- benchmarks and the report card (eval.py) -----------------------------------------------------
+# --- benchmarks and the report card (evaluation/runs.py) -----------------------------------------------------
 
 # make eval-bench RUN=runs/pretrain-2060                   (TASKS: a suite of configs/eval/ or lm-eval tasks)
 # make eval-bench RUN=runs/smoke-corpus-cpu TASKS=fixtures  (the local test tasks: no network needed)
@@ -196,13 +196,13 @@ plot: $(STAMP)
 TASKS ?= enlace-es
 eval-bench: $(STAMP)
 	@test -e $(RUN_DIR) || test "$(RUN_DIR)" != runs/smoke-corpus-cpu || $(MAKE) smoke-corpus ARGS=
-	$(PY) eval.py $(RUN) --tasks $(TASKS) $(ARGS)
+	$(PY) -m evaluation $(RUN) --tasks $(TASKS) $(ARGS)
 
 report: $(STAMP)
 	@test -e $(RUN_DIR) || test "$(RUN_DIR)" != runs/smoke-corpus-cpu || $(MAKE) smoke-corpus ARGS=
 	if [ -f $(RUN_DIR)/config.yaml ] && ! grep -q '^  format: chat$$' $(RUN_DIR)/config.yaml; then \
-		$(PY) corpus.py all $(RUN_DIR)/config.yaml || echo "report: could not rebuild the run's data (above)"; fi
-	$(PY) eval.py report $(RUN_DIR) $(ARGS)
+		$(PY) -m corpus all $(RUN_DIR)/config.yaml || echo "report: could not rebuild the run's data (above)"; fi
+	$(PY) -m evaluation report $(RUN_DIR) $(ARGS)
 
 # make export RUN=runs/sft TO=gguf ARGS="--dtype q8_0"   (TO: hf, gguf or ollama; OUT defaults to out/)
 TO ?= hf
@@ -221,40 +221,40 @@ search: $(STAMP)
 	$(PY) search.py "$(Q)" $(ARGS)
 
 # The family's server (API + web page) on http://127.0.0.1:8000/. Chat needs a sentencepiece run: without
-# RUN= it serves runs/smoke-corpus-cpu, training it first on a fresh clone. Accounts: python serve.py member.
+# RUN= it serves runs/smoke-corpus-cpu, training it first on a fresh clone. Accounts: python -m serve member.
 SERVE_RUN = $(if $(filter command line environment,$(origin RUN)),$(RUN),runs/smoke-corpus-cpu)
 serve: $(STAMP)
 	@test -e $(SERVE_RUN) || test "$(SERVE_RUN)" != runs/smoke-corpus-cpu || $(MAKE) smoke-corpus ARGS=
-	$(PY) serve.py $(SERVE_RUN) $(ARGS)
+	$(PY) -m serve $(SERVE_RUN) $(ARGS)
 
-# --- tools (agent.py) -----------------------------------------------------------------------------
+# --- tools (agent/tools.py) -----------------------------------------------------------------------------
 
 AGENT_DATA ?= data/agent
 
 agent-data: $(AGENT_DATA)/eval.jsonl
 
-$(AGENT_DATA)/eval.jsonl: $(STAMP) agent.py agent_data.py agent_phrases.py memory.py configs/agent/default.yaml
-	$(PY) agent_data.py generate $(AGENT_DATA)
+$(AGENT_DATA)/eval.jsonl: $(STAMP) agent/tools.py agent/dataset.py agent/phrases.py family/memories.py configs/agent/default.yaml
+	$(PY) -m agent.dataset generate $(AGENT_DATA)
 
 agent-eval: agent-data
-	$(PY) agent_eval.py $(RUN) --generated $(AGENT_DATA)/eval.jsonl $(ARGS)
+	$(PY) -m evaluation.tool_use $(RUN) --generated $(AGENT_DATA)/eval.jsonl $(ARGS)
 
 # corpus-smoke tokenizer -> the generated tool-use conversations and the seed set, packed -> the tiny
 # agent model trained on them from scratch (one epoch, minutes; a second run replaces the first) -> the
 # tool-use rates on every held-out conversation.
 sft-agent: corpus-smoke agent-data
-	$(PY) chat.py prepare configs/sft-agent-cpu.yaml
+	$(PY) -m chat prepare configs/sft-agent-cpu.yaml
 	$(PY) train.py configs/sft-agent-tiny-cpu.yaml $(ARGS)
-	$(PY) agent_eval.py runs/sft-agent-tiny-cpu --generated $(AGENT_DATA)/eval.jsonl
+	$(PY) -m evaluation.tool_use runs/sft-agent-tiny-cpu --generated $(AGENT_DATA)/eval.jsonl
 
 # --- the family's database ------------------------------------------------------------------------
 
 snapshot: $(STAMP)
-	$(PY) memory.py $(if $(DB),--db $(DB)) snapshot
+	$(PY) -m family $(if $(DB),--db $(DB)) snapshot
 
 restore: $(STAMP)
 	@test -n "$(SNAPSHOT)" || { echo "usage: make restore SNAPSHOT=var/snapshots/<time>" >&2; exit 2; }
-	$(PY) memory.py $(if $(DB),--db $(DB)) restore $(SNAPSHOT)
+	$(PY) -m family $(if $(DB),--db $(DB)) restore $(SNAPSHOT)
 
 # --- the family's server as a system service (docs/servidor.md) -----------------------------------
 

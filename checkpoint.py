@@ -4,12 +4,12 @@ Checkpoint files: writing, finding, reading, and loading a run for inference.
 A checkpoint is runs/<run>/ckpt_<step>.pt, written atomically by train.py through save_checkpoint. It is
 self-contained: besides weights, optimizer and loader state it carries the resolved config and the
 tokenizer it was trained with (the sentencepiece model's bytes, their sha256 and the chat template
-version), so sample.py, serve.py and export.py decode with exactly that tokenizer even when the data
+version), so sample.py, serve/app.py and export.py decode with exactly that tokenizer even when the data
 directory's one has been retrained since, and refuse a run whose chat template version is not this
 code's. Checkpoints written before this carried only the tokenizer's name: they still load, with the
 tokenizer of their data directory and warnings.
 
-This file knows nothing about the training loop; train.py, sample.py, serve.py and export.py import it.
+This file knows nothing about the training loop; train.py, sample.py, serve/app.py and export.py import it.
 """
 
 import contextlib
@@ -19,10 +19,10 @@ import sys
 
 import torch
 
-import chat
 import config
 import data
 import fileio
+from chat import template as chat
 from model import Transformer
 
 

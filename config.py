@@ -333,7 +333,7 @@ def _cross_field_problems(config, origins):
     dpo_run, pairs = train["objective"] == "dpo", data["format"] == "preference"
     if dpo_run and not pairs:
         problem(("data", "format"), f"{data['format']!r}, but train.objective dpo trains on preference pairs; "
-                "expected preference (packed by `python chat.py prepare`)")  # fmt: skip
+                "expected preference (packed by `python -m chat prepare`)")  # fmt: skip
     if pairs and not dpo_run:
         problem(("train", "objective"), f"{train['objective']!r}, but data.format preference holds pairs for "
                 "DPO; expected dpo")  # fmt: skip
@@ -408,7 +408,7 @@ def load(path, overrides=()):
 def load_layer(layer, path, overrides=()):
     """One layer file on its own (and the base files it includes) plus `layer.key=value` overrides,
     validated against its schema: what a tool reads when the run it serves names no such layer
-    (agent.py's defaults, serve.py's configs/serve/*.yaml)."""
+    (agent/tools.py's defaults, serve/app.py's configs/serve/*.yaml)."""
     configs_root = os.path.dirname(os.path.dirname(os.path.abspath(path)))
     section, origins = _load_layer(
         layer, os.path.relpath(os.path.abspath(path), configs_root), configs_root, None, []

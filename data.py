@@ -1,10 +1,10 @@
 """
 What training reads at run time: tokenizers and the control-token table, the shard format, loaders with
-exact state. corpus.py (stage 1) builds the files they read.
+exact state. corpus/pipeline.py (stage 1) builds the files they read.
 
 Format chat (SFT): DIR holds tokenizer.model (a copy of the pretraining one), {train,val}_NNNNNN.bin (packed
 rows of seq_len + 1 tokens) and mask_{train,val}_NNNNNN.bin (1 = a token the model learns to produce),
-written by `python chat.py prepare CONFIG`. Format preference (DPO) uses the same files with one sequence
+written by `python -m chat prepare CONFIG`. Format preference (DPO) uses the same files with one sequence
 per row: row 2p holds pair p's prompt + chosen answer, row 2p + 1 its prompt + rejected answer.
 
 Shard format (version 1, the layout of llm.c's token files): a header of 256 little-endian int32
@@ -17,7 +17,7 @@ Loaders yield windows of seq_len + 1 tokens as (x, y) = (window[:-1], window[1:]
     shards: a shard's windows start every seq_len tokens (each token is a target exactly once); each epoch
             visits the shards in an order drawn from (seed, epoch) and a shard's windows in an order
             drawn from (seed, epoch, shard); rank r takes windows r, r + world_size, ... of that order.
-    chat:   rows of seq_len + 1 packed conversations (chat.py prepare) and their loss mask; y is -1 where the
+    chat:   rows of seq_len + 1 packed conversations (chat/template.py prepare) and their loss mask; y is -1 where the
             mask is 0. Each epoch visits the rows in an order drawn from (seed, epoch); rank r takes rows
             r, r + world_size, ... of that order.
     preference: the same for pairs: a batch of batch_size pairs is 2 x batch_size rows, the chosen ones
@@ -130,7 +130,7 @@ class ByteTokenizer:
 
 
 class SentencePieceTokenizer:
-    """A sentencepiece BPE model trained by `python corpus.py tokenizer` (see train_tokenizer)."""
+    """A sentencepiece BPE model trained by `python -m corpus tokenizer` (see train_tokenizer)."""
 
     name = "sentencepiece"
 
@@ -139,7 +139,7 @@ class SentencePieceTokenizer:
         them; model_path then only names where they came from)."""
         if model_proto is None and not os.path.exists(model_path):
             raise DataError(
-                f"{model_path}: tokenizer not found; build it with `python corpus.py tokenizer CONFIG`"
+                f"{model_path}: tokenizer not found; build it with `python -m corpus tokenizer CONFIG`"
             )
         try:
             if model_proto is None:
@@ -161,7 +161,7 @@ class SentencePieceTokenizer:
                 f"{model_path}: its reserved ids do not hold data.py's token table "
                 f"(id: expected piece, found piece: "
                 + ", ".join(f"{TOKEN_TABLE[p]}: {p!r}, {at!r}" for p, at in wrong.items())
-                + "); retrain it with `python corpus.py tokenizer CONFIG`"
+                + "); retrain it with `python -m corpus tokenizer CONFIG`"
             )
         self.special_ids = {piece: TOKEN_TABLE[piece] for piece in CONTROL_TOKENS}
         self.tag_ids = {piece: TOKEN_TABLE[piece] for piece in TOOL_TAGS}
@@ -197,17 +197,20 @@ class SentencePieceTokenizer:
 def load_tokenizer(data_cfg):
     if data_cfg["format"] == "bytes":
         return ByteTokenizer()
-    if data_cfg["format"] in ("chat", "preference"):  # the copy `chat.py prepare` made of data.chat.tokenizer
+    if data_cfg["format"] in (
+        "chat",
+        "preference",
+    ):  # the copy `chat/template.py prepare` made of data.chat.tokenizer
         path = tokenizer_path(data_cfg)
         if not os.path.exists(path):
-            raise DataError(f"{path}: not found; pack the conversations with `python chat.py prepare CONFIG`")
+            raise DataError(f"{path}: not found; pack the conversations with `python -m chat prepare CONFIG`")
         return SentencePieceTokenizer(path)
     tokenizer = SentencePieceTokenizer(tokenizer_path(data_cfg))
     configured = data_cfg["tokenizer"]["vocab_size"]
     if tokenizer.vocab_size != configured:
         raise DataError(
             f"{tokenizer.path}: has {tokenizer.vocab_size} tokens but data.tokenizer.vocab_size is {configured}; "
-            "retrain it with `python corpus.py tokenizer CONFIG`"
+            "retrain it with `python -m corpus tokenizer CONFIG`"
         )
     return tokenizer
 
@@ -396,7 +399,7 @@ class ShardLoader:
             if shard_vocab != vocab_size:
                 raise DataError(
                     f"{path}: encoded with a {shard_vocab}-token vocabulary, data.tokenizer.vocab_size is "
-                    f"{vocab_size}; re-encode with `python corpus.py encode CONFIG`"
+                    f"{vocab_size}; re-encode with `python -m corpus encode CONFIG`"
                 )
             self.shard_tokens.append(num_tokens)
         if sum(self.windows_per_rank(n) for n in self.shard_tokens) == 0:
@@ -413,14 +416,14 @@ class ShardLoader:
         paths = shard_paths(data_cfg, split)
         if not paths:
             raise DataError(
-                f"{data_cfg['dir']}/{split}_*.bin: no shards; build them with `python corpus.py all CONFIG`"
+                f"{data_cfg['dir']}/{split}_*.bin: no shards; build them with `python -m corpus all CONFIG`"
             )
         manifest = read_manifest(data_cfg)
         encoded = manifest.get("encode", {}).get(split)
         if encoded is not None and not encoded.get("complete"):
             raise DataError(
                 f"{manifest_path(data_cfg)}: encoding of the {split} split is unfinished; "
-                "finish it with `python corpus.py encode CONFIG`"
+                "finish it with `python -m corpus encode CONFIG`"
             )
         return paths
 
@@ -491,7 +494,7 @@ def mask_shard_name(split, index):
 
 
 class ChatLoader:
-    """Packed conversations (`python chat.py prepare`): rows of seq_len + 1 tokens, each starting with
+    """Packed conversations (`python -m chat prepare`): rows of seq_len + 1 tokens, each starting with
     <|bos|>, and a parallel loss mask. A row gives x = row[:-1] and y = row[1:] with y = -1 wherever the
     mask of that token is 0 (prompt, system, tool and padding tokens teach nothing). Each epoch visits every
     row once, in an order drawn from (seed, epoch); rank r takes rows r, r + world_size, ... of that order."""
@@ -505,11 +508,11 @@ class ChatLoader:
         where = f"{data_cfg['dir']}/{split}_*.bin"
         if not prepared or not prepared.get("complete"):
             state = "unfinished" if prepared else "missing"
-            raise DataError(f"{where}: packed conversations {state}; run `python chat.py prepare CONFIG`")
+            raise DataError(f"{where}: packed conversations {state}; run `python -m chat prepare CONFIG`")
         if prepared["seq_len"] != seq_len:
             raise DataError(
                 f"{where}: packed for seq_len {prepared['seq_len']}, model.seq_len is {seq_len}; "
-                "rerun `python chat.py prepare CONFIG`"
+                "rerun `python -m chat prepare CONFIG`"
             )
         self.tokens, self.masks, self.shard_rows = [], [], []
         for shard in prepared["shards"]:
@@ -518,7 +521,7 @@ class ChatLoader:
                 if len(array) != shard["rows"] * self.row_len:
                     raise DataError(
                         f"{data_cfg['dir']}/{name}: {len(array)} tokens, the manifest says {shard['rows']} rows "
-                        f"of {self.row_len}; rerun `python chat.py prepare CONFIG`"
+                        f"of {self.row_len}; rerun `python -m chat prepare CONFIG`"
                     )
                 into.append(array.reshape(shard["rows"], self.row_len))
             self.shard_rows.append(shard["rows"])
@@ -578,7 +581,7 @@ class ChatLoader:
 
 
 class PairLoader(ChatLoader):
-    """Preference pairs (`python chat.py prepare` with data.format preference): rows 2p and 2p + 1 are pair
+    """Preference pairs (`python -m chat prepare` with data.format preference): rows 2p and 2p + 1 are pair
     p's prompt + chosen and prompt + rejected sequences, with the loss mask on the answers only. A batch of
     batch_size pairs gives x, y of 2 x batch_size rows (the chosen ones first, then the rejected ones in
     the same order: TRL's layout) and the pairs' indices. Each epoch visits every pair once, in an order
@@ -589,7 +592,7 @@ class PairLoader(ChatLoader):
         rows = int(self.row_starts[-1])
         if rows % 2:
             raise DataError(
-                f"{data_cfg['dir']}/{split}_*.bin: {rows} rows, not whole pairs; rerun `python chat.py prepare CONFIG`"
+                f"{data_cfg['dir']}/{split}_*.bin: {rows} rows, not whole pairs; rerun `python -m chat prepare CONFIG`"
             )
         self.pairs = rows // 2
         self.pairs_per_rank = self.pairs // world_size
@@ -635,5 +638,5 @@ class PairLoader(ChatLoader):
 if __name__ == "__main__":
     import sys
 
-    print("data.py has no commands any more; the corpus pipeline is `python corpus.py`", file=sys.stderr)
+    print("data.py has no commands any more; the corpus pipeline is `python -m corpus`", file=sys.stderr)
     sys.exit(2)

@@ -18,7 +18,7 @@ Control tokens and text that looks like one: chat.render never makes a control t
 Hugging Face tokenizer has the control tokens as special added tokens, because a chat template's output
 is text in which they must be found; tokenize untrusted text with `split_special_tokens=True` (then a
 user typing "<|user|>" gets the same plain-text ids as sentencepiece gives), or render the prompt from ids
-as serve.py does. A template-based server (vLLM, llama.cpp, Ollama) sees "<|user|>" typed by a user as
+as serve/app.py does. A template-based server (vLLM, llama.cpp, Ollama) sees "<|user|>" typed by a user as
 the control token: that is how every text chat template works, and why ENLACE's own server renders ids.
 
 Everything is written to a temporary folder beside OUT and renamed to OUT at the end: an interrupted or
@@ -34,9 +34,9 @@ import tempfile
 import numpy as np
 import torch
 
-import chat
 import data
 import fileio
+from chat import template as chat
 from checkpoint import CheckpointError, load_run
 
 FORMATS = {"hf": ("f32", "f16", "bf16"), "gguf": ("f32", "f16", "q8_0"), "ollama": ("f32", "f16", "q8_0")}
@@ -54,7 +54,7 @@ class ExportError(Exception):
 # -----------------------------------------------------------------------------
 # The chat template, as Jinja (transformers, vLLM, llama.cpp) and as a Go template (Ollama).
 # Both write chat.segments()'s layout; test_export.py checks the Jinja one against chat.render_text.
-# Tool-call arguments may be a dict (written with tojson, like chat.py's json.dumps) or a JSON string
+# Tool-call arguments may be a dict (written with tojson, like chat/template.py's json.dumps) or a JSON string
 # (written as it is: identical when it is json.dumps' default formatting, as OpenAI's Python client sends).
 # The macro plain() is chat.plain_text: the tool tags in system, user and tool text escaped.
 
@@ -101,7 +101,7 @@ CHAT_TEMPLATE = (
 # tool's "required" before its "properties": only the JSON inside <tools> and a call's arguments differ
 # from chat.render's text (tests/ollama_template.go executes this template as Ollama does). A Go template
 # has no string replacement: tool tags inside system, user or tool text reach an Ollama model as the tags
-# (chat.plain_text escapes them everywhere else; serve.py renders with chat.render).
+# (chat.plain_text escapes them everywhere else; serve/app.py renders with chat.render).
 OLLAMA_TEMPLATE = """<|bos|>{{- if or .System .Tools }}<|system|>{{ .System }}
 {{- if and .System .Tools }}
 

@@ -1,6 +1,6 @@
 """
 The one atomic writer and the file digests, with nothing heavy imported (no torch, no numpy), so that
-config-level code (memory.py) can use them as well as the training side.
+config-level code (family/memories.py) can use them as well as the training side.
 
     write_atomic(path, write)   write(f) on a temp file beside path, fsync, rename over path, fsync the folder
     write_json(path, obj)       the same for a JSON document (indent 1, UTF-8, trailing newline)

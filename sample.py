@@ -22,12 +22,12 @@ import sys
 import torch
 import torch.nn.functional as F
 
-import agent
-import agent_grammar
-import chat
 import checkpoint
 import config
 import data
+from agent import grammar as agent_grammar
+from agent import tools as agent
+from chat import template as chat
 from checkpoint import CheckpointError
 
 
@@ -36,7 +36,7 @@ class SampleError(Exception):
 
 
 def load_run(path, device="cpu"):
-    """checkpoint.load_run with its errors as SampleError, which serve.py and agent_data.py catch."""
+    """checkpoint.load_run with its errors as SampleError, which serve/app.py and agent/dataset.py catch."""
     try:
         return checkpoint.load_run(path, device)
     except CheckpointError as e:
@@ -206,7 +206,7 @@ def fit_history(system, history, tokenizer, budget):
 
 
 def run_chat(model, tokenizer, cfg, args, stdin=sys.stdin, out=sys.stdout, policy=None):
-    """The REPL. With tools (the default; --no-tools to leave them out) each answer is agent.py's loop,
+    """The REPL. With tools (the default; --no-tools to leave them out) each answer is agent/tools.py's loop,
     its calls and results shown; policy(conversation) -> text stands in for the model in tests."""
     end_id = check_chat_tokenizer(tokenizer, args.run)
     context = cfg["model"]["seq_len"]
@@ -539,7 +539,7 @@ def parse_args(argv):
         "batching; default 1), --eval windows per forward pass (default 8)",
     )
     parser.add_argument("--system", default="", help="system prompt for --chat")
-    parser.add_argument("--no-tools", action="store_true", help="--chat without agent.py's tools")
+    parser.add_argument("--no-tools", action="store_true", help="--chat without agent/tools.py's tools")
     parser.add_argument("--stride", type=int, default=0, help="--eval window stride (default seq_len/2)")
     parser.add_argument("--max-tokens", type=int, default=0, help="--eval only the first N tokens")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")

@@ -30,13 +30,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-import chat
 import checkpoint as ckpt
 import config
 import data
 import fileio
+import microbatch as train_memory
 import train_dpo
-import train_memory
+from chat import template as chat
 from checkpoint import (
     list_checkpoints,
     load_checkpoint,
@@ -363,7 +363,7 @@ def init_checkpoint(cfg, log):
     if theirs != ours:
         differences.append(
             f"tokenizer: {path} was trained with {str(theirs)[:12]}, this run's data gives {ours[:12]} "
-            "(sha256 of tokenizer.model; `chat.py prepare` must copy the pretraining tokenizer)"
+            "(sha256 of tokenizer.model; `chat/template.py prepare` must copy the pretraining tokenizer)"
         )
     if differences:
         raise TrainError(f"train.init_from: {path} does not fit this run:\n  " + "\n  ".join(differences))
@@ -416,7 +416,7 @@ class StopRequest:
 
 
 def memory_line(model_cfg, batch, profile):
-    """The step's estimated peak memory against the profile's memory_gib (train_memory.py), and what to
+    """The step's estimated peak memory against the profile's memory_gib (microbatch.py), and what to
     change when it does not fit."""
     dtype, chunk, memory_gib = profile["dtype"], profile["loss_chunk_size"], profile["memory_gib"]
     peak = train_memory.step_peak_bytes(model_cfg, batch, dtype, chunk) / train_memory.GIB
@@ -483,7 +483,9 @@ def training_eval(cfg, ctx, tokenizer, hardware, log):
         return None
     benchmark, problem = None, None
     if ctx.is_main:
-        import eval_harness  # lm-evaluation-harness is imported only by the runs that use it
+        from evaluation import (
+            harness as eval_harness,  # lm-evaluation-harness is imported only by the runs that use it
+        )
 
         try:
             benchmark = eval_harness.TrainingEval(cfg, tokenizer, hardware.autocast, log)

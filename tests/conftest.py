@@ -15,10 +15,10 @@ import jsonschema
 import pytest
 
 import config
-import corpus
-import corpus_docs
 import data
 import fileio
+from corpus import docs as corpus_docs
+from corpus import pipeline as corpus
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -196,7 +196,7 @@ def chat_overrides(folder, shard_dir):
 @pytest.fixture(scope="session")
 def chat_data_dir(tmp_path_factory, shard_data_dir):
     """Test conversations packed by chat.prepare (rows of CHAT_SEQ_LEN + 1) with the shard tokenizer."""
-    import chat
+    from chat import template as chat
 
     folder = tmp_path_factory.mktemp("chat")
     write_jsonl(folder / "train.jsonl", example_conversations(60))
@@ -260,27 +260,27 @@ def chat_run(tmp_path_factory, shard_data_dir):
 
 
 def start_server(run, database, *overrides, log_path=None):
-    """serve.py in a subprocess on a free port of 127.0.0.1: (process, base URL). Its stderr goes to
+    """serve/app.py in a subprocess on a free port of 127.0.0.1: (process, base URL). Its stderr goes to
     log_path (or is dropped)."""
-    command = [sys.executable, "serve.py", run, "--port", "0", f"serve.database={database}", *overrides]
+    command = [sys.executable, "-m", "serve", run, "--port", "0", f"serve.database={database}", *overrides]
     stderr = open(log_path, "w") if log_path else subprocess.DEVNULL  # noqa: SIM115 (owned by the child)
     proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=stderr, text=True)
     line = proc.stdout.readline()
     if " at http://" not in line:
         proc.kill()
         log = open(log_path).read() if log_path else ""
-        raise AssertionError(f"serve.py did not start: {line!r}\n{log}")
+        raise AssertionError(f"serve/app.py did not start: {line!r}\n{log}")
     return proc, line.split(" at ")[1].split()[0].rstrip("/")
 
 
 def serve_member(database, name, role, password=None):
-    """`python serve.py member add` (and `member password`): the member's API key."""
+    """`python -m serve member add` (and `member password`): the member's API key."""
     db = f"serve.database={database}"
-    added = subprocess.run([sys.executable, "serve.py", "member", "add", name, "--role", role, db],
+    added = subprocess.run([sys.executable, "-m", "serve", "member", "add", name, "--role", role, db],
                            cwd=ROOT, capture_output=True, text=True, check=True)  # fmt: skip
     key = added.stdout.strip().splitlines()[-1]
     if password is not None:
-        subprocess.run([sys.executable, "serve.py", "member", "password", name, db], cwd=ROOT, input=password + "\n",
+        subprocess.run([sys.executable, "-m", "serve", "member", "password", name, db], cwd=ROOT, input=password + "\n",
                        capture_output=True, text=True, check=True)  # fmt: skip
     return key
 
@@ -291,7 +291,7 @@ FAST_SCRYPT = "serve.scrypt.n=1024"  # the test passwords need no production cos
 @pytest.fixture(scope="session")
 def chat_model(chat_run):
     """serve.load_model of chat_run: (model, tokenizer, model id, context), shared by in-process servers."""
-    import serve
+    from serve import app as serve
 
     return serve.load_model(chat_run, "cpu")
 
@@ -346,9 +346,9 @@ def live_server(chat_model, tmp_path, *overrides, model=None, context=None):
     model may claim a longer context than the tiny run's."""
     import uvicorn
 
-    import serve
-    import serve_accounts
-    import serve_worker
+    from family import accounts as serve_accounts
+    from serve import app as serve
+    from serve import worker as serve_worker
 
     database = str(tmp_path / f"serve-{time.monotonic_ns()}.sqlite")
     settings = serve.load_settings(

@@ -1,4 +1,4 @@
-"""agent.py: the tools, the strict call parser and the bounded loop.
+"""agent/tools.py: the tools, the strict call parser and the bounded loop.
 
 The searches go through the real search.py to a real HTTP server on 127.0.0.1 serving the captured
 pages (test_search's LocalServer). A scripted policy stands in for the model's choices: it returns the
@@ -14,10 +14,10 @@ import shutil
 import pytest
 from test_search import BRAVE_PATH, DDG_PATH, FAST, JSON, TEN_TITLES, TEN_URLS, LocalServer, env_for, fixture
 
-import agent
-import chat
 import config
 import search
+from agent import tools as agent
+from chat import template as chat
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MONDAY = datetime.datetime(2026, 11, 30, 11, 0, tzinfo=datetime.UTC)  # 12:00 in Madrid

@@ -1,4 +1,4 @@
-"""agent_data.py: the seeded tool-use conversations — every kind, real tool results, values a model can
+"""agent/dataset.py: the seeded tool-use conversations — every kind, real tool results, values a model can
 copy from the question, wide enough that arguments rarely repeat — and the hand-written set they never
 repeat."""
 
@@ -8,11 +8,11 @@ import re
 
 import pytest
 
-import agent
-import agent_data
-import agent_eval
-import chat
-import memory
+from agent import dataset as agent_data
+from agent import tools as agent
+from chat import template as chat
+from evaluation import tool_use as agent_eval
+from family import memories as memory
 
 
 @pytest.fixture(scope="module")

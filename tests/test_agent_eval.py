@@ -1,15 +1,15 @@
-"""agent_eval.py: the rates on the generated and the hand-written sets, and the model as a policy."""
+"""evaluation/tool_use.py: the rates on the generated and the hand-written sets, and the model as a policy."""
 
 import json
 
 import pytest
 
-import agent
-import agent_data
-import agent_eval
-import agent_grammar
-import chat
 import config
+from agent import dataset as agent_data
+from agent import grammar as agent_grammar
+from agent import tools as agent
+from chat import template as chat
+from evaluation import tool_use as agent_eval
 
 
 @pytest.fixture(scope="module")

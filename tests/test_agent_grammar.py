@@ -1,4 +1,4 @@
-"""agent_grammar.py: constrained tool calls. A model whose logits are noise (uniform, or adversarial: the
+"""agent/grammar.py: constrained tool calls. A model whose logits are noise (uniform, or adversarial: the
 tokens that break a call made far likelier) generates through the real model.generate loop; every call it
 writes parses, names a tool on offer and has arguments valid for that tool's schema."""
 
@@ -11,12 +11,12 @@ import jsonschema
 import pytest
 import torch
 
-import agent
-import agent_data
-import agent_grammar
-import chat
 import data
 import sample
+from agent import dataset as agent_data
+from agent import grammar as agent_grammar
+from agent import tools as agent
+from chat import template as chat
 from model import Transformer
 
 ROOT_TOOLS = ("buscar_web", "calculadora", "fecha_hora", "recordar", "buscar_recuerdos", "olvidar")

@@ -1,4 +1,4 @@
-"""chat.py: the conversation format, the one template render() -> (ids, mask), importers and show."""
+"""chat/template.py: the conversation format, the one template render() -> (ids, mask), importers and show."""
 
 import json
 import os
@@ -8,8 +8,8 @@ import sys
 import pytest
 from conftest import ROOT, write_jsonl
 
-import chat
 import data
+from chat import template as chat
 
 
 @pytest.fixture(scope="module")
@@ -168,7 +168,7 @@ def test_the_byte_tokenizer_cannot_render_a_chat():
 
 def run_chat(*args):
     return subprocess.run(
-        [sys.executable, "chat.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "chat", *args], cwd=ROOT, capture_output=True, text=True, timeout=60
     )
 
 

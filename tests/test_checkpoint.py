@@ -16,13 +16,13 @@ import pytest
 import torch
 from conftest import shard_overrides, tiny_config
 
-import chat
 import checkpoint
 import config
-import corpus
 import data
 import fileio
 import train
+from chat import template as chat
+from corpus import pipeline as corpus
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -171,7 +171,7 @@ def test_a_run_decodes_with_the_tokenizer_inside_its_checkpoint_not_the_retraine
 def test_sample_serve_and_export_use_the_tokenizer_inside_the_checkpoint(retrained_data, tmp_path):
     import export
     import sample
-    import serve
+    from serve import app as serve
 
     cfg, trained_with, retrained = retrained_data
     run_dir = train.run_dir_of(cfg)
@@ -247,7 +247,7 @@ def test_sample_serve_and_export_refuse_a_run_trained_with_another_chat_template
 ):
     import export
     import sample
-    import serve
+    from serve import app as serve
 
     other = chat.CHAT_TEMPLATE_VERSION + 1
     path, commit = run_with_chat_template_version(tmp_path, shard_data_dir, other)

@@ -1,4 +1,4 @@
-"""The corpus pipeline (corpus.py): reading, cleaning, dedup, split, tokenizer training, encoding."""
+"""The corpus pipeline (corpus/pipeline.py): reading, cleaning, dedup, split, tokenizer training, encoding."""
 
 import bz2
 import contextlib
@@ -20,11 +20,11 @@ import pytest
 from conftest import ROOT, data_layer, quiet, read_docs, shard_hashes, text_source
 
 import config
-import corpus
-import corpus_docs
-import corpus_filters
-import corpus_sources
 import data
+from corpus import docs as corpus_docs
+from corpus import filters as corpus_filters
+from corpus import pipeline as corpus
+from corpus import sources as corpus_sources
 
 sys.path.insert(0, os.path.join(ROOT, "tests", "fixtures", "corpus"))
 import write_fixtures  # noqa: E402
@@ -240,7 +240,10 @@ CORPUS_SMOKE_RUN = os.path.join(ROOT, "configs", "smoke-corpus-cpu.yaml")  # mak
 
 def run_corpus_cli(*args):
     return subprocess.run(
-        [sys.executable, os.path.join(ROOT, "corpus.py"), *args], capture_output=True, text=True, cwd=ROOT
+        [sys.executable, "-m", "corpus", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
     )
 
 
@@ -268,7 +271,7 @@ def test_the_command_line_reports_errors_without_a_traceback(tmp_path):
     result = run_corpus_cli("encode", CORPUS_SMOKE_RUN, f"data.dir={tmp_path / 'empty'}")
     assert result.returncode == 2
     assert (
-        result.stderr.startswith("error: ") and "run `python corpus.py corpus CONFIG` first" in result.stderr
+        result.stderr.startswith("error: ") and "run `python -m corpus corpus CONFIG` first" in result.stderr
     )
     assert "Traceback" not in result.stderr
     result = run_corpus_cli("all", SMOKE_RUN, "data.format=shards")
@@ -545,7 +548,7 @@ def test_fineweb2_quality_filters_keep_prose_and_drop_repetition_lists_and_forei
 
 
 def test_the_default_filters_give_fineweb2s_verdict_on_every_document_of_the_mixed_sample():
-    import bench_data
+    from bench import data as bench_data
 
     embedded = [
         source for source in bench_data.SAMPLE_SOURCES if os.path.dirname(source[1]) == f"{ROOT}/corpus"
@@ -714,7 +717,7 @@ def test_a_killed_corpus_step_resumes_with_its_finished_tasks(tmp_path):
     run = os.path.join(ROOT, "configs", "smoke-corpus-cpu.yaml")
     cfg = bible_cfg(tmp_path, "killed", tasks=4)
     overrides = [f"data.dir={cfg['dir']}", "data.processes=1", f"data.corpus={json.dumps(cfg['corpus'])}"]
-    command = [sys.executable, "corpus.py", "corpus", run, *overrides]
+    command = [sys.executable, "-m", "corpus", "corpus", run, *overrides]
     proc = subprocess.Popen(command, cwd=ROOT, stderr=subprocess.DEVNULL, start_new_session=True)
     workdirs = os.path.join(cfg["dir"], "work")
     deadline = time.monotonic() + 120

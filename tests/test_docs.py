@@ -3,7 +3,7 @@ docs/*.md, in code blocks and in inline code, is accepted by what it names — t
 the subcommands, flags and their values by the script's own command line, the config files and
 `section.key=value` settings by their schema — so a renamed flag breaks this test, not a reader's
 copy-paste. Nothing runs: `make -n` prints a target's commands, and a script is stopped the moment it has
-accepted its command line (argparse has parsed it, config.load has validated the run file, bench.py has
+accepted its command line (argparse has parsed it, config.load has validated the run file, `python -m bench` has
 picked its sections)."""
 
 import argparse
@@ -380,7 +380,7 @@ def test_commands_are_found_in_code_blocks_tables_and_inline_code(tmp_path):
     doc = write_doc(
         tmp_path,
         "# Página\n\n```bash\nmake smoke   # comentario\nls runs/\npython sample.py runs/x \\\n  --chat\n```\n\n"
-        "| etapa | órdenes |\n|---|---|\n| corpus | `make corpus-smoke`, `python serve.py member add …` |\n\n"
+        "| etapa | órdenes |\n|---|---|\n| corpus | `make corpus-smoke`, `python -m serve member add …` |\n\n"
         "Con `make plot\nRUN=runs/a` y `python` a secas.\n",
     )
     found = [(c.where, c.text, c.partial) for c in commands_in(doc, "page.md")]
@@ -388,7 +388,7 @@ def test_commands_are_found_in_code_blocks_tables_and_inline_code(tmp_path):
         ("page.md:4", "make smoke   # comentario", False),
         ("page.md:6", "python sample.py runs/x  --chat", False),
         ("page.md:12", "make corpus-smoke", True),
-        ("page.md:12", "python serve.py member add …", True),
+        ("page.md:12", "python -m serve member add …", True),
         ("page.md:14", "make plot RUN=runs/a", True),
     ]
 
@@ -433,16 +433,16 @@ def test_a_missing_make_target_fails(tmp_path):
 def test_subcommands_choices_and_abbreviations_are_checked(tmp_path):
     doc = write_doc(
         tmp_path,
-        "```bash\npython serve.py member add ana --role admin\npython serve.py member ad ana --role admin\n"
-        "python serve.py member add ana --role abuela\npython memory.py list --mem ana\n"
-        "python chat.py import --from alpaca|sharegpt|oasst FICHERO out.jsonl [--lang es]\n"
-        "python corpus.py {corpus,tokenise} CONFIG\n"
-        'python agent.py call calculadora \'{"expresion": "2+2", "x": [1]}\'   # JSON as it is\n```\n',
+        "```bash\npython -m serve member add ana --role admin\npython -m serve member ad ana --role admin\n"
+        "python -m serve member add ana --role abuela\npython -m family list --mem ana\n"
+        "python -m chat import --from alpaca|sharegpt|oasst FICHERO out.jsonl [--lang es]\n"
+        "python -m corpus {corpus,tokenise} CONFIG\n"
+        'python -m agent call calculadora \'{"expresion": "2+2", "x": [1]}\'   # JSON as it is\n```\n',
     )
     problems = doc_problems(doc, "page.md")
     assert [p.split(": `")[0] for p in problems] == ["page.md:3", "page.md:4", "page.md:5", "page.md:7"]
     assert "invalid choice: 'ad'" in problems[0] and "invalid choice: 'abuela'" in problems[1]
-    assert "--mem" in problems[2] and "python corpus.py tokenise CONFIG" in problems[3]
+    assert "--mem" in problems[2] and "python -m corpus tokenise CONFIG" in problems[3]
 
 
 def test_config_files_and_settings_are_validated_by_their_schema(tmp_path):
@@ -450,7 +450,7 @@ def test_config_files_and_settings_are_validated_by_their_schema(tmp_path):
         tmp_path,
         "```bash\npython train.py configs/smoke-cpu.yaml train.seed=3\npython train.py configs/smoke-cpu.yaml train.sede=3\n"
         "make pretrain CONFIG=configs/nope.yaml\nmake pretrain CONFIG=…\n"
-        "python serve.py runs/x serve.queue_size=4\npython serve.py runs/x serve.queue_sise=4\n```\n",
+        "python -m serve runs/x serve.queue_size=4\npython -m serve runs/x serve.queue_sise=4\n```\n",
     )
     problems = doc_problems(doc, "page.md")
     assert [p.split(": `")[0] for p in problems] == ["page.md:3", "page.md:4", "page.md:7"]
@@ -461,12 +461,12 @@ def test_config_files_and_settings_are_validated_by_their_schema(tmp_path):
 def test_a_mention_may_leave_out_arguments_but_not_get_one_wrong(tmp_path):
     doc = write_doc(
         tmp_path,
-        "Con `python serve.py member add` o `python memory.py …`, nunca `python serve.py member add --rol x`.\n"
-        "El puerto: `python serve.py $RUN --port $PORT`, no `python serve.py $RUN --port ocho`.\n",
+        "Con `python -m serve member add` o `python -m family …`, nunca `python -m serve member add --rol x`.\n"
+        "El puerto: `python -m serve $RUN --port $PORT`, no `python -m serve $RUN --port ocho`.\n",
     )
     problems = doc_problems(doc, "page.md")
     assert len(problems) == 2 and "no option --rol" in problems[0]
-    assert problems[1].startswith("page.md:2: `python serve.py '$RUN' --port ocho`: serve.py rejects it")
+    assert problems[1].startswith("page.md:2: `python -m serve '$RUN' --port ocho`: -m serve rejects it")
 
 
 def test_a_transcript_may_show_an_error_but_only_the_one_the_command_prints(tmp_path):

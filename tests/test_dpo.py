@@ -13,13 +13,13 @@ import torch
 import torch.nn.functional as F
 from conftest import CHAT_SEQ_LEN, ROOT, TINY, example_conversations, write_jsonl
 
-import chat
-import chat_convert
 import config
 import data
-import plot
 import train
 import train_dpo
+from chat import convert as chat_convert
+from chat import template as chat
+from evaluation import plot
 from model import Transformer
 
 quiet = lambda *a, **k: None  # noqa: E731

@@ -1,4 +1,4 @@
-"""eval.py and eval_harness.py: ENLACE inside lm-evaluation-harness scores every request as lm-eval's own
+"""evaluation/runs.py and evaluation/harness.py: ENLACE inside lm-evaluation-harness scores every request as lm-eval's own
 `hf` backend scores the export, the score centres accuracy on chance, bad input is a clear error, training
 can run benchmarks without changing what it learns, and a run gets a report card.
 
@@ -14,12 +14,12 @@ import pytest
 import torch
 from conftest import ROOT, quiet, tiny_config
 
-import chat
 import checkpoint
-import eval as eval_cli
-import eval_harness
 import export
 import train
+from chat import template as chat
+from evaluation import harness as eval_harness
+from evaluation import runs as eval_cli
 
 FIXTURES = os.path.join(ROOT, "tests", "fixtures", "eval")
 SETTINGS = eval_harness.load_settings()
@@ -60,7 +60,7 @@ def run(runs, shard_data_dir):
 
 @pytest.fixture(scope="module")
 def loaded(run):
-    backend = SETTINGS["attention_backend"]["cpu"]  # as eval.py loads it
+    backend = SETTINGS["attention_backend"]["cpu"]  # as evaluation/runs.py loads it
     model, cfg, tokenizer, path = checkpoint.load_run(run, log=quiet, attention_backend=backend)
     return model, tokenizer, path
 
@@ -401,7 +401,11 @@ def test_bad_input_is_a_clear_error_and_writes_nothing(case, expected, run, tmp_
     err = capsys.readouterr().err
     assert expected in err and "Traceback" not in err
     if case == "real suite offline":  # every SpanishBench dataset is named, and how to get them
-        assert "BSC-LT/COPA-es" in err and "python eval.py download" in err and "HF_DATASETS_OFFLINE=1" in err
+        assert (
+            "BSC-LT/COPA-es" in err
+            and "python -m evaluation download" in err
+            and "HF_DATASETS_OFFLINE=1" in err
+        )
     after = sorted(os.listdir(os.path.join(run, "eval"))) if os.path.isdir(os.path.join(run, "eval")) else []
     assert after == before and not os.path.exists(os.path.join(target, "eval", "0000020-enlace-es.json"))
 
@@ -462,7 +466,7 @@ def test_the_report_card_shows_the_run_its_benchmarks_its_fine_tuned_run_samples
     )
     train.train(sft, log=quiet)
     rates = {"conversations": 12, "valid_syntax_rate": 0.5, "right_tool_rate": 0.75, "exact_argument_rate": 0.25,
-             "uses_result_rate": None, "data": "data/agent/eval.jsonl"}  # what agent_data.py eval writes  # fmt: skip
+             "uses_result_rate": None, "data": "data/agent/eval.jsonl"}  # what agent/dataset.py eval writes  # fmt: skip
     (runs / "sft" / "agent_eval.json").write_text(json.dumps(rates))
     capsys.readouterr()
 

@@ -15,10 +15,10 @@ import torch
 from conftest import ROOT, spanish_text, tiny_config
 from safetensors import safe_open
 
-import chat
 import checkpoint
 import export
 import train
+from chat import template as chat
 
 transformers = pytest.importorskip("transformers")
 quiet = lambda *a, **k: None  # noqa: E731
@@ -255,7 +255,7 @@ def test_apply_chat_template_gives_chat_render_s_text_and_ids(hf_tokenizer, enla
         )
         assert text == chat.render_text(conv, for_generation=generation)
     if name == "a user typing a control token":
-        return  # a text template cannot keep it plain text: serve.py renders ids (see export.py)
+        return  # a text template cannot keep it plain text: serve/app.py renders ids (see export.py)
     ids = hf_tokenizer.apply_chat_template(
         conv["messages"], tools=conv.get("tools"), tokenize=True, add_generation_prompt=True
     )["input_ids"]
@@ -386,7 +386,7 @@ def test_the_modelfile_stops_on_the_control_tokens_that_end_a_reply(ollama_dir, 
 # json function, Go's encoding/json, so tools and tool-call arguments come out compact (no spaces after
 # , and :), with <, > and & escaped as \u003c, \u003e, \u0026, and a tool's "required" before its
 # "properties" (Ollama's struct order); everything else is chat.render's text.
-AGENT_TOOL = {  # agent.py's shape: properties, then required
+AGENT_TOOL = {  # agent/tools.py's shape: properties, then required
     "type": "function",
     "function": {
         "name": "recordatorio",

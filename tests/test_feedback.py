@@ -1,8 +1,8 @@
-"""The family's feedback on answers through the server (feedback.py behind serve_web.py's routes): every
+"""The family's feedback on answers through the server (family/feedback.py behind serve/web.py's routes): every
 route private to its member, whoever else asks (another adult, a child, the admin, by key or by cookie);
-consent off by default, a child's set only by an adult; `chat.py preferences` exports only consented
+consent off by default, a child's set only by an adult; `chat/template.py preferences` exports only consented
 feedback, turning consent off withdraws what was given before; deleting an account deletes its feedback.
-Real servers on 127.0.0.1 (test_serve's in-process uvicorn), a real `chat.py preferences` subprocess, and
+Real servers on 127.0.0.1 (test_serve's in-process uvicorn), a real `chat/template.py preferences` subprocess, and
 the page in headless Chromium (test_web's browser)."""
 
 import json
@@ -17,7 +17,7 @@ from conftest import ROOT, live_server
 from test_serve import login, member
 from test_web import all_of, browser, by_id, log_in, screenshot, wait_for  # noqa: F401 - browser is a fixture
 
-import serve_accounts
+from family import accounts as serve_accounts
 
 SECRET = "Mi hermana está embarazada y aún no lo sabe nadie"  # what ana asks
 BETTER = "¡Qué buena noticia! Guarda el secreto hasta que ella quiera contarlo."
@@ -37,9 +37,9 @@ def chat_turn(http, cid, text):
 
 
 def preferences(database, tmp_path, *extra):
-    """`python chat.py preferences --db DATABASE OUT.jsonl`: (the pairs written, stdout)."""
+    """`python -m chat preferences --db DATABASE OUT.jsonl`: (the pairs written, stdout)."""
     out = tmp_path / f"pairs-{len(os.listdir(tmp_path))}.jsonl"
-    done = subprocess.run([sys.executable, "chat.py", "preferences", "--db", database, str(out), *extra],
+    done = subprocess.run([sys.executable, "-m", "chat", "preferences", "--db", database, str(out), *extra],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)  # fmt: skip
     assert done.returncode == 0, done.stderr
     return [
@@ -280,19 +280,19 @@ def test_removing_a_member_removes_their_feedback_and_consent(chat_model, tmp_pa
 
 
 def test_preferences_names_a_database_it_cannot_use(tmp_path):
-    missing = subprocess.run([sys.executable, "chat.py", "preferences", "--db", str(tmp_path / "no.sqlite"),
+    missing = subprocess.run([sys.executable, "-m", "chat", "preferences", "--db", str(tmp_path / "no.sqlite"),
                               str(tmp_path / "out.jsonl")], cwd=ROOT, capture_output=True, text=True)  # fmt: skip
     assert missing.returncode == 2 and "no.sqlite: no such database" in missing.stderr
     (tmp_path / "other.sqlite").write_bytes(b"")
     sqlite3.connect(tmp_path / "other.sqlite").execute("CREATE TABLE t (x)").connection.commit()
-    other = subprocess.run([sys.executable, "chat.py", "preferences", "--db", str(tmp_path / "other.sqlite"),
+    other = subprocess.run([sys.executable, "-m", "chat", "preferences", "--db", str(tmp_path / "other.sqlite"),
                             str(tmp_path / "out.jsonl")], cwd=ROOT, capture_output=True, text=True)  # fmt: skip
     assert (
         other.returncode == 2
         and "cannot read the feedback" in other.stderr
         and "Traceback" not in other.stderr
     )
-    half = subprocess.run([sys.executable, "chat.py", "preferences", "--db", str(tmp_path / "other.sqlite"),
+    half = subprocess.run([sys.executable, "-m", "chat", "preferences", "--db", str(tmp_path / "other.sqlite"),
                            str(tmp_path / "out.jsonl"), "--val", str(tmp_path / "v.jsonl")],
                           cwd=ROOT, capture_output=True, text=True)  # fmt: skip
     assert half.returncode == 2 and "--val and --val-share go together" in half.stderr
@@ -305,7 +305,7 @@ def test_preferences_names_a_database_it_cannot_use(tmp_path):
 
 @pytest.fixture(scope="module")
 def web_feedback(chat_run, tmp_path_factory):
-    """serve.py with ana (adult) and luis (child), both with web passwords; yields (URL, database)."""
+    """serve/app.py with ana (adult) and luis (child), both with web passwords; yields (URL, database)."""
     from conftest import start_server
 
     folder = tmp_path_factory.mktemp("web-feedback")

@@ -27,12 +27,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from starlette.testclient import TestClient
 
-import chat
 import data
-import memory
-import serve
-import serve_accounts
-import serve_worker
+from chat import template as chat
+from family import accounts as serve_accounts
+from family import memories as memory
+from serve import app as serve
+from serve import worker as serve_worker
 
 settings.register_profile(
     "quick",
@@ -365,8 +365,8 @@ def tag_counts(ids, tokenizer):
 def test_a_search_result_crafted_to_inject_a_call_reaches_the_model_as_plain_text(tokenizer):
     from test_search import DDG_PATH, FAST, LocalServer, env_for, fixture
 
-    import agent
     import search
+    from agent import tools as agent
 
     web = LocalServer()
     web.route(DDG_PATH, 200, fixture("ddg_lite_injection.html"))
@@ -432,16 +432,18 @@ def cli(*args, stdin=b""):
 def test_every_command_line_that_takes_text_refuses_bytes_that_are_not_utf8_with_exit_2(tmp_path):
     database = str(tmp_path / "family.sqlite")
     db = f"serve.database={database}"
-    assert cli("serve.py", "member", "add", "ana", "--role", "adult", db).returncode == 0
+    assert cli("serve/app.py", "member", "add", "ana", "--role", "adult", db).returncode == 0
     cafe = "café".encode("latin-1")  # b"caf\xe9": no UTF-8
     runs = {
-        "memory add": cli("memory.py", "--db", database, "add", "--member", "ana", cafe),
-        "memory list": cli("memory.py", "--db", database, "list", "--member", "an\xe1".encode("latin-1")),
-        "member remove": cli("serve.py", "member", "remove", cafe, db),
-        "member password (argument)": cli("serve.py", "member", "password", cafe, db),
-        "member password (stdin)": cli("serve.py", "member", "password", "ana", db, stdin=cafe + b"\n"),
+        "memory add": cli("family/memories.py", "--db", database, "add", "--member", "ana", cafe),
+        "memory list": cli(
+            "family/memories.py", "--db", database, "list", "--member", "an\xe1".encode("latin-1")
+        ),
+        "member remove": cli("serve/app.py", "member", "remove", cafe, db),
+        "member password (argument)": cli("serve/app.py", "member", "password", cafe, db),
+        "member password (stdin)": cli("serve/app.py", "member", "password", "ana", db, stdin=cafe + b"\n"),
         "search": cli("search.py", cafe),
-        "agent call": cli("agent.py", "call", "calculadora", b'{"expresion": "1\xe9"}'),
+        "agent call": cli("agent/tools.py", "call", "calculadora", b'{"expresion": "1\xe9"}'),
         "sample": cli("sample.py", "runs/none", "--prompt", cafe),
     }
     for name, result in runs.items():

@@ -1,4 +1,4 @@
-"""gpu_check.py, the GPU acceptance check: its plumbing runs on the CPU with tiny shapes (the way CI runs
+"""bench/gpu_check.py, the GPU acceptance check: its plumbing runs on the CPU with tiny shapes (the way CI runs
 `make gpu-check DEVICE=cpu`); the board and profile rules are checked against the capabilities of the
 boards the project has profiles for."""
 
@@ -10,7 +10,7 @@ import pytest
 from conftest import ROOT
 
 import config
-import gpu_check
+from bench import gpu_check
 from train import DeviceCaps
 
 STAMP = ".venv/.requirements.stamp"  # `make -o STAMP`: the shared .venv as it is, never reinstalled
@@ -29,7 +29,7 @@ def test_make_gpu_check_on_the_cpu_runs_every_step_and_writes_the_report(tmp_pat
     verdicts = dict(re.findall(r"^\| (\w+) \| (PASS|FAIL|skipped) \|", text, re.MULTILINE))
     steps = ("board", "data", "pretrain", "resume", "ddp", "export", "serve")  # ddp: 2 gloo ranks
     assert [verdicts[step] for step in steps] == ["PASS"] * len(steps)
-    assert verdicts["eval"] in ("PASS", "skipped")  # eval.py, when the checkout has it
+    assert verdicts["eval"] in ("PASS", "skipped")  # evaluation/runs.py, when the checkout has it
     for figure in ("matmul 512x512 in float32", "tokens/s (median of", "MFU: ", "PASS resume-check", "2 ranks: 2 steps",
                    "largest |difference|", "greedy continuation of 16 tokens: identical", "decode through"):  # fmt: skip
         assert figure in text, figure

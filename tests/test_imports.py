@@ -99,9 +99,9 @@ def test_no_module_imports_one_that_imports_it_back():
 
 def test_the_graph_holds_the_imports_made_inside_functions():
     graph = import_graph(ROOT)
-    assert {"corpus", "corpus_docs", "serve", "serve_worker", "config", "fileio"} <= graph.keys()
-    assert "corpus_encode" in graph["corpus"]  # corpus.encode() imports it when it runs
-    assert "sample" in graph["agent_eval"]  # agent_eval.main() imports it when it loads a run
+    assert {"corpus.pipeline", "corpus.docs", "serve.app", "serve.worker", "config", "fileio"} <= graph.keys()
+    assert "corpus.encode" in graph["corpus.pipeline"]  # pipeline.encode() imports it when it runs
+    assert "sample" in graph["evaluation.tool_use"]  # tool_use.main() imports it when it loads a run
     assert graph["fileio"] == [] and graph["config"] == []  # the bottom of the house
 
 

@@ -89,7 +89,7 @@ def test_make_eval_bench_and_make_report_work_on_a_fresh_clone(tmp_path):
         "data.encode.tokens_per_shard=8000",
     ]
     python = ".venv/bin/python"
-    subprocess.run([python, "corpus.py", "all", "configs/smoke-corpus-cpu.yaml", *small], cwd=clone,
+    subprocess.run([python, "-m", "corpus", "all", "configs/smoke-corpus-cpu.yaml", *small], cwd=clone,
                    capture_output=True, check=True, timeout=600)  # fmt: skip
     subprocess.run([python, "train.py", "configs/smoke-corpus-cpu.yaml", *TINY, *small], cwd=clone,
                    capture_output=True, check=True, timeout=600)  # fmt: skip

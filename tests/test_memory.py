@@ -1,4 +1,4 @@
-"""memory.py: the store, privacy between members, retrieval, deletion for real, snapshots and restore."""
+"""family/memories.py: the store, privacy between members, retrieval, deletion for real, snapshots and restore."""
 
 import copy
 import json
@@ -14,11 +14,11 @@ import time
 import pytest
 import yaml
 
-import agent
-import chat
 import config
 import fileio
-import memory
+from agent import tools as agent
+from chat import template as chat
+from family import memories as memory
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORDS = lambda text: len(text.split())  # a stand-in token count; the server passes its tokenizer's
@@ -551,12 +551,16 @@ def test_memory_does_not_import_torch():
 
 def run_cli(db, *args):
     return subprocess.run(
-        [sys.executable, "memory.py", "--db", db, *args], cwd=ROOT, capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "family", "--db", db, *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
 
 
 def test_command_line_list_add_forget_export(db):
-    ana = ("--member", "ana", "--role", "adult")  # a database without serve.py's accounts: roles by hand
+    ana = ("--member", "ana", "--role", "adult")  # a database without serve/app.py's accounts: roles by hand
     assert run_cli(db, "add", *ana, "A Lucía no le gusta el pescado", "--pin").returncode == 0
     assert run_cli(db, "add", "--member", "luis", "--role", "child", "mi color es el verde").returncode == 0
     listed = run_cli(db, "list", *ana)
@@ -602,7 +606,7 @@ def test_every_memory_layer_file_is_valid():
 
 
 # -----------------------------------------------------------------------------
-# The agent's memory tools (agent.py's registry) across two members
+# The agent's memory tools (agent/tools.py's registry) across two members
 
 
 def agent_of(conn, cfg, name, role, **options):
@@ -623,7 +627,7 @@ def call_text(name, arguments):
 def test_memory_tools_are_offered_only_to_a_member(conn, cfg):
     names = ("recordar", "buscar_recuerdos", "olvidar")
     settings = agent.load_settings()
-    assert not set(names) & set(agent.Agent(settings).tool_names)  # sample.py, agent_data.py
+    assert not set(names) & set(agent.Agent(settings).tool_names)  # sample.py, agent/dataset.py
     assert not set(names) & {spec["function"]["name"] for spec in agent.tool_specs(settings)}
     offered = agent_of(conn, cfg, "ana", "adult").conversation([{"role": "user", "content": "hola"}])["tools"]
     assert set(names) <= {spec["function"]["name"] for spec in offered}

@@ -2,7 +2,7 @@
 tools bound by the server, the REST endpoints, the web page in a real browser) across two members and
 the admin, and the server's hold on its database (snapshots record its model; restore waits for it).
 
-Real servers on 127.0.0.1 (test_serve's in-process uvicorn, or serve.py in a subprocess); a scripted
+Real servers on 127.0.0.1 (test_serve's in-process uvicorn, or serve/app.py in a subprocess); a scripted
 model stands in for the model's choices where a test reads the prompt it was given."""
 
 import json
@@ -20,8 +20,8 @@ from test_web import all_of, browser, by_id, log_in, screenshot, wait_for  # noq
 
 import checkpoint
 import fileio
-import memory
-import serve_accounts
+from family import accounts as serve_accounts
+from family import memories as memory
 
 SECRET = "A Lucía no le gusta el pescado"  # ana's private memory
 CHILD_SECRET = "Luis esconde las galletas en el armario"  # luis's private memory
@@ -240,7 +240,7 @@ def test_the_command_line_takes_the_role_of_the_account(tmp_path):
     store.db.close()
 
     def cli(*args):
-        command = [sys.executable, "memory.py", "--db", database, *args]
+        command = [sys.executable, "-m", "family", "--db", database, *args]
         return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=60)
 
     refused = cli("add", "--member", "luis", "--family", "hoy no hay cole")
@@ -250,7 +250,7 @@ def test_the_command_line_takes_the_role_of_the_account(tmp_path):
 
 
 # -----------------------------------------------------------------------------
-# serve.py in a subprocess: the lock, and what snapshots record
+# serve/app.py in a subprocess: the lock, and what snapshots record
 
 
 def test_the_running_server_holds_its_database_and_snapshots_record_its_model(chat_run, tmp_path):
@@ -285,7 +285,7 @@ def test_the_running_server_holds_its_database_and_snapshots_record_its_model(ch
         with pytest.raises(memory.SnapshotError, match=f"server is running \\(pid {proc.pid}"):
             memory.restore(path, database, log=lambda _: None)
         second = subprocess.run(
-            [sys.executable, "serve.py", chat_run, "--port", "0", f"serve.database={database}"],
+            [sys.executable, "-m", "serve", chat_run, "--port", "0", f"serve.database={database}"],
             cwd=ROOT, capture_output=True, text=True, timeout=300,
         )  # fmt: skip
         assert second.returncode == 2 and "the server is running" in second.stderr
@@ -294,12 +294,12 @@ def test_the_running_server_holds_its_database_and_snapshots_record_its_model(ch
         proc.wait()
         proc.stdout.close()
     bad = subprocess.run(
-        [sys.executable, "serve.py", chat_run, f"serve.database={database}", "memory.snapshots.every_hours=-1"],
+        [sys.executable, "-m", "serve", chat_run, f"serve.database={database}", "memory.snapshots.every_hours=-1"],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert bad.returncode == 2 and "memory.snapshots.every_hours: -1 is out of range" in bad.stderr
     restored = subprocess.run(
-        [sys.executable, "memory.py", "--db", database, "restore", path],
+        [sys.executable, "-m", "family", "--db", database, "restore", path],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert restored.returncode == 0, restored.stderr
@@ -312,7 +312,7 @@ def test_the_running_server_holds_its_database_and_snapshots_record_its_model(ch
 
 @pytest.fixture(scope="module")
 def web_family(chat_run, tmp_path_factory):
-    """serve.py with ana (adult) and luis (child), both with web passwords; yields the URL and the store."""
+    """serve/app.py with ana (adult) and luis (child), both with web passwords; yields the URL and the store."""
     folder = tmp_path_factory.mktemp("web-memories")
     database = str(folder / "familia.sqlite")
     store = serve_accounts.Store(database)

@@ -15,8 +15,8 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
-import bench_model
 import config
+from bench import model as bench_model
 from model import Transformer, apply_rope, rope_tables, sample_token
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

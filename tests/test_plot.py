@@ -1,10 +1,10 @@
-"""plot.py: curves of runs from their metrics.jsonl."""
+"""evaluation/plot.py: curves of runs from their metrics.jsonl."""
 
 import json
 
 import pytest
 
-import plot
+from evaluation import plot
 
 
 def write_metrics(run, records):

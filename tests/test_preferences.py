@@ -1,6 +1,6 @@
 """Preference pairs (TRL's conversational preference format): the checks, how a pair renders with the one
 template, packing for DPO and the pair loader, importing public sets, the pairs made from conversations
-for the smoke run, and feedback.py's rules for turning ratings into pairs."""
+for the smoke run, and family/feedback.py's rules for turning ratings into pairs."""
 
 import json
 import os
@@ -10,11 +10,11 @@ import sys
 import pytest
 from conftest import CHAT_SEQ_LEN, ROOT, TINY, example_conversations, write_jsonl
 
-import chat
-import chat_convert
 import config
 import data
-import feedback
+from chat import convert as chat_convert
+from chat import template as chat
+from family import feedback
 
 quiet = lambda *a, **k: None  # noqa: E731
 
@@ -178,7 +178,7 @@ def test_the_pair_loader_gives_chosen_rows_then_rejected_restores_its_position_a
 
 def run_chat(*args):
     return subprocess.run(
-        [sys.executable, "chat.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "chat", *args], cwd=ROOT, capture_output=True, text=True, timeout=120
     )
 
 

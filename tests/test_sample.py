@@ -9,10 +9,10 @@ import pytest
 import torch
 from conftest import ROOT, tiny_config
 
-import chat
 import checkpoint
 import sample
 import train
+from chat import template as chat
 
 quiet = lambda *a, **k: None  # noqa: E731
 SAMPLE_RUN = ["model.seq_len=64", "train.max_steps=6", "train.eval_interval=0"]

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-import chat
+from chat import template as chat
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SEED_DIR = os.path.join(ROOT, "conversations", "seed")

@@ -1,6 +1,6 @@
-"""serve.py: the OpenAI-compatible API (driven by the official openai client), accounts, stored
+"""serve/app.py: the OpenAI-compatible API (driven by the official openai client), accounts, stored
 conversations, and the server's behaviour under load and when killed. Every test talks HTTP to a real
-server on 127.0.0.1: uvicorn in a thread of this process (sharing one tiny model), or serve.py in
+server on 127.0.0.1: uvicorn in a thread of this process (sharing one tiny model), or serve/app.py in
 a subprocess where a test needs the process itself (CLI, SIGKILL, memory)."""
 
 import contextlib
@@ -18,10 +18,10 @@ import openai
 import pytest
 from conftest import ROOT, ScriptedModel, live_server, serve_member, start_server, tiny_config
 
-import chat
 import config
-import serve
-import serve_accounts
+from chat import template as chat
+from family import accounts as serve_accounts
+from serve import app as serve
 
 NO_TOOLS = "serve.tools=false"  # prompts of exactly the request's messages, without the server's tools
 
@@ -189,8 +189,8 @@ def test_tool_calls_are_constrained_to_the_clients_and_to_the_servers_own_tools(
     import jsonschema
     from test_agent_grammar import CLIENT_TOOLS, MALFORMED, NoisyModel
 
-    import agent
-    import agent_data
+    from agent import dataset as agent_data
+    from agent import tools as agent
 
     monkeypatch.setattr(agent, "searcher_from_env", lambda provider: agent_data.CannedSearch([]))
     tokenizer = chat_model[1]
@@ -499,7 +499,7 @@ def test_members_never_reach_each_others_conversations_and_admins_cannot_read_th
         takeover = httpx.post(f"{url}/api/members/ana/key", headers=admin)
         assert (
             takeover.status_code == 403
-            and "serve.py member new-key ana" in takeover.json()["error"]["message"]
+            and "serve/app.py member new-key ana" in takeover.json()["error"]["message"]
         )
         assert httpx.get(f"{url}/api/conversations/{cid}", headers=owner).json() == own  # untouched
         assert httpx.delete(f"{url}/api/conversations/{cid}", headers=owner).status_code == 200
@@ -705,7 +705,7 @@ def test_a_password_change_needs_a_current_password_and_wrong_ones_count_towards
         beto = {"Authorization": f"Bearer {member(server, 'beto')}"}
         first = httpx.post(url + "/api/me/password", headers=beto, json={"current": "", "new": "2468"})
         assert first.status_code == 400 and first.json()["error"]["code"] == "no_password"
-        assert "python serve.py member password beto" in first.json()["error"]["message"]
+        assert "python -m serve member password beto" in first.json()["error"]["message"]
 
 
 def test_an_old_database_gains_the_provisional_column_and_its_members_stay_as_they_were(tmp_path):
@@ -778,15 +778,15 @@ def test_allowed_hours_also_bound_the_web_chat_and_may_wrap_past_midnight(chat_m
 def test_the_member_cli_prints_a_key_once_and_stores_its_hash(tmp_path):
     database = str(tmp_path / "family.sqlite")
     key = serve_member(database, "ana", "admin", password="una clave")
-    listing = subprocess.run([sys.executable, "serve.py", "member", "list", f"serve.database={database}"],
+    listing = subprocess.run([sys.executable, "-m", "serve", "member", "list", f"serve.database={database}"],
                              cwd=ROOT, capture_output=True, text=True, check=True)  # fmt: skip
     assert key.startswith("enl-") and key not in listing.stdout and "ana" in listing.stdout
-    again = subprocess.run([sys.executable, "serve.py", "member", "add", "ana", "--role", "child",
+    again = subprocess.run([sys.executable, "-m", "serve", "member", "add", "ana", "--role", "child",
                             f"serve.database={database}"], cwd=ROOT, capture_output=True, text=True)  # fmt: skip
     assert again.returncode == 2 and "already exists" in again.stderr and "Traceback" not in again.stderr
     row = sqlite3.connect(database).execute("SELECT key_hash, password_hash FROM members").fetchone()
     assert row[0] == serve_accounts.sha256(key) and row[1].startswith("scrypt$")
-    bad = subprocess.run([sys.executable, "serve.py", "member", "list", "serve.queue_sise=3"], cwd=ROOT,
+    bad = subprocess.run([sys.executable, "-m", "serve", "member", "list", "serve.queue_sise=3"], cwd=ROOT,
                          capture_output=True, text=True)  # fmt: skip
     assert (
         bad.returncode == 2 and "serve.queue_sise: unknown key; did you mean serve.queue_size?" in bad.stderr
@@ -801,7 +801,7 @@ def test_member_new_key_and_remove_from_the_command_line(tmp_path):
     store.add_message(store.member("ana")["id"], cid, "user", "hola")
 
     def member_cli(*args):
-        command = [sys.executable, "serve.py", "member", *args, f"serve.database={database}"]
+        command = [sys.executable, "-m", "serve", "member", *args, f"serve.database={database}"]
         return subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
 
     renewed = member_cli("new-key", "ana")
@@ -859,7 +859,7 @@ def test_a_byte_level_run_is_refused_with_the_run_to_use_instead(tmp_path, byte_
         log=lambda *a: None,
     )
     database = f"serve.database={tmp_path / 'x.sqlite'}"
-    started = subprocess.run([sys.executable, "serve.py", str(tmp_path / "bytes"), "--port", "0", database],
+    started = subprocess.run([sys.executable, "-m", "serve", str(tmp_path / "bytes"), "--port", "0", database],
                              cwd=ROOT, capture_output=True, text=True, timeout=120)  # fmt: skip
     assert started.returncode == 2 and "Traceback" not in started.stderr
     assert (

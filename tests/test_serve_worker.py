@@ -1,4 +1,4 @@
-"""serve_worker.py's continuous batching with the real (tiny) model: answers decoded together are token for
+"""serve/worker.py's continuous batching with the real (tiny) model: answers decoded together are token for
 token the answers each request gets alone; rows join, leave, are cancelled or fail without touching the
 others; an agent turn's tools run while the other rows go on decoding; the KV cache's memory is checked at
 start. The server's other behaviour (streaming, stop strings, caps, the queue) is tests/test_serve.py's."""
@@ -14,9 +14,9 @@ import httpx
 import pytest
 from conftest import ROOT, live_server
 
-import agent
-import serve
-import serve_worker
+from agent import tools as agent
+from serve import app as serve
+from serve import worker as serve_worker
 
 NO_TOOLS = "serve.tools=false"
 
@@ -147,7 +147,7 @@ def test_answers_decoded_together_are_token_for_token_their_solo_answers(chat_mo
 
 
 # -----------------------------------------------------------------------------
-# The worker itself, driven as serve.py drives it
+# The worker itself, driven as serve/app.py drives it
 
 
 @contextlib.contextmanager
@@ -259,9 +259,9 @@ def test_the_kv_cache_is_sized_at_start_and_a_max_batch_that_cannot_fit_is_refus
         serve.check_kv_cache(model, settings | {"max_batch": 10**9, "max_kv_cache_mib": None}, "cpu")
     with pytest.raises(serve.ServeError, match="max_batch"):
         serve.load_settings(serve.DEFAULT_CONFIG, ["serve.max_batch=0"])
-    # serve.py itself: the refusal is a clear error and exit status 2, before it listens.
+    # serve/app.py itself: the refusal is a clear error and exit status 2, before it listens.
     database = f"serve.database={tmp_path / 'kv.sqlite'}"
-    started = subprocess.run([sys.executable, "serve.py", chat_run, "--port", "0", database, "serve.max_batch=64",
+    started = subprocess.run([sys.executable, "-m", "serve", chat_run, "--port", "0", database, "serve.max_batch=64",
                               "serve.max_kv_cache_mib=1"], cwd=ROOT, capture_output=True, text=True, timeout=120)  # fmt: skip
     assert started.returncode == 2 and "Traceback" not in started.stderr
     assert "error: serve.max_batch=64: the KV cache needs 4.0 MiB" in started.stderr

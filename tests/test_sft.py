@@ -24,12 +24,12 @@ from conftest import (
     write_jsonl,
 )
 
-import chat
 import config
 import data
 import fileio
 import sample
 import train
+from chat import template as chat
 from model import Transformer
 
 quiet = lambda *a, **k: None  # noqa: E731

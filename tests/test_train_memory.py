@@ -1,4 +1,4 @@
-"""The micro-batch that fits: train_memory.py's estimate of a training step's peak memory, held to the
+"""The micro-batch that fits: microbatch.py's estimate of a training step's peak memory, held to the
 peak measured on the CPU (every tensor the allocator hands out, from the profiler's memory events)."""
 
 import os
@@ -9,10 +9,10 @@ import pytest
 import torch
 import yaml
 
-import bench_model
 import config
+import microbatch as train_memory
 import train
-import train_memory
+from bench import model as bench_model
 from model import Transformer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -111,7 +111,7 @@ def test_a_run_on_a_gpu_profile_logs_its_estimate_and_warns_when_the_micro_batch
 
 def test_the_command_prints_a_run_and_the_gpu_table():
     run = subprocess.run(
-        [sys.executable, "train_memory.py", "configs/pretrain-2060.yaml"],
+        [sys.executable, "microbatch.py", "configs/pretrain-2060.yaml"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -119,13 +119,13 @@ def test_the_command_prints_a_run_and_the_gpu_table():
     assert run.returncode == 0, run.stderr
     assert "loss in chunks of 1024" in run.stdout and "full logits" in run.stdout
     table = subprocess.run(
-        [sys.executable, "train_memory.py", "--table"], cwd=ROOT, capture_output=True, text=True
+        [sys.executable, "microbatch.py", "--table"], cwd=ROOT, capture_output=True, text=True
     )
     assert table.returncode == 0, table.stderr
     rows = [line for line in table.stdout.splitlines() if line.startswith("| ")]
     assert [row.split(" | ")[0][2:].strip("`") for row in rows[1:]] == train_memory.TABLE_PROFILES
     bad = subprocess.run(
-        [sys.executable, "train_memory.py", "configs/pretrain-2060.yaml", "hardware.memory_gib=-1"],
+        [sys.executable, "microbatch.py", "configs/pretrain-2060.yaml", "hardware.memory_gib=-1"],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -1,5 +1,5 @@
 """The web chat page in a real browser: Debian's headless Chromium driven by selenium, on a phone-sized
-window, against serve.py in a subprocess on 127.0.0.1. Screenshots go to test-artifacts/web/ (or
+window, against serve/app.py in a subprocess on 127.0.0.1. Screenshots go to test-artifacts/web/ (or
 $ENLACE_ARTIFACTS/web/), kept for people to look at, never committed."""
 
 import os
@@ -11,8 +11,8 @@ import httpx
 import pytest
 from conftest import ROOT, ScriptedModel, live_server, start_server
 
-import serve
-import serve_accounts
+from family import accounts as serve_accounts
+from serve import app as serve
 
 CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 ARTIFACTS = os.path.join(os.environ.get("ENLACE_ARTIFACTS", os.path.join(ROOT, "test-artifacts")), "web")
@@ -46,7 +46,7 @@ def browser():
 
 @pytest.fixture(scope="module")
 def family(chat_run, tmp_path_factory):
-    """serve.py with two adults, ana and beto; yields (url, ana's API key)."""
+    """serve/app.py with two adults, ana and beto; yields (url, ana's API key)."""
     folder = tmp_path_factory.mktemp("web")
     database = str(folder / "family.sqlite")
     store = serve_accounts.Store(database)

@@ -1,4 +1,4 @@
-// ENLACE web chat: plain JavaScript, no build step. Talks to serve.py's /api routes with the session
+// ENLACE web chat: plain JavaScript, no build step. Talks to serve/app.py's /api routes with the session
 // cookie (HttpOnly: this script never sees it). Text is always inserted with textContent, never as HTML.
 "use strict";
 

@@ -1,4 +1,4 @@
-// Ratings of the assistant's answers and the "Mis valoraciones" panel (feedback.py through serve.py's
+// Ratings of the assistant's answers and the "Mis valoraciones" panel (family/feedback.py through serve/app.py's
 // routes). Under every stored answer (app.js announces each with an "enlace:answer" event): 👍, 👎 and
 // "Mejorar" (write the answer you wanted). The panel lists the member's own ratings (export, delete) and
 // the setting "Usar mis valoraciones para entrenar": off until the member turns it on; a child's is set by

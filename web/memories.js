@@ -1,4 +1,4 @@
-// "Mis recuerdos": the logged-in member's memories (memory.py through serve.py's /api/memories routes).
+// "Mis recuerdos": the logged-in member's memories (family/memories.py through serve/app.py's /api/memories routes).
 // A panel of its own in the sidebar's #panels; it reloads whenever the app is shown (a login) and empties
 // when it is hidden (a logout), so one member never sees what the previous one had on screen. Text is
 // always inserted with textContent, never as HTML.

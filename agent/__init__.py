@@ -1,0 +1,1 @@
+"""Tools: the registry and bounded loop, constrained calls, and the tool-use data generator."""

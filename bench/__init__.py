@@ -1,0 +1,1 @@
+"""Benchmarks: every timing side by side with a peer or a measured peak, and the GPU check."""

@@ -1,0 +1,234 @@
+"""
+`make bench ARGS=agent`: what constraining a tool call costs per token (agent/grammar.py), with xgrammar
+(used) and llguidance (the other engine vLLM offers) side by side, against a decode step of the tiny-50m
+model on the CPU. The vocabulary is a 32,000-token BPE trained with the stage-1 trainer settings
+(configs/data/corpus.yaml) on the embedded corpus, so it holds the control tokens and tool tags of
+data.py's table; the grammar is the server's six tools for a member.
+"""
+
+import gzip
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+
+import sentencepiece as spm
+import torch
+
+import config
+import data
+import model
+from agent import dataset as agent_data
+from agent import grammar as agent_grammar
+from agent import tools as agent
+from bench.common import ROOT, layer
+from corpus import encode as corpus_encode
+from evaluation import tool_use as agent_eval
+
+ROUNDS = 5  # alternate rounds over the calls; the median is kept
+
+
+def train_32k_tokenizer(folder):
+    data_cfg = config.load_layer("data", os.path.join(ROOT, "configs", "data", "corpus.yaml"))
+    settings = corpus_encode.trainer_settings(data_cfg)
+    lines = []
+    for name in ("rv1909.txt.gz", "fortunes-es.txt.gz"):
+        with gzip.open(os.path.join(ROOT, "corpus", name), "rt", encoding="utf-8") as f:
+            lines += [line for line in f.read().split("\n") if line.strip()]
+    prefix = os.path.join(folder, "bpe32k")
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines), model_prefix=prefix, minloglevel=2, input_sentence_size=0, **settings
+    )
+    return data.SentencePieceTokenizer(prefix + ".model")
+
+
+def call_sequences(tokenizer):
+    """The token ids after <tool_call> of the hand-written set's reference calls, </tool_call> included."""
+    close = data.TOKEN_TABLE["</tool_call>"]
+    sequences = []
+    for entry in agent_data.read_jsonl(agent_eval.HANDWRITTEN):
+        if entry["tool"]:
+            body = json.dumps({"name": entry["tool"], "arguments": entry["call"]}, ensure_ascii=False)
+            sequences.append(tokenizer.encode("\n" + body + "\n") + [close])
+    return sequences
+
+
+def xgrammar_passes(tokenizer, tools, settings, sequences, vocab_size):
+    """(vocabulary s, grammar s, engine pass, constraint pass): a pass runs the calls once and returns its
+    seconds. The engine pass is xgrammar's matcher alone (fill the bitmask, accept the token); the
+    constraint pass is all agent_grammar does per token (the engine, the bitmask applied to the logits,
+    the spelled-tag guard, the budget)."""
+    start = time.perf_counter()
+    agent_grammar.vocabulary.cache_clear()
+    agent_grammar.vocabulary(tokenizer)
+    vocabulary_s = time.perf_counter() - start
+    grammar = agent_grammar.tool_grammar(tokenizer, tools, settings)
+    grammar_s = time.perf_counter() - start - vocabulary_s
+    logits = torch.randn(vocab_size)
+    bitmask = torch.zeros(1, (vocab_size + 31) // 32, dtype=torch.int32)
+
+    def engine():
+        start = time.perf_counter()
+        for sequence in sequences:
+            matcher = grammar.matcher()
+            for token in sequence:
+                matcher.fill_next_token_bitmask(bitmask)
+                matcher.accept_token(token)
+        return time.perf_counter() - start
+
+    def constraint():
+        start = time.perf_counter()
+        for sequence in sequences:
+            constraint = agent_grammar.constraint_for(
+                tokenizer, tools, settings, max_tokens=len(sequence) + 99
+            )
+            constraint.accept(data.TOKEN_TABLE["<tool_call>"])
+            for token in sequence:
+                constraint.mask(logits)
+                constraint.accept(token)
+        return time.perf_counter() - start
+
+    return vocabulary_s, grammar_s, engine, constraint
+
+
+def llguidance_passes(tokenizer, tools, settings, sequences, vocab_size):
+    """(tokenizer + grammar s, engine pass) of the same grammar with llguidance."""
+    import llguidance
+    import llguidance.torch
+
+    vocab = agent_grammar.vocabulary(tokenizer)
+    close = vocab.close_id
+    protocol = set(data.TOKEN_TABLE.values()) - {vocab.newline_id}
+
+    class Tokens:  # what llguidance.TokenizerWrapper reads; special tokens start with 0xff
+        eos_token_id, bos_token_id = close, None
+        special_token_ids = sorted(protocol)
+        tokens = [
+            b"\xff" + tokenizer.processor.id_to_piece(i).encode() if i in protocol else raw
+            for i, raw in enumerate(vocab.bytes)
+        ]
+
+        def __call__(self, text):
+            return tokenizer.encode(text.decode("utf-8") if isinstance(text, bytes) else text)
+
+    start = time.perf_counter()
+    lltokenizer = llguidance.LLTokenizer(llguidance.TokenizerWrapper(Tokens()), eos_token=close)
+    schema = agent_grammar.call_schema(tools, settings)
+    schema["x-guidance"] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+    grammar = llguidance.LLMatcher.grammar_from_lark(
+        'start: "\\n" body "\\n"\nbody: %json ' + json.dumps(schema)
+    )
+    first = llguidance.LLMatcher(lltokenizer, grammar, log_level=0)
+    if first.is_error():
+        raise RuntimeError(f"llguidance: {first.get_error()}")
+    setup = time.perf_counter() - start
+    bitmask = llguidance.torch.allocate_token_bitmask(1, vocab_size)
+
+    def engine():
+        start = time.perf_counter()
+        for sequence in sequences:
+            matcher = first.deep_copy()
+            for token in sequence:
+                llguidance.torch.fill_next_token_bitmask(matcher, bitmask, 0)
+                if not matcher.consume_token(token):
+                    raise RuntimeError(f"llguidance refused a reference call: {matcher.get_error()}")
+        return time.perf_counter() - start
+
+    return setup, engine
+
+
+def application_pass(tokenizer, tokens, vocab_size):
+    """A pass that applies a bitmask to the logits `tokens` times, as agent_grammar does for either engine."""
+    vocab = agent_grammar.vocabulary(tokenizer)
+    logits, bitmask = (
+        torch.randn(vocab_size),
+        torch.full((1, (vocab_size + 31) // 32), 0x0F0F0F0F, dtype=torch.int32),
+    )
+
+    def apply():
+        start = time.perf_counter()
+        for _ in range(tokens):
+            logits.masked_fill(~vocab.allowed(bitmask, vocab_size), float("-inf"))
+        return time.perf_counter() - start
+
+    return apply
+
+
+def free_text_seconds(tokenizer, tools, settings, vocab_size):
+    """Seconds per token of the constraint in free text (no grammar: the </tool_call> ban and the guard)."""
+    text = (
+        tokenizer.encode("Claro, te lo miro ahora mismo: son unos minutos y enseguida te digo qué sale.") * 8
+    )
+    logits = torch.randn(vocab_size)
+    constraint = agent_grammar.constraint_for(tokenizer, tools, settings)
+    start = time.perf_counter()
+    for token in text:
+        constraint.mask(logits)
+        constraint.accept(token)
+    return (time.perf_counter() - start) / len(text)
+
+
+def decode_step_seconds(context=512, steps=24):
+    """Seconds per token of greedy generation with the KV cache, tiny-50m shape, random weights."""
+    backend = layer("hardware", "cpu")["attention_backend"]
+    torch.manual_seed(0)
+    net = model.Transformer(layer("model", "tiny-50m"), backend).eval()
+    prompt = torch.randint(0, net.cfg["vocab_size"], (context,))
+    stream = net.generate(prompt, steps + 1, temperature=0)
+    next(stream)  # the prefill
+    start = time.perf_counter()
+    count = sum(1 for _ in stream)
+    return (time.perf_counter() - start) / count
+
+
+def bench_agent():
+    import importlib.metadata
+
+    settings = agent.load_settings()
+    tools = agent.tool_specs(settings, agent.default_tools(member="bench"))
+    with tempfile.TemporaryDirectory(prefix="bench-agent-") as folder:
+        tokenizer = train_32k_tokenizer(folder)
+        sequences = call_sequences(tokenizer)
+        tokens = sum(map(len, sequences))
+        vocab_size = layer("model", "tiny-50m")["vocab_size"]
+        step = decode_step_seconds()
+        vocabulary_s, grammar_s, xgr_engine, xgr_constraint = xgrammar_passes(
+            tokenizer, tools, settings, sequences, vocab_size
+        )
+        llg_setup, llg_engine = llguidance_passes(tokenizer, tools, settings, sequences, vocab_size)
+        passes = {"xgrammar": xgr_engine, "llguidance": llg_engine, "applying the bitmask": application_pass(
+            tokenizer, tokens, vocab_size), "agent_grammar's constraint": xgr_constraint}  # fmt: skip
+        times = {name: [] for name in passes}
+        for _ in range(ROUNDS):  # alternate rounds: a busy moment of the machine hits every pass
+            for name, run_pass in passes.items():
+                times[name].append(run_pass() / tokens)
+        per_token = {name: statistics.median(values) for name, values in times.items()}
+        free = statistics.median(
+            free_text_seconds(tokenizer, tools, settings, vocab_size) for _ in range(ROUNDS)
+        )
+    versions = {name: importlib.metadata.version(name) for name in ("xgrammar", "llguidance")}
+    print(
+        f"agent: {tokenizer.vocab_size:,}-token BPE, the server's {len(tools)} tools, {len(sequences)} reference "
+        f"calls ({tokens} tokens), median of {ROUNDS} alternate rounds; load average {os.getloadavg()[0]:.1f} "
+        f"on {os.cpu_count()} CPUs ({platform.processor() or platform.machine()}), {torch.get_num_threads()} threads"
+    )
+    print(f"agent: tiny-50m decode step (KV cache, 512-token context) {1e3 * step:.2f} ms")
+    print(
+        f"agent: setup: xgrammar {versions['xgrammar']} vocabulary {vocabulary_s:.2f} s + grammar {grammar_s:.2f} s "
+        f"| llguidance {versions['llguidance']} tokenizer + grammar {llg_setup:.2f} s"
+    )
+    applying = per_token["applying the bitmask"]
+    for name in ("xgrammar", "llguidance"):
+        total = per_token[name] + applying
+        print(
+            f"agent: {name:<10s} per token inside a call: engine {1e6 * per_token[name]:6.1f} µs + bitmask applied "
+            f"{1e6 * applying:6.1f} µs = {100 * total / step:.3f}% of a decode step"
+        )
+    used = per_token["agent_grammar's constraint"]
+    print(
+        f"agent: agent_grammar's constraint (xgrammar) inside a call {1e6 * used:.1f} µs per token = "
+        f"{100 * used / step:.3f}% of a decode step (target < 10%); in free text {1e6 * free:.1f} µs "
+        f"({100 * free / step:.3f}%); llguidance's engine / xgrammar's: {per_token['llguidance'] / per_token['xgrammar']:.0f}x"
+    )

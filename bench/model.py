@@ -1,0 +1,367 @@
+"""
+`make bench ARGS=model` and `ARGS=decode`: training throughput and memory against nanoGPT and
+transformers' Qwen3 at the same shapes, each model and shape in a fresh process; KV-cached decoding
+against no cache.
+
+    python -m bench model                          # the whole table (~15 minutes on an idle 2-core CPU)
+    python -m bench.model step tiny-50m "ENLACE"   # one row: a JSON line
+    python -m bench.model loss tiny-50m chunked    # the LM head + loss alone: its peak memory
+"""
+
+import argparse
+import json
+import math
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
+
+import model
+import train
+from bench.common import ROOT, layer
+
+# -----------------------------------------------------------------------------
+# model: training throughput and memory against nanoGPT and transformers' Qwen3, a fresh process each
+
+# name: (model layer, changes to it, micro-batch, warm-up steps, timed steps). tiny-50m is 12 layers.
+SHAPES = {
+    "smoke": ("smoke", {}, layer("train", "smoke")["micro_batch_size"], 2, 5),
+    "tiny-50m T512": ("tiny-50m", {"seq_len": 512}, 8, 1, 3),
+    "tiny-50m T1024": ("tiny-50m", {}, 4, 1, 3),
+}
+CHUNK = layer("hardware", "cpu")["loss_chunk_size"]
+CONTENDERS = [
+    "nanoGPT",
+    "transformers Qwen3",
+    "ENLACE, full logits",
+    f"ENLACE, chunks of {CHUNK}",
+    f"ENLACE, chunks of {CHUNK}, compiled",
+]
+# The LM head + loss alone, and the chunk sizes around the cpu profile's: what chose it.
+CHUNK_SIZES = sorted({CHUNK // 4, CHUNK, CHUNK * 4})
+LOSSES = ["nanoGPT cross_entropy", "ENLACE, full logits", *(f"ENLACE, chunks of {c}" for c in CHUNK_SIZES)]
+
+
+def shape_config(shape):
+    name, changes, micro_batch, warmup, rounds = SHAPES[shape]
+    return layer("model", name) | changes, micro_batch, warmup, rounds
+
+
+class NanoGPT(nn.Module):
+    """nanoGPT's GPT (karpathy/nanoGPT, model.py with train.py's defaults: no biases, dropout 0) at our
+    shape: learned position embeddings, LayerNorm, multi-head causal attention through
+    scaled_dot_product_attention, a 4 x d_model GELU MLP, the LM head tied to the token embedding and
+    F.cross_entropy on the full logits."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        d, self.n_heads = cfg["d_model"], cfg["n_heads"]
+        self.wte = nn.Embedding(cfg["vocab_size"], d)
+        self.wpe = nn.Embedding(cfg["seq_len"], d)
+        self.blocks = nn.ModuleList(
+            nn.ModuleDict(
+                {
+                    "ln_1": nn.LayerNorm(d, bias=False),
+                    "c_attn": nn.Linear(d, 3 * d, bias=False),
+                    "attn_proj": nn.Linear(d, d, bias=False),
+                    "ln_2": nn.LayerNorm(d, bias=False),
+                    "c_fc": nn.Linear(d, 4 * d, bias=False),
+                    "mlp_proj": nn.Linear(4 * d, d, bias=False),
+                }
+            )
+            for _ in range(cfg["n_layers"])
+        )
+        self.ln_f = nn.LayerNorm(d, bias=False)
+        self.lm_head = nn.Linear(d, cfg["vocab_size"], bias=False)
+        self.wte.weight = self.lm_head.weight
+        for name, param in self.named_parameters():
+            if param.dim() == 2:  # GPT-2's init, the residual projections scaled down with depth
+                std = 0.02 / math.sqrt(2 * cfg["n_layers"]) if name.endswith("_proj.weight") else 0.02
+                nn.init.normal_(param, mean=0.0, std=std)
+
+    def forward(self, idx, targets):
+        B, T = idx.shape
+        x = self.wte(idx) + self.wpe(torch.arange(T, device=idx.device))
+        for block in self.blocks:
+            q, k, v = block["c_attn"](block["ln_1"](x)).split(x.shape[-1], dim=2)
+            q, k, v = (t.view(B, T, self.n_heads, -1).transpose(1, 2) for t in (q, k, v))
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + block["attn_proj"](y.transpose(1, 2).contiguous().view(B, T, -1))
+            x = x + block["mlp_proj"](F.gelu(block["c_fc"](block["ln_2"](x))))
+        logits = self.lm_head(self.ln_f(x))
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+
+
+def qwen3_twin(model_cfg):
+    """transformers' Qwen3ForCausalLM with our config (export.hf_config's mapping), random init."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM  # a development dependency: only this bench
+
+    import export
+
+    hf_cfg = Qwen3Config.from_dict(export.hf_config({"model": model_cfg}, "f32"), use_cache=False)
+    return Qwen3ForCausalLM(hf_cfg)
+
+
+def contender(label, cfg):
+    """(module, loss_of(module, idx, targets)) of one row of the table, as the cpu profile trains it."""
+    backend = layer("hardware", "cpu")["attention_backend"]
+    if label == "nanoGPT":
+        return NanoGPT(cfg), lambda net, idx, targets: net(idx, targets)
+    if label == "transformers Qwen3":
+        # shift_labels: position t predicts targets[t], as in ENLACE (labels alone would be shifted by one)
+        return qwen3_twin(
+            cfg
+        ), lambda net, idx, targets: net(input_ids=idx, labels=targets, shift_labels=targets).loss
+    net = model.Transformer(cfg, backend, 0 if label == "ENLACE, full logits" else CHUNK)
+    if label.endswith("compiled"):
+        net = torch.compile(net)
+    return net, lambda net, idx, targets: net(idx, targets)[1]["loss"]
+
+
+def peak_rss_mib():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def where_time_goes(step, top=6):
+    """Share of one step's CPU time per aten op, largest first."""
+    with profile() as prof:
+        step()
+    events = [e for e in prof.key_averages() if e.key.startswith("aten::")]
+    total = sum(e.self_cpu_time_total for e in events)
+    events.sort(key=lambda e: e.self_cpu_time_total, reverse=True)
+    return ", ".join(f"{e.key[6:]} {100 * e.self_cpu_time_total / total:.0f}%" for e in events[:top])
+
+
+def step_row(shape, label):
+    """One row in this (fresh) process: seconds per optimizer step (forward + backward + the trainer's
+    AdamW) after warm-up, the process's peak resident memory, and for compiled models the seconds of
+    the first two steps (the compile, with the inductor cache the parent emptied)."""
+    cfg, micro_batch, warmup, rounds = shape_config(shape)
+    torch.manual_seed(0)
+    net, loss_of = contender(label, cfg)
+    idx = torch.randint(0, cfg["vocab_size"], (micro_batch, cfg["seq_len"]))
+    targets = torch.randint(0, cfg["vocab_size"], (micro_batch, cfg["seq_len"]))
+    optimizer = train.build_optimizer(net, layer("train", "smoke"), torch.device("cpu"))
+
+    def step():
+        loss_of(net, idx, targets).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    row = {
+        "params": sum(p.numel() for p in net.parameters()),
+        "tokens_per_step": micro_batch * cfg["seq_len"],
+    }
+    start = time.perf_counter()
+    for _ in range(max(warmup, 2 if label.endswith("compiled") else 0)):
+        step()
+    row["warmup_s"] = time.perf_counter() - start
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    row |= {"step_s": times, "peak_rss_mib": peak_rss_mib()}
+    if label == f"ENLACE, chunks of {CHUNK}":
+        row["time_per_op"] = where_time_goes(step)
+    return row
+
+
+def allocated_peak(function):
+    """Peak bytes allocated and not yet freed while function() runs, counted from where it starts (the
+    profiler's memory events: every tensor the allocator hands out, whatever the resident pages)."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        function()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    live = peak = 0
+    for event in sorted(events, key=lambda e: e.start_ns()):
+        live += event.nbytes()
+        peak = max(peak, live)
+    return peak
+
+
+def loss_row(shape, label, rounds=3):
+    """The LM head + loss alone, forward and backward, on a micro-batch's final norm output: the peak
+    bytes it allocates and the median seconds of `rounds` passes after a warm-up one."""
+    cfg, micro_batch, _, _ = shape_config(shape)
+    positions, d, vocab = micro_batch * cfg["seq_len"], cfg["d_model"], cfg["vocab_size"]
+    torch.manual_seed(0)
+    weight = (torch.randn(vocab, d) * cfg["init_std"]).requires_grad_()
+    targets = torch.randint(0, vocab, (positions,))
+    h = torch.randn(positions, d)
+
+    def forward_backward():
+        hidden = h.clone().requires_grad_()
+        if label == "nanoGPT cross_entropy":
+            loss = F.cross_entropy(hidden @ weight.T, targets)
+        elif label == "ENLACE, full logits":
+            loss = model.logits_losses(hidden @ weight.T, targets, cfg["z_loss_coef"])["loss"]
+        else:
+            chunk = int(label.rsplit(" ", 1)[1])
+            loss = model.chunked_losses(hidden, weight, targets, cfg["z_loss_coef"], chunk)["loss"]
+        loss.backward()
+        weight.grad = None
+
+    forward_backward()
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        forward_backward()
+        times.append(time.perf_counter() - start)
+    return {"peak_bytes": allocated_peak(forward_backward), "seconds": statistics.median(times)}
+
+
+def run_child(kind, shape, label):
+    """step_row / loss_row in a fresh Python process (whatever ran before in one process slows the next
+    measurement by 10-30% at these shapes), with an empty inductor cache, as a first run sees it."""
+    with tempfile.TemporaryDirectory(prefix="bench-inductor-") as cache:
+        result = subprocess.run(
+            [sys.executable, "-m", "bench.model", kind, shape, label],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            env=os.environ | {"TORCHINDUCTOR_CACHE_DIR": cache},
+        )
+    if result.returncode != 0:
+        raise RuntimeError(f"bench/model.py {kind} {shape!r} {label!r} failed:\n{result.stderr[-3000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def load_average():
+    with open("/proc/loadavg", encoding="utf-8") as f:
+        return " ".join(f.read().split()[:3])
+
+
+def bench_model():
+    """Every contender at every shape, each in its own process, trained with the same AdamW on the same
+    random tokens: tokens/s, the process's peak resident memory, ratios to nanoGPT and transformers'
+    Qwen3; torch.compile's cost and when it pays; the LM head + loss's own peak memory. MFU divides each
+    model's 6 x parameters + attention FLOPs by train.measure_peak_tflops, the figure a run's log uses."""
+    runs = len(SHAPES) * (len(CONTENDERS) + len(LOSSES))
+    print(
+        f"model: {runs} fresh processes, {len(SHAPES)} shapes (about 15 minutes on an idle 2-core CPU)",
+        flush=True,
+    )
+    load_before = load_average()
+    peak = train.measure_peak_tflops(torch.device("cpu")) * 1e12
+    for shape in SHAPES:
+        cfg, micro_batch, _, rounds = shape_config(shape)
+        rows = {label: run_child("step", shape, label) for label in CONTENDERS}
+        losses = {label: run_child("loss", shape, label) for label in LOSSES}
+        print(
+            f"model: {shape}: L{cfg['n_layers']} d{cfg['d_model']} T{cfg['seq_len']} vocab {cfg['vocab_size']}, "
+            f"micro-batch {micro_batch} | median of {rounds} steps after warm-up"
+        )
+        rate = {
+            label: row["tokens_per_step"] / statistics.median(row["step_s"]) for label, row in rows.items()
+        }
+        for label, row in rows.items():
+            flops = 6 * row["params"] + 12 * cfg["n_layers"] * cfg["d_model"] * cfg["seq_len"]
+            print(
+                f"model:   {label:34s} {rate[label]:8,.0f} tok/s | peak RSS {row['peak_rss_mib']:6,.0f} MiB | "
+                f"MFU {100 * flops * rate[label] / peak:3.0f}% | {rate[label] / rate['nanoGPT']:.2f}x nanoGPT | "
+                f"{rate[label] / rate['transformers Qwen3']:.2f}x Qwen3"
+            )
+        chunked, compiled = f"ENLACE, chunks of {CHUNK}", f"ENLACE, chunks of {CHUNK}, compiled"
+        print(f"model:   time per op ({chunked}): {rows[chunked]['time_per_op']}")
+        eager_s, compiled_s = (statistics.median(rows[label]["step_s"]) for label in (chunked, compiled))
+        overhead_s = rows[compiled]["warmup_s"] - 2 * compiled_s  # the two compiling steps less two ordinary
+        pays = (
+            f"pays for itself after {overhead_s / (eager_s - compiled_s):,.0f} steps"
+            if compiled_s < eager_s
+            else "never pays"
+        )
+        print(f"model:   torch.compile: {overhead_s:.0f} s of compiling before the first step, {pays}")
+        full = losses["ENLACE, full logits"]
+        print(
+            "model:   LM head + loss alone (forward + backward): "
+            + " | ".join(
+                f"{label.replace('ENLACE, ', '')} {row['peak_bytes'] / 2**20:,.0f} MiB {row['seconds']:.2f} s"
+                for label, row in losses.items()
+            )
+            + f" | chunks of {CHUNK}: {full['peak_bytes'] / losses[chunked]['peak_bytes']:.1f}x less memory, "
+            f"{full['seconds'] / losses[chunked]['seconds']:.2f}x the speed of the full logits",
+            flush=True,
+        )
+    print(f"model: load average {load_before} before, {load_average()} after (1, 5, 15 minutes)")
+
+
+# -----------------------------------------------------------------------------
+# decode: generation with the KV cache against a full forward pass per token, and past seq_len
+
+
+def decode_rates(net, prompt, new_tokens):
+    """(seconds to the first token, tokens/s after it) of greedy model.generate with the KV cache."""
+    start = time.perf_counter()
+    stream = net.generate(prompt, new_tokens, temperature=0)
+    next(stream)
+    first = time.perf_counter()
+    rest = sum(1 for _ in stream)
+    return first - start, rest / (time.perf_counter() - first)
+
+
+def uncached_rate(net, prompt, new_tokens):
+    """Tokens/s of greedy decoding without a cache: a full forward pass over the last seq_len tokens per
+    token (nanoGPT's sample loop)."""
+    sequence = prompt.tolist()
+    start = time.perf_counter()
+    with torch.no_grad():
+        for _ in range(new_tokens):
+            logits, _ = net(torch.tensor([sequence[-net.seq_len :]]))
+            sequence.append(int(logits[0, -1].argmax()))
+    return new_tokens / (time.perf_counter() - start)
+
+
+def bench_decode():
+    """tiny-50m (random weights, the cpu profile's kernel) at 128 and ~1024 tokens of context, and the
+    smoke model generating 4 x seq_len tokens, which makes generate restart its cache every seq_len / 2."""
+    backend = layer("hardware", "cpu")["attention_backend"]
+    torch.manual_seed(0)
+    tiny = model.Transformer(layer("model", "tiny-50m"), backend).eval()
+    generated, uncached_tokens = 32, 4
+    for context in (128, tiny.seq_len):
+        prompt = torch.randint(0, tiny.cfg["vocab_size"], (context - generated,))
+        first_s, cached = decode_rates(tiny, prompt, generated)
+        uncached = uncached_rate(tiny, prompt, uncached_tokens)
+        print(
+            f"decode: tiny-50m, {context - generated}-token prompt + {generated} new | KV cache "
+            f"{cached:,.1f} tok/s (prefill {first_s:.2f}s) | no cache {uncached:,.2f} tok/s | "
+            f"cache {cached / uncached:,.0f}x faster"
+        )
+    smoke = model.Transformer(layer("model", "smoke"), backend).eval()
+    long_run = 4 * smoke.seq_len
+    prompt = torch.randint(0, 256, (16,))
+    first_s, cached = decode_rates(smoke, prompt, long_run)
+    uncached = uncached_rate(smoke, prompt[-1:].repeat(smoke.seq_len), 16)  # a full window per token
+    print(
+        f"decode: smoke model, {long_run} tokens from a 16-token prompt (seq_len {smoke.seq_len}) | "
+        f"{cached:,.0f} tok/s | a full window per token (what each step past seq_len cost before) "
+        f"{uncached:,.0f} tok/s"
+    )
+
+
+def main(argv):
+    """One row of the model section, in this process: a JSON line (bench_model runs each row this way)."""
+    rows = {"step": CONTENDERS, "loss": LOSSES}
+    parser = argparse.ArgumentParser(description="One row of make bench ARGS=model, printed as a JSON line")
+    parser.add_argument(
+        "kind", choices=list(rows), help="step: a training step; loss: the LM head + loss alone"
+    )
+    parser.add_argument("shape", choices=list(SHAPES))
+    parser.add_argument("label", help=f"step: {', '.join(CONTENDERS)}; loss: {', '.join(LOSSES)}")
+    args = parser.parse_args(argv)
+    if args.label not in rows[args.kind]:
+        parser.error(f"{args.kind} has no row {args.label!r}; one of: {', '.join(rows[args.kind])}")
+    print(json.dumps((step_row if args.kind == "step" else loss_row)(args.shape, args.label)))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,1 @@
+"""Conversations: the one chat template and the SFT/DPO preparation command."""

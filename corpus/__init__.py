@@ -1,0 +1,1 @@
+"""Stage 1: the pretraining corpus (sources, filters, dedup, mixture), its tokenizer and shards."""

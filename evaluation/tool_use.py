@@ -1,0 +1,336 @@
+"""
+How well a run uses its tools: on the generated held-out conversations and on the hand-written prompts,
+side by side.
+
+    python -m evaluation.tool_use runs/sft-agent-tiny-cpu [--generated data/agent/eval.jsonl]
+                         [--handwritten conversations/agent/handwritten.jsonl] [--limit N]
+        -> the table below, printed and written to <run>/agent_eval.json
+
+The generated set is agent/dataset.py's held-out split (its questions never in training). The hand-written
+set (conversations/agent/handwritten.jsonl, README in that folder) is 84 prompts written for the project,
+12 per tool and 12 that need none, each with the tool it needs and the values its arguments must hold; no
+generated conversation repeats one of them. Both are asked as the server asks a family member's turn:
+the six tools on offer (the generated conversations keep the three or six they were made with), the date,
+and the member's memories in the system turn (memory.context_for_turn over a real memory database holding
+the prompt's memories), each reply generated greedily with the calls constrained (agent_grammar) unless
+the run's agent.constrained is off.
+
+On each prompt:
+  right tool    the first call names the tool the prompt needs, or no call when it needs none;
+  valid syntax  every call of the reply parses, names a tool on offer and has arguments its schema
+                accepts (over replies with a call; a call cut by --max-new-tokens counts as invalid and
+                is counted apart);
+  arguments     generated set: the first call's arguments equal the reference's; hand-written set: the
+                call names the right tool and its arguments hold the prompt's key values (a number of the
+                question in calculadora's expression, the zone or day offset of fecha_hora, the words of a
+                search, a memory's text or number);
+  uses result   given the reference call and its real result, the answer states the result's fact (the
+                number, the date or time, a [n] citation, what was saved, found, forgotten, or that the
+                tool failed).
+"""
+
+import argparse
+import datetime
+import os
+import sys
+import tempfile
+import threading
+import unicodedata
+
+import fileio
+import search
+from agent import dataset as agent_data
+from agent import tools as agent
+from chat import template as chat
+from family import memories as memory
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HANDWRITTEN = os.path.join(ROOT, "conversations", "agent", "handwritten.jsonl")
+CLOCK = datetime.datetime(2026, 11, 30, 11, 0, tzinfo=datetime.UTC)  # a Monday, 12:00 in Madrid
+MEMBER = "familiar"
+RATES = (("right", "all", "right tool"), ("valid", "called", "valid call syntax"),
+         ("arguments", "needing", "arguments (exact / key values)"), ("uses", "answered", "uses the result"))  # fmt: skip
+
+
+def plain(text):
+    """Lower case without accents: how key values are compared."""
+    decomposed = unicodedata.normalize("NFD", str(text).lower())
+    return "".join(ch for ch in decomposed if unicodedata.category(ch) != "Mn").replace(",", ".")
+
+
+def result_fact(name, result, answer=None):
+    """The piece of a tool result an answer must state (lower case). For fecha_hora, the date or time the
+    reference answer states, or without one any date or time of the result."""
+    if result.startswith("Error:"):
+        return "no he podido"
+    if name == "buscar_web":
+        return "no he encontrado" if result == "Sin resultados" else "[1]"
+    if name == "recordar":
+        return "guardado"
+    if name == "buscar_recuerdos":
+        if not result.startswith("- ["):
+            return "nada guardado"
+        return " ".join(result.split("\n")[0].split()[-3:]).lower()
+    if name == "olvidar":
+        return "borrado"
+    if name == "fecha_hora":
+        facts = agent_data.DATE_PATTERN.findall(result.split(": ")[-1]) + agent_data.TIME_PATTERN.findall(
+            result
+        )
+        stated = [fact for fact in facts if answer is None or fact in answer]
+        return stated or None
+    return result.lower()
+
+
+def states(answer, fact):
+    answer = answer.lower()
+    return any(piece in answer for piece in fact) if isinstance(fact, list) else fact in answer
+
+
+# -----------------------------------------------------------------------------
+# The two sets as cases: the first prompt, what the reply must do, and the prompt with the result
+
+
+def generated_cases(conversations):
+    for conversation in conversations:
+        messages, tools = conversation["messages"], conversation.get("tools")
+        first = messages[2]
+        case = {"set": "generated", "question": messages[1]["content"], "tools": tools,
+                "prompt": {"messages": messages[:2], "tools": tools}, "tool": None, "reference": first}  # fmt: skip
+        if "tool_calls" in first:
+            call = first["tool_calls"][0]["function"]
+            expected = chat.arguments_of(first["tool_calls"][0])
+            result, answer = messages[3]["content"], messages[4]["content"].lower()
+            case.update(tool=call["name"], check=lambda arguments, expected=expected: arguments == expected)
+            fact = result_fact(call["name"], result, answer)
+            if fact:
+                answer_prompt = {"messages": messages[:4], "tools": tools}
+                case.update(answer_prompt=answer_prompt, fact=fact, reference_answer=messages[4]["content"])
+        yield case
+
+
+def key_values_hold(arguments, keys):
+    """Each key: None (absent), a list of words its text holds, or the value it equals."""
+    for key, wanted in keys.items():
+        if wanted is None:
+            if key in arguments:
+                return False
+        elif isinstance(wanted, list):
+            if not all(plain(word) in plain(arguments.get(key, "")) for word in wanted):
+                return False
+        elif arguments.get(key) != wanted:
+            return False
+    return True
+
+
+def handwritten_cases(entries, settings, count_tokens, context_len):
+    """Each entry as the server would ask it of an adult member whose memories are the entry's."""
+    cfg = memory.load_config()
+    with tempfile.TemporaryDirectory(prefix="agent-eval-") as folder:
+        for number, entry in enumerate(entries):
+            conn = memory.connect(os.path.join(folder, f"{number}.sqlite"), cfg)
+            for held in entry.get("memories", []):
+                held = held if isinstance(held, dict) else {"text": held, "scope": "private"}
+                memory.add(conn, MEMBER, "adult", held["text"], cfg, held["scope"])
+            caller = memory.Caller(MEMBER, "adult", conn, threading.Lock(), cfg)
+            block = memory.context_for_turn(
+                conn, MEMBER, "adult", entry["prompt"], cfg, count_tokens, context_len
+            )
+            results = [search.SearchResult(**entry["result"], rank=1)] if "result" in entry else []
+            helper = agent.Agent(settings, clock=lambda: CLOCK, member=caller, count_tokens=count_tokens,
+                                 searcher=agent_data.CannedSearch(results))  # fmt: skip
+            system = (
+                [{"role": "system", "content": "\n\n".join((settings["system_prompt"], block))}]
+                if block
+                else []
+            )
+            messages = system + [{"role": "user", "content": entry["prompt"]}]
+            prompt = helper.conversation(messages)
+            case = {"set": "handwritten", "question": entry["prompt"], "tools": prompt["tools"], "prompt": prompt,
+                    "tool": entry["tool"]}  # fmt: skip
+            if entry["tool"]:
+                context = helper.new_context()
+                result = helper.call(agent.Call(entry["tool"], entry["call"]), context)
+                call = {"type": "function", "function": {"name": entry["tool"], "arguments": entry["call"]}}
+                case["reference"] = {"role": "assistant", "content": "", "tool_calls": [call]}
+                with_result = messages + [
+                    case["reference"],
+                    {"role": "tool", "content": result.text, "name": entry["tool"]},
+                ]
+                case.update(check=lambda arguments, keys=entry["keys"]: key_values_hold(arguments, keys),
+                            answer_prompt=helper.conversation(with_result), fact=result_fact(entry["tool"], result.text))  # fmt: skip
+            conn.close()
+            yield case
+
+
+# -----------------------------------------------------------------------------
+# Scoring
+
+
+def valid_calls(calls, tools, settings):
+    """Whether every call is well formed, names a tool on offer and has arguments its schema accepts."""
+    offered = {spec["function"]["name"]: spec for spec in tools or []}
+    for call in calls:
+        if call.error or call.name not in offered:
+            return False
+        entry = agent.TOOLS.get(call.name)
+        if entry is not None and agent.argument_problem(entry, call.arguments, settings):
+            return False
+    return bool(calls)
+
+
+def evaluate(cases, reply, settings, log=print, examples=5):
+    """Counts and rates over the cases; reply(conversation) -> (text, cut) with cut True when the budget
+    ended the reply inside a call. The report keeps the first `examples` questions and replies."""
+    counts = dict.fromkeys(
+        ("all", "right", "called", "valid", "cut", "needing", "arguments", "answered", "uses"), 0
+    )
+    by_tool, shown = {}, []
+    for index, case in enumerate(cases):
+        text, cut = reply(case["prompt"])
+        if len(shown) < examples:
+            shown.append({"question": case["question"], "reply": text})
+        calls = agent.parse_reply(text).calls
+        tool = case["tool"]
+        row = by_tool.setdefault(tool or "ninguna", dict.fromkeys(("prompts", "right", "arguments"), 0))
+        right = (calls[0].name == tool) if (calls and tool) else (not calls and tool is None)
+        counts["all"] += 1
+        counts["right"] += right
+        row["prompts"] += 1
+        row["right"] += right
+        if calls or cut:
+            counts["called"] += 1
+            counts["valid"] += valid_calls(calls, case["tools"], settings) and not cut
+            counts["cut"] += cut
+        if tool is not None:
+            counts["needing"] += 1
+            holds = right and calls[0].error is None and case["check"](calls[0].arguments)
+            counts["arguments"] += holds
+            row["arguments"] += holds
+        if "answer_prompt" in case:
+            counts["answered"] += 1
+            answer, _ = reply(case["answer_prompt"])
+            counts["uses"] += states(agent.parse_reply(answer).content, case["fact"])
+        if (index + 1) % 25 == 0:
+            log(f"  {index + 1} prompts")
+    report = {"counts": counts, "by_tool": by_tool, "examples": shown}
+    for part, whole, _ in RATES:
+        report[part + "_rate"] = round(counts[part] / counts[whole], 4) if counts[whole] else None
+    return report
+
+
+def model_reply(model, tokenizer, max_new_tokens, settings):
+    """Greedy generation of the next assistant turn, up to <|end|>, its tool calls constrained to the
+    conversation's tools (agent_grammar) unless agent.constrained is off: the model as a policy, returning
+    (text, whether the budget ended it inside a call). The KV cache of the previous prompt is kept and
+    rewound to the prefix the next prompt shares with it (an answer's prompt extends its question's);
+    the logits are those of a full forward pass either way. Prompts longer than the context are cut from
+    the left, as model.generate does."""
+    import torch
+
+    from agent import grammar as agent_grammar
+
+    end = tokenizer.special_ids["<|end|>"]
+    state = {"ids": [], "cache": model.new_kv_cache()}
+
+    def reply(conversation):
+        ids, _ = chat.render(conversation, tokenizer, for_generation=True)
+        ids = ids[-(model.seq_len - max_new_tokens) :]
+        cached, cache = state["ids"], state["cache"]
+        shared = 0
+        while shared < min(len(cached), len(ids) - 1) and cached[shared] == ids[shared]:
+            shared += 1
+        cache.length = shared  # later positions are overwritten
+        out = []
+        constraint = agent_grammar.constraint_for(
+            tokenizer, conversation.get("tools"), settings, max_new_tokens
+        )
+        with torch.no_grad():
+            logits = model.forward_with_cache(torch.tensor([ids[shared:]]), cache)
+            for _ in range(max_new_tokens):
+                last = logits[0, -1] if constraint is None else constraint.mask(logits[0, -1])
+                token = int(last.argmax())
+                if constraint is not None:
+                    constraint.accept(token)
+                if token in (end, tokenizer.eos_id):
+                    break
+                out.append(token)
+                logits = model.forward_with_cache(torch.tensor([[token]]), cache)
+        state["ids"] = ids + out  # the tokens whose keys and values the cache holds
+        text = tokenizer.decode(out)
+        cut = len(out) == max_new_tokens and (constraint.in_call if constraint else text.count("<tool_call>") > text.count("</tool_call>"))  # fmt: skip
+        return text, cut
+
+    return reply
+
+
+# -----------------------------------------------------------------------------
+
+
+def table(reports):
+    """The side-by-side figures: rates with their counts, then right tool and key values per tool."""
+    names = list(reports)
+    lines = [f"{'':34s}" + "".join(f"{name:>24s}" for name in names)]
+    for part, whole, label in RATES:
+        cells = []
+        for name in names:
+            counts, rate = reports[name]["counts"], reports[name][part + "_rate"]
+            cells.append("-" if rate is None else f"{100 * rate:.1f}% ({counts[part]}/{counts[whole]})")
+        lines.append(f"{label:34s}" + "".join(f"{cell:>24s}" for cell in cells))
+    lines.append(
+        f"{'calls cut by --max-new-tokens':34s}"
+        + "".join(f"{reports[n]['counts']['cut']:>24d}" for n in names)
+    )
+    tools = sorted({tool for report in reports.values() for tool in report["by_tool"]})
+    for tool in tools:
+        cells = []
+        for name in names:
+            row = reports[name]["by_tool"].get(tool)
+            cells.append("-" if row is None else f"{row['right']}/{row['prompts']} · args {row['arguments']}")
+        lines.append(f"  {tool + ': right tool · arguments':32s}" + "".join(f"{cell:>24s}" for cell in cells))
+    return "\n".join(lines)
+
+
+def main(argv):
+    parser = argparse.ArgumentParser(
+        description="The tool-use rates of a run, generated and hand-written sets."
+    )
+    parser.add_argument("run", help="run directory or checkpoint")
+    parser.add_argument("--generated", default="data/agent/eval.jsonl", help="agent/dataset.py's eval.jsonl")
+    parser.add_argument("--handwritten", default=HANDWRITTEN, help="the hand-written prompts")
+    parser.add_argument("--limit", type=int, default=0, help="only the first N of each set")
+    parser.add_argument("--report", help="where to write the JSON report (default <run>/agent_eval.json)")
+    parser.add_argument("--max-new-tokens", type=int, default=96)
+    args = parser.parse_args(argv)
+
+    from sample import SampleError, load_run
+
+    try:
+        model, cfg, tokenizer, ckpt_path = load_run(args.run)
+        generated = agent_data.read_jsonl(args.generated)[: args.limit or None]
+        entries = agent_data.read_jsonl(args.handwritten)[: args.limit or None]
+    except (SampleError, OSError) as exc:
+        print(f"evaluation/tool_use.py: {exc}", file=sys.stderr)
+        return 2
+    settings = agent.load_settings(cfg.get("agent"))
+    reply = model_reply(model, tokenizer, args.max_new_tokens, settings)
+    count_tokens = lambda text: len(tokenizer.encode(text))  # noqa: E731
+    reports = {}
+    for name, cases in (
+        ("generated", generated_cases(generated)),
+        ("hand-written", handwritten_cases(entries, settings, count_tokens, model.seq_len)),
+    ):
+        print(f"{name}:")
+        reports[name] = evaluate(cases, reply, settings)
+    constrained = "constrained" if settings["constrained"] else "unconstrained"
+    print(f"\nagent eval of {ckpt_path}: greedy, {constrained} calls, up to {args.max_new_tokens} new tokens")
+    print(table(reports))
+    report = {"checkpoint": ckpt_path, "constrained": settings["constrained"], "sets": reports,
+              "data": {"generated": args.generated, "hand-written": args.handwritten}}  # fmt: skip
+    folder = args.run if os.path.isdir(args.run) else os.path.dirname(args.run)
+    fileio.write_json(args.report or os.path.join(folder, "agent_eval.json"), report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

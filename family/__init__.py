@@ -1,0 +1,1 @@
+"""The family's data: memories, feedback and consent, accounts (SQLite, no torch)."""

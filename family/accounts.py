@@ -1,0 +1,327 @@
+"""
+The family's accounts and conversations, in one SQLite file (WAL): members with a role (admin, adult,
+child), their API keys (stored as SHA-256: they are random 256-bit secrets) and web passwords or PINs
+(salted scrypt), web sessions, and each member's conversations (with their ratings of the answers and
+their consent to train on them: family/feedback.py's tables, created here). No HTTP here: serve/app.py is the only user,
+and `python -m serve member ...` is this file's command line (member_main).
+
+Every query about conversations names their owner, so no member's rows can come back to another.
+Deleting a member deletes their conversations, feedback and consent (foreign keys) and their memories; freed
+pages are overwritten (secure_delete).
+"""
+
+import argparse
+import contextlib
+import getpass
+import hashlib
+import hmac
+import os
+import re
+import secrets
+import sqlite3
+import sys
+import threading
+import time
+import uuid
+
+import config
+from family import feedback
+from family import memories as memory
+
+ROLES = ("admin", "adult", "child")
+NAME_PATTERN = re.compile(r"^[A-Za-z0-9ÁÉÍÓÚÜÑáéíóúüñ][A-Za-z0-9ÁÉÍÓÚÜÑáéíóúüñ._-]{0,39}$")
+OVERRIDE = re.compile(r"^serve\.[A-Za-z_.]+=")
+
+
+class AccountError(Exception):
+    """A problem with an account the person can fix (bad name, unknown member, weak password)."""
+
+
+SCHEMA_SQL = """
+CREATE TABLE IF NOT EXISTS members (
+    id INTEGER PRIMARY KEY, name TEXT NOT NULL UNIQUE COLLATE NOCASE, role TEXT NOT NULL,
+    key_hash TEXT NOT NULL UNIQUE, password_hash TEXT, created REAL NOT NULL,
+    provisional INTEGER NOT NULL DEFAULT 0);
+CREATE TABLE IF NOT EXISTS sessions (
+    token_hash TEXT PRIMARY KEY, member_id INTEGER NOT NULL REFERENCES members(id) ON DELETE CASCADE,
+    expires REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS conversations (
+    id TEXT PRIMARY KEY, member_id INTEGER NOT NULL REFERENCES members(id) ON DELETE CASCADE,
+    title TEXT NOT NULL, created REAL NOT NULL, updated REAL NOT NULL);
+CREATE INDEX IF NOT EXISTS conversations_of_member ON conversations(member_id, updated);
+CREATE TABLE IF NOT EXISTS messages (
+    id INTEGER PRIMARY KEY, conversation_id TEXT NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
+    role TEXT NOT NULL, content TEXT NOT NULL, created REAL NOT NULL);
+CREATE INDEX IF NOT EXISTS messages_of_conversation ON messages(conversation_id, id);
+"""
+
+
+def sha256(text):
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def hash_password(password, cost):
+    salt = secrets.token_bytes(16)
+    digest = hashlib.scrypt(password.encode("utf-8"), salt=salt, n=cost["n"], r=cost["r"], p=cost["p"],
+                            maxmem=256 * 1024 * 1024)  # fmt: skip
+    return f"scrypt${cost['n']}${cost['r']}${cost['p']}${salt.hex()}${digest.hex()}"
+
+
+def password_matches(password, stored):
+    _, n, r, p, salt, digest = stored.split("$")
+    candidate = hashlib.scrypt(password.encode("utf-8"), salt=bytes.fromhex(salt), n=int(n), r=int(r),
+                               p=int(p), maxmem=256 * 1024 * 1024)  # fmt: skip
+    return hmac.compare_digest(candidate.hex(), digest)
+
+
+class Store:
+    """The SQLite database. One connection shared under a lock: every statement here takes microseconds,
+    so the event loop calls it directly. Each write is one committed transaction (synchronous=FULL)."""
+
+    def __init__(self, path, busy_timeout_ms=None):
+        """busy_timeout_ms: how long a statement waits for another process's write lock before raising
+        sqlite3.OperationalError "database is locked" (serve.busy_timeout_ms; None: the sqlite3 module's
+        default, 5 s)."""
+        folder = os.path.dirname(os.path.abspath(path))
+        os.makedirs(folder, exist_ok=True)
+        timeout = {} if busy_timeout_ms is None else {"timeout": busy_timeout_ms / 1000}
+        self.db = sqlite3.connect(path, check_same_thread=False, isolation_level=None, **timeout)
+        self.db.row_factory = sqlite3.Row
+        self.lock = threading.Lock()
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("PRAGMA synchronous=FULL")
+        self.db.execute("PRAGMA foreign_keys=ON")
+        self.db.execute("PRAGMA secure_delete=ON")  # a deleted account or conversation leaves no text behind
+        self.db.executescript(SCHEMA_SQL)
+        self.migrate()
+        memory.ensure_schema(self.db)
+        feedback.ensure_schema(self.db)
+
+    def migrate(self):
+        """Columns added since a database was created: members.provisional (an account made through the
+        admin API, whose credentials the admin knows, until the member changes the password). Checked
+        and added inside one write transaction, so two processes opening an old file do not race."""
+        with self.transaction():
+            columns = [row["name"] for row in self.db.execute("PRAGMA table_info(members)")]
+            if "provisional" not in columns:
+                self.db.execute("ALTER TABLE members ADD COLUMN provisional INTEGER NOT NULL DEFAULT 0")
+
+    def query(self, sql, args=()):
+        with self.lock:
+            return [dict(row) for row in self.db.execute(sql, args)]
+
+    @contextlib.contextmanager
+    def transaction(self):
+        """One write transaction under the lock: committed at the end, rolled back on any exception."""
+        with self.lock:
+            self.db.execute("BEGIN IMMEDIATE")
+            try:
+                yield
+                self.db.execute("COMMIT")
+            except BaseException:
+                self.db.execute("ROLLBACK")
+                raise
+
+    def write(self, *statements):
+        """Run (sql, args) statements in one transaction; returns the last cursor's rowcount."""
+        count = 0
+        with self.transaction():
+            for sql, args in statements:
+                count = self.db.execute(sql, args).rowcount
+        return count
+
+    # members
+    def add_member(self, name, role, password_hash=None, provisional=False):
+        """Create a member (with their password's hash, in the same transaction); returns their new API key
+        (shown once, stored as a hash). A provisional member's credentials only reach GET /api/me and the
+        password change (serve/app.py), which ends the provisional state and replaces the key."""
+        if not NAME_PATTERN.match(name):
+            raise AccountError(f"member name {name!r}: use 1-40 letters, digits, '.', '_' or '-'")
+        if role not in ROLES:
+            raise AccountError(f"role {role!r}: expected one of {', '.join(ROLES)}")
+        if self.member(name):
+            raise AccountError(f"member {name!r} already exists")
+        key = "enl-" + secrets.token_urlsafe(32)
+        sql = "INSERT INTO members (name, role, key_hash, password_hash, provisional, created) VALUES (?, ?, ?, ?, ?, ?)"
+        self.write((sql, (name, role, sha256(key), password_hash, int(provisional), time.time())))
+        return key
+
+    def member(self, name):
+        rows = self.query("SELECT * FROM members WHERE name = ?", (name,))
+        return rows[0] if rows else None
+
+    def members(self):
+        return self.query("SELECT id, name, role, password_hash IS NOT NULL AS has_password, provisional, "
+                          "created FROM members ORDER BY name")  # fmt: skip
+
+    def remove_member(self, name):
+        removed = self.write(("DELETE FROM members WHERE name = ?", (name,))) > 0
+        if removed:
+            with self.lock:
+                memory.member_removed(self.db, name)  # their memories go with the account
+        return removed
+
+    def new_key(self, name):
+        key = "enl-" + secrets.token_urlsafe(32)
+        if not self.write(("UPDATE members SET key_hash = ? WHERE name = ?", (sha256(key), name))):
+            return None
+        return key
+
+    def set_password(self, name, password_hash):
+        return self.write(("UPDATE members SET password_hash = ? WHERE name = ?", (password_hash, name))) > 0
+
+    def change_password(self, member_id, password_hash, keep_session=None):
+        """The member's own password change, in one transaction: the new hash, every session but
+        keep_session (the token of the one asking, if they came by cookie) ended, and a provisional account
+        made final with a new API key, returned (None when the key stays): the admin who created the account
+        knew its first password and key, and neither works afterwards."""
+        keep = sha256(keep_session) if keep_session else ""
+        with self.transaction():
+            row = self.db.execute("SELECT provisional FROM members WHERE id = ?", (member_id,)).fetchone()
+            key = "enl-" + secrets.token_urlsafe(32) if row and row["provisional"] else None
+            self.db.execute(
+                "UPDATE members SET password_hash = ?, provisional = 0, key_hash = COALESCE(?, key_hash) WHERE id = ?",
+                (password_hash, key and sha256(key), member_id),
+            )
+            self.db.execute("DELETE FROM sessions WHERE member_id = ? AND token_hash != ?", (member_id, keep))
+        return key
+
+    def member_by_key(self, key):
+        rows = self.query("SELECT * FROM members WHERE key_hash = ?", (sha256(key),))
+        return rows[0] if rows else None
+
+    # sessions
+    def new_session(self, member_id, days):
+        """A new login's token (the cookie); expired sessions are dropped on the way."""
+        token, now = secrets.token_urlsafe(32), time.time()
+        sql = "INSERT INTO sessions (token_hash, member_id, expires) VALUES (?, ?, ?)"
+        self.write(
+            ("DELETE FROM sessions WHERE expires <= ?", (now,)),
+            (sql, (sha256(token), member_id, now + days * 86400)),
+        )
+        return token
+
+    def member_by_session(self, token):
+        sql = "SELECT m.* FROM sessions s JOIN members m ON m.id = s.member_id WHERE s.token_hash = ? AND s.expires > ?"
+        rows = self.query(sql, (sha256(token), time.time()))
+        return rows[0] if rows else None
+
+    def end_session(self, token):
+        self.write(("DELETE FROM sessions WHERE token_hash = ?", (sha256(token),)))
+
+    # conversations: every query names the owner, so nobody else's rows can come back
+    def conversations(self, member_id):
+        sql = (
+            "SELECT id, title, created, updated FROM conversations WHERE member_id = ? ORDER BY updated DESC"
+        )
+        return self.query(sql, (member_id,))
+
+    def conversation(self, member_id, conversation_id):
+        rows = self.query(
+            "SELECT id, title, created, updated FROM conversations WHERE id = ? AND member_id = ?",
+            (conversation_id, member_id),
+        )
+        if not rows:
+            return None
+        sql = "SELECT role, content, created FROM messages WHERE conversation_id = ? ORDER BY id"
+        return rows[0] | {"messages": self.query(sql, (conversation_id,))}
+
+    def new_conversation(self, member_id, title):
+        conversation_id = uuid.uuid4().hex
+        now = time.time()
+        sql = "INSERT INTO conversations (id, member_id, title, created, updated) VALUES (?, ?, ?, ?, ?)"
+        self.write((sql, (conversation_id, member_id, title, now, now)))
+        return conversation_id
+
+    def delete_conversation(self, member_id, conversation_id):
+        sql = "DELETE FROM conversations WHERE id = ? AND member_id = ?"
+        return self.write((sql, (conversation_id, member_id))) > 0
+
+    def add_message(self, member_id, conversation_id, role, content, title=None):
+        """Append one message (and retitle) in one transaction; False if the conversation is not theirs."""
+        now = time.time()
+        owned = "SELECT 1 FROM conversations WHERE id = ? AND member_id = ?"
+        statements = [
+            (f"INSERT INTO messages (conversation_id, role, content, created) SELECT ?, ?, ?, ? WHERE EXISTS ({owned})",
+             (conversation_id, role, content, now, conversation_id, member_id)),
+        ]  # fmt: skip
+        sql = (
+            "UPDATE conversations SET updated = ?, title = COALESCE(?, title) WHERE id = ? AND member_id = ?"
+        )
+        statements.append((sql, (now, title, conversation_id, member_id)))
+        return self.write(*statements) > 0
+
+
+def password_problem(password, settings):
+    """Why a password or PIN is refused (None when it is fine)."""
+    if len(password) < settings["min_password_chars"]:
+        return f"password: at least {settings['min_password_chars']} characters"
+    return None
+
+
+# -----------------------------------------------------------------------------
+# Command line
+
+
+def read_password(settings, stream=sys.stdin):
+    """The password typed twice on a terminal, or one line of stdin. Bytes that are not in the terminal's
+    encoding are refused: the same password typed on another device would not match."""
+    not_text = AccountError("the password is not valid UTF-8: the terminal sends another encoding than the "
+                            "locale says; set it to UTF-8 and type the password again")  # fmt: skip
+    try:
+        if stream.isatty():
+            password = getpass.getpass("password or PIN: ")
+            if getpass.getpass("again: ") != password:
+                raise AccountError("the two passwords differ")
+        else:
+            password = stream.readline().rstrip("\n")
+    except UnicodeDecodeError:  # a strict decoder (a UTF-8 locale)
+        raise not_text from None
+    if config.LONE_SURROGATE.search(password):  # a surrogateescape decoder (the C locale)
+        raise not_text
+    problem = password_problem(password, settings)
+    if problem:
+        raise AccountError(problem)
+    return password
+
+
+def member_main(argv, load_settings, default_config):
+    """`python -m serve member ...`: load_settings(path, overrides) gives the serve layer."""
+    parser = argparse.ArgumentParser(prog="serve/app.py member", description="Family accounts.")
+    parser.add_argument("--config", default=default_config, help="serve layer file (configs/serve/*.yaml)")
+    commands = parser.add_subparsers(dest="command", required=True)
+    add = commands.add_parser("add", help="create a member and print their API key once")
+    add.add_argument("name")
+    add.add_argument("--role", choices=ROLES, required=True)
+    for name, text in (("remove", "delete a member with their conversations, feedback and memories"),
+                       ("new-key", "replace a member's API key and print the new one"),
+                       ("password", "set the web password or PIN (asked twice, or one line on stdin)")):  # fmt: skip
+        commands.add_parser(name, help=text).add_argument("name")
+    commands.add_parser("list", help="members and roles")
+    overrides = [a for a in argv if OVERRIDE.match(a)]  # serve.key=value anywhere on the line
+    args = parser.parse_args([a for a in argv if not OVERRIDE.match(a)])
+    settings = load_settings(args.config, overrides)
+    store = Store(settings["database"], settings["busy_timeout_ms"])
+    if args.command == "add":
+        key = store.add_member(args.name, args.role)
+        print(f"member {args.name} ({args.role}) added; API key (shown only now):\n{key}")
+    elif args.command == "list":
+        for m in store.members():
+            web = "web password set" if m["has_password"] else "no web password"
+            web += " (provisional: the member must change it)" if m["provisional"] else ""
+            print(f"{m['name']:20s} {m['role']:6s} {web}")
+    elif args.command == "remove":
+        if not store.remove_member(args.name):
+            raise AccountError(f"no member {args.name!r}")
+        print(f"member {args.name} removed with their conversations, feedback and memories")
+    elif args.command == "new-key":
+        key = store.new_key(args.name)
+        if key is None:
+            raise AccountError(f"no member {args.name!r}")
+        print(f"new API key of {args.name} (the old one no longer works):\n{key}")
+    else:
+        if store.member(args.name) is None:
+            raise AccountError(f"no member {args.name!r}")
+        store.set_password(args.name, hash_password(read_password(settings), settings["scrypt"]))
+        print(f"web password of {args.name} set")
+    return 0

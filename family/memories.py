@@ -1,0 +1,780 @@
+"""
+What the assistant remembers about each family member, and snapshots of the family's database.
+
+Memories live in the server's SQLite database (WAL) in one table with an FTS5 index kept in sync by
+triggers; retrieval is keyword search ranked by bm25 (no embeddings at this stage):
+
+    memories(id, member, scope 'private' | 'family', text, pinned, source 'manual' | 'assistant',
+             created, updated)
+
+Who sees what (every function here takes the calling member's name and role and enforces it):
+  - a member reads their own private memories and the family's shared ones, never another member's
+    private ones (so a child never sees an adult's);
+  - adults write, edit and forget family memories; a child writes only private ones;
+  - the admin role manages accounts and does not read or write memories at all.
+A memory the caller may not see is reported as not existing, so ids do not leak what others keep.
+Deleting really deletes: secure_delete overwrites the freed bytes, the FTS index is merged so the deleted
+terms leave it, and the WAL is checkpointed and truncated.
+
+Snapshots: a consistent copy taken while the server runs (VACUUM INTO), integrity-checked, with a
+manifest (time, sha256, the model and tokenizer the server was using, its resolved config, the code
+version); the last N are kept. Restoring needs the server stopped: the server holds an flock on
+<database>.lock for its whole life, and restore takes the same lock.
+
+    python -m family list --member ana
+    python -m family add --member ana "A Lucía no le gusta el pescado" [--family] [--pin]
+    python -m family forget --member ana 12
+    python -m family export --member ana > ana.json
+    python -m family snapshot
+    python -m family restore var/snapshots/20261130T120000.000Z
+
+The database is serve.database of configs/serve/default.yaml unless --db names another; a member's role
+is their account's (serve/app.py's members table) unless --role says it. This module never imports torch.
+"""
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import fcntl
+import json
+import os
+import re
+import shutil
+import sqlite3
+import sys
+import threading
+
+import config
+import fileio
+
+SCOPES = ("private", "family")
+SCOPE_WORDS = {"privado": "private", "familia": "family"}  # the tools' Spanish argument values
+ROLES = ("admin", "adult", "child")
+SOURCES = ("manual", "assistant")
+DEFAULT_CONFIG = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "memory", "default.yaml"
+)
+SERVE_CONFIG = os.path.join(os.path.dirname(DEFAULT_CONFIG), "..", "serve", "default.yaml")
+SNAPSHOT_NAME = re.compile(r"^\d{8}T\d{6}\.\d{3}Z$")
+MANIFEST_KEYS = ("format", "created", "database", "integrity_check", "server", "memory_config")
+WORD = re.compile(r"\w+")
+OVERRIDE = re.compile(r"^memory\.[A-Za-z_.]+=")  # memory.key=value on serve/app.py's command line
+
+SCHEMA_SQL = """
+CREATE TABLE IF NOT EXISTS memories (
+    id INTEGER PRIMARY KEY,
+    member TEXT NOT NULL COLLATE NOCASE,  -- as the names of serve/app.py's members
+    scope TEXT NOT NULL CHECK (scope IN ('private', 'family')),
+    text TEXT NOT NULL,
+    pinned INTEGER NOT NULL DEFAULT 0 CHECK (pinned IN (0, 1)),
+    source TEXT NOT NULL CHECK (source IN ('manual', 'assistant')),
+    created TEXT NOT NULL,
+    updated TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS memories_by_member ON memories (member, scope);
+CREATE INDEX IF NOT EXISTS memories_pinned ON memories (pinned) WHERE pinned = 1;
+CREATE VIRTUAL TABLE IF NOT EXISTS memories_fts USING fts5 (
+    text, content = 'memories', content_rowid = 'id', tokenize = 'unicode61 remove_diacritics 2'
+);
+CREATE TRIGGER IF NOT EXISTS memories_ai AFTER INSERT ON memories BEGIN
+    INSERT INTO memories_fts (rowid, text) VALUES (new.id, new.text);
+END;
+CREATE TRIGGER IF NOT EXISTS memories_ad AFTER DELETE ON memories BEGIN
+    INSERT INTO memories_fts (memories_fts, rowid, text) VALUES ('delete', old.id, old.text);
+END;
+CREATE TRIGGER IF NOT EXISTS memories_au AFTER UPDATE OF text ON memories BEGIN
+    INSERT INTO memories_fts (memories_fts, rowid, text) VALUES ('delete', old.id, old.text);
+    INSERT INTO memories_fts (rowid, text) VALUES (new.id, new.text);
+END;
+"""
+
+
+class MemoryStoreError(Exception):
+    """Bad input to the store (empty text, unknown scope, no such memory); the message says which."""
+
+
+class MemoryNotFound(MemoryStoreError):
+    """No memory with that id that the caller may see (or change): the same answer either way."""
+
+
+class MemoryPermissionError(MemoryStoreError):
+    """The caller's role does not allow this (the admin reading memories, a child writing family ones)."""
+
+
+class SnapshotError(Exception):
+    """A snapshot that cannot be taken or trusted, or a restore that must not happen; names the file."""
+
+
+# -----------------------------------------------------------------------------
+# Configuration and connections
+
+
+def load_config(path=DEFAULT_CONFIG, overrides=()):
+    """The validated `memory:` section of a memory layer file (configs/memory/*.yaml), with memory.key=value
+    overrides (serve/app.py's command line passes them)."""
+    return config.load_layer("memory", path, overrides)
+
+
+def connect(db_path, cfg):
+    """A connection to the family database with WAL, secure_delete and the memory tables in place."""
+    os.makedirs(os.path.dirname(os.path.abspath(db_path)), exist_ok=True)
+    # IMMEDIATE: a write transaction takes the write lock at BEGIN, waiting up to the busy timeout; a
+    # deferred one that read first would fail at once with "database is locked" when another wrote.
+    conn = sqlite3.connect(
+        db_path, timeout=cfg["busy_timeout_ms"] / 1000, check_same_thread=False, isolation_level="IMMEDIATE"
+    )
+    conn.row_factory = sqlite3.Row
+    conn.execute("PRAGMA journal_mode = WAL")
+    conn.execute("PRAGMA secure_delete = ON")
+    ensure_schema(conn)
+    return conn
+
+
+def ensure_schema(conn):
+    with conn:
+        conn.executescript(SCHEMA_SQL)
+
+
+def now_text():
+    return datetime.datetime.now(datetime.UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+# -----------------------------------------------------------------------------
+# Access rules: the one place that says who reads and writes what
+
+
+def check_reader(role):
+    if role not in ROLES:
+        raise MemoryPermissionError(f"unknown role {role!r}; expected one of {', '.join(ROLES)}")
+    if role == "admin":
+        raise MemoryPermissionError("the admin role manages accounts and does not read or write memories")
+
+
+def readable_sql(member):
+    """WHERE clause (on table alias m) and its parameters: the memories `member` may read."""
+    return "(m.scope = 'family' OR (m.scope = 'private' AND m.member = ?))", (member,)
+
+
+def check_scope_write(role, scope):
+    check_reader(role)
+    if scope not in SCOPES:
+        raise MemoryStoreError(f"scope {scope!r} is not valid; expected one of {', '.join(SCOPES)}")
+    if scope == "family" and role != "adult":
+        raise MemoryPermissionError(f"a {role} may keep only private memories; family ones are for adults")
+
+
+def may_change(role, memory):
+    """Whether the reader of `memory` (a row they may read) may edit or forget it: their own private
+    memories (a readable private row is always the reader's own), and family ones for an adult."""
+    return memory["scope"] == "private" or role == "adult"
+
+
+def readable_row(conn, member, role, memory_id):
+    """The row of a memory the caller may read, or None (an id past SQLite's 64-bit integers is none)."""
+    check_reader(role)
+    if not -(2**63) <= memory_id < 2**63:
+        return None
+    where, params = readable_sql(member)
+    return conn.execute(
+        f"SELECT * FROM memories m WHERE m.id = ? AND {where}", (memory_id, *params)
+    ).fetchone()
+
+
+def writable_row(conn, member, role, memory_id):
+    """The row of a memory the caller may change. Any other id reads as not existing, so a member cannot
+    probe others' memories."""
+    row = readable_row(conn, member, role, memory_id)
+    if row is None or not may_change(role, row):
+        raise MemoryNotFound(f"no memory {memory_id} of {member}")
+    return row
+
+
+def check_text(text, cfg):
+    text = (text or "").strip()
+    if not text:
+        raise MemoryStoreError("a memory needs some text")
+    if len(text) > cfg["max_text_chars"]:
+        raise MemoryStoreError(f"a memory holds at most {cfg['max_text_chars']} characters; got {len(text)}")
+    return text
+
+
+# -----------------------------------------------------------------------------
+# The store
+
+
+def as_dict(row):
+    return {
+        "id": row["id"],
+        "member": row["member"],
+        "scope": row["scope"],
+        "text": row["text"],
+        "pinned": bool(row["pinned"]),
+        "source": row["source"],
+        "created": row["created"],
+        "updated": row["updated"],
+    }
+
+
+def add(conn, member, role, text, cfg, scope="private", pinned=False, source="manual"):
+    """Store a memory of `member`; returns its id."""
+    check_scope_write(role, scope)
+    if source not in SOURCES:
+        raise MemoryStoreError(f"source {source!r} is not valid; expected one of {', '.join(SOURCES)}")
+    text = check_text(text, cfg)
+    stamp = now_text()
+    with conn:
+        cursor = conn.execute(
+            "INSERT INTO memories (member, scope, text, pinned, source, created, updated) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (member, scope, text, int(bool(pinned)), source, stamp, stamp),
+        )
+    return cursor.lastrowid
+
+
+def list_memories(conn, member, role):
+    """Every memory `member` may read (their private ones and the family's), newest first, each with
+    `editable`: whether they may change it."""
+    check_reader(role)
+    where, params = readable_sql(member)
+    rows = conn.execute(f"SELECT * FROM memories m WHERE {where} ORDER BY m.updated DESC, m.id DESC", params)
+    return [as_dict(row) | {"editable": may_change(role, row)} for row in rows]
+
+
+def get(conn, member, role, memory_id):
+    row = readable_row(conn, member, role, memory_id)
+    if row is None:
+        raise MemoryNotFound(f"no memory {memory_id} of {member}")
+    return as_dict(row)
+
+
+def edit(conn, member, role, memory_id, cfg, text=None, pinned=None, scope=None):
+    """Change the text, pin or scope of a memory the caller may change; returns it as a dict."""
+    row = writable_row(conn, member, role, memory_id)
+    new_text = row["text"] if text is None else check_text(text, cfg)
+    new_pinned = row["pinned"] if pinned is None else int(bool(pinned))
+    new_scope = row["scope"] if scope is None else scope
+    if new_scope != row["scope"]:
+        check_scope_write(role, new_scope)
+        if row["member"] != member:
+            raise MemoryPermissionError(
+                f"memory {memory_id} belongs to {row['member']}; only they re-scope it"
+            )
+    conn.execute("PRAGMA secure_delete = ON")  # the old text's bytes are overwritten too
+    with conn:
+        conn.execute(
+            "UPDATE memories SET text = ?, pinned = ?, scope = ?, updated = ? WHERE id = ?",
+            (new_text, new_pinned, new_scope, now_text(), memory_id),
+        )
+    if new_text != row["text"]:
+        purge(conn)
+    return get(conn, member, role, memory_id)
+
+
+def forget(conn, member, role, memory_id):
+    """Delete one memory the caller may change, for real; returns the deleted memory."""
+    row = writable_row(conn, member, role, memory_id)
+    conn.execute("PRAGMA secure_delete = ON")  # per connection; the caller's may have it off
+    with conn:
+        conn.execute("DELETE FROM memories WHERE id = ?", (memory_id,))
+    purge(conn)
+    return as_dict(row)
+
+
+def forget_all(conn, member, role):
+    """Delete every memory `member` wrote (private and family); returns how many."""
+    check_reader(role)
+    conn.execute("PRAGMA secure_delete = ON")
+    with conn:
+        count = conn.execute("DELETE FROM memories WHERE member = ?", (member,)).rowcount
+    purge(conn)
+    return count
+
+
+def member_removed(conn, member):
+    """Delete every memory of a member whose account is gone (serve/app.py calls it), so that a new member
+    given the same name later starts with none; returns how many."""
+    conn.execute("PRAGMA secure_delete = ON")
+    with conn:
+        count = conn.execute("DELETE FROM memories WHERE member = ?", (member,)).rowcount
+    purge(conn)
+    return count
+
+
+def export(conn, member, role):
+    """Everything `member` wrote, as a JSON-ready dict."""
+    check_reader(role)
+    rows = conn.execute("SELECT * FROM memories WHERE member = ? ORDER BY id", (member,))
+    return {"member": member, "exported": now_text(), "memories": [as_dict(row) for row in rows]}
+
+
+def purge(conn):
+    """Make deleted text unrecoverable: merge the FTS index (a delete only marks terms as gone until a
+    merge drops them), zero freed pages (secure_delete), and empty the WAL that still holds old pages.
+    The checkpoint cannot complete while another connection reads; the next purge finishes it."""
+    conn.execute("PRAGMA secure_delete = ON")
+    with conn:
+        conn.execute("INSERT INTO memories_fts (memories_fts) VALUES ('optimize')")
+    conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+
+
+# -----------------------------------------------------------------------------
+# Retrieval
+
+
+def fts_query(text, cfg):
+    """An FTS5 query from user text: its words as quoted terms joined by OR (never the raw text, whose
+    quotes, stars, parentheses and NEAR/AND/NOT would be FTS5 syntax). None when no word is left."""
+    stopwords = set(cfg["stopwords"])
+    terms = []
+    for word in WORD.findall(text.lower()):
+        if len(word) >= cfg["min_term_chars"] and word not in stopwords and word not in terms:
+            terms.append(word)
+    terms = terms[: cfg["max_query_terms"]]
+    return " OR ".join(f'"{term}"' for term in terms) or None
+
+
+def search(conn, member, role, query, limit, cfg, exclude_pinned=False):
+    """The `limit` best bm25 matches of `query` among the memories `member` may read."""
+    check_reader(role)
+    match = fts_query(query, cfg)
+    if match is None or limit <= 0:
+        return []
+    where, params = readable_sql(member)
+    pinned = "AND m.pinned = 0" if exclude_pinned else ""
+    rows = conn.execute(
+        "SELECT m.* FROM memories_fts JOIN memories m ON m.id = memories_fts.rowid "
+        f"WHERE memories_fts MATCH ? AND {where} {pinned} ORDER BY bm25(memories_fts) LIMIT ?",
+        (match, *params, limit),
+    )
+    return [as_dict(row) for row in rows]
+
+
+def pinned_memories(conn, member, role):
+    check_reader(role)
+    where, params = readable_sql(member)
+    rows = conn.execute(
+        f"SELECT * FROM memories m WHERE m.pinned = 1 AND {where} ORDER BY m.updated DESC, m.id DESC", params
+    )
+    return [as_dict(row) for row in rows]
+
+
+def memory_line(memory):
+    scope = " (familia)" if memory["scope"] == "family" else ""
+    return f"- [{memory['id']}]{scope} {memory['text']}"
+
+
+def context_for_turn(conn, member, role, user_text, cfg, count_tokens, context_len=None):
+    """The memories for the system turn of a reply to `user_text`: the member's pinned ones, then the top-k
+    bm25 matches, as long as the block fits cfg['token_budget'] tokens, and cfg['context_share'] of the
+    model's context_len when given (count_tokens(text) -> int, the served tokenizer's count). Empty
+    string when there is nothing to say, or for the admin role."""
+    if role == "admin":
+        return ""
+    memories = pinned_memories(conn, member, role)
+    memories += search(conn, member, role, user_text, cfg["top_k"], cfg, exclude_pinned=True)
+    if not memories:
+        return ""
+    budget = cfg["token_budget"]
+    if context_len is not None:
+        budget = min(budget, int(cfg["context_share"] * context_len))
+    lines = [cfg["header"]]
+    used = count_tokens(cfg["header"])
+    for memory in memories:
+        line = memory_line(memory)
+        cost = count_tokens("\n" + line)
+        if used + cost > budget:
+            continue  # a shorter memory further down may still fit
+        lines.append(line)
+        used += cost
+    return "\n".join(lines) if len(lines) > 1 else ""
+
+
+# -----------------------------------------------------------------------------
+# The agent's tools: Spanish text for the model, acting only as the calling member
+
+
+class Refusal(Exception):
+    """A memory tool call that cannot be done; the message (Spanish) is for the model."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Caller:
+    """A member as the memory tools see them: name and role, and the family database they reach (a
+    connection and the lock that serializes its use, both shared with the server)."""
+
+    name: str
+    role: str
+    conn: object
+    lock: object
+    cfg: dict
+
+    def run(self, tool_function, **arguments):
+        with self.lock:
+            return tool_function(self.conn, self.name, self.role, self.cfg, **arguments)
+
+
+def recordar(conn, member, role, cfg, texto, ambito="privado"):
+    scope = SCOPE_WORDS.get(ambito or "privado")
+    if scope is None:
+        raise Refusal(f"ámbito «{ambito}» no válido: usa «privado» o «familia»")
+    if role == "admin":
+        raise Refusal("la cuenta de administración no guarda recuerdos")
+    if scope == "family" and role != "adult":
+        raise Refusal(
+            "solo una persona adulta puede guardar recuerdos de la familia; guárdalo como «privado»"
+        )
+    try:
+        memory_id = add(conn, member, role, texto, cfg, scope=scope, source="assistant")
+    except MemoryStoreError as e:
+        raise Refusal(f"no se pudo guardar el recuerdo: {spanish_store_error(e, cfg)}") from None
+    where = "de la familia" if scope == "family" else "privado"
+    return f"Recuerdo {memory_id} guardado ({where})."
+
+
+def buscar_recuerdos(conn, member, role, cfg, consulta):
+    if role == "admin":
+        raise Refusal("la cuenta de administración no tiene recuerdos")
+    found = search(conn, member, role, consulta, cfg["search_results"], cfg)
+    if not found:
+        return "Sin recuerdos que coincidan."
+    return "\n".join(memory_line(memory) for memory in found)
+
+
+def olvidar(conn, member, role, cfg, id):  # noqa: A002 - the tool's argument name, as the model writes it
+    if role == "admin":
+        raise Refusal("la cuenta de administración no tiene recuerdos")
+    try:
+        memory = forget(conn, member, role, int(id))
+    except (MemoryStoreError, ValueError):
+        raise Refusal(f"no hay ningún recuerdo {id} que puedas borrar") from None
+    return f"Recuerdo {memory['id']} borrado: «{memory['text']}»."
+
+
+def spanish_store_error(error, cfg):
+    message = str(error)
+    if message.startswith("a memory needs"):
+        return "el texto está vacío"
+    if message.startswith("a memory holds"):
+        return f"el texto pasa de {cfg['max_text_chars']} caracteres"
+    return message
+
+
+# -----------------------------------------------------------------------------
+# The server's lock: held for the server's whole life, taken by restore
+
+
+def lock_path(db_path):
+    return db_path + ".lock"
+
+
+def hold_lock(db_path, info=None):
+    """Take the database's lock (fcntl.flock on <db>.lock) and return its file descriptor: held until
+    os.close(fd) or the end of the process (the kernel releases it even after SIGKILL). The server
+    passes `info` (pid, the run and checkpoint it serves with their sha256, its resolved config, the code
+    version), written to the lock file for snapshots to record; restore passes nothing and leaves the
+    last server's info in place. Raises SnapshotError if another process holds it."""
+    path = lock_path(db_path)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        holder = server_info(db_path) or {}
+        raise SnapshotError(
+            f"{db_path}: the server is running (pid {holder.get('pid', '?')} holds {path}); stop it first"
+        ) from None
+    if info is not None:
+        body = json.dumps({"pid": os.getpid(), **info}, ensure_ascii=False, indent=1).encode()
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, body, 0)
+        os.fsync(fd)
+    return fd
+
+
+@contextlib.contextmanager
+def server_lock(db_path, info=None):
+    """hold_lock for the duration of a with block."""
+    fd = hold_lock(db_path, info)
+    try:
+        yield
+    finally:
+        os.close(fd)
+
+
+def server_info(db_path):
+    """What the last server to hold the lock said it was serving (None if no server ever ran)."""
+    try:
+        with open(lock_path(db_path), encoding="utf-8") as f:
+            text = f.read()
+    except FileNotFoundError:
+        return None
+    try:
+        return json.loads(text) if text.strip() else None
+    except ValueError:
+        return None
+
+
+# -----------------------------------------------------------------------------
+# Snapshots
+
+
+def integrity(path):
+    """PRAGMA integrity_check of a database file opened read-only; 'ok' or the problems, one per line."""
+    try:
+        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        try:
+            rows = conn.execute("PRAGMA integrity_check").fetchall()
+        finally:
+            conn.close()
+    except sqlite3.DatabaseError as e:
+        return f"not a readable SQLite database ({e})"
+    return "\n".join(str(row[0]) for row in rows)
+
+
+def list_snapshots(folder):
+    """Complete snapshot folders, oldest first (a temp folder of an interrupted snapshot never matches)."""
+    if not os.path.isdir(folder):
+        return []
+    return sorted(os.path.join(folder, n) for n in os.listdir(folder) if SNAPSHOT_NAME.match(n))
+
+
+def snapshot(db_path, cfg, log=print):
+    """A consistent copy of the live database (the server may be writing): VACUUM INTO a temp folder,
+    integrity_check, manifest, then one rename makes it a snapshot. Keeps the newest keep_last."""
+    if not os.path.isfile(db_path):
+        raise SnapshotError(f"{db_path}: no such database")
+    snap_cfg = cfg["snapshots"]
+    folder = snap_cfg["dir"]
+    os.makedirs(folder, exist_ok=True)
+    created = datetime.datetime.now(datetime.UTC)
+    name = created.strftime("%Y%m%dT%H%M%S.") + f"{created.microsecond // 1000:03d}Z"
+    final = os.path.join(folder, name)
+    if os.path.exists(final):
+        raise SnapshotError(f"{final}: already exists; snapshots are at most one per millisecond")
+    tmp = os.path.join(folder, f".tmp-{name}-{os.getpid()}")
+    os.makedirs(tmp)
+    try:
+        copy = os.path.join(tmp, "database.sqlite")
+        source = sqlite3.connect(db_path, timeout=cfg["busy_timeout_ms"] / 1000)
+        try:
+            source.execute("VACUUM INTO ?", (copy,))
+        finally:
+            source.close()
+        fileio.fsync_path(copy)
+        check = integrity(copy)
+        if check != "ok":
+            raise SnapshotError(f"{db_path}: the copy fails integrity_check: {check}")
+        manifest = {
+            "format": 1,
+            "created": created.isoformat(timespec="milliseconds").replace("+00:00", "Z"),
+            "database": {
+                "file": "database.sqlite",
+                "bytes": os.path.getsize(copy),
+                "sha256": fileio.sha256_of_file(copy),
+                "source": os.path.abspath(db_path),
+            },
+            "integrity_check": check,
+            "server": server_info(db_path),
+            "memory_config": cfg,
+            "code_version": fileio.code_version(),  # of the code taking it (the server's is under "server")
+        }
+        fileio.write_json(os.path.join(tmp, "manifest.json"), manifest)
+        os.rename(tmp, final)
+        fileio.fsync_path(folder)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    for old in list_snapshots(folder)[: -snap_cfg["keep_last"]]:
+        shutil.rmtree(old)
+    log(
+        f"snapshot {final}: {manifest['database']['bytes']} bytes, sha256 {manifest['database']['sha256'][:16]}…"
+    )
+    return final
+
+
+def verify(snapshot_dir):
+    """The manifest of a snapshot whose database matches it byte for byte and passes integrity_check."""
+    manifest_file = os.path.join(snapshot_dir, "manifest.json")
+    try:
+        with open(manifest_file, encoding="utf-8") as f:
+            manifest = json.load(f)
+    except FileNotFoundError:
+        raise SnapshotError(f"{manifest_file}: missing; {snapshot_dir} is not a complete snapshot") from None
+    except ValueError as e:
+        raise SnapshotError(f"{manifest_file}: not valid JSON ({e})") from None
+    missing = [key for key in MANIFEST_KEYS if key not in manifest] if isinstance(manifest, dict) else ["all"]
+    if missing or not isinstance(manifest["database"], dict) or manifest["format"] != 1:
+        raise SnapshotError(f"{manifest_file}: not a format-1 snapshot manifest (missing {missing})")
+    database = manifest["database"]
+    path = os.path.join(snapshot_dir, os.path.basename(str(database.get("file", ""))))
+    if not os.path.isfile(path):
+        raise SnapshotError(f"{path}: missing; the manifest names it")
+    size = os.path.getsize(path)
+    if size != database.get("bytes"):
+        raise SnapshotError(f"{path}: {size} bytes but the manifest says {database.get('bytes')}; truncated?")
+    digest = fileio.sha256_of_file(path)
+    if digest != database.get("sha256"):
+        raise SnapshotError(f"{path}: sha256 {digest} differs from the manifest's {database.get('sha256')}")
+    check = integrity(path)
+    if check != "ok":
+        raise SnapshotError(f"{path}: fails integrity_check: {check}")
+    return manifest
+
+
+def describe_model(manifest):
+    server = manifest.get("server")
+    if not server:
+        return (
+            "no model recorded: no server had used this database when the snapshot was taken "
+            f"(by code {manifest.get('code_version', 'unrecorded')})"
+        )
+    return (
+        f"taken with model checkpoint {server.get('checkpoint')} (sha256 {server.get('checkpoint_sha256')}), "
+        f"tokenizer {server.get('tokenizer')} (sha256 {server.get('tokenizer_sha256')}), "
+        f"code {server.get('code_version')}"
+    )
+
+
+def restore(snapshot_dir, db_path, log=print):
+    """Replace the live database by a verified snapshot, atomically, with the server stopped. A snapshot
+    that fails verification leaves the live database untouched. Returns the snapshot's manifest."""
+    with server_lock(db_path):
+        manifest = verify(snapshot_dir)
+        source = os.path.join(snapshot_dir, os.path.basename(manifest["database"]["file"]))
+        tmp = f"{db_path}.restore-{os.getpid()}.tmp"
+        try:
+            shutil.copyfile(source, tmp)
+            fileio.fsync_path(tmp)
+            if fileio.sha256_of_file(tmp) != manifest["database"]["sha256"]:
+                raise SnapshotError(f"{tmp}: the copy of {source} does not match its manifest")
+            # Fold the live WAL into the live file first, so that removing it below loses nothing even if
+            # we stop before the rename; a stale WAL must never meet the restored file.
+            if os.path.exists(db_path):
+                with contextlib.suppress(sqlite3.DatabaseError):
+                    live = sqlite3.connect(db_path)
+                    try:
+                        live.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+                    finally:
+                        live.close()
+            for leftover in (db_path + "-wal", db_path + "-shm"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(leftover)
+            os.replace(tmp, db_path)
+            fileio.fsync_path(os.path.dirname(os.path.abspath(db_path)))
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(tmp)
+    log(f"restored {db_path} from {snapshot_dir} (taken {manifest['created']})")
+    log(f"the snapshot's model: {describe_model(manifest)}")
+    return manifest
+
+
+def snapshot_every(db_path, cfg, stop, log=print):
+    """The server's schedule: a snapshot every snapshots.every_hours until `stop` (a threading.Event) is
+    set. Returns the started daemon thread, or None when the schedule is off (every_hours 0)."""
+    hours = cfg["snapshots"]["every_hours"]
+    if not hours:
+        return None
+
+    def loop():
+        while not stop.wait(hours * 3600):
+            try:
+                snapshot(db_path, cfg, log)
+            except (SnapshotError, sqlite3.Error, OSError) as e:
+                log(f"warning: scheduled snapshot failed: {e}")
+
+    thread = threading.Thread(target=loop, name="snapshots", daemon=True)
+    thread.start()
+    return thread
+
+
+# -----------------------------------------------------------------------------
+# Command line
+
+
+def account_role(conn, member, db_path):
+    """The role of `member`'s account in the server's members table (serve/app.py owns it)."""
+    has_accounts = conn.execute(
+        "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'members'"
+    ).fetchone()
+    row = (
+        conn.execute("SELECT role FROM members WHERE name = ?", (member,)).fetchone()
+        if has_accounts
+        else None
+    )
+    if row is None:
+        raise MemoryStoreError(
+            f"{db_path}: no account {member!r} (python -m serve member add {member} --role ...), or pass --role"
+        )
+    return row["role"]
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description="Family memories and database snapshots.")
+    parser.add_argument(
+        "--db", help="the family database (default: serve.database of configs/serve/default.yaml)"
+    )
+    parser.add_argument(
+        "--config", default=DEFAULT_CONFIG, help="a memory layer file (configs/memory/*.yaml)"
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    for name in ("list", "add", "forget", "export"):
+        sub = commands.add_parser(name)
+        sub.add_argument("--member", required=True)
+        sub.add_argument(
+            "--role",
+            choices=ROLES,
+            help="the member's role; by default their account's (serve/app.py member)",
+        )
+        if name == "add":
+            sub.add_argument("text")
+            sub.add_argument("--family", action="store_true", help="share it with the whole family")
+            sub.add_argument("--pin", action="store_true", help="put it in every turn of this member")
+        if name == "forget":
+            sub.add_argument("id", type=int)
+    commands.add_parser("snapshot")
+    restore_parser = commands.add_parser("restore")
+    restore_parser.add_argument("snapshot", help="a snapshot folder, e.g. var/snapshots/20261130T120000.000Z")
+    return parser.parse_args(argv)
+
+
+def main(argv):
+    problem = config.undecodable_argument(argv)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    args = parse_args(argv)
+    try:
+        cfg = load_config(args.config)
+        args.db = args.db or config.load_layer("serve", SERVE_CONFIG)["database"]
+        if args.command == "snapshot":
+            snapshot(args.db, cfg)
+            return 0
+        if args.command == "restore":
+            restore(args.snapshot, args.db)
+            return 0
+        conn = connect(args.db, cfg)
+        args.role = args.role or account_role(conn, args.member, args.db)
+        if args.command == "list":
+            for memory in list_memories(conn, args.member, args.role):
+                pin = "*" if memory["pinned"] else " "
+                print(f"{memory['id']:>6} {pin} {memory['scope']:<7} {memory['member']:<12} {memory['text']}")
+        elif args.command == "add":
+            scope = "family" if args.family else "private"
+            memory_id = add(conn, args.member, args.role, args.text, cfg, scope=scope, pinned=args.pin)
+            print(f"memory {memory_id} stored ({scope})")
+        elif args.command == "forget":
+            memory = forget(conn, args.member, args.role, args.id)
+            print(f"memory {memory['id']} deleted: {memory['text']}")
+        elif args.command == "export":
+            print(json.dumps(export(conn, args.member, args.role), ensure_ascii=False, indent=1))
+        conn.close()
+    except (config.ConfigError, MemoryStoreError, SnapshotError, sqlite3.Error) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

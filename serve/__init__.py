@@ -1,0 +1,1 @@
+"""The family's server: HTTP API, web routes, OpenAI shapes and the model worker."""

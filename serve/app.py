@@ -1,0 +1,775 @@
+"""
+The family's assistant as a server: an OpenAI-compatible API, one account per family member, and the web
+chat page in web/.
+
+    python -m serve runs/NAME [--config configs/serve/default.yaml] [--host 127.0.0.1] [--port 8000]
+                              [serve.key=value ...]
+    python -m serve member add NAME --role admin|adult|child    # prints the member's API key, once
+    python -m serve member password NAME                        # sets the web password or PIN
+    python -m serve member list | remove NAME | new-key NAME
+
+One process: uvicorn runs the Starlette app on the event loop, and one model worker thread (serve/worker.py)
+decodes up to serve.max_batch answers at once (continuous batching), taking requests from a bounded queue
+(a full queue answers 503 with Retry-After). The KV cache of the batch's slots is computed, printed and
+checked against the device's free memory (and serve.max_kv_cache_mib) at start.
+The server binds 127.0.0.1 unless --host says otherwise: --host 0.0.0.0 opens it to every device on the
+network, over plain HTTP (see the README before doing that).
+
+Routes (routes() below; the handlers of sessions, stored conversations, accounts and memories are
+serve/web.py's; other features add theirs with build_app(..., extra_routes)):
+    GET  /v1/models                        the run, as the one model id
+    POST /v1/chat/completions              OpenAI chat completions, plain or streamed (SSE); stateless
+    POST /api/login, /api/logout; GET /api/me            web sessions (HttpOnly, SameSite=Strict cookie)
+    POST /api/me/password                  the member's own password change (a provisional account's way out)
+    GET|POST /api/conversations; GET|DELETE /api/conversations/{id}
+    POST /api/conversations/{id}/messages  a turn of a stored conversation, streamed like the API
+    GET|POST /api/members; DELETE /api/members/{name}                         admin only (a member made
+                                           here is provisional until they change the password the admin set)
+    POST /api/members/{name}/key           a new API key: the caller's own only
+    GET  /api/server                       worker counters: slots in use, queued jobs, tokens/s; admin only
+    GET|POST|DELETE /api/memories; GET /api/memories/export; PATCH|DELETE /api/memories/{id}
+                                           the member's memories (family/memories.py), never the admin's business
+    POST|DELETE /api/conversations/{id}/messages/{n}/feedback   the member's 👍/👎 of answer n (counted
+                                           from 0 in the conversation's messages) and the answer they wanted
+    GET|DELETE /api/feedback; GET /api/feedback/export; DELETE /api/feedback/{id}   their own feedback
+    GET|PUT /api/consent; PUT /api/members/{name}/consent   "usar mis valoraciones para entrenar": their
+                                           own (adults), a child's (set by an adult), family/feedback.py
+Every request is authenticated by `Authorization: Bearer <API key>` or the session cookie. A member only
+ever reaches their own conversations and feedback (anything else is 404, whoever asks, admins included).
+Members, sessions and conversations are family/accounts.py's (SQLite).
+
+A request that brings its own `tools` gets them rendered by chat.render and the model's calls back as
+OpenAI tool_calls; any other request runs agent/tools.py's loop with the server's tools (search, calculator,
+date) in the worker, when their schemas fit the model's context and serve.tools is on.
+"""
+
+import argparse
+import asyncio
+import contextlib
+import hashlib
+import json
+import os
+import secrets
+import socket
+import sqlite3
+import sys
+import threading
+import time
+import uuid
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+
+import config
+import fileio
+from agent import grammar as agent_grammar
+from agent import tools as agent
+from chat import template as chat
+from family import accounts as serve_accounts
+from family import memories as memory
+from serve import web as serve_web
+from serve import worker as serve_worker
+from serve.openai_api import ApiError, Reply, check_tools, conversation_of, expect, sampling_of
+from serve.web import SESSION_COOKIE, owned, read_json
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WEB_DIR = os.path.join(ROOT, "web")
+DEFAULT_CONFIG = os.path.join(ROOT, "configs", "serve", "default.yaml")
+SECURITY_HEADERS = [
+    (b"x-content-type-options", b"nosniff"),
+    (b"x-frame-options", b"DENY"),
+    (b"referrer-policy", b"no-referrer"),
+    (b"content-security-policy", b"default-src 'self'; frame-ancestors 'none'"),
+]
+
+
+class ServeError(Exception):
+    """A problem the person starting the server can fix; printed without a traceback, exit status 2."""
+
+
+# -----------------------------------------------------------------------------
+# The application
+
+
+class Server:
+    """Everything a request handler needs: settings, database, model worker, tokenizer, model id."""
+
+    def __init__(self, settings, store, worker, model_id, context, agent_settings=None, memory_cfg=None):
+        self.settings, self.store, self.worker = settings, store, worker
+        self.agent_settings = agent_settings or agent.load_settings()
+        self.model_id, self.context = model_id, context
+        self.created = int(time.time())
+        self.dummy_hash = serve_accounts.hash_password(secrets.token_hex(8), settings["scrypt"])
+        self.pending = {}  # member id -> requests queued or running
+        self.failures = {}  # lowercased name -> (failed logins, locked until)
+        self.memory_cfg = memory_cfg or memory.load_config()
+
+    # --- who is asking
+    def member_of(self, request, provisional_ok=False):
+        """The member whose API key or session cookie came with the request. A provisional account (made
+        through the admin API: the admin knows its password and key) reaches only the routes that pass
+        provisional_ok (GET /api/me, the password change); anything else is a 403 until the member has
+        chosen their own password."""
+        member = self.credentials_of(request)
+        if member["provisional"] and not provisional_ok:
+            raise ApiError(403, "this account's password was set by an admin: change it first (POST "
+                           "/api/me/password) and use the new API key that answer gives",
+                           code="password_change_required")  # fmt: skip
+        return member
+
+    def credentials_of(self, request):
+        header = request.headers.get("authorization")
+        if header is not None:
+            scheme, _, key = header.partition(" ")
+            if scheme.lower() != "bearer" or not key.strip():
+                raise ApiError(401, "Authorization: expected 'Bearer <API key>'", code="invalid_api_key")
+            member = self.store.member_by_key(key.strip())
+            if member is None:
+                raise ApiError(401, "invalid API key", code="invalid_api_key")
+            return member
+        token = request.cookies.get(SESSION_COOKIE)
+        member = self.store.member_by_session(token) if token else None
+        if member is None:
+            raise ApiError(401, "not logged in: send 'Authorization: Bearer <API key>' or log in",
+                           code="missing_credentials")  # fmt: skip
+        return member
+
+    def admin_of(self, request):
+        member = self.member_of(request)
+        if member["role"] != "admin":
+            raise ApiError(403, "only an admin manages accounts", code="admin_only")
+        return member
+
+    # --- guessing passwords: failed logins and password changes count together, per lowercased name
+    def check_lockout(self, name):
+        _, locked_until = self.failures.get(name.lower(), (0, 0.0))
+        if locked_until > time.monotonic():
+            wait = int(locked_until - time.monotonic()) + 1
+            raise ApiError(429, f"too many failed password attempts for {name!r}; try again in {wait} s",
+                           code="login_locked", retry_after=wait)  # fmt: skip
+
+    def password_failed(self, name):
+        count, _ = self.failures.get(name.lower(), (0, 0.0))
+        count += 1
+        locked = count >= self.settings["login_max_failures"]
+        until = time.monotonic() + self.settings["login_lockout_s"]
+        self.failures[name.lower()] = (0, until) if locked else (count, 0.0)
+
+    async def password_checks(self, name, password, stored):
+        """Whether the password matches the stored hash (None: no password; an equal amount of work on a
+        dummy hash, so unknown names and members without a password answer in the same time)."""
+        matches = await asyncio.to_thread(
+            serve_accounts.password_matches, password, stored or self.dummy_hash
+        )
+        if not (stored and matches):
+            self.password_failed(name)
+            return False
+        self.failures.pop(name.lower(), None)
+        return True
+
+    def check_hours(self, member):
+        hours = self.settings["child"]["allowed_hours"]
+        if member["role"] == "child" and hours is not None:
+            now = time.localtime().tm_hour
+            first, end = hours
+            inside = first <= now < end if first <= end else (now >= first or now < end)
+            if not inside:
+                raise ApiError(
+                    403, f"children may chat from {first}:00 to {end}:00", code="outside_allowed_hours"
+                )
+
+    # --- prompts
+    def agent_for(self, member, client_tools, tool_choice):
+        """An agent.Agent running the server's tools for this request, or None: when the client brings its
+        own tools, asks for none (tool_choice "none"), or serve.tools is off."""
+        if client_tools or tool_choice == "none" or not self.settings["tools"]:
+            return None
+        count_tokens = lambda text: len(self.worker.tokenizer.encode(text))  # noqa: E731
+        return agent.Agent(
+            self.agent_settings,
+            count_tokens=count_tokens,
+            member=self.memory_caller(member) if member["role"] != "admin" else None,
+        )
+
+    def prompt_of(self, member, system, turns, tools, max_tokens, trim, helper=None):
+        """(token ids of the conversation with the <|assistant|> opener, tokens left to generate, its
+        messages, the helper). The system turn is the child instruction (for children), then the request's
+        system text or the configured prompt; an agent turn (helper) adds the date and the server's tools,
+        unless they do not fit the context (a small model): then the helper is dropped. trim drops the
+        oldest turns that do not fit (web conversations); otherwise a prompt too long is a 400 as in
+        OpenAI's API."""
+        parts = [self.settings["child"]["system_prompt"]] if member["role"] == "child" else []
+        parts += system or [self.settings["system_prompt"]]
+        parts.append(self.memory_context(member, turns))
+        head = [{"role": "system", "content": "\n\n".join(p for p in parts if p)}]
+        while True:
+            if helper:
+                conversation = helper.conversation(head + turns)
+            else:
+                conversation = {"messages": head + turns} | ({"tools": tools} if tools else {})
+            try:
+                ids, _ = chat.render(conversation, self.worker.tokenizer, for_generation=True)
+            except chat.ChatError as e:
+                raise ApiError(400, f"messages: {e}", param="messages", code="invalid_conversation") from None
+            room = self.context - len(ids)
+            if helper and room < min(max_tokens, 16):
+                helper = None
+                continue
+            if room >= min(max_tokens, 16) or not trim or len(turns) <= 1:
+                break
+            turns = turns[1:]
+            while len(turns) > 1 and turns[0]["role"] != "user":
+                turns = turns[1:]
+        if room < 1:
+            raise ApiError(400, f"the prompt is {len(ids)} tokens; this model reads at most {self.context - 1} "
+                           "plus the answer", param="messages", code="context_length_exceeded")  # fmt: skip
+        return ids, min(max_tokens, room), head + turns, helper
+
+    async def client_tools_constraint(self, tools, max_tokens):
+        """agent_grammar's constraint for a client's own tools (None when agent.constrained is off); a schema
+        it cannot enforce is a 400 naming the tool. The grammar compiles off the event loop, once per tool
+        set."""
+        try:
+            return await asyncio.to_thread(
+                agent_grammar.constraint_for, self.worker.tokenizer, tools, self.agent_settings, max_tokens
+            )
+        except agent_grammar.GrammarError as e:
+            raise ApiError(400, f"tools: {e}", param="tools", code="invalid_value") from None
+
+    # --- memories (family/memories.py decides who reads and changes what; this only binds the caller)
+    def memories(self, member, function, *args, **kwargs):
+        """function(connection, name, role, *args, **kwargs) of family/memories.py, as this member."""
+        with self.store.lock:
+            return function(self.store.db, member["name"], member["role"], *args, **kwargs)
+
+    def memory_context(self, member, turns):
+        """The member's pinned memories and those matching their last message, for the system turn."""
+        last = next((turn["content"] for turn in reversed(turns) if turn["role"] == "user"), "")
+        count_tokens = lambda text: len(self.worker.tokenizer.encode(text))  # noqa: E731
+        return self.memories(
+            member, memory.context_for_turn, last, self.memory_cfg, count_tokens, self.context
+        )
+
+    def memory_caller(self, member):
+        """The member as agent/tools.py's memory tools take them: agent.Agent(..., member=this)."""
+        return memory.Caller(member["name"], member["role"], self.store.db, self.store.lock, self.memory_cfg)
+
+    # --- generation
+    def start(
+        self, request, member, prompt_ids, max_tokens, temperature, top_p, seed, turn=None, constraint=None
+    ):
+        count = self.pending.get(member["id"], 0)
+        if count >= self.settings["max_pending_per_member"]:
+            raise ApiError(429, f"{count} requests of yours are already waiting; wait for them to finish",
+                           code="too_many_requests", retry_after=self.settings["retry_after_s"])  # fmt: skip
+        loop = asyncio.get_running_loop()
+        job = serve_worker.Job(
+            loop, prompt_ids, max_tokens, temperature, top_p, self.settings["top_k"], seed, turn, constraint
+        )
+        try:
+            self.worker.submit(job)
+        except serve_worker.Busy:
+            raise ApiError(503, "the model is busy with other requests; retry shortly", code="server_busy",
+                           retry_after=self.settings["retry_after_s"]) from None  # fmt: skip
+        self.pending[member["id"]] = count + 1
+        return job
+
+    def finished(self, member, job):
+        job.cancel()
+        left = self.pending.get(member["id"], 1) - 1
+        if left:
+            self.pending[member["id"]] = left
+        else:
+            self.pending.pop(member["id"], None)
+
+
+class ClientGone(Exception):
+    """The client closed the connection while waiting for an answer."""
+
+
+async def job_events(request, job, poll_s=1.0):
+    """The job's events as they come. Every poll_s seconds, whether events come or not, it asks whether
+    the client is still connected, and raises ClientGone when it is not: a plain completion writes nothing
+    before its end, so only asking tells that its client has given up."""
+    checked = time.monotonic()
+    while True:
+        event, left = None, checked + poll_s - time.monotonic()
+        if left > 0:
+            with contextlib.suppress(TimeoutError):
+                event = await asyncio.wait_for(job.events.get(), left)
+        if event is not None:
+            yield event
+            continue
+        if await request.is_disconnected():
+            raise ClientGone
+        checked = time.monotonic()
+
+
+async def answer_events(request, job, reply):
+    """("delta", text) as the answer grows, then ("end", finish_reason, completion tokens, tool calls,
+    prompt tokens)."""
+    async with contextlib.aclosing(job_events(request, job)) as events:
+        async for event in events:
+            if event[0] == "text":
+                delta = reply.add(event[1])
+                if delta:
+                    yield "delta", delta
+                if reply.stopped:
+                    job.cancel()  # the worker stops at its next token and still reports its count
+            elif event[0] == "error":
+                raise ApiError(500, event[1], code="generation_failed")
+            else:
+                _, finish, tokens, prompt_tokens = event
+                rest, calls = reply.finish()
+                if rest:
+                    yield "delta", rest
+                finish = "tool_calls" if calls else "stop" if reply.stopped else finish
+                yield "end", finish, tokens, calls, prompt_tokens
+                return
+
+
+def sse(value):
+    return f"data: {json.dumps(value, ensure_ascii=False)}\n\n"
+
+
+def usage_of(prompt_tokens, completion_tokens):
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}  # fmt: skip
+
+
+async def stream_answer(request, server, member, job, reply, base, include_usage, on_end=None):
+    """SSE of one answer: role chunk, content deltas, tool calls, the finish_reason chunk, usage when asked,
+    then [DONE]. on_end(text) runs (storing the answer) before the client hears that it is complete."""
+    usage_field = {"usage": None} if include_usage else {}
+
+    def chunk(delta, finish=None):
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return sse(base | {"choices": [choice]} | usage_field)
+
+    text = ""
+    try:
+        yield chunk({"role": "assistant", "content": ""})
+        async for event in answer_events(request, job, reply):
+            if event[0] == "delta":
+                text += event[1]
+                yield chunk({"content": event[1]})
+                continue
+            _, finish, tokens, calls, prompt_tokens = event
+            if on_end:
+                on_end(text)
+                on_end = None
+            if calls:
+                yield chunk({"tool_calls": [call | {"index": i} for i, call in enumerate(calls)]})
+            yield chunk({}, finish)
+            if include_usage:
+                yield sse(base | {"choices": [], "usage": usage_of(prompt_tokens, tokens)})
+        yield "data: [DONE]\n\n"
+    except ApiError as e:
+        yield sse(e.body())
+        yield "data: [DONE]\n\n"
+    except ClientGone:
+        pass
+    finally:
+        server.finished(member, job)
+        if on_end and text:  # stopped or disconnected: keep what the member saw
+            on_end(text)
+
+
+async def complete(request, server, member, job, reply):
+    """(text, finish_reason, completion tokens, tool calls, prompt tokens) of a non-streamed answer."""
+    text = ""
+    try:
+        async for event in answer_events(request, job, reply):
+            if event[0] == "delta":
+                text += event[1]
+            else:
+                return (text, *event[1:])
+    finally:
+        server.finished(member, job)
+
+
+def streaming_response(generator):
+    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    return StreamingResponse(generator, media_type="text/event-stream", headers=headers)
+
+
+async def list_models(request):
+    server = request.app.state.server
+    server.member_of(request)
+    model = {"id": server.model_id, "object": "model", "created": server.created, "owned_by": "enlace"}
+    return JSONResponse({"object": "list", "data": [model]})
+
+
+async def chat_completions(request):
+    server = request.app.state.server
+    settings = server.settings
+    member = server.member_of(request)
+    body = await read_json(request, settings["max_body_bytes"])
+    model = expect(body.get("model"), str, "model", "the model id (GET /v1/models)")
+    if model != server.model_id:
+        raise ApiError(404, f"model {model!r} does not exist; this server has {server.model_id!r}",
+                       param="model", code="model_not_found")  # fmt: skip
+    system, turns = conversation_of(body.get("messages"), settings)
+    tools = check_tools(body)
+    stream = expect(body.get("stream", False), bool, "stream", "true or false")
+    options = expect(body.get("stream_options") or {}, dict, "stream_options", "an object")
+    include_usage = expect(
+        options.get("include_usage", False), bool, "stream_options.include_usage", "true or false"
+    )
+    max_tokens, temperature, top_p, seed, stop = sampling_of(body, settings, member)
+    server.check_hours(member)
+    helper = server.agent_for(member, tools, body.get("tool_choice"))
+    prompt_ids, max_tokens, messages, helper = server.prompt_of(
+        member, system, turns, tools, max_tokens, False, helper
+    )
+    turn = (helper, messages) if helper else None
+    constraint = await server.client_tools_constraint(tools, max_tokens) if tools else None
+    job = server.start(request, member, prompt_ids, max_tokens, temperature, top_p, seed, turn, constraint)
+    reply = Reply(stop, tools)
+    base = {"id": "chatcmpl-" + uuid.uuid4().hex, "created": int(time.time()), "model": server.model_id,
+            "system_fingerprint": None}  # fmt: skip
+    if stream:
+        chunks = stream_answer(request, server, member, job, reply, base | {"object": "chat.completion.chunk"},
+                               include_usage)  # fmt: skip
+        return streaming_response(chunks)
+    try:
+        text, finish, tokens, calls, prompt_tokens = await complete(request, server, member, job, reply)
+    except ClientGone:
+        return Response(status_code=499)
+    message = {"role": "assistant", "content": text if text or not calls else None, "refusal": None}
+    if calls:
+        message["tool_calls"] = calls
+    choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
+    usage = usage_of(prompt_tokens, tokens)
+    return JSONResponse(base | {"object": "chat.completion", "choices": [choice], "usage": usage})
+
+
+async def post_message(request):
+    """A turn of a stored conversation: the member's message is stored once the model has taken the
+    request, the answer once it is complete (or stopped), before the client is told it is done."""
+    server = request.app.state.server
+    settings = server.settings
+    member = server.member_of(request)
+    conversation = owned(server, member, request.path_params["id"])
+    body = await read_json(request, settings["max_body_bytes"])
+    content = expect(body.get("content"), str, "content", "the message text")
+    if not content.strip():
+        raise ApiError(400, "content: the message is empty", param="content", code="empty_message")
+    stream = expect(body.get("stream", True), bool, "stream", "true or false")
+    max_tokens, temperature, top_p, seed, stop = sampling_of(body, settings, member)
+    server.check_hours(member)
+    history = [{"role": m["role"], "content": m["content"]} for m in conversation["messages"]]
+    turns = history[-settings["max_messages"] :] + [{"role": "user", "content": content}]
+    helper = server.agent_for(member, None, None)
+    prompt_ids, max_tokens, messages, helper = server.prompt_of(
+        member, [], turns, None, max_tokens, True, helper
+    )
+    turn = (helper, messages) if helper else None
+    job = server.start(request, member, prompt_ids, max_tokens, temperature, top_p, seed, turn)
+    store, conversation_id = server.store, conversation["id"]
+    title = " ".join(content.split())[:60] if not conversation["messages"] else None
+    store.add_message(member["id"], conversation_id, "user", content, title)
+
+    def on_end(text):
+        store.add_message(member["id"], conversation_id, "assistant", text)
+
+    reply = Reply(stop, None)
+    # message_index: where the answer is stored (after the member's message), for rating it.
+    base = {"id": "chatcmpl-" + uuid.uuid4().hex, "object": "chat.completion.chunk", "created": int(time.time()),
+            "model": server.model_id, "conversation_id": conversation_id,
+            "message_index": len(conversation["messages"]) + 1}  # fmt: skip
+    if stream:
+        return streaming_response(stream_answer(request, server, member, job, reply, base, True, on_end))
+    try:
+        text, finish, tokens, _, prompt_tokens = await complete(request, server, member, job, reply)
+    except ClientGone:
+        return Response(status_code=499)
+    on_end(text)
+    message = {"role": "assistant", "content": text}
+    return JSONResponse({"conversation_id": conversation_id, "message_index": base["message_index"],
+                         "message": message, "finish_reason": finish,
+                         "usage": usage_of(prompt_tokens, tokens)})  # fmt: skip
+
+
+async def index(request):
+    return FileResponse(os.path.join(WEB_DIR, "index.html"), headers={"Cache-Control": "no-cache"})
+
+
+# --- errors and headers
+
+
+async def api_error(request, error):
+    headers = {"Retry-After": str(error.retry_after)} if error.retry_after else None
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)
+
+
+async def http_error(request, error):
+    """Starlette's own 404/405 in OpenAI's shape."""
+    if error.status_code == 404:
+        message = f"no route {request.method} {request.url.path}"
+    else:
+        message = f"{request.method} is not allowed on {request.url.path}"
+    code = "not_found" if error.status_code == 404 else "method_not_allowed"
+    return await api_error(request, ApiError(error.status_code, message, code=code))
+
+
+async def database_error(request, error):
+    """Another process (the memory command line, a snapshot) holding the database's write lock past
+    serve.busy_timeout_ms is a 503 with Retry-After, as a full queue is; any other database error a 500."""
+    if error.sqlite_errorcode & 0xFF not in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED):
+        return await internal_error(request, error)
+    print(f"serve: {request.method} {request.url.path}: database busy ({error})", file=sys.stderr)
+    busy = ApiError(503, "the database is busy with another program; retry shortly", code="database_busy",
+                    retry_after=request.app.state.server.settings["retry_after_s"])  # fmt: skip
+    return await api_error(request, busy)
+
+
+async def internal_error(request, error):
+    print(
+        f"serve: {request.method} {request.url.path} failed: {type(error).__name__}: {error}", file=sys.stderr
+    )
+    return JSONResponse(ApiError(500, "internal server error").body(), status_code=500)
+
+
+class SecurityHeaders:
+    """Adds SECURITY_HEADERS to every response (pure ASGI, so streaming and disconnects pass through)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def send_with_headers(message):
+            if message["type"] == "http.response.start":
+                message["headers"] = list(message.get("headers", [])) + SECURITY_HEADERS
+            await send(message)
+
+        return await self.app(scope, receive, send_with_headers)
+
+
+def routes():
+    return [
+        Route("/", index),
+        Route("/v1/models", list_models),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/api/login", serve_web.login, methods=["POST"]),
+        Route("/api/logout", serve_web.logout, methods=["POST"]),
+        Route("/api/me", serve_web.whoami),
+        Route("/api/me/password", serve_web.change_password, methods=["POST"]),
+        Route("/api/conversations", serve_web.list_conversations),
+        Route("/api/conversations", serve_web.new_conversation, methods=["POST"]),
+        Route("/api/conversations/{id}", serve_web.get_conversation),
+        Route("/api/conversations/{id}", serve_web.delete_conversation, methods=["DELETE"]),
+        Route("/api/conversations/{id}/messages", post_message, methods=["POST"]),
+        Route("/api/members", serve_web.list_members),
+        Route("/api/members", serve_web.add_member, methods=["POST"]),
+        Route("/api/members/{name}", serve_web.remove_member, methods=["DELETE"]),
+        Route("/api/members/{name}/key", serve_web.new_member_key, methods=["POST"]),
+        Route("/api/server", serve_web.server_status),
+        Route("/api/memories", serve_web.list_memories),
+        Route("/api/memories", serve_web.add_memory, methods=["POST"]),
+        Route("/api/memories", serve_web.delete_all_memories, methods=["DELETE"]),
+        Route("/api/memories/export", serve_web.export_memories),
+        Route("/api/memories/{id:int}", serve_web.edit_memory, methods=["PATCH"]),
+        Route("/api/memories/{id:int}", serve_web.delete_memory, methods=["DELETE"]),
+        Route("/api/conversations/{id}/messages/{n:int}/feedback", serve_web.rate_answer, methods=["POST"]),
+        Route(
+            "/api/conversations/{id}/messages/{n:int}/feedback", serve_web.unrate_answer, methods=["DELETE"]
+        ),
+        Route("/api/feedback", serve_web.list_feedback),
+        Route("/api/feedback", serve_web.delete_all_feedback, methods=["DELETE"]),
+        Route("/api/feedback/export", serve_web.export_feedback),
+        Route("/api/feedback/{id:int}", serve_web.delete_feedback, methods=["DELETE"]),
+        Route("/api/consent", serve_web.get_consent),
+        Route("/api/consent", serve_web.set_own_consent, methods=["PUT"]),
+        Route("/api/members/{name}/consent", serve_web.set_member_consent, methods=["PUT"]),
+        Mount("/web", StaticFiles(directory=WEB_DIR)),
+    ]
+
+
+def build_app(server, extra_routes=()):
+    """The Starlette app; extra_routes (other features' endpoints) go before the static files."""
+    table = routes()
+    app = Starlette(
+        routes=table[:-1] + list(extra_routes) + table[-1:],
+        middleware=[Middleware(SecurityHeaders)],
+        exception_handlers={
+            ApiError: api_error,
+            HTTPException: http_error,
+            sqlite3.OperationalError: database_error,
+            Exception: internal_error,
+        },
+    )
+    app.state.server = server
+    return app
+
+
+# -----------------------------------------------------------------------------
+# Command line
+
+
+def load_model(run, device):
+    """(model, tokenizer, model id, context length) of a run that can chat."""
+    import checkpoint
+
+    try:
+        model, cfg, tokenizer, ckpt_path = checkpoint.load_run(run, device)
+    except checkpoint.CheckpointError as e:
+        raise ServeError(str(e)) from None
+    if "<|end|>" not in tokenizer.special_ids:
+        raise ServeError(
+            f"{run}: trained with the {tokenizer.name} tokenizer, which has no chat control tokens; serve a run "
+            "with a sentencepiece tokenizer (make smoke-corpus, then make serve RUN=runs/smoke-corpus-cpu)"
+        )
+    print(f"serve: loaded {ckpt_path} ({model.num_params() / 1e6:.1f}M parameters)", file=sys.stderr)
+    model.checkpoint_path = ckpt_path  # what snapshots of the database record (serving_info)
+    return model, tokenizer, cfg["run_name"], cfg["model"]["seq_len"]
+
+
+def free_memory_bytes(device):
+    """Memory free for the KV cache on the device: CUDA's free memory, or the kernel's MemAvailable for the
+    CPU; None where it cannot be read."""
+    if device.startswith("cuda"):
+        import torch
+
+        return torch.cuda.mem_get_info(torch.device(device))[0]
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
+def memory_text(size):
+    return f"{size / 2**20:,.1f} MiB" if size >= 2**20 else f"{size / 1024:.0f} KiB"
+
+
+def check_kv_cache(model, settings, device):
+    """Print the KV cache's memory for serve.max_batch slots; a ServeError when it exceeds
+    serve.max_kv_cache_mib or the device's free memory, with the largest max_batch that fits."""
+    slots = settings["max_batch"]
+    per_slot = model.kv_cache_bytes(1, model.embed_tokens.weight.element_size())
+    needed = slots * per_slot
+    print(f"serve: KV cache {slots} slots x {memory_text(per_slot)} = {memory_text(needed)} (serve.max_batch="
+          f"{slots}, {model.seq_len} positions per slot)", file=sys.stderr)  # fmt: skip
+    limits = []
+    cap = settings["max_kv_cache_mib"]
+    if cap is not None:
+        limits.append((cap * 2**20, f"serve.max_kv_cache_mib={cap}"))
+    free = free_memory_bytes(device)
+    if free is not None:
+        limits.append((free, f"the {memory_text(free)} free on {device}"))
+    for limit, what in limits:
+        if needed > limit:
+            fits = int(limit // per_slot)
+            advice = f"set serve.max_batch to at most {fits}" if fits else "not even one slot fits"
+            raise ServeError(f"serve.max_batch={slots}: the KV cache needs {memory_text(needed)} "
+                             f"({memory_text(per_slot)} per slot), more than {what}; {advice}")  # fmt: skip
+
+
+def serving_info(run, model, tokenizer, settings, memory_cfg):
+    """What this server uses, for the snapshots of its database (memory.hold_lock writes it)."""
+    processor = getattr(tokenizer, "processor", None)  # sentencepiece, possibly from inside the checkpoint
+    proto = processor.serialized_model_proto() if processor is not None else None
+    return {
+        "run": os.path.abspath(run),
+        "checkpoint": os.path.abspath(model.checkpoint_path),
+        "checkpoint_sha256": fileio.sha256_of_file(model.checkpoint_path),
+        "tokenizer": getattr(tokenizer, "path", tokenizer.name),
+        "tokenizer_sha256": proto and hashlib.sha256(proto).hexdigest(),
+        "config": {"serve": settings, "memory": memory_cfg},
+        "code_version": fileio.code_version(),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+
+
+def load_settings(path, overrides):
+    try:
+        return config.load_layer("serve", path, overrides)
+    except config.ConfigError as e:
+        raise ServeError(f"{path}: config problems:\n  " + "\n  ".join(e.problems)) from None
+
+
+def serve_main(argv):
+    parser = argparse.ArgumentParser(
+        description="Serve a run: OpenAI-compatible API and the family's web page."
+    )
+    parser.add_argument("run", help="run directory (newest checkpoint) or a checkpoint file")
+    parser.add_argument("--config", default=DEFAULT_CONFIG, help="serve layer file (configs/serve/*.yaml)")
+    parser.add_argument(
+        "--host", help="address to bind (default serve.host, 127.0.0.1); 0.0.0.0 = the whole LAN"
+    )
+    parser.add_argument("--port", type=int, help="TCP port (default serve.port); 0 = any free port")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.epilog = (
+        "Settings of the serve layer can follow as serve.key=value (e.g. serve.queue_size=4), and of the "
+        "memory layer (configs/memory/default.yaml) as memory.key=value (e.g. memory.snapshots.every_hours=6)."
+    )
+    overrides = [a for a in argv if serve_accounts.OVERRIDE.match(a)]
+    memory_overrides = [a for a in argv if memory.OVERRIDE.match(a)]
+    args = parser.parse_args([a for a in argv if a not in overrides and a not in memory_overrides])
+    settings = load_settings(args.config, overrides)
+    try:
+        memory_cfg = memory.load_config(overrides=memory_overrides)
+    except config.ConfigError as e:
+        raise ServeError(f"{memory.DEFAULT_CONFIG}: config problems:\n  " + "\n  ".join(e.problems)) from None
+    host = args.host or settings["host"]
+    port = settings["port"] if args.port is None else args.port
+    store = serve_accounts.Store(settings["database"], settings["busy_timeout_ms"])
+    model, tokenizer, model_id, context = load_model(args.run, args.device)
+    check_kv_cache(model, settings, args.device)
+    model_worker = serve_worker.Worker(model, tokenizer, settings["queue_size"], settings["max_batch"])
+    server = Server(settings, store, model_worker, model_id, context, memory_cfg=memory_cfg)
+    # family/memories.py: the database's lock, held until this process ends (restore refuses to run meanwhile, and
+    # so does a second server on the same file), and the snapshot schedule on a daemon thread.
+    try:
+        memory.hold_lock(
+            settings["database"], serving_info(args.run, model, tokenizer, settings, server.memory_cfg)
+        )
+    except memory.SnapshotError as e:
+        raise ServeError(str(e)) from None
+    log = lambda message: print(f"serve: {message}", file=sys.stderr)  # noqa: E731
+    memory.snapshot_every(settings["database"], server.memory_cfg, threading.Event(), log)
+    app = build_app(server)
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        raise ServeError(f"cannot listen on {host}:{port} ({e.strerror}); choose another --port") from None
+    sock.listen(2048)  # connections wait in the backlog until uvicorn accepts them
+    port = sock.getsockname()[1]
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"serve: WARNING: listening on {host}: every device on the network can reach this server, over "
+              "plain HTTP (passwords and chats cross the network unencrypted)", file=sys.stderr)  # fmt: skip
+    if not store.members():
+        print("serve: no members yet: python -m serve member add NAME --role admin", file=sys.stderr)
+    print(f"serve: model {model_id!r} at http://{host}:{port}/ (database {settings['database']})", flush=True)
+    uvicorn_config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=2)
+    uvicorn.Server(uvicorn_config).run(sockets=[sock])
+    return 0
+
+
+def main(argv):
+    problem = config.undecodable_argument(argv)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    try:
+        if argv and argv[0] == "member":
+            return serve_accounts.member_main(argv[1:], load_settings, DEFAULT_CONFIG)
+        return serve_main(argv)
+    except (ServeError, serve_accounts.AccountError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,364 @@
+"""
+serve/app.py's model worker: continuous batching. One decode thread keeps up to serve.max_batch answers going
+at once as the rows of a model.Decoder. Each step samples every row's next token (with the row's own
+temperature, top_p, top_k, seeded generator and constraint), streams it to the request as whole characters
+(sample.StreamDecoder), and feeds the rows that go on their tokens in one batched forward pass. A new job
+joins at the next step (its prompt prefilled on its own into a free slot); a finished, cancelled or failed
+one leaves at once and frees its slot. Jobs wait for a slot in a bounded queue (a full queue raises Busy,
+which the server answers with 503 and Retry-After). A row's tokens do not depend on the other rows
+(model.Transformer.decode_step), so an answer is the one the request gets alone. With max_batch 1 the
+worker answers one request at a time, as it did before batching.
+
+An agent turn runs agent/tools.py's loop on a thread of its own: each of its generations joins the batch as a
+row, and while the server's tools run (on that thread) it holds no slot and the other rows go on decoding.
+Knows nothing of HTTP: serve/app.py (with serve/openai_api.py) checks requests, renders prompts and shapes the
+answers.
+"""
+
+import asyncio
+import collections
+import sys
+import threading
+import time
+
+from agent import grammar as agent_grammar
+from agent import tools as agent
+from chat import template as chat
+
+
+class Job:
+    """One answer: the worker sends ("text", piece) events, then ("done", finish_reason, completion tokens,
+    prompt tokens) or ("error", message), to the request's event loop. cancel() makes the worker stop at
+    the next token (its "done" then has finish_reason None). With `turn` = (agent.Agent, messages) the
+    answer is an agent turn: the server's tools run between generations (prompt_ids is then only the first
+    prompt, already checked against the context). `constraint` (None, or an object with mask(logits) ->
+    logits and accept(token), see model.Decoder.sample) steers every token of the job's generations, in
+    order: serve/app.py gives one to a plain answer offered client tools. An agent turn without one gets
+    agent_grammar's for the tools each of its generations offers."""
+
+    def __init__(
+        self, loop, prompt_ids, max_tokens, temperature, top_p, top_k, seed, turn=None, constraint=None
+    ):
+        self.loop, self.events = loop, asyncio.Queue()
+        self.prompt_ids, self.max_tokens, self.turn = prompt_ids, max_tokens, turn
+        self.temperature, self.top_p, self.top_k, self.seed = temperature, top_p, top_k, seed
+        self.constraint = constraint
+        self.cancelled = threading.Event()
+        self.reserved = False  # an agent turn holding a slot for its first generation (the worker's)
+
+    def send(self, *event):
+        if not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+
+    def cancel(self):
+        self.cancelled.set()
+
+
+class Generation:
+    """One generation of a job as a row of the batch: from prompt_ids, its text to write(piece). When it
+    ends, finish is "stop", "length" or None (cancelled), or failed is True; count is its tokens; then
+    on_end(generation) runs on the decode thread."""
+
+    def __init__(self, job, prompt_ids, write, on_end, constraint=None):
+        self.job, self.prompt_ids, self.write, self.on_end = job, prompt_ids, write, on_end
+        self.constraint = constraint
+        self.finish, self.failed, self.count = None, False, 0
+        self.row = self.text = None
+
+
+class Cancelled(Exception):
+    """The job was cancelled while the agent loop was generating."""
+
+
+class GenerationFailed(Exception):
+    """A generation of an agent turn failed in the decode thread (already logged there)."""
+
+
+class Busy(Exception):
+    """The worker's queue is full; the request may be retried shortly."""
+
+
+class Worker:
+    def __init__(self, model, tokenizer, queue_size, max_batch=1):
+        self.model, self.tokenizer = model, tokenizer
+        self.queue_size, self.max_batch = queue_size, max_batch
+        self.stop_ids = {tokenizer.special_ids["<|end|>"], tokenizer.eos_id}
+        self.decoder = model.decoder(max_batch, allocate=True)  # the KV cache of every slot, now
+        self.decoder_of = model
+        self.lock = threading.Condition()
+        self.waiting = collections.deque()  # jobs not started yet, at most queue_size
+        self.resumed = collections.deque()  # agent turns' next generations: they take a slot first
+        self.reserved = 0  # slots held for agent turns started but not yet generating
+        self.turns = 0  # agent turn threads running
+        self.active = []  # the batch: generations holding a slot
+        self.closing = False
+        self.stats = {
+            "answered": 0,
+            "cancelled": 0,
+            "refused_busy": 0,
+            "generated_tokens": 0,
+            "tool_calls": 0,
+            "steps": 0,
+            "peak_active": 0,
+        }
+        # Seconds with at least one row in the batch (prefills and steps): what the same answers cost
+        # without HTTP. generated_tokens / generate_s is the worker's rate while busy.
+        self.stats["generate_s"] = 0.0
+        self.thread = threading.Thread(target=self.loop, name="model-worker", daemon=True)
+        self.thread.start()
+
+    # --- what serve/app.py calls, from the event loop
+
+    def submit(self, job):
+        """Queue the job, or raise Busy when the queue is full."""
+        with self.lock:
+            if len(self.waiting) >= self.queue_size:
+                self.stats["refused_busy"] += 1
+                raise Busy
+            self.waiting.append(job)
+            self.lock.notify()
+
+    def status(self):
+        """The counters, with the slots in use and the jobs waiting (GET /api/server)."""
+        with self.lock:
+            stats = dict(self.stats) | {"slots": self.max_batch, "active": len(self.active),
+                                        "queued": len(self.waiting)}  # fmt: skip
+        stats["tokens_per_s"] = (
+            round(stats["generated_tokens"] / stats["generate_s"], 1) if stats["generate_s"] else 0.0
+        )
+        return stats
+
+    def close(self):
+        """Let the worker finish the jobs it has (running, queued, agent turns) and end."""
+        with self.lock:
+            self.closing = True
+            self.lock.notify()
+        self.thread.join()
+
+    # --- the decode thread
+
+    def loop(self):
+        while True:
+            with self.lock:
+                while not self.ready():
+                    if self.closing and not self.waiting and not self.turns:
+                        return
+                    self.lock.wait()
+                starting = self.take()
+                self.stats["peak_active"] = max(self.stats["peak_active"], len(self.active) + len(starting))
+            started = time.perf_counter()
+            for generation in starting:
+                self.prefill(generation)
+            if self.active:
+                self.step()
+            self.stats["generate_s"] += time.perf_counter() - started
+
+    def free_slots(self):
+        return self.max_batch - len(self.active) - self.reserved
+
+    def ready(self):
+        """Whether there is a batch to step or something that may start now (held by the lock)."""
+        free = self.free_slots()
+        resumable = any(free > 0 or generation.job.reserved for generation in self.resumed)
+        return bool(self.active) or resumable or (bool(self.waiting) and free > 0)
+
+    def take(self):
+        """Generations to start now, as many as there are free slots (held by the lock): agent turns'
+        next generations first, then new jobs in order. An agent job starts its thread and holds a slot
+        (reserved) until its first generation takes it."""
+        free, starting = self.free_slots(), []
+        for generation in list(self.resumed):
+            if generation.job.reserved:
+                generation.job.reserved = False
+                self.reserved -= 1
+            elif free > 0:
+                free -= 1
+            else:
+                continue
+            self.resumed.remove(generation)
+            starting.append(generation)
+        while self.waiting and free > 0:
+            job = self.waiting.popleft()
+            free -= 1
+            if job.turn is None:
+                starting.append(Generation(job, job.prompt_ids, lambda piece, job=job: job.send("text", piece),
+                                           self.answer_ended, job.constraint))  # fmt: skip
+            elif job.cancelled.is_set():
+                free += 1
+                self.stats["cancelled"] += 1
+                job.send("done", None, 0, len(job.prompt_ids))
+            else:
+                job.reserved = True
+                self.reserved += 1
+                self.turns += 1
+                threading.Thread(target=self.agent_turn, args=(job,), name="agent-turn", daemon=True).start()
+        return starting
+
+    def prefill(self, generation):
+        import torch
+
+        from sample import StreamDecoder
+
+        job = generation.job
+        if job.cancelled.is_set():
+            return self.end(generation, None)
+        top_p = job.top_p if job.top_p < 1 else None
+        try:
+            if self.decoder_of is not self.model and not self.active:  # the model was swapped (tests)
+                self.decoder = self.model.decoder(self.max_batch, allocate=True)
+                self.decoder_of = self.model
+            generation.row = self.decoder.add(
+                generation.prompt_ids, job.temperature, job.top_k, top_p,
+                torch.Generator().manual_seed(job.seed), generation.constraint,
+            )  # fmt: skip
+        except Exception as e:
+            return self.fail([generation], e)
+        generation.text = StreamDecoder(self.tokenizer)
+        self.active.append(generation)
+
+    def step(self):
+        """Each row's next token, then one forward pass for the rows that go on."""
+        going_on = {}
+        for generation in list(self.active):
+            if generation.job.cancelled.is_set():
+                self.end(generation, None)
+                continue
+            try:
+                token = self.decoder.sample(generation.row)
+            except Exception as e:
+                self.fail([generation], e)
+                continue
+            generation.count += 1
+            self.stats["generated_tokens"] += 1
+            if token in self.stop_ids:
+                self.end(generation, "stop")
+                continue
+            piece = generation.text.push(token)
+            if piece:
+                generation.write(piece)
+            if generation.count >= generation.job.max_tokens:
+                self.end(generation, "length")
+            else:
+                going_on[generation.row] = token
+        if going_on:
+            try:
+                self.decoder.advance(going_on)
+            except Exception as e:  # one forward pass for them all: every row in it failed
+                self.fail([g for g in self.active if g.row in going_on], e)
+            self.stats["steps"] += 1
+
+    def leave(self, generation):
+        if generation.row is not None:
+            self.decoder.remove(generation.row)
+        if generation in self.active:
+            self.active.remove(generation)
+
+    def end(self, generation, finish):
+        self.leave(generation)
+        generation.finish = finish
+        if finish is not None:
+            tail = generation.text.flush()
+            if tail:
+                generation.write(tail)
+        generation.on_end(generation)
+
+    def fail(self, generations, error):
+        """A failed generation answers its own request; the worker and the other rows live on."""
+        print(f"serve: generation failed: {type(error).__name__}: {error}", file=sys.stderr)
+        for generation in generations:
+            self.leave(generation)
+            generation.failed = True
+            generation.on_end(generation)
+
+    def answer_ended(self, generation):
+        job = generation.job
+        if generation.failed:
+            job.send("error", "generation failed on the server")
+            return
+        self.stats["answered" if generation.finish else "cancelled"] += 1
+        job.send("done", generation.finish, generation.count, len(job.prompt_ids))
+
+    # --- agent turns, each on its own thread
+
+    def agent_turn(self, job):
+        ended = None
+        try:
+            finish, count, prompt_tokens = self.run_turn(job)
+            ended = ("done", finish, count, prompt_tokens)
+        except GenerationFailed:
+            pass
+        except Exception as e:  # the loop or a tool broke: this request fails, the worker lives on
+            print(f"serve: agent turn failed: {type(e).__name__}: {e}", file=sys.stderr)
+        finally:
+            with self.lock:
+                if ended:
+                    self.stats["answered" if ended[1] else "cancelled"] += 1
+                self.turns -= 1
+                if job.reserved:
+                    job.reserved = False
+                    self.reserved -= 1
+                self.lock.notify()
+            job.send(*(ended or ("error", "generation failed on the server")))
+
+    def generate(self, job, prompt_ids, write, constraint=None):
+        """One generation of an agent turn, as a row of the batch: waits for it and returns (finish_reason,
+        tokens generated); raises GenerationFailed when it failed."""
+        ended = threading.Event()
+        generation = Generation(job, prompt_ids, write, lambda _: ended.set(), constraint)
+        with self.lock:
+            self.resumed.append(generation)
+            self.lock.notify()
+        ended.wait()
+        if generation.failed:
+            raise GenerationFailed
+        return generation.finish, generation.count
+
+    def run_turn(self, job):
+        """agent/tools.py's loop with this model: each generation streams its text up to its first <tool_call>;
+        the tools run here, between generations. Returns (finish_reason, completion tokens, prompt tokens)."""
+        agent_of_turn, messages = job.turn
+        totals = {"prompt": 0, "completion": 0, "finish": "stop", "shown": "", "any": False}
+
+        def show(new, shown):
+            """Send new text; a blank line separates the texts of successive generations."""
+            job.send("text", ("\n\n" if totals["any"] and not shown else "") + new)
+            totals["any"] = True
+
+        def generate(conversation):
+            ids, _ = chat.render(conversation, self.tokenizer, for_generation=True)
+            pieces, shown = [], ""
+
+            def write(piece):
+                nonlocal shown
+                pieces.append(piece)
+                visible = "".join(pieces).split(agent.CALL_OPEN)[0].removesuffix("\n")
+                if len(visible) > len(shown):
+                    show(visible[len(shown) :], shown)
+                    shown = visible
+
+            constraint = job.constraint or agent_grammar.constraint_for(
+                self.tokenizer, conversation.get("tools"), agent_of_turn.settings, job.max_tokens
+            )
+            finish, count = self.generate(job, ids, write, constraint)
+            totals["prompt"] += len(ids)
+            totals["completion"] += count
+            if finish is None:
+                raise Cancelled
+            text = "".join(pieces)
+            if agent.CALL_OPEN not in text and len(text) > len(shown):
+                show(text[len(shown) :], shown)
+                shown = text
+            else:
+                self.stats["tool_calls"] += text.count(agent.CALL_OPEN)
+            totals["finish"], totals["shown"] = finish, shown
+            return text
+
+        try:
+            answer = agent_of_turn.run_turn(messages, generate)[-1]["content"]
+        except Cancelled:
+            return None, totals["completion"], totals["prompt"]
+        shown = totals["shown"].strip()  # the final answer is the last reply, stripped, plus any sources
+        rest = answer[len(shown) :] if answer.startswith(shown) else ("\n\n" if shown else "") + answer
+        if rest:
+            show(rest, shown)
+        return totals["finish"], totals["completion"], totals["prompt"]
