@@ -24,6 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
+import hardware
 import model
 import train
 from bench.common import ROOT, layer
@@ -244,14 +245,14 @@ def bench_model():
     """Every contender at every shape, each in its own process, trained with the same AdamW on the same
     random tokens: tokens/s, the process's peak resident memory, ratios to nanoGPT and transformers'
     Qwen3; torch.compile's cost and when it pays; the LM head + loss's own peak memory. MFU divides each
-    model's 6 x parameters + attention FLOPs by train.measure_peak_tflops, the figure a run's log uses."""
+    model's 6 x parameters + attention FLOPs by hardware.measure_peak_tflops, the figure a run's log uses."""
     runs = len(SHAPES) * (len(CONTENDERS) + len(LOSSES))
     print(
         f"model: {runs} fresh processes, {len(SHAPES)} shapes (about 15 minutes on an idle 2-core CPU)",
         flush=True,
     )
     load_before = load_average()
-    peak = train.measure_peak_tflops(torch.device("cpu")) * 1e12
+    peak = hardware.measure_peak_tflops(torch.device("cpu")) * 1e12
     for shape in SHAPES:
         cfg, micro_batch, _, rounds = shape_config(shape)
         rows = {label: run_child("step", shape, label) for label in CONTENDERS}
