@@ -113,11 +113,18 @@ _measured_peak_tflops = {}
 
 @dataclass
 class Hardware:
+    """The run's hardware section, read once and set up on this machine by setup_hardware(): what builds
+    the model, runs a step or logs the run takes it from here, never from cfg["hardware"] again."""
+
     device: torch.device
+    dtype: str  # the profile's: float32, bfloat16 or float16 (the autocast dtype)
     autocast: object  # a callable returning a context manager
     scaler: torch.amp.GradScaler
     attention_backend: str
-    peak_tflops: float
+    loss_chunk_size: int  # positions per chunk of the LM head + loss; 0: the full logits
+    compile: bool  # wrap the model in torch.compile
+    memory_gib: float | None  # what a step may use (microbatch.py's estimate); None: not checked
+    peak_tflops: float  # the profile's, or measured here: the MFU reference
     description: str
 
 
@@ -147,7 +154,18 @@ def setup_hardware(profile, local_rank=0, caps=None):
         if key not in _measured_peak_tflops:
             _measured_peak_tflops[key] = measure_peak_tflops(device, key[1])
         peak = _measured_peak_tflops[key]
-    return Hardware(device, autocast, scaler, profile["attention_backend"], peak, description)
+    return Hardware(
+        device=device,
+        dtype=profile["dtype"],
+        autocast=autocast,
+        scaler=scaler,
+        attention_backend=profile["attention_backend"],
+        loss_chunk_size=profile["loss_chunk_size"],
+        compile=profile["compile"],
+        memory_gib=profile["memory_gib"],
+        peak_tflops=peak,
+        description=description,
+    )
 
 
 # -----------------------------------------------------------------------------
@@ -169,14 +187,16 @@ class Dist:
         return self.rank == 0
 
 
-def init_distributed(device_kind, timeout_s):
+def init_distributed(profile, timeout_s):
+    """This process's place in torchrun's job, the process group joined (nccl for a cuda profile, gloo
+    on the CPU); a lone process without torchrun's variables."""
     if "RANK" not in os.environ:
         return Dist()
     ctx = Dist(int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"]))
     # A collective that waits longer than the timeout raises instead of hanging, so a crashed rank ends
     # the whole job (torchrun then stops the rest).
     dist.init_process_group(
-        backend="nccl" if device_kind == "cuda" else "gloo",
+        backend="nccl" if profile["device"] == "cuda" else "gloo",
         timeout=datetime.timedelta(seconds=timeout_s),
     )
     return ctx

@@ -245,10 +245,9 @@ class StopRequest:
             signal.signal(sig, handler)
 
 
-def memory_line(model_cfg, batch, profile):
-    """The step's estimated peak memory against the profile's memory_gib (microbatch.py), and what to
-    change when it does not fit."""
-    dtype, chunk, memory_gib = profile["dtype"], profile["loss_chunk_size"], profile["memory_gib"]
+def memory_line(model_cfg, batch, dtype, chunk, memory_gib):
+    """The step's estimated peak memory (microbatch.py) for the profile's dtype and loss chunks against
+    its memory_gib, and what to change when it does not fit."""
     peak = train_memory.step_peak_bytes(model_cfg, batch, dtype, chunk) / train_memory.GIB
     fits = train_memory.largest_micro_batch(model_cfg, dtype, chunk, memory_gib * train_memory.GIB)
     line = (
@@ -330,11 +329,11 @@ def train(cfg, resume=False, stop_after=None, log=print, handle_signals=True):
     """Train `cfg` (a resolved config). Returns the final step. `stop_after` ends the run as an
     interruption would (checkpoint, no final eval): used by --resume-check, which also passes
     handle_signals=False so that SIGINT/SIGTERM reach its own handler instead of ending one phase."""
-    train_cfg, profile = cfg["train"], cfg["hardware"]
-    ctx = init_distributed(profile["device"], train_cfg["dist_timeout_s"])
+    ctx = init_distributed(cfg["hardware"], cfg["train"]["dist_timeout_s"])
     try:
+        hardware = setup_hardware(cfg["hardware"], ctx.local_rank)  # the one read of the section
         quiet = lambda *a, **k: None
-        step = _train(cfg, ctx, resume, stop_after, log if ctx.is_main else quiet, handle_signals)
+        step = _train(cfg, ctx, hardware, resume, stop_after, log if ctx.is_main else quiet, handle_signals)
         if ctx.enabled:
             dist.barrier()  # rank 0 may still be sampling: no rank tears down gloo under a busy peer
         return step
@@ -449,11 +448,10 @@ class Run:
         return self.cfg["train"]["objective"] == "dpo"
 
 
-def setup(cfg, ctx, resume, log):
+def setup(cfg, ctx, hardware, resume, log):
     """The run, ready for its first step: a fresh one seeded the same on every rank, a resumed one in the
     state its checkpoint saved, a fine-tuning one with the weights of train.init_from."""
-    model_cfg, train_cfg, profile = cfg["model"], cfg["train"], cfg["hardware"]
-    hardware = setup_hardware(profile, ctx.local_rank)
+    model_cfg, train_cfg = cfg["model"], cfg["train"]
     run_dir = run_dir_of(cfg)
     ckpt_path, checkpoint = previous_run(cfg, ctx, run_dir, resume, log)
     init = init_checkpoint(cfg, log) if checkpoint is None and train_cfg["init_from"] else None
@@ -467,7 +465,7 @@ def setup(cfg, ctx, resume, log):
     tokenizer, tokenizer_record = run_tokenizer(cfg, ckpt_path, checkpoint)
     benchmark = training_eval(cfg, ctx, tokenizer, hardware, log)
     model = Transformer(
-        model_cfg, attention_backend=hardware.attention_backend, loss_chunk_size=profile["loss_chunk_size"]
+        model_cfg, attention_backend=hardware.attention_backend, loss_chunk_size=hardware.loss_chunk_size
     ).to(hardware.device)
     optimizer = build_optimizer(model, train_cfg, hardware.device)
     loader = data.build_loader(
@@ -488,7 +486,7 @@ def setup(cfg, ctx, resume, log):
     elif run.dpo:  # the weights just loaded from init_from, before any step
         run.reference = train_dpo.reference_log_probs(model, cfg, hardware, ctx, log)
 
-    run.model = torch.compile(model) if profile["compile"] else model
+    run.model = torch.compile(model) if hardware.compile else model
     if ctx.enabled:
         run.model = torch.nn.parallel.DistributedDataParallel(
             run.model, device_ids=[ctx.local_rank] if hardware.device.type == "cuda" else None
@@ -514,14 +512,14 @@ def restore(run, ckpt_path, checkpoint):
 def start_log(run):
     """Rank 0 writes the resolved config.yaml and says what trains where, with which batch."""
     cfg, ctx, hardware, log = run.cfg, run.ctx, run.hardware, run.log
-    model_cfg, train_cfg, profile = cfg["model"], cfg["train"], cfg["hardware"]
+    model_cfg, train_cfg = cfg["model"], cfg["train"]
     batch, seq_len, accum = train_cfg["micro_batch_size"], model_cfg["seq_len"], train_cfg["grad_accum_steps"]
     fileio.write_atomic(
         os.path.join(run.run_dir, "config.yaml"), lambda f: f.write(config.dump(cfg).encode())
     )
     log(
         f"run {cfg['run_name']}: {run.raw_model.num_params() / 1e6:.2f}M parameters on "
-        f"{hardware.description}, {profile['dtype']}, attention {hardware.attention_backend}, "
+        f"{hardware.description}, {hardware.dtype}, attention {hardware.attention_backend}, "
         f"matmul peak {hardware.peak_tflops:.3g} TFLOP/s (MFU reference)"
     )
     if run.dpo:
@@ -535,8 +533,8 @@ def start_log(run):
             f"global batch {batch * seq_len * accum * ctx.world_size} tokens = {ctx.world_size} ranks x {batch} "
             f"sequences x {seq_len} tokens x {accum} accumulation; {train_cfg['max_steps']} steps"
         )
-    if profile["memory_gib"] is not None and not run.dpo:  # the estimate models a next-token step
-        log(memory_line(model_cfg, batch, profile))
+    if hardware.memory_gib is not None and not run.dpo:  # the estimate models a next-token step
+        log(memory_line(model_cfg, batch, hardware.dtype, hardware.loss_chunk_size, hardware.memory_gib))
 
 
 # -----------------------------------------------------------------------------
@@ -710,9 +708,9 @@ def write_checkpoint(run):
 # The loop
 
 
-def _train(cfg, ctx, resume, stop_after, log, handle_signals):
+def _train(cfg, ctx, hardware, resume, stop_after, log, handle_signals):
     train_cfg = cfg["train"]
-    run = setup(cfg, ctx, resume, log)
+    run = setup(cfg, ctx, hardware, resume, log)
     if ctx.is_main:
         start_log(run)
     run.metrics = Metrics(run.run_dir, ctx, run.step)

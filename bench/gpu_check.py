@@ -351,7 +351,7 @@ def nondeterministic_ops(cfg):
     model = Transformer(
         cfg["model"],
         attention_backend=board.attention_backend,
-        loss_chunk_size=cfg["hardware"]["loss_chunk_size"],
+        loss_chunk_size=board.loss_chunk_size,
     ).to(board.device)  # built as train.py builds it, so the probe runs the training step's kernels
     shape = (cfg["train"]["micro_batch_size"], cfg["model"]["seq_len"])
     x, y = (torch.randint(0, cfg["model"]["vocab_size"], shape, device=board.device) for _ in range(2))

@@ -38,7 +38,8 @@ SHAPES = {
     "tiny-50m T512": ("tiny-50m", {"seq_len": 512}, 8, 1, 3),
     "tiny-50m T1024": ("tiny-50m", {}, 4, 1, 3),
 }
-CHUNK = layer("hardware", "cpu")["loss_chunk_size"]
+CPU = layer("hardware", "cpu")  # the profile every row trains with, read once
+CHUNK = CPU["loss_chunk_size"]
 CONTENDERS = [
     "nanoGPT",
     "transformers Qwen3",
@@ -113,7 +114,7 @@ def qwen3_twin(model_cfg):
 
 def contender(label, cfg):
     """(module, loss_of(module, idx, targets)) of one row of the table, as the cpu profile trains it."""
-    backend = layer("hardware", "cpu")["attention_backend"]
+    backend = CPU["attention_backend"]
     if label == "nanoGPT":
         return NanoGPT(cfg), lambda net, idx, targets: net(idx, targets)
     if label == "transformers Qwen3":
@@ -324,7 +325,7 @@ def uncached_rate(net, prompt, new_tokens):
 def bench_decode():
     """tiny-50m (random weights, the cpu profile's kernel) at 128 and ~1024 tokens of context, and the
     smoke model generating 4 x seq_len tokens, which makes generate restart its cache every seq_len / 2."""
-    backend = layer("hardware", "cpu")["attention_backend"]
+    backend = CPU["attention_backend"]
     torch.manual_seed(0)
     tiny = model.Transformer(layer("model", "tiny-50m"), backend).eval()
     generated, uncached_tokens = 32, 4
