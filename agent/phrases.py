@@ -8,6 +8,7 @@ are data, the functions only pick and inflect.
 """
 
 import math
+import re
 
 # -----------------------------------------------------------------------------
 # Places and time zones (the zone is what fecha_hora takes)
@@ -245,7 +246,8 @@ CALCULATIONS = (
     {"questions": ("¿Cuánto es {a} por {b}?", "Calcula {a} × {b}", "{a} x {b}", "¿{a} por {b}?",
                    "¿Cuánto da {a} multiplicado por {b}?", "Multiplica {a} por {b}", "¿Me dices cuánto es {a}*{b}?",
                    "Necesito saber cuánto es {a} por {b}", "¿Y {a} por {b}? ¿Cuánto sale?",
-                   "Hazme esta cuenta: {a} por {b}"),
+                   "Hazme esta cuenta: {a} por {b}",
+                   "{a} y {b}: son las dos cifras que tengo apuntadas en la libreta desde ayer, ¿cuánto da si las multiplico?"),
      "expression": "{a}*{b}",
      "answers": ("{a} por {b} son {r}.", "Son {r}.", "El resultado es {r}.", "Da {r}.")},
     {"draws": (lambda rng: {"c": amount(rng)},),
@@ -262,7 +264,8 @@ CALCULATIONS = (
     {"questions": ("¿Cuánto es {a} entre {n}?", "Divide {a} entre {n}", "¿{a} dividido por {n}?",
                    "Somos {n} y la cuenta es de {a} {cur}, ¿cuánto paga cada uno?",
                    "Hay que pagar {a} {cur} entre {n} personas, ¿a cuánto tocamos?",
-                   "Tenemos que repartir {a} {cur} entre {n}, ¿cuánto le toca a cada uno?"),
+                   "Tenemos que repartir {a} {cur} entre {n}, ¿cuánto le toca a cada uno?",
+                   "Una cena de {a} {cur} que al final pagamos a medias entre los {n} que fuimos, ¿a cuánto sale cada uno?"),
      "expression": "{a}/{n}", "answers": ("Sale a {r}.", "Son {r}."),
      "named": ("cur", {"answers": ("Cada uno paga {r} {cur}.",)})},
     {"draws": (draw_shared,),
@@ -272,12 +275,12 @@ CALCULATIONS = (
      "expression": "{t}/{n}", "answers": ("A cada uno le tocan {r} {things}.",)},
     {"questions": ("¿Cuánto es el {p}% de {a}?", "Calcula el {p} por ciento de {a}", "¿Qué es el {p} % de {a} {cur}?",
                    "Sácame el {p}% de {a}", "¿El {p} por ciento de {a} cuánto es?"),
-     "expression": "{a}*{p}/100", "answers": ("El {p} % de {a} es {r}.",)},
+     "expression": "{a}*{p}%", "answers": ("El {p} % de {a} es {r}.",)},
     {"questions": ("Algo cuesta {a} {cur} con un {p}% de descuento, ¿cuánto pago?",
                    "Me rebajan un {p}% sobre {a} {cur}, ¿en cuánto se queda?",
                    "¿Cuánto queda un precio de {a} {cur} con el {p}% de descuento?",
                    "Está a {a} {cur} y le quitan el {p}%, ¿cuánto cuesta ahora?"),
-     "expression": "{a}-{a}*{p}/100", "answers": ("Con el descuento se queda en {r} {cur}.",)},
+     "expression": "{a}-{a}*{p}%", "answers": ("Con el descuento se queda en {r} {cur}.",)},
     {"draws": (draw_bought,),
      "questions": ("Si compro {n} {unit} de {thing} a {price} {cur} cada uno, ¿cuánto pago?",
                    "{n} {unit} de {thing} a {price} {cur}, ¿cuánto es en total?",
@@ -302,10 +305,10 @@ CALCULATIONS = (
      "expression": "{y2}-{y1}", "answers": ("Son {r} años.",)},
     {"questions": ("La cuenta es de {a} {cur}, ¿cuánto es una propina del {p}%?",
                    "¿Cuánto dejo de propina si es el {p}% de {a} {cur}?"),
-     "expression": "{a}*{p}/100", "answers": ("La propina sería de {r} {cur}.",)},
+     "expression": "{a}*{p}%", "answers": ("La propina sería de {r} {cur}.",)},
     {"questions": ("¿Cuánto es {a} euros más el IVA del 21%?", "Ponle el IVA del 21% a {a} euros",
                    "{a} € con IVA (21%), ¿cuánto es?"),
-     "expression": "{a}*121/100", "answers": ("Con el IVA son {r} euros.",)},
+     "expression": "{a}+{a}*21%", "answers": ("Con el IVA son {r} euros.",)},
     {"draws": (lambda rng: {"v": whole(rng, 4, 130), "h": whole(rng, 2, 12)},),
      "questions": ("A {v} km por hora, ¿cuántos kilómetros hago en {h} horas?",
                    "Si voy a {v} km/h durante {h} horas, ¿cuánto recorro?"),
@@ -358,11 +361,13 @@ NOW = ("¿Qué hora es?", "¿Me dices la hora?", "¿Qué hora es ahora?", "¿Tie
 IN_PLACE = ("¿Qué hora es en {place}?", "¿Qué hora es ahora en {place}?", "Dime la hora de {place}",
             "¿Qué hora tienen en {place}?", "¿Qué horas son en {place}?", "¿Qué hora será ahora en {place}?",
             "Hora en {place}", "¿Me dices qué hora es en {place}?", "¿Es muy tarde en {place}? ¿Qué hora es allí?",
-            "Quiero llamar a {place}, ¿qué hora es allá?", "¿Qué día es ahora en {place}?")  # fmt: skip
+            "Quiero llamar a {place}, ¿qué hora es allá?", "¿Qué día es ahora en {place}?",
+            "{place}: allí vive mi hermana desde hace años y quiero llamarla sin despertarla, ¿qué hora es ahora?")  # fmt: skip
 AHEAD = ("¿Qué día será dentro de {n} días?", "¿Qué fecha cae dentro de {n} días?", "¿Qué día es en {n} días?",
          "Dentro de {n} días, ¿qué fecha será?", "¿Qué fecha será de aquí a {n} días?",
          "Si cuento {n} días desde hoy, ¿qué día es?", "Tengo un plazo de {n} días, ¿cuándo acaba?",
-         "¿En qué fecha estaremos dentro de {n} días?")  # fmt: skip
+         "¿En qué fecha estaremos dentro de {n} días?",
+         "{n} días de plazo me han dado en el banco para llevar los papeles, contando desde hoy: ¿qué fecha será?")  # fmt: skip
 AGO = ("¿Qué día fue hace {n} días?", "¿Qué fecha era hace {n} días?", "Hace {n} días, ¿qué día era?",
        "¿Qué día fue hace {n} días exactamente?", "Si resto {n} días a hoy, ¿qué fecha sale?")  # fmt: skip
 NEAR = ((1, ("¿Qué día es mañana?", "¿Qué fecha es mañana?", "Mañana, ¿qué día será?")),
@@ -399,7 +404,8 @@ def date_case(rng):
 
 
 # -----------------------------------------------------------------------------
-# buscar_web: subjects, each (question templates, query, result title, url, snippet, answer)
+# buscar_web: subjects, each (question templates, result title, url, snippet, answer); the query is the
+# question's own words (keywords)
 
 SKIES = ("cielo despejado", "nubes y claros", "lluvia débil", "tormentas por la tarde", "niebla por la mañana",
          "chubascos", "viento fuerte", "cielo cubierto", "sol y calor", "nieve en las zonas altas")  # fmt: skip
@@ -416,70 +422,71 @@ EVENTS = ("la feria", "las fiestas patronales", "el carnaval", "la Semana Santa"
           "la noche de San Juan", "el desfile de Reyes", "la feria del libro", "el festival de música")  # fmt: skip
 SEARCHES = (
     (("¿Qué tiempo hará mañana en {town}?", "¿Va a llover mañana en {town}?", "Busca el tiempo de {town} para mañana",
-      "¿Qué tal el clima en {town} mañana?", "¿Hará frío mañana en {town}?"),
-     "tiempo mañana {town}", "El tiempo en {town}", "www.eltiempo.es/{slug}.html",
+      "¿Qué tal el clima en {town} mañana?", "¿Hará frío mañana en {town}?",
+      "{town}, que es adonde vamos mañana de excursión con los niños del colegio: ¿qué tiempo hará?"),
+     "El tiempo en {town}", "www.eltiempo.es/{slug}.html",
      "Mañana en {town}: {sky}, máxima de {t} grados y mínima de {low}.",
      "Según [1], mañana en {town} habrá {sky}, con máximas de {t} grados."),
     (("¿Hay alguna farmacia de guardia hoy en {town}?", "Busca la farmacia de guardia de {town}",
       "¿Qué farmacia está abierta esta noche en {town}?"),
-     "farmacia de guardia {town}", "Farmacias de guardia en {town}", "www.farmaciasdeguardia.es/{slug}",
+     "Farmacias de guardia en {town}", "www.farmaciasdeguardia.es/{slug}",
      "Hoy está de guardia la farmacia de la calle Mayor, {n}, abierta las 24 horas.",
      "Según [1], hoy está de guardia la farmacia de la calle Mayor, {n}."),
     (("¿A qué hora abre {place} de {town}?", "Busca el horario de {place} de {town}",
       "¿{place} de {town} abre los sábados?", "¿Cuál es el horario de {place} en {town}?"),
-     "horario {place_q} {town}", "{Place} de {town}: horarios", "www.{slug}.es/horarios",
+     "{Place} de {town}: horarios", "www.{slug}.es/horarios",
      "Abre de lunes a viernes de {h1}:00 a {h2}:00 y los sábados de 10:00 a 14:00.",
      "Según [1], abre de lunes a viernes de {h1}:00 a {h2}:00 y los sábados por la mañana."),
     (("¿Cuándo es {event} de {town} este año?", "Busca las fechas de {event} de {town}",
       "¿Qué días son {event} en {town}?"),
-     "{event_q} {town} fechas", "{Event} de {town}: programa", "www.turismo{slug}.es/agenda",
+     "{Event} de {town}: programa", "www.turismo{slug}.es/agenda",
      "{Event} de {town} se celebra del {d1} al {d2} de {month}, con conciertos y actividades.",
      "Según [1], {event} de {town} es del {d1} al {d2} de {month}."),
     (("¿Cuánto cuesta la entrada del museo de {town}?", "¿Es gratis el museo de {town}?",
       "Mira el precio de la entrada al museo de {town}"),
-     "precio entrada museo {town}", "Museo de {town}: tarifas", "www.museo{slug}.es/visita",
+     "Museo de {town}: tarifas", "www.museo{slug}.es/visita",
      "Entrada general: {t} euros. Menores de 12 años y mayores de 65, gratis.",
      "Según [1], la entrada general cuesta {t} euros; menores de 12 y mayores de 65 entran gratis."),
     (("¿Cuándo juega el {team}?", "¿A qué hora es el partido del {team}?", "Busca el próximo partido del {team}",
       "¿Cómo quedó el {team} ayer?"),
-     "partido {team}", "{team}: calendario y resultados", "www.resultados-futbol.com/{slug}",
+     "{team}: calendario y resultados", "www.resultados-futbol.com/{slug}",
      "Próximo partido del {team}: el domingo a las {h2}:00. El último lo ganó {g1}-{g2}.",
      "Según [1], el {team} juega el domingo a las {h2}:00; el último partido lo ganó {g1}-{g2}."),
     (("¿Qué películas echan en los cines de {town}?", "Busca la cartelera de cine de {town}",
       "¿Qué ponen hoy en el cine en {town}?"),
-     "cartelera cines {town}", "Cartelera de cine en {town}", "www.cartelera.es/{slug}",
+     "Cartelera de cine en {town}", "www.cartelera.es/{slug}",
      "Hoy en {town}: {n} películas en cartel, con sesiones desde las {h1}:00.",
      "Según [1], hoy hay {n} películas en cartel en {town}, con sesiones desde las {h1}:00."),
     (("¿A cuánto está la gasolina en {town}?", "Busca el precio del diésel en {town}",
       "¿Dónde está más barata la gasolina en {town}?"),
-     "precio gasolina {town}", "Precio del combustible en {town}", "www.preciocombustible.com/{slug}",
+     "Precio del combustible en {town}", "www.preciocombustible.com/{slug}",
      "La gasolina más barata de {town} está a 1,{n} el litro en la gasolinera de la avenida principal.",
      "Según [1], la gasolina más barata en {town} está a 1,{n} el litro."),
     (("¿A qué hora sale el último autobús de {town} a {town2}?", "Busca el horario del tren de {town} a {town2}",
       "¿Cuánto tarda el tren de {town} a {town2}?"),
-     "horario {town} {town2}", "Horarios {town} - {town2}", "www.horarios.es/{slug}",
+     "Horarios {town} - {town2}", "www.horarios.es/{slug}",
      "Último servicio de {town} a {town2} a las {h2}:30; el viaje dura {n} minutos.",
      "Según [1], el último sale de {town} a {town2} a las {h2}:30 y tarda {n} minutos."),
     (("¿Qué ha pasado hoy con {topic}?", "Busca noticias de {topic}", "¿Hay novedades sobre {topic}?",
       "Mira qué dicen las noticias de {topic}"),
-     "noticias {topic_q}", "Última hora: {topic}", "www.noticias.es/{slug}",
+     "Última hora: {topic}", "www.noticias.es/{slug}",
      "Las últimas noticias sobre {topic}: novedades importantes esta mañana, según fuentes oficiales.",
      "Según [1], hay novedades sobre {topic} esta mañana."),
     (("¿Cuál es el teléfono del ayuntamiento de {town}?", "Busca el teléfono de atención ciudadana de {town}"),
-     "teléfono ayuntamiento {town}", "Ayuntamiento de {town}: contacto", "www.{slug}.es/contacto",
+     "Ayuntamiento de {town}: contacto", "www.{slug}.es/contacto",
      "Atención ciudadana: 010, o 9{n}0 {n}{n} 00 desde fuera del municipio.",
      "Según [1], el teléfono de atención ciudadana es el 010."),
     (("¿Cuándo abre la piscina de verano en {town}?", "Busca cuándo abren las piscinas de {town}"),
-     "apertura piscinas {town}", "Piscinas de verano de {town}", "www.deportes{slug}.es/piscinas",
+     "Piscinas de verano de {town}", "www.deportes{slug}.es/piscinas",
      "Las piscinas de verano de {town} abren el {d1} de junio, de 11:00 a {h2}:00.",
      "Según [1], las piscinas de {town} abren el {d1} de junio."),
     (("¿Qué restaurantes abren el domingo en {town}?", "Busca un sitio para comer en {town} el domingo"),
-     "restaurantes abiertos domingo {town}", "Dónde comer en {town}", "www.guiagastro.es/{slug}",
+     "Dónde comer en {town}", "www.guiagastro.es/{slug}",
      "En {town} abren el domingo {n} restaurantes del centro; casi todos piden reserva.",
      "Según [1], en {town} abren el domingo {n} restaurantes del centro y conviene reservar."),
     (("¿A cuánto está el {coin} hoy en {coin2}?", "Busca el cambio de {coin} a {coin2}",
       "¿Cuántos {coin2} es un {coin} hoy?", "¿Cómo está el {coin} frente al {coin2}?"),
-     "cambio {coin} {coin2} hoy", "Cambio de divisas hoy", "www.cambio.es/hoy",
+     "Cambio de divisas hoy", "www.cambio.es/hoy",
      "Hoy el cambio está a 1,{n} por unidad, según el banco central.",
      "Según [1], hoy el cambio está a 1,{n}."),
 )  # fmt: skip
@@ -492,9 +499,29 @@ def slug(text):
     return text.lower().translate(str.maketrans("áéíóúñü ", "aeiounu-"))
 
 
+# Words a search leaves out: asking words, articles and prepositions, and the openers and closers of dress
+NOT_SEARCHED = set(
+    "a al algo alguna alguno allí cómo como con cuál cual cuándo cuando cuánto cuanto cuántos cuantos "
+    "de del dime donde dónde el en es esta está este hay la las lo los me mira mucho muy para por q qué "
+    "que se si sí sobre su tal te un una va y ya busca búscame búscalo dicen sabes necesito saber "
+    "oye hola enlace perdona disculpe oiga buenas ey ver cosa favor gracias muchas porfa porfi xfa eres tan "
+    "amable pregunta"
+    .split()
+)  # fmt: skip
+WORD = re.compile(r"[^\W_]+(?:[-'][^\W_]+)*")
+
+
+def keywords(question):
+    """The question's own words a search needs, in order and as typed: 'Oiga, ¿a qué hora abre el
+    polideportivo de Soria?' -> 'hora abre polideportivo Soria'."""
+    words = WORD.findall(question)
+    return " ".join(word for word in words if word.lower() not in NOT_SEARCHED)
+
+
 def search_case(rng):
-    """(question, query, [(title, url, snippet) of the first result], answer citing [1])."""
-    questions, query, title, url, snippet, answer = rng.choice(SEARCHES)
+    """(question, query: the question's keywords, [(title, url, snippet) of the first result], answer
+    citing [1])."""
+    questions, title, url, snippet, answer = rng.choice(SEARCHES)
     town = rng.choice(TOWNS + list(MULTIWORD_TOWNS))
     values = {
         "town": town, "town2": rng.choice([t for t in TOWNS if t != town]), "place": rng.choice(PLACES),
@@ -509,12 +536,6 @@ def search_case(rng):
         values["event"].capitalize(),
     )
     values["slug"] = slug(values["town"])
-    for key in (
-        "place",
-        "event",
-        "topic",
-    ):  # a query without the article: "horario biblioteca municipal León"
-        values[key + "_q"] = values[key].split(" ", 1)[1]
     question = contract(ask(rng, questions).format(**values))
     question = question[0].upper() + question[1:] if question[0] == "¿" else question
     result = (
@@ -522,7 +543,7 @@ def search_case(rng):
         "https://" + url.format(**values),
         contract(snippet.format(**values)),
     )
-    return question, query.format(**values), result, contract(answer.format(**values))
+    return question, keywords(question), result, contract(answer.format(**values))
 
 
 def contract(text):
@@ -663,7 +684,8 @@ REMEMBER = ("Recuerda que {c}", "Apunta que {c}", "Acuérdate de que {c}", "No t
             "Guarda que {c}", "Anota esto: {c}", "Quiero que recuerdes que {c}", "Toma nota: {c}",
             "Memoriza que {c}", "Guárdame esto: {c}", "Apúntate que {c}", "Que no se te olvide que {c}",
             "Recuérdame que {c}", "Ten presente que {c}", "Para que lo sepas: {c}. Guárdalo",
-            "Apunta en mis recuerdos que {c}")  # fmt: skip
+            "Apunta en mis recuerdos que {c}",
+            "Esto es importante y no quiero que se me olvide: {c}. Guárdalo en mis recuerdos, por favor")  # fmt: skip
 REMEMBER_FAMILY = ("Recuerda para toda la familia que {c}", "Guarda para todos que {c}",
                    "Apunta en los recuerdos de la familia que {c}", "Que lo sepa toda la familia: {c}",
                    "Recuérdale a toda la familia que {c}", "Anota para toda la casa que {c}",
@@ -674,13 +696,16 @@ SEARCH_MEMORY = ("¿Qué te dije de {t}?", "¿Recuerdas {t}?", "¿Tienes apuntad
                  "Busca en mis recuerdos {t}", "¿Te acuerdas de {t}?", "¿Qué tengo guardado sobre {t}?",
                  "Mira en tus recuerdos {t}", "¿Qué te conté de {t}?", "¿Me recuerdas {t}?",
                  "¿Guardaste algo de {t}?", "¿Qué apuntaste sobre {t}?", "Busca lo que te dije de {t}",
-                 "¿Sabes algo de {t}? Creo que te lo dije")  # fmt: skip
+                 "¿Sabes algo de {t}? Creo que te lo dije",
+                 "Sobre {t}, hace tiempo te lo conté y ahora no me acuerdo bien: ¿qué te dije?")  # fmt: skip
 FORGET = ("Olvida {t}", "Borra lo de {t}", "Ya no hace falta que recuerdes {t}", "Quita de tus recuerdos {t}",
           "Olvídate de {t}", "Bórrame lo de {t}", "Elimina {t} de tus recuerdos", "Olvida lo de {t}, ya no sirve",
-          "Borra {t}, que ya no vale")  # fmt: skip
+          "Borra {t}, que ya no vale",
+          "Lo de {t} ya no sirve porque lo hemos cambiado todo esta semana, así que bórralo")  # fmt: skip
 FORGET_NUMBER = ("Olvida el recuerdo {n}", "Borra el recuerdo número {n}", "Elimina el recuerdo {n}",
                  "Quita el recuerdo {n}", "Borra el {n}", "Olvida el número {n}, por favor",
-                 "Puedes borrar el recuerdo {n}?")  # fmt: skip
+                 "Puedes borrar el recuerdo {n}?",
+                 "El recuerdo {n} ya no sirve de nada porque lo hemos cambiado todo, bórralo")  # fmt: skip
 SAVED = ("Hecho, lo he guardado: {x}.", "Guardado: {x}.", "Listo, queda guardado: {x}.",
          "Lo he guardado en tus recuerdos: {x}.", "Apuntado y guardado: {x}.")  # fmt: skip
 SAVED_FAMILY = ("Hecho, lo he guardado para toda la familia: {x}.", "Guardado para toda la familia: {x}.",
