@@ -19,7 +19,7 @@ TRAIN := $(if $(filter 1,$(NPROC)),$(PY),$(VENV)/bin/torchrun --standalone --npr
 
 .PHONY: setup lint check-configs test test-other-cpu clean smoke smoke-2060 pretrain resume-check data-smoke \
 	corpus tokenizer encode corpus-smoke corpus-report smoke-corpus sample chat eval serve bench search agent-data \
-	agent-eval sft-agent sync remote-setup remote-smoke-2060 remote-pretrain logs fetch status chat-prepare sft sft-smoke \
+	agent-eval sft-agent agent-ladder agent-ladder-c agent-ladder-table sync remote-setup remote-smoke-2060 remote-pretrain logs fetch status chat-prepare sft sft-smoke \
 	plot export gguf-check snapshot restore install-service fuzz gpu-check eval-bench report preferences dpo dpo-smoke
 
 setup: $(STAMP)
@@ -255,6 +255,26 @@ sft-agent: corpus-smoke agent-data
 	$(PY) -m chat prepare configs/sft-agent-cpu.yaml
 	$(PY) train.py configs/sft-agent-tiny-cpu.yaml $(ARGS)
 	$(PY) -m evaluation.tool_use runs/sft-agent-tiny-cpu --generated $(AGENT_DATA)/eval.jsonl
+
+# The agent on a size ladder (evaluation/ladder.py): each rung trained on the same tool data with SFT
+# seeds LADDER_SEEDS, then one table of the mean and min-max over seeds on both sets. A seed already
+# evaluated is kept: a stopped ladder goes on where it stopped. Rung a: the 0.92M model from scratch;
+# rung b: the 4.2M smoke model after the smoke-corpus pretraining. agent-ladder-c adds the ~17M rung
+# (hours of CPU: docs/herramientas.md); agent-ladder-table prints the table of what has run.
+LADDER_SEEDS ?= 1 2 3
+LADDER_AB := --rung a configs/sft-agent-tiny-cpu.yaml --rung b configs/sft-agent-cpu.yaml configs/smoke-corpus-cpu.yaml
+LADDER_C := --rung c configs/ladder-c-sft-cpu.yaml configs/ladder-c-pretrain-cpu.yaml
+
+agent-ladder: corpus-smoke agent-data
+	$(PY) -m chat prepare configs/sft-agent-cpu.yaml
+	$(PY) -m evaluation.ladder $(LADDER_AB) --seeds $(LADDER_SEEDS) --generated $(AGENT_DATA)/eval.jsonl
+
+agent-ladder-c: corpus-smoke agent-data
+	$(PY) -m chat prepare configs/sft-agent-cpu.yaml
+	$(PY) -m evaluation.ladder $(LADDER_AB) $(LADDER_C) --seeds $(LADDER_SEEDS) --generated $(AGENT_DATA)/eval.jsonl
+
+agent-ladder-table: $(STAMP)
+	$(PY) -m evaluation.ladder $(LADDER_AB) $(LADDER_C) --seeds $(LADDER_SEEDS) --table
 
 # --- the family's database ------------------------------------------------------------------------
 
