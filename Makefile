@@ -18,7 +18,7 @@ RESUME_FLAG := $(if $(filter 1 yes true,$(RESUME)),--resume,)
 TRAIN := $(if $(filter 1,$(NPROC)),$(PY),$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC)) train.py
 
 .PHONY: setup lint check-configs test clean smoke smoke-2060 pretrain resume-check data-smoke \
-	corpus tokenizer encode corpus-smoke corpus-report smoke-corpus sample chat eval serve bench search agent-data \
+	corpus-download corpus tokenizer encode corpus-smoke corpus-report smoke-corpus sample chat eval serve bench search agent-data \
 	agent-eval sft-agent sync remote-setup remote-smoke-2060 remote-pretrain logs fetch status chat-prepare sft sft-smoke \
 	plot export gguf-check snapshot restore install-service fuzz gpu-check eval-bench report preferences dpo dpo-smoke
 
@@ -79,6 +79,10 @@ clean:
 
 data-smoke: $(STAMP)
 	scripts/prepare_smoke_data.sh
+
+# The sources of CONFIG's data layer that name a Hugging Face dataset (HF_TOKEN for gated ones)
+corpus-download: $(STAMP)
+	$(PY) -m corpus download $(CONFIG)
 
 corpus: $(STAMP)
 	$(PY) -m corpus corpus $(CONFIG)

@@ -1,6 +1,8 @@
 """
 Stage 1: from declared sources to the shards data.py's loaders read.
 
+    python -m corpus download CONFIG [...]                     the sources with `hub` -> their local_dir
+                                                               (corpus/hub.py)
     python -m corpus corpus CONFIG [section.key=value ...]    sources -> filters -> PII -> dedup ->
                                                                decontamination -> DIR/docs_{train,val}.jsonl
     python -m corpus tokenizer CONFIG [...]                    sentencepiece BPE -> DIR/tokenizer.model
@@ -699,6 +701,12 @@ def build_corpus(data_cfg, log=print):
 # Command line
 
 
+def download(data_cfg, log=print):
+    from corpus import hub  # huggingface_hub only when a download is asked for
+
+    return hub.download(data_cfg, log)
+
+
 def report(data_cfg, log=print):
     from corpus import report as corpus_report  # matplotlib only when a report is asked for
 
@@ -718,13 +726,14 @@ def encode(data_cfg, log=print):
 
 
 STEPS = {
+    "download": [download],
     "corpus": [build_corpus],
     "tokenizer": [train_tokenizer],
     "encode": [encode],
     "all": [build_corpus, train_tokenizer, encode],
     "report": [report],
 }
-USAGE = "usage: python -m corpus {corpus,tokenizer,encode,all,report} CONFIG [section.key=value ...]"
+USAGE = "usage: python -m corpus {download,corpus,tokenizer,encode,all,report} CONFIG [section.key=value ...]"
 
 
 def main(argv):
