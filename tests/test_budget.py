@@ -1,0 +1,77 @@
+"""The token budget checked when a pretraining run starts (corpus/budget.py)."""
+
+import json
+import os
+
+import pytest
+
+from corpus import budget
+from data import DataError
+
+
+def mixture_data(tmp_path, **limits):
+    """A data section whose manifest says: source `libros` fills 300 of the 1,000 train tokens with 100
+    unique ones (3 epochs in the mixture), `web` fills 700 with 700 unique ones."""
+    (tmp_path / "manifest.json").write_text(
+        json.dumps(
+            {
+                "encode": {
+                    "train": {
+                        "complete": True,
+                        "tokens": 1000,
+                        "mixture": {
+                            "libros": {"tokens": 300, "tokens_once": 100, "licence": "x"},
+                            "web": {"tokens": 700, "tokens_once": 700, "licence": "y"},
+                        },
+                    }
+                }
+            }
+        )
+    )
+    return {"format": "shards", "dir": str(tmp_path)} | limits
+
+
+def test_the_epochs_of_each_source_are_its_mixture_epochs_times_the_passes_over_the_shards(tmp_path):
+    lines = []
+    epochs = budget.check_token_budget(mixture_data(tmp_path), run_tokens=2000, log=lines.append)
+    assert epochs == pytest.approx({"libros": 6.0, "web": 2.0})
+    assert lines == [
+        "data: the run reads 2,000 tokens; the train shards hold 1,000 (2.00 passes); "
+        "epochs per source: libros 6.00, web 2.00"
+    ]
+
+
+def test_past_warn_epochs_the_start_warns_and_names_the_source(tmp_path):
+    lines = []
+    budget.check_token_budget(mixture_data(tmp_path, warn_epochs=4, max_epochs=8), 2000, log=lines.append)
+    assert lines[-1].startswith("warning: the run reads libros 6.0 times, past data.warn_epochs 4")
+    quiet = []
+    budget.check_token_budget(mixture_data(tmp_path, warn_epochs=4, max_epochs=8), 1000, log=quiet.append)
+    assert len(quiet) == 1  # 3 epochs of libros: no warning
+
+
+def test_past_max_epochs_the_run_is_refused_with_the_tokens_that_would_bring_it_within(tmp_path):
+    with pytest.raises(DataError) as refused:
+        budget.check_token_budget(mixture_data(tmp_path, max_epochs=4), 2000, log=lambda line: None)
+    message = str(refused.value)
+    assert message.startswith("data.max_epochs: the run would read libros 6.0 times, past 4; 50 more train")
+    assert "python -m corpus download CONFIG && python -m corpus all CONFIG" in message
+    # 50 more unique tokens of libros (same shares of the shards) give exactly 4 epochs: within the limit
+    total, sources = budget.shard_tokens(mixture_data(tmp_path))
+    sources["libros"] = (300, 150)
+    assert max(budget.epochs_of(2000, total, sources).values()) == pytest.approx(4.0)
+
+
+def test_without_a_mixture_the_epochs_are_the_passes_over_the_shards_and_bytes_count_one_token_each(tmp_path):
+    (tmp_path / "train.bin").write_bytes(b"x" * 500)
+    cfg = {"format": "bytes", "dir": str(tmp_path), "max_epochs": 4}
+    assert budget.check_token_budget(cfg, 1000, log=lambda line: None) == {"train shards": 2.0}
+    with pytest.raises(DataError, match=r"train shards 5\.0 times, past 4; 125 more train tokens"):
+        budget.check_token_budget(cfg, 2500, log=lambda line: None)
+
+
+def test_no_limit_checks_nothing_and_missing_shards_are_named(tmp_path):
+    assert budget.check_token_budget(mixture_data(tmp_path, max_epochs=None), 10**9, log=lambda line: None)
+    os.remove(tmp_path / "manifest.json")
+    with pytest.raises(DataError, match="no finished train split; run `python -m corpus all CONFIG` first"):
+        budget.check_token_budget({"format": "shards", "dir": str(tmp_path)}, 10, log=lambda line: None)
