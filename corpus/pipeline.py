@@ -9,6 +9,8 @@ Stage 1: from declared sources to the shards data.py's loaders read.
     python -m corpus encode CONFIG [...]                       mixture + tokens  -> DIR/{train,val}*.bin
     python -m corpus all CONFIG [...]                          the three in order
     python -m corpus report CONFIG [...]                       DIR/report.md + DIR/report/*.png
+    python -m corpus chars-per-token MODEL FILE...             the tokenizer's chars/token on text files
+                                                               (FLORES-200 spa_Latn dev + devtest)
 
 CONFIG is a run file (config.py composes it); only its `data:` section is used (schema/data.schema.json).
 DIR is `data.dir`. Every step records what it did in DIR/manifest.json and does nothing when its inputs
@@ -733,10 +735,22 @@ STEPS = {
     "all": [build_corpus, train_tokenizer, encode],
     "report": [report],
 }
-USAGE = "usage: python -m corpus {download,corpus,tokenizer,encode,all,report} CONFIG [section.key=value ...]"
+USAGE = (
+    "usage: python -m corpus {download,corpus,tokenizer,encode,all,report} CONFIG [section.key=value ...]\n"
+    "       python -m corpus chars-per-token TOKENIZER_MODEL TEXT_FILE [TEXT_FILE ...]"
+)
 
 
 def main(argv):
+    if argv[:1] == ["chars-per-token"] and len(argv) >= 3:  # a tokenizer file and text files, no config
+        from corpus import encode as corpus_encode
+
+        try:
+            corpus_encode.chars_per_token(argv[1], argv[2:])
+        except DataError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        return 0
     if len(argv) < 2 or argv[0] not in STEPS:
         print(USAGE, file=sys.stderr)
         return 2
