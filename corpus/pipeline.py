@@ -742,11 +742,17 @@ USAGE = (
 
 
 def main(argv):
-    if argv[:1] == ["chars-per-token"] and len(argv) >= 3:  # a tokenizer file and text files, no config
+    if argv[:1] == ["chars-per-token"]:  # a tokenizer file and text files, no config
+        import argparse
+
         from corpus import encode as corpus_encode
 
+        parser = argparse.ArgumentParser(prog="python -m corpus chars-per-token")
+        parser.add_argument("model", help="a tokenizer.model, e.g. data/corpus-2060/tokenizer.model")
+        parser.add_argument("files", nargs="+", help="UTF-8 text files (FLORES-200: one sentence a line)")
+        args = parser.parse_args(argv[1:])
         try:
-            corpus_encode.chars_per_token(argv[1], argv[2:])
+            corpus_encode.chars_per_token(args.model, args.files)
         except DataError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
