@@ -4,7 +4,9 @@ import json
 import os
 
 import pytest
+from conftest import ROOT
 
+import config
 from corpus import budget
 from data import DataError
 
@@ -75,3 +77,16 @@ def test_no_limit_checks_nothing_and_missing_shards_are_named(tmp_path):
     os.remove(tmp_path / "manifest.json")
     with pytest.raises(DataError, match="no finished train split; run `python -m corpus all CONFIG` first"):
         budget.check_token_budget({"format": "shards", "dir": str(tmp_path)}, 10, log=lambda line: None)
+
+
+@pytest.mark.parametrize("run", ["pretrain-2060", "pretrain-5090", "pretrain-h200"])
+def test_the_shipped_pretrain_runs_read_their_sized_corpus_once_so_no_source_passes_four_epochs(run):
+    cfg = config.load(os.path.join(ROOT, "configs", f"{run}.yaml"))
+    t = cfg["train"]
+    run_tokens = t["max_steps"] * t["micro_batch_size"] * t["grad_accum_steps"] * cfg["model"]["seq_len"]
+    mixture = cfg["data"]["corpus"]["mixture"]
+    # The shards hold the run's tokens (one pass), so each source's epochs in the run are its epochs in
+    # the mixture, which encode caps at mixture.max_epochs (or refuses naming the source).
+    assert mixture["total_tokens"] == run_tokens
+    assert mixture["max_epochs"] <= cfg["data"]["warn_epochs"] < cfg["data"]["max_epochs"]
+    assert all("max_epochs" not in source for source in cfg["data"]["corpus"]["sources"])
