@@ -319,3 +319,19 @@ def glob_matches(pattern, path):
     if not glob.has_magic(pattern):
         return os.path.normpath(pattern) == os.path.normpath(path)
     return fnmatch.fnmatchcase(os.path.normpath(path), os.path.normpath(pattern))
+
+
+def report_lines(corpus_cfg):
+    """Markdown lines for the corpus report: each Hub source's dataset, commit, files and both licences,
+    as the download recorded them (nothing when no source names a Hub dataset)."""
+    lines = []
+    for _, source in hub_sources(corpus_cfg):
+        record = read_record(source["hub"]["local_dir"]).get("sources", {}).get(source["name"])
+        if record is None:
+            lines.append(f"- {source['name']}: {source['hub']['repo']}, not downloaded")
+            continue
+        lines.append(
+            f"- {source['name']}: {record['repo']}@{record['commit']}, {len(record['files'])} file(s); "
+            f"licence: {record['licence']} (on the Hub: {record['licence_on_hub']})"
+        )
+    return ["## Hub sources", "", *lines, ""] if lines else []

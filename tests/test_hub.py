@@ -309,9 +309,14 @@ def test_the_whole_path_from_the_hub_to_a_few_training_steps(online, tmp_path, c
     open(run, "w").write(yaml.safe_dump(run_cfg, allow_unicode=True))
     status, _, err = corpus_command("corpus", run, capsys)
     assert status == 2 and "fetch it with `python -m corpus download CONFIG`" in err, err
-    for step in ("download", "all"):
+    for step in ("download", "all", "report"):
         status, _, err = corpus_command(step, run, capsys)
         assert status == 0, err
+    report = (tmp_path / "corpus" / "report.md").read_text(encoding="utf-8")
+    assert (
+        f"- fineweb2: {FINEWEB}@{COMMIT}, 3 file(s); licence: test licence of fineweb2 (on the Hub: odc-by)"
+        in report
+    )
     manifest = json.load(open(tmp_path / "corpus" / "manifest.json"))
     assert set(manifest["mixture"]) == {"fineweb2", "wiki"}
     assert manifest["mixture"]["fineweb2"]["licence"] == "test licence of fineweb2"
