@@ -10,7 +10,8 @@ A stand-in for the Hugging Face Hub on 127.0.0.1, answering in the shapes huggin
     GET  /lfs/SHA256                                     the bytes (Range honoured)
 
 Errors carry X-Error-Code (RepoNotFound, RevisionNotFound, EntryNotFound, GatedRepo) as the Hub's do.
-Knobs for the tests: `claimed_sizes[path]` is the size the listing states; `corrupt[path] = n` serves n corrupted copies of a file; `hang` (a path) sends half of
+Knobs for the tests: `claimed_sizes[path]` is the size the listing states; `unresolvable` paths are
+listed but not served; `corrupt[path] = n` serves n corrupted copies of a file; `hang` (a path) sends half of
 that file and then waits until `release` is set; `requests` lists (method, path) of every request.
 """
 
@@ -34,6 +35,7 @@ class FakeHub:
         self.repos = {}  # repo -> {"files": {path: bytes}, "licence": str, "token": str | None}
         self.corrupt = {}
         self.claimed_sizes = {}  # path -> the size the tree listing states instead of the real one
+        self.unresolvable = set()  # paths listed in the tree whose download answers 404 EntryNotFound
         self.hang, self.release, self.hanging = None, threading.Event(), threading.Event()
         self.requests = []
         self.server = None
@@ -123,7 +125,7 @@ class FakeHub:
                         return self.error(404, "RevisionNotFound", head)
                     path = urllib.parse.unquote("/".join(rest))
                     content = repo["files"].get(path)
-                    if content is None:
+                    if content is None or path in hub.unresolvable:
                         return self.error(404, "EntryNotFound", head)
                     sha256 = hashlib.sha256(content).hexdigest()
                     # The Hub sends LFS files to a CDN on another host; the client then stops following

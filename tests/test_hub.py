@@ -279,6 +279,13 @@ def test_missing_datasets_files_and_gated_access_are_one_line_errors_and_the_tok
     assert "no file on the Hub matches files 'data/cat_Latn/*.parquet'" in error_of(
         hub_source("x", FINEWEB, "data/cat_Latn/*.parquet", local)
     )
+    train = sorted(p for p in online.repos[FINEWEB]["files"] if p.startswith("data/spa_Latn/train/"))
+    online.unresolvable = {train[0]}
+    assert error_of(hub_source("x", FINEWEB, "data/spa_Latn/train/*.parquet", local, max_files=1)) == (
+        f"error: data.corpus.sources[0] (x): {FINEWEB}@{COMMIT[:12]}:{train[0]}: missing on the Hub; "
+        "run the command again: finished files are kept"
+    )
+    online.unresolvable = set()
     wrong_path = hub_source("x", FINEWEB, "data/spa_Latn/train/*.parquet", local) | {
         "path": "elsewhere/*.parquet"
     }
