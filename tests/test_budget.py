@@ -4,9 +4,10 @@ import json
 import os
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, TINY, shard_overrides
 
 import config
+import train
 from corpus import budget
 from data import DataError
 
@@ -90,3 +91,23 @@ def test_the_shipped_pretrain_runs_read_their_sized_corpus_once_so_no_source_pas
     assert mixture["total_tokens"] == run_tokens
     assert mixture["max_epochs"] <= cfg["data"]["warn_epochs"] < cfg["data"]["max_epochs"]
     assert all("max_epochs" not in source for source in cfg["data"]["corpus"]["sources"])
+
+
+def test_train_prints_the_budget_at_start_and_refuses_past_max_epochs_before_building_anything(
+    shard_data_dir, tmp_path, capsys
+):
+    run_file = os.path.join(ROOT, "configs", "smoke-corpus-cpu.yaml")
+    overrides = [*shard_overrides(shard_data_dir), *TINY, f"train.runs_dir={tmp_path}"]
+    lines = []
+    train.train(config.load(run_file, overrides), log=lines.append)
+    run_tokens = 8 * 4 * 2 * 16  # TINY: max_steps x micro_batch_size x grad_accum_steps x seq_len
+    budget_line = next(line for line in lines if line.startswith("data: the run reads"))
+    assert budget_line.startswith(f"data: the run reads {run_tokens:,} tokens; the train shards hold ")
+
+    refused = os.path.join(tmp_path, "refused")
+    status = train.main([run_file, *overrides, f"train.runs_dir={refused}", "data.max_epochs=0.000000001"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2
+    assert err[-1].startswith("error: data.max_epochs: the run would read train shards "), err[-1]
+    assert "more train tokens are needed" in err[-1]
+    assert not os.path.exists(refused)  # refused before the run folder, the model or a checkpoint
