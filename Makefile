@@ -18,8 +18,9 @@ RESUME_FLAG := $(if $(filter 1 yes true,$(RESUME)),--resume,)
 TRAIN := $(if $(filter 1,$(NPROC)),$(PY),$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC)) train.py
 
 .PHONY: setup lint check-configs test test-other-cpu clean smoke smoke-2060 pretrain resume-check data-smoke \
-	corpus tokenizer encode corpus-smoke corpus-report smoke-corpus sample chat eval serve bench search agent-data \
-	agent-eval sft-agent agent-ladder agent-ladder-c agent-ladder-table sync remote-setup remote-smoke-2060 remote-pretrain logs fetch status chat-prepare sft sft-smoke \
+	corpus-download corpus tokenizer encode corpus-smoke corpus-report smoke-corpus sample chat eval serve bench \
+	search agent-data agent-eval sft-agent agent-ladder agent-ladder-c agent-ladder-table sync remote-setup \
+	remote-smoke-2060 remote-pretrain logs fetch status chat-prepare sft sft-smoke \
 	plot export gguf-check snapshot restore install-service fuzz gpu-check eval-bench report preferences dpo dpo-smoke
 
 setup: $(STAMP)
@@ -88,6 +89,10 @@ clean:
 
 data-smoke: $(STAMP)
 	scripts/prepare_smoke_data.sh
+
+# The sources of CONFIG's data layer that name a Hugging Face dataset (HF_TOKEN for gated ones)
+corpus-download: $(STAMP)
+	$(PY) -m corpus download $(CONFIG)
 
 corpus: $(STAMP)
 	$(PY) -m corpus corpus $(CONFIG)

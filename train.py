@@ -42,6 +42,7 @@ from checkpoint import (
     load_newest_checkpoint,
     save_checkpoint,
 )
+from corpus import budget as corpus_budget
 from hardware import Dist, Hardware, HardwareError, all_ranks_true, init_distributed, setup_hardware
 from model import Transformer
 
@@ -448,9 +449,21 @@ class Run:
         return self.cfg["train"]["objective"] == "dpo"
 
 
+def check_token_budget(cfg, ctx, log):
+    """Pretraining: the tokens the run will read against its train shards, with each source's epochs;
+    refused past data.max_epochs before anything is built (corpus/budget.py)."""
+    train_cfg = cfg["train"]
+    if train_cfg["objective"] != "next_token" or cfg["data"]["format"] not in ("shards", "bytes"):
+        return
+    batch, accum = train_cfg["micro_batch_size"], train_cfg["grad_accum_steps"]
+    run_tokens = train_cfg["max_steps"] * batch * accum * cfg["model"]["seq_len"] * ctx.world_size
+    corpus_budget.check_token_budget(cfg["data"], run_tokens, log)
+
+
 def setup(cfg, ctx, hardware, resume, log):
     """The run, ready for its first step: a fresh one seeded the same on every rank, a resumed one in the
     state its checkpoint saved, a fine-tuning one with the weights of train.init_from."""
+    check_token_budget(cfg, ctx, log)
     model_cfg, train_cfg = cfg["model"], cfg["train"]
     run_dir = run_dir_of(cfg)
     ckpt_path, checkpoint = previous_run(cfg, ctx, run_dir, resume, log)

@@ -244,6 +244,8 @@ def step_data(check):
         else:
             layer = config.load_layer("data", os.path.join(CONFIGS, "data", "corpus-smoke.yaml"))
             what = "the smoke corpus (data/corpus-smoke; the stage-1 shards are not built here)"
+    # Its training runs stop by the clock (max_steps 10**9), not by their steps: no token budget to check.
+    layer = layer | {"warn_epochs": None, "max_epochs": None}
     for step in (corpus.build_corpus, corpus.train_tokenizer, corpus.encode):
         step(layer, log=check.say)
     tokenizer = data.load_tokenizer(layer)

@@ -76,7 +76,7 @@ def trainer_settings(data_cfg):
         "character_coverage": tokenizer_cfg["character_coverage"],
         "max_sentence_length": tokenizer_cfg["max_sentence_bytes"],
         "byte_fallback": True,
-        "split_digits": True,
+        "split_digits": tokenizer_cfg["split_digits"],
         "normalization_rule_name": "identity",
         "remove_extra_whitespaces": False,
         "add_dummy_prefix": False,  # so a text encodes the same whole or line by line
@@ -160,6 +160,33 @@ def train_tokenizer(data_cfg, log=print):
         f"({counted['sentences']:,} lines) -> {model_path}"
     )
     return info
+
+
+def chars_per_token(model_path, paths, log=print):
+    """Characters per token of a trained tokenizer on text files, line by line (FLORES-200's spa_Latn dev
+    and devtest hold one sentence a line); line ends are not counted. Returns the ratio of all files."""
+    tokenizer = SentencePieceTokenizer(model_path)
+    chars = tokens = 0
+    for path in paths:
+        try:
+            with open(path, encoding="utf-8") as f:
+                lines = f.read().split(NEWLINE)
+        except OSError as e:
+            raise DataError(f"{path}: cannot read ({e.strerror})") from None
+        except UnicodeDecodeError as e:
+            raise DataError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+        file_chars = sum(len(line) for line in lines)
+        file_tokens = sum(len(tokenizer.encode(line)) for line in lines if line)
+        if not file_tokens:
+            raise DataError(f"{path}: no text")
+        log(
+            f"{path}: {file_chars:,} chars, {file_tokens:,} tokens, {file_chars / file_tokens:.3f} chars/token"
+        )
+        chars, tokens = chars + file_chars, tokens + file_tokens
+    log(
+        f"chars/token: {chars / tokens:.3f} ({model_path}, {tokenizer.vocab_size} tokens, {len(paths)} file(s))"
+    )
+    return chars / tokens
 
 
 # -----------------------------------------------------------------------------

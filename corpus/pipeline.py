@@ -1,12 +1,16 @@
 """
 Stage 1: from declared sources to the shards data.py's loaders read.
 
+    python -m corpus download CONFIG [...]                     the sources with `hub` -> their local_dir
+                                                               (corpus/hub.py)
     python -m corpus corpus CONFIG [section.key=value ...]    sources -> filters -> PII -> dedup ->
                                                                decontamination -> DIR/docs_{train,val}.jsonl
     python -m corpus tokenizer CONFIG [...]                    sentencepiece BPE -> DIR/tokenizer.model
     python -m corpus encode CONFIG [...]                       mixture + tokens  -> DIR/{train,val}*.bin
     python -m corpus all CONFIG [...]                          the three in order
     python -m corpus report CONFIG [...]                       DIR/report.md + DIR/report/*.png
+    python -m corpus chars-per-token MODEL FILE...             the tokenizer's chars/token on text files
+                                                               (FLORES-200 spa_Latn dev + devtest)
 
 CONFIG is a run file (config.py composes it); only its `data:` section is used (schema/data.schema.json).
 DIR is `data.dir`. Every step records what it did in DIR/manifest.json and does nothing when its inputs
@@ -699,6 +703,12 @@ def build_corpus(data_cfg, log=print):
 # Command line
 
 
+def download(data_cfg, log=print):
+    from corpus import hub  # huggingface_hub only when a download is asked for
+
+    return hub.download(data_cfg, log)
+
+
 def report(data_cfg, log=print):
     from corpus import report as corpus_report  # matplotlib only when a report is asked for
 
@@ -718,16 +728,35 @@ def encode(data_cfg, log=print):
 
 
 STEPS = {
+    "download": [download],
     "corpus": [build_corpus],
     "tokenizer": [train_tokenizer],
     "encode": [encode],
     "all": [build_corpus, train_tokenizer, encode],
     "report": [report],
 }
-USAGE = "usage: python -m corpus {corpus,tokenizer,encode,all,report} CONFIG [section.key=value ...]"
+USAGE = (
+    "usage: python -m corpus {download,corpus,tokenizer,encode,all,report} CONFIG [section.key=value ...]\n"
+    "       python -m corpus chars-per-token TOKENIZER_MODEL TEXT_FILE [TEXT_FILE ...]"
+)
 
 
 def main(argv):
+    if argv[:1] == ["chars-per-token"]:  # a tokenizer file and text files, no config
+        import argparse
+
+        from corpus import encode as corpus_encode
+
+        parser = argparse.ArgumentParser(prog="python -m corpus chars-per-token")
+        parser.add_argument("model", help="a tokenizer.model, e.g. data/corpus-2060/tokenizer.model")
+        parser.add_argument("files", nargs="+", help="UTF-8 text files (FLORES-200: one sentence a line)")
+        args = parser.parse_args(argv[1:])
+        try:
+            corpus_encode.chars_per_token(args.model, args.files)
+        except DataError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        return 0
     if len(argv) < 2 or argv[0] not in STEPS:
         print(USAGE, file=sys.stderr)
         return 2

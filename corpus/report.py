@@ -17,6 +17,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from corpus import docs as corpus_docs  # noqa: E402
+from corpus import hub as corpus_hub  # noqa: E402
 from data import DataError, load_tokenizer, read_manifest  # noqa: E402
 from fileio import write_atomic  # noqa: E402
 
@@ -197,7 +198,8 @@ def write_report(data_cfg, log=print):
     out += [
         table(["source", "kind", "licence", "docs in", "docs kept", "chars in", "chars kept", "kept"], rows)
     ]
-    out += ["", "## What each stage kept", "", "![funnel](report/funnel.png)", ""]
+    out += ["", *corpus_hub.report_lines(data_cfg["corpus"])]
+    out += ["## What each stage kept", "", "![funnel](report/funnel.png)", ""]
     rows = []
     for name, s in sources.items():
         for stage in STAGES:

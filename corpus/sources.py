@@ -33,7 +33,8 @@ def expand_sources(corpus_cfg):
         if glob.has_magic(pattern):
             matches = [path for path in sorted(glob.glob(pattern, recursive=True)) if os.path.isfile(path)]
             if not matches:
-                raise DataError(f"{where}: no file matches {pattern!r}")
+                fetch = "; fetch it with `python -m corpus download CONFIG`" if "hub" in source else ""
+                raise DataError(f"{where}: no file matches {pattern!r}{fetch}")
         elif not os.path.exists(pattern):
             raise DataError(f"{where}: {pattern}: file not found")
         elif os.path.isdir(pattern):

@@ -836,3 +836,20 @@ def test_ray_errors_name_the_unreachable_address_the_failing_file_and_the_oversi
     cfg["corpus"]["executor"]["ray"]["mem_per_cpu_gb"] = 10**6  # no node holds it: it would wait forever
     with pytest.raises(data.DataError, match=r"data.corpus.executor.ray: a task needs .* = 1e\+06 GB"):
         corpus.build_corpus(cfg, log=quiet)
+
+
+def test_chars_per_token_counts_every_character_of_every_line_against_the_tokens_of_the_run(
+    pipeline, tmp_path, capsys
+):
+    lines = ["El año 1492 llegó la noticia.", "", "Hubo 31.416 asistentes según la organización."]
+    text_file = tmp_path / "flores.txt"
+    text_file.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    tokenizer = data.load_tokenizer(pipeline)
+    tokens = sum(len(tokenizer.encode(line)) for line in lines if line)
+    assert corpus.main(["chars-per-token", data.tokenizer_path(pipeline), str(text_file)]) == 0
+    out = capsys.readouterr().out
+    chars = sum(len(line) for line in lines)
+    assert f"{chars:,} chars, {tokens:,} tokens, {chars / tokens:.3f} chars/token" in out
+    assert tokens >= len("1492") + len("31416")  # split_digits: true in the smoke layer, one token per digit
+    assert corpus.main(["chars-per-token", data.tokenizer_path(pipeline), str(tmp_path / "nada.txt")]) == 2
+    assert "nada.txt: cannot read (No such file or directory)" in capsys.readouterr().err

@@ -1,0 +1,337 @@
+"""
+Hub sources: the files a source's `hub` names (a Hugging Face dataset, a glob of its files and a size),
+fetched into the source's hub.local_dir, where its `path` glob reads them.
+
+    python -m corpus download CONFIG [section.key=value ...]
+
+For each source with `hub`: the dataset's revision is resolved to a commit, its files under the glob are
+listed (sizes and sha256 from the Hub's tree), sorted by name and cut at hub.max_files / hub.max_bytes.
+Before the first byte the free space of each disk is checked against what is left to fetch. Files are
+fetched by huggingface_hub (hf_hub_download: HTTP or Xet, its own retries), data.corpus.download.workers at a
+time, and each one is checked against the Hub's checksum (the LFS sha256, or git's blob hash of a small
+file): a corrupt file is fetched once more, then named in the error. Verified files are recorded in
+local_dir/hub_files.json (size, mtime, sha256): a rerun, after a kill too, skips them without reading them.
+
+The endpoint is HF_ENDPOINT (default https://huggingface.co) and a token with access rights is read from
+HF_TOKEN; it is sent to the endpoint only and never written anywhere.
+"""
+
+import concurrent.futures
+import fnmatch
+import glob
+import os
+import shutil
+
+from tqdm import tqdm
+
+from data import DataError
+from fileio import write_json
+
+RECORD = "hub_files.json"  # in each local_dir: the files verified there
+
+
+def hub_sources(corpus_cfg):
+    """[(index, source)] of the sources that name a Hub dataset."""
+    return [(index, source) for index, source in enumerate(corpus_cfg["sources"]) if "hub" in source]
+
+
+def where(index, source):
+    return f"data.corpus.sources[{index}] ({source['name']})"
+
+
+def hub_error(e, what):
+    """A huggingface_hub error as one line naming what was asked for."""
+    from huggingface_hub import errors
+
+    if isinstance(e, errors.GatedRepoError):
+        return f"{what}: access refused (a gated dataset: accept its terms on the Hub and set HF_TOKEN)"
+    if isinstance(e, errors.RepositoryNotFoundError):
+        return f"{what}: no such dataset on the Hub, or it is private (set HF_TOKEN)"
+    if isinstance(e, errors.RevisionNotFoundError):
+        return f"{what}: no such revision on the Hub"
+    if isinstance(e, errors.EntryNotFoundError):
+        return f"{what}: missing on the Hub"
+    first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return f"{what}: {first_line}"
+
+
+def hub_api():
+    from huggingface_hub import HfApi
+
+    return HfApi(endpoint=os.environ.get("HF_ENDPOINT"), token=os.environ.get("HF_TOKEN"))
+
+
+def plan_source(api, index, source):
+    """(commit, [{"path", "size", "sha256" or "git_sha1"}]) of the files this source asks for, in name order."""
+    hub = source["hub"]
+    what = f"{where(index, source)}.hub: {hub['repo']}@{hub['revision']}"
+    prefix = hub["files"].split("*")[0].split("?")[0].split("[")[0].rsplit("/", 1)
+    folder = prefix[0] if len(prefix) == 2 else None
+    try:
+        info = api.dataset_info(hub["repo"], revision=hub["revision"])
+        entries = api.list_repo_tree(
+            hub["repo"], path_in_repo=folder, recursive=True, revision=info.sha, repo_type="dataset"
+        )
+        files = sorted(
+            (e for e in entries if hasattr(e, "size") and fnmatch.fnmatchcase(e.path, hub["files"])),
+            key=lambda e: e.path,
+        )
+    except Exception as e:  # huggingface_hub's HTTP and connection errors
+        raise DataError(hub_error(e, what)) from None
+    if not files:
+        raise DataError(f"{what}: no file on the Hub matches files {hub['files']!r}")
+    chosen, total = [], 0
+    for entry in files:
+        if hub.get("max_files") is not None and len(chosen) >= hub["max_files"]:
+            break
+        if hub.get("max_bytes") is not None and chosen and total + entry.size > hub["max_bytes"]:
+            break
+        checksum = {"sha256": entry.lfs.sha256} if entry.lfs is not None else {"git_sha1": entry.blob_id}
+        chosen.append({"path": entry.path, "size": entry.size} | checksum)
+        total += entry.size
+    licence = getattr(info.card_data, "license", None) if info.card_data is not None else None
+    return {"commit": info.sha, "licence_on_hub": licence, "files": chosen}
+
+
+def local_path(source, entry):
+    return os.path.join(source["hub"]["local_dir"], entry["path"])
+
+
+def read_record(local_dir):
+    import json
+
+    path = os.path.join(local_dir, RECORD)
+    if not os.path.exists(path):
+        return {"files": {}}
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except ValueError as e:
+        raise DataError(f"{path}: unreadable ({e}); delete it (the files are checked again)") from None
+
+
+def checksum_of(path, entry):
+    """The file's checksum in the Hub's terms: sha256 for an LFS file, git's blob sha1 for a small one."""
+    from huggingface_hub.utils.sha import git_hash, sha_fileobj
+
+    with open(path, "rb") as f:
+        return sha_fileobj(f).hex() if "sha256" in entry else git_hash(f.read())
+
+
+def expected(entry):
+    return entry.get("sha256") or entry["git_sha1"]
+
+
+def is_verified(path, entry, record):
+    """A file this command verified before and nobody touched since (size and mtime as recorded)."""
+    seen = record["files"].get(entry["path"])
+    return (
+        seen is not None
+        and os.path.isfile(path)
+        and seen["checksum"] == expected(entry)
+        and seen["size"] == os.path.getsize(path)
+        and seen["mtime_ns"] == os.stat(path).st_mtime_ns
+    )
+
+
+def existing_folder(path):
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return path
+
+
+def check_space(todo):
+    """Refuse before the first byte when a disk has less free space than the files left for it."""
+    needed = {}
+    for source, index, entry in todo:
+        folder = existing_folder(source["hub"]["local_dir"])
+        device = os.stat(folder).st_dev
+        bytes_so_far, _, names = needed.get(device, (0, folder, []))
+        needed[device] = (
+            bytes_so_far + entry["size"],
+            folder,
+            names + [f"{where(index, source)}.hub.max_bytes"],
+        )
+    for size, folder, names in needed.values():
+        free = shutil.disk_usage(folder).free
+        if size > free:
+            raise DataError(
+                f"{folder}: {size / 1e9:.2f} GB to download but {free / 1e9:.2f} GB free on that disk; free "
+                f"space or lower {', '.join(sorted(set(names)))}"
+            )
+
+
+def forwarding_bar(total_bar):
+    """A tqdm class for hf_hub_download whose bytes go to the one bar of the whole download."""
+
+    class Forward(tqdm):
+        def __init__(self, *args, **kwargs):
+            kwargs.pop("name", None)
+            super().__init__(*args, **(kwargs | {"disable": True}))
+
+        def update(self, n=1):
+            if n:
+                total_bar.update(n)
+
+    return Forward
+
+
+def fetch(source, commit, entry, bar, force=False):
+    """hf_hub_download one file into local_dir; returns its path."""
+    from huggingface_hub import hf_hub_download
+
+    hub = source["hub"]
+    return hf_hub_download(
+        hub["repo"],
+        entry["path"],
+        repo_type="dataset",
+        revision=commit,
+        local_dir=hub["local_dir"],
+        endpoint=os.environ.get("HF_ENDPOINT"),
+        token=os.environ.get("HF_TOKEN"),
+        force_download=force,
+        tqdm_class=forwarding_bar(bar),
+    )
+
+
+def fetch_and_verify(source, index, commit, entry, bar):
+    """Fetch (again, if the first copy is corrupt) and check; returns the verified file's record entry."""
+    what = f"{where(index, source)}: {source['hub']['repo']}@{commit[:12]}:{entry['path']}"
+    path = local_path(source, entry)
+    for attempt in range(2):
+        try:
+            fetch(source, commit, entry, bar, force=attempt > 0 or os.path.exists(path))
+        except Exception as e:  # huggingface_hub's HTTP and connection errors
+            raise DataError(hub_error(e, what) + "; run the command again: finished files are kept") from None
+        got = checksum_of(path, entry)
+        if got == expected(entry):
+            return {"checksum": got, "size": os.path.getsize(path), "mtime_ns": os.stat(path).st_mtime_ns}
+        bar.write(
+            f"download: {path}: checksum {got[:12]}… differs from the Hub's {expected(entry)[:12]}…; fetching again"
+        )
+    os.remove(path)
+    raise DataError(
+        f"{path}: corrupt after two downloads (checksum {got}, the Hub says {expected(entry)} for {what}); "
+        "the file was removed; check the disk and the network, then run the command again"
+    )
+
+
+def download(data_cfg, log=print):
+    """Fetch every Hub source's files into its local_dir, skipping the ones verified before."""
+    corpus_cfg = data_cfg["corpus"]
+    sources = hub_sources(corpus_cfg)
+    if not sources:
+        log("download: no source names a Hub dataset (data.corpus.sources[].hub); nothing to do")
+        return []
+    api = hub_api()
+    todo, records, done_bytes = [], {}, 0
+    for index, source in sources:
+        plan = plan_source(api, index, source)
+        local_dir = source["hub"]["local_dir"]
+        record = records.setdefault(local_dir, read_record(local_dir))
+        record.setdefault("sources", {})[source["name"]] = {
+            "repo": source["hub"]["repo"],
+            "revision": source["hub"]["revision"],
+            "commit": plan["commit"],
+            "licence": source["licence"],
+            "licence_on_hub": plan["licence_on_hub"],
+            "files": [entry["path"] for entry in plan["files"]],
+        }
+        check_path_glob(index, source, plan["files"])
+        for entry in plan["files"]:
+            path = local_path(source, entry)
+            if is_verified(path, entry, record):
+                done_bytes += entry["size"]
+                continue
+            if os.path.isfile(path):  # there, not recorded (a kill after the move): verify it in place
+                got = checksum_of(path, entry)
+                if got == expected(entry):
+                    record["files"][entry["path"]] = {
+                        "checksum": got, "size": os.path.getsize(path), "mtime_ns": os.stat(path).st_mtime_ns
+                    }  # fmt: skip
+                    done_bytes += entry["size"]
+                    continue
+                log(f"download: {path}: checksum differs from the Hub's; fetching it again")
+            todo.append((source, index, entry | {"commit": plan["commit"]}))
+        total = sum(entry["size"] for entry in plan["files"])
+        log(
+            f"download: {source['name']}: {source['hub']['repo']}@{plan['commit'][:12]}, {len(plan['files'])} "
+            f"file(s), {total / 1e9:.2f} GB (licence: {source['licence']}; on the Hub: {plan['licence_on_hub']})"
+        )
+    for local_dir, record in records.items():
+        os.makedirs(local_dir, exist_ok=True)
+        write_json(os.path.join(local_dir, RECORD), record)
+    if not todo:
+        log(f"download: up to date ({done_bytes / 1e9:.2f} GB verified)")
+        return records
+    check_space(todo)
+    fetch_all(data_cfg, todo, records, log)
+    return records
+
+
+def fetch_all(data_cfg, todo, records, log):
+    """The files left, on data.corpus.download.workers threads, with one bar (bytes, files, rate, time left)."""
+    workers = data_cfg["corpus"]["download"]["workers"]
+    size = sum(entry["size"] for _, _, entry in todo)
+    log(f"download: {len(todo)} file(s), {size / 1e9:.2f} GB to fetch on {workers} worker(s)")
+    bar = tqdm(total=size, unit="B", unit_scale=True, unit_divisor=1024, desc="download", mininterval=1.0)
+    bar.set_postfix_str(f"0/{len(todo)} files")
+    finished = 0
+    try:
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+            futures = {
+                pool.submit(fetch_and_verify, source, index, entry["commit"], entry, bar): (source, entry)
+                for source, index, entry in todo
+            }
+            for future in concurrent.futures.as_completed(futures):
+                source, entry = futures[future]
+                try:
+                    verified = future.result()
+                except DataError:
+                    for other in futures:
+                        other.cancel()
+                    raise
+                local_dir = source["hub"]["local_dir"]
+                records[local_dir]["files"][entry["path"]] = verified
+                write_json(os.path.join(local_dir, RECORD), records[local_dir])  # kept if killed now
+                finished += 1
+                bar.set_postfix_str(f"{finished}/{len(todo)} files")
+    finally:
+        bar.close()
+    log(f"download: {finished} file(s) fetched and verified")
+
+
+def check_path_glob(index, source, files):
+    """The source's `path` must read what its hub fetches, or the corpus step would miss files."""
+    missing = [
+        entry["path"] for entry in files if not glob_matches(source["path"], local_path(source, entry))
+    ]
+    if missing:
+        raise DataError(
+            f"{where(index, source)}.path: {source['path']!r} does not match "
+            f"{local_path(source, {'path': missing[0]})} (hub.local_dir + the file's path in the dataset); "
+            f"e.g. path: {os.path.join(source['hub']['local_dir'], source['hub']['files'])}"
+        )
+
+
+def glob_matches(pattern, path):
+    if not glob.has_magic(pattern):
+        return os.path.normpath(pattern) == os.path.normpath(path)
+    return fnmatch.fnmatchcase(os.path.normpath(path), os.path.normpath(pattern))
+
+
+def report_lines(corpus_cfg):
+    """Markdown lines for the corpus report: each Hub source's dataset, commit, files and both licences,
+    as the download recorded them (nothing when no source names a Hub dataset)."""
+    lines = []
+    for _, source in hub_sources(corpus_cfg):
+        record = read_record(source["hub"]["local_dir"]).get("sources", {}).get(source["name"])
+        if record is None:
+            lines.append(f"- {source['name']}: {source['hub']['repo']}, not downloaded")
+            continue
+        lines.append(
+            f"- {source['name']}: {record['repo']}@{record['commit']}, {len(record['files'])} file(s); "
+            f"licence: {record['licence']} (on the Hub: {record['licence_on_hub']})"
+        )
+    return ["## Hub sources", "", *lines, ""] if lines else []
