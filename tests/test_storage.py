@@ -4,16 +4,24 @@ release wrote still open. The small filesystem is a real tmpfs when the tests ru
 elsewhere fileio's writes fail with ENOSPC past the disk's size (its open and free_bytes patched), and the
 tests that need the kernel's own ENOSPC (SQLite, a read-only remount) are skipped."""
 
+import contextlib
 import errno
 import os
+import shutil
+import sqlite3
 import subprocess
 
 import pytest
 import torch
+from conftest import ROOT
 
 import checkpoint
 import fileio
+from family import accounts as serve_accounts
+from family import feedback
+from family import memories as memory
 
+RELEASE = os.path.join(ROOT, "tests", "fixtures", "release-2026-12-02")
 DISK_BYTES = 4 * 2**20
 IS_ROOT = os.geteuid() == 0
 
@@ -187,3 +195,130 @@ def test_a_checkpoint_records_its_format_and_one_from_newer_code_is_refused_by_n
         checkpoint.read_run(str(tmp_path))  # the newest is refused, not skipped in silence
     assert f"format {checkpoint.CHECKPOINT_FORMAT + 1}, newer than this code reads" in str(caught.value)
     assert "abc123" in str(caught.value)
+
+
+# -----------------------------------------------------------------------------
+# The family's database: a full disk, and versions
+
+
+def full_database(store):
+    """The database may grow by no page at all: SQLite's own SQLITE_FULL, as on a full disk."""
+    pages = store.db.execute("PRAGMA page_count").fetchone()[0]
+    store.db.execute(f"PRAGMA max_page_count = {pages}")
+
+
+def test_a_full_database_reports_sqlite_full_not_a_failed_rollback_and_recovers(tmp_path):
+    store = serve_accounts.Store(str(tmp_path / "family.sqlite"))
+    store.add_member("ana", "adult")
+    ana = store.member("ana")
+    conversation = store.new_conversation(ana["id"], "antes")
+    full_database(store)
+    # After this plain INSERT, SQLite rolls the whole transaction back itself on SQLITE_FULL; a second
+    # ROLLBACK used to fail with "cannot rollback - no transaction is active" and replace this error.
+    with pytest.raises(fileio.StorageError) as caught:
+        store.new_conversation(ana["id"], "palabra " * 10_000)
+    assert caught.value.__cause__.sqlite_errorname == "SQLITE_FULL"
+    assert one_line(caught.value).startswith(f"{store.path}: the disk is full: writing the family's database")
+    assert store.storage_problem is caught.value
+    # After this one (INSERT ... SELECT) only the statement is rolled back: the same error all the same.
+    with pytest.raises(fileio.StorageError):
+        store.add_message(ana["id"], conversation, "user", "palabra " * 10_000)
+    assert [c["title"] for c in store.conversations(ana["id"])] == ["antes"]  # reading goes on
+    assert store.conversation(ana["id"], conversation)["messages"] == []
+    store.db.execute("PRAGMA max_page_count = 1073741823")  # room again: the next write works, unaided
+    assert store.add_message(ana["id"], conversation, "user", "palabra " * 10_000)
+    assert store.storage_problem is None
+    assert store.query("PRAGMA integrity_check") == [{"integrity_check": "ok"}]
+
+
+@needs_root("SQLite's own ENOSPC")
+def test_the_database_on_a_full_disk_loses_no_committed_row_and_works_once_space_returns(disk):
+    store = serve_accounts.Store(os.path.join(disk.path, "family.sqlite"))
+    store.add_member("ana", "adult")
+    ana = store.member("ana")
+    conversation = store.new_conversation(ana["id"], "antes")
+    disk.fill(leave=20_000)
+    with pytest.raises(fileio.StorageError) as caught:
+        store.add_message(ana["id"], conversation, "user", "palabra " * 40_000)  # 320 kB of WAL frames
+    assert "the disk is full" in one_line(caught.value) and caught.value.free <= 20_000 + 4096
+    assert store.conversation(ana["id"], conversation)["messages"] == []
+    disk.empty()
+    assert store.add_message(ana["id"], conversation, "user", "palabra " * 40_000)
+    assert len(store.conversation(ana["id"], conversation)["messages"]) == 1
+    assert store.query("PRAGMA integrity_check") == [{"integrity_check": "ok"}]
+
+
+def user_version(path):
+    with contextlib.closing(sqlite3.connect(path)) as db:
+        return db.execute("PRAGMA user_version").fetchone()[0]
+
+
+def test_a_new_database_starts_at_the_newest_schema_version(tmp_path):
+    store = serve_accounts.Store(str(tmp_path / "family.sqlite"))
+    assert user_version(store.path) == len(serve_accounts.Store.MIGRATIONS)
+    assert store.member("nadie") is None
+
+
+def test_a_database_from_newer_code_is_refused_with_its_version_and_left_as_it_is(tmp_path):
+    path = str(tmp_path / "family.sqlite")
+    serve_accounts.Store(path).db.execute("PRAGMA user_version = 99")
+    with pytest.raises(serve_accounts.AccountError) as caught:
+        serve_accounts.Store(path)
+    newest = len(serve_accounts.Store.MIGRATIONS)
+    assert str(caught.value).startswith(
+        f"{path}: database schema version 99, newer than this code's {newest}: a later ENLACE wrote it"
+    )
+    assert user_version(path) == 99
+
+
+def test_a_failed_migration_step_leaves_the_file_at_its_old_version(tmp_path, monkeypatch):
+    path = str(tmp_path / "old.sqlite")
+    shutil.copy(os.path.join(RELEASE, "enlace.sqlite"), path)
+
+    def broken_step(store):
+        store.db.execute("CREATE TABLE half_done (x)")
+        raise sqlite3.OperationalError("step 2 failed")
+
+    monkeypatch.setattr(serve_accounts.Store, "MIGRATIONS", (*serve_accounts.Store.MIGRATIONS, broken_step))
+    with pytest.raises(sqlite3.OperationalError, match="step 2 failed"):
+        serve_accounts.Store(path)
+    assert user_version(path) == 0
+    with contextlib.closing(sqlite3.connect(path)) as db:
+        assert db.execute("SELECT name FROM sqlite_master WHERE name = 'half_done'").fetchall() == []
+
+
+# -----------------------------------------------------------------------------
+# What release 2026-12-02 wrote (tests/fixtures/release-2026-12-02/make.py), opened by today's code
+
+
+def test_the_family_database_of_release_2026_12_02_opens_migrated_with_everything_in_it(tmp_path):
+    path = str(tmp_path / "enlace.sqlite")
+    shutil.copy(os.path.join(RELEASE, "enlace.sqlite"), path)  # the fixture itself is never written
+    assert user_version(path) == 0
+    store = serve_accounts.Store(path)
+    assert user_version(path) == len(serve_accounts.Store.MIGRATIONS)
+    assert [(m["name"], m["role"]) for m in store.members()] == [
+        ("ana", "adult"),
+        ("luis", "child"),
+        ("papa", "admin"),
+    ]
+    with open(os.path.join(RELEASE, "ana.key")) as f:
+        ana = store.member_by_key(f.read().strip())
+    assert ana["name"] == "ana"
+    (conversation,) = store.conversations(ana["id"])
+    messages = store.conversation(ana["id"], conversation["id"])["messages"]
+    assert [(m["role"], m["content"]) for m in messages] == [
+        ("user", "¿Cuánto es 2 + 2?"),
+        ("assistant", "Son 4."),
+    ]
+    with store.lock:
+        remembered = memory.list_memories(store.db, "ana", "adult")
+        (rating,) = feedback.list_feedback(store.db, ana["id"])
+        consented = feedback.consent(store.db, ana["id"])
+    assert sorted(m["text"] for m in remembered) == [
+        "Ana es alérgica a las nueces.",
+        "La cena familiar es los domingos.",
+    ]
+    assert (rating["rating"], rating["answer"]) == (1, "Son 4.") and consented["granted"]
+    assert store.add_message(ana["id"], conversation["id"], "user", "¿Y 3 + 3?")  # and it takes writes
+    assert store.query("PRAGMA integrity_check") == [{"integrity_check": "ok"}]
