@@ -131,8 +131,8 @@ class Store:
 
     # --- a full or read-only disk
     def storage_error(self, error):
-        """The fileio.StorageError a database error means (SQLITE_FULL, SQLITE_READONLY), else None; it is
-        also kept in storage_problem until a write commits again."""
+        """The fileio.StorageError a database error means (SQLITE_FULL, SQLITE_READONLY), else None. The
+        first of an episode is kept in storage_problem until a write commits again."""
         if isinstance(error, fileio.StorageError):
             return error
         code = getattr(error, "sqlite_errorcode", None)
@@ -143,10 +143,12 @@ class Store:
             free = fileio.free_bytes(self.path)
         except OSError:
             free = None
-        self.storage_problem = fileio.StorageError(
+        problem = fileio.StorageError(
             self.path, reasons[code & 0xFF], free=free, what="writing the family's database"
         )
-        return self.storage_problem
+        if self.storage_problem is None:
+            self.storage_problem = problem
+        return problem
 
     def query(self, sql, args=()):
         with self.lock:
@@ -156,7 +158,13 @@ class Store:
     def transaction(self):
         """One write transaction under the lock: committed at the end, rolled back on any exception."""
         with self.lock:
-            self.db.execute("BEGIN IMMEDIATE")
+            try:
+                self.db.execute("BEGIN IMMEDIATE")  # a read-only file refuses already here
+            except sqlite3.Error as e:
+                problem = self.storage_error(e)
+                if problem is not None:
+                    raise problem from e
+                raise
             try:
                 yield
                 self.db.execute("COMMIT")

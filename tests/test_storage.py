@@ -7,13 +7,15 @@ tests that need the kernel's own ENOSPC (SQLite, a read-only remount) are skippe
 import contextlib
 import errno
 import os
+import pathlib
 import shutil
 import sqlite3
 import subprocess
 
+import httpx
 import pytest
 import torch
-from conftest import ROOT
+from conftest import ROOT, live_server
 
 import checkpoint
 import fileio
@@ -322,3 +324,47 @@ def test_the_family_database_of_release_2026_12_02_opens_migrated_with_everythin
     assert (rating["rating"], rating["answer"]) == (1, "Son 4.") and consented["granted"]
     assert store.add_message(ana["id"], conversation["id"], "user", "¿Y 3 + 3?")  # and it takes writes
     assert store.query("PRAGMA integrity_check") == [{"integrity_check": "ok"}]
+
+
+# -----------------------------------------------------------------------------
+# The family's server on a full disk
+
+
+@needs_root("SQLite's own ENOSPC: the database's pages have room inside them that a page cap cannot take")
+def test_the_server_answers_507_for_writes_on_a_full_disk_keeps_reading_and_recovers(disk, chat_model, capfd):
+    with live_server(chat_model, pathlib.Path(disk.path), "serve.tools=false") as (url, server):
+        ana = {"Authorization": f"Bearer {server.store.add_member('ana', 'adult')}"}
+        papa = {"Authorization": f"Bearer {server.store.add_member('papa', 'admin')}"}
+        conversation = httpx.post(url + "/api/conversations", headers=ana, json={"title": "antes"}).json()[
+            "id"
+        ]
+        turn = {"content": "hola", "stream": False, "max_tokens": 2}
+        disk.fill(leave=0)  # the WAL grows with each write: none has room
+
+        refused = httpx.post(f"{url}/api/conversations/{conversation}/messages", headers=ana, json=turn)
+        assert refused.status_code == 507 and refused.headers["retry-after"] == "2"
+        error = refused.json()["error"]
+        assert (error["type"], error["code"]) == ("server_error", "storage_full")
+        assert error["message"].startswith("the server's storage is full: this could not be saved")
+        memory_refused = httpx.post(url + "/api/memories", headers=ana, json={"text": "Ana toca el piano."})
+        assert memory_refused.status_code == 507 and memory_refused.json()["error"]["code"] == "storage_full"
+        assert httpx.post(f"{url}/api/conversations", headers=ana, json={"title": "nueva"}).status_code == 507
+
+        # What needs no write goes on: the stored conversations, and chatting through the API.
+        assert httpx.get(f"{url}/api/conversations/{conversation}", headers=ana).json()["messages"] == []
+        chat = {"model": server.model_id, "messages": [{"role": "user", "content": "hola"}], "max_tokens": 2}
+        assert httpx.post(url + "/v1/chat/completions", headers=ana, json=chat).status_code == 200
+        status = httpx.get(url + "/api/server", headers=papa).json()["storage"]
+        assert status["reason"] == "full" and status["path"] == server.store.path
+        assert status["message"].startswith(
+            f"{server.store.path}: the disk is full: writing the family's database"
+        )
+        logged = [line for line in capfd.readouterr().err.splitlines() if line.startswith("serve: storage: ")]
+        assert logged == [f"serve: storage: {status['message']}"]  # three refusals, one line
+
+        disk.empty()  # space returns: nothing to restart
+        answered = httpx.post(f"{url}/api/conversations/{conversation}/messages", headers=ana, json=turn)
+        assert answered.status_code == 200
+        assert len(httpx.get(f"{url}/api/conversations/{conversation}", headers=ana).json()["messages"]) == 2
+        assert httpx.get(url + "/api/server", headers=papa).json()["storage"] is None
+        assert server.store.query("PRAGMA integrity_check") == [{"integrity_check": "ok"}]
