@@ -25,6 +25,10 @@ would be right.
 
     python config.py configs/smoke-cpu.yaml [section.key=value ...] [--print]
 
+A run's config.yaml (dump) records CONFIG_FORMAT as config_format; one without it (release 2026-12-02
+and before) is format 0 and loads as is, one written by newer code is refused by name, and load returns
+the config without the key.
+
 This module never imports torch: `make lint` validates every config in a second or so.
 """
 
@@ -42,6 +46,8 @@ LAYERS = ("hardware", "model", "train", "data", "agent", "serve", "memory", "eva
 OPTIONAL_LAYERS = ("agent", "serve", "memory", "eval")
 SCHEMA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "schema")
 COMMAND_LINE = "command line"
+# 1: config_format recorded (release 2026-12-02 and before: none, format 0; the same keys otherwise).
+CONFIG_FORMAT = 1
 EXPONENT_NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+")
 
 
@@ -384,6 +390,11 @@ def validate(config, origins, run_path):
     """Check a composed config; raise ConfigError listing every problem."""
     run_view = {k: v for k, v in config.items() if k not in LAYERS}
     problems = _schema_problems("", run_view, load_schema("run"), origins, run_path)
+    written = config.get("config_format", 0)
+    if isinstance(written, int) and written > CONFIG_FORMAT:
+        where = _origin_of(("config_format",), origins, run_path)
+        problems.append(f"{where}: config_format: {written} is newer than this code reads ({CONFIG_FORMAT}); "
+                        "a later ENLACE wrote it: update this checkout")  # fmt: skip
     for layer in LAYERS:
         if layer in OPTIONAL_LAYERS and layer not in config:
             continue
@@ -402,6 +413,7 @@ def load(path, overrides=()):
     """Compose, validate and return the resolved config of a run file."""
     config, origins = compose(path, overrides)
     validate(config, origins, path)
+    config.pop("config_format", None)  # a saved config.yaml's (checked above); dump writes this code's
     return config
 
 
@@ -422,8 +434,10 @@ def load_layer(layer, path, overrides=()):
 
 
 def dump(config):
-    """The resolved config as YAML, in layer order (what a run saves as config.yaml)."""
-    ordered = {k: config[k] for k in config if k not in LAYERS}
+    """The resolved config as YAML, in layer order, with this code's config_format first (what a run saves
+    as config.yaml)."""
+    ordered = {"config_format": CONFIG_FORMAT}
+    ordered.update({k: config[k] for k in config if k not in LAYERS and k != "config_format"})
     ordered.update({layer: config[layer] for layer in LAYERS if layer in config})
     return yaml.safe_dump(ordered, sort_keys=False, allow_unicode=True)
 

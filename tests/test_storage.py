@@ -8,17 +8,22 @@ import contextlib
 import errno
 import os
 import pathlib
+import pickletools
 import shutil
 import sqlite3
 import subprocess
+import zipfile
 
 import httpx
 import pytest
 import torch
-from conftest import ROOT, live_server
+import yaml
+from conftest import ROOT, live_server, spanish_text
 
 import checkpoint
+import config
 import fileio
+import train
 from family import accounts as serve_accounts
 from family import feedback
 from family import memories as memory
@@ -368,3 +373,68 @@ def test_the_server_answers_507_for_writes_on_a_full_disk_keeps_reading_and_reco
         assert len(httpx.get(f"{url}/api/conversations/{conversation}", headers=ana).json()["messages"]) == 2
         assert httpx.get(url + "/api/server", headers=papa).json()["storage"] is None
         assert server.store.query("PRAGMA integrity_check") == [{"integrity_check": "ok"}]
+
+
+def pickled_globals(path):
+    """The module-level names a checkpoint's pickle refers to (what unpickling would import)."""
+    with zipfile.ZipFile(path) as archive:
+        (name,) = [n for n in archive.namelist() if n.endswith("/data.pkl")]
+        ops = list(pickletools.genops(archive.read(name)))
+    names = {arg.replace(" ", ".") for op, arg, _ in ops if op.name == "GLOBAL"}
+    names |= {
+        f"{ops[i - 2][1]}.{ops[i - 1][1]}" for i, (op, _, _) in enumerate(ops) if op.name == "STACK_GLOBAL"
+    }
+    return names
+
+
+def only_torch_and_containers(names):
+    return all(name.split(".")[0] in ("torch", "collections", "builtins") for name in names)
+
+
+def release_data(folder):
+    """The byte data the release's run was trained on, laid out as its make.py did."""
+    text = spanish_text(30_000).encode("utf-8")
+    os.makedirs(folder)
+    (folder / "train.bin").write_bytes(text[:25_000])
+    (folder / "val.bin").write_bytes(text[25_000:])
+    return str(folder)
+
+
+def test_the_run_of_release_2026_12_02_loads_samples_and_resumes_with_todays_code(tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(os.path.join(RELEASE, "run"), run)  # the fixture itself is never written
+    old = str(run / "ckpt_0000004.pt")
+    assert "format" not in checkpoint.load_checkpoint(old)  # format 0
+    assert only_torch_and_containers(pickled_globals(old))
+    model, cfg, tokenizer, path = checkpoint.load_run(str(run), log=lambda message: None)
+    assert (path, tokenizer.name) == (old, "bytes")
+    tokens = list(model.generate(torch.tensor(tokenizer.encode("La ")), 8, temperature=0.0))
+    assert len(tokens) == 8 and all(0 <= t < tokenizer.vocab_size for t in tokens)
+
+    # Its config.yaml (no config_format: format 0) loads, and training goes on from step 4.
+    data_dir = release_data(tmp_path / "data")
+    overrides = [
+        f"train.runs_dir={tmp_path}",
+        f"data.dir={data_dir}",
+        "train.max_steps=6",
+        "train.ckpt_interval=2",
+    ]
+    resumed = config.load(str(run / "config.yaml"), overrides)
+    assert train.train(resumed, resume=True, log=lambda *a, **k: None) == 6
+    new = checkpoint.checkpoint_path(str(run), 6)
+    assert checkpoint.load_checkpoint(new)["format"] == checkpoint.CHECKPOINT_FORMAT
+    assert only_torch_and_containers(pickled_globals(new))  # no module path of ours: files may move
+    with open(run / "config.yaml") as f:
+        assert yaml.safe_load(f)["config_format"] == config.CONFIG_FORMAT
+
+
+def test_a_config_yaml_from_newer_code_is_refused_by_name(tmp_path):
+    saved = tmp_path / "config.yaml"
+    with open(os.path.join(RELEASE, "run", "config.yaml")) as f:
+        saved.write_text(f"config_format: {config.CONFIG_FORMAT + 1}\n" + f.read())
+    with pytest.raises(config.ConfigError) as caught:
+        config.load(str(saved))
+    assert caught.value.problems == [
+        f"{saved}: config_format: {config.CONFIG_FORMAT + 1} is newer than this code reads ({config.CONFIG_FORMAT}); "
+        "a later ENLACE wrote it: update this checkout"
+    ]
