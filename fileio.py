@@ -25,10 +25,17 @@ import errno
 import hashlib
 import json
 import os
+import re
 import subprocess
 
-# The errors that say the filesystem refuses to store more, and how a message names them.
+# The errors that say the filesystem refuses to store more, and how a message names them: errno values,
+# SQLite's primary result codes (SQLITE_FULL, SQLITE_READONLY) and Rust's io::Error text (safetensors).
 STORAGE_ERRNOS = {errno.ENOSPC: "full", errno.EDQUOT: "full (disk quota exceeded)", errno.EROFS: "read-only"}
+SQLITE_CODES = {13: "full", 8: "read-only"}
+RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
+# The exit status of a command stopped by a full or read-only disk (sysexits.h EX_IOERR), apart from bad
+# input (2): a script or a person can tell "free some space and rerun" from "fix the command".
+STORAGE_EXIT = 74
 
 
 class StorageError(Exception):
@@ -77,6 +84,12 @@ def storage_reason(error):
             return error.reason
         if isinstance(error, OSError) and error.errno in STORAGE_ERRNOS:
             return STORAGE_ERRNOS[error.errno]
+        code = getattr(error, "sqlite_errorcode", None)
+        if isinstance(code, int) and code & 0xFF in SQLITE_CODES:
+            return SQLITE_CODES[code & 0xFF]
+        rust = RUST_OS_ERROR.search(str(error)) if not isinstance(error, OSError) else None
+        if rust and int(rust.group(1)) in STORAGE_ERRNOS:
+            return STORAGE_ERRNOS[int(rust.group(1))]
         error = error.__cause__ or error.__context__
     return None
 

@@ -5,6 +5,7 @@ elsewhere fileio's writes fail with ENOSPC past the disk's size (its open and fr
 tests that need the kernel's own ENOSPC (SQLite, a read-only remount) are skipped."""
 
 import contextlib
+import copy
 import errno
 import os
 import pathlib
@@ -15,15 +16,20 @@ import subprocess
 import zipfile
 
 import httpx
+import numpy as np
 import pytest
 import torch
 import yaml
-from conftest import ROOT, live_server, spanish_text
+from conftest import ROOT, data_layer, live_server, sample_corpus, spanish_text, text_source
 
 import checkpoint
 import config
+import data
+import export
 import fileio
 import train
+from corpus import pipeline as corpus
+from corpus.docs import docs_path
 from family import accounts as serve_accounts
 from family import feedback
 from family import memories as memory
@@ -438,3 +444,66 @@ def test_a_config_yaml_from_newer_code_is_refused_by_name(tmp_path):
         f"{saved}: config_format: {config.CONFIG_FORMAT + 1} is newer than this code reads ({config.CONFIG_FORMAT}); "
         "a later ENLACE wrote it: update this checkout"
     ]
+
+
+# -----------------------------------------------------------------------------
+# Writers that check the room they need before writing a large file
+
+
+def test_a_shard_that_does_not_fit_is_refused_before_writing_and_the_old_one_stays(disk):
+    path = os.path.join(disk.path, data.shard_name("train", 0))
+    data.write_shard(path, np.arange(1000), 65536)
+    before = fileio.sha256_of_file(path)
+    disk.fill(leave=100_000)
+    with pytest.raises(fileio.StorageError) as caught:
+        data.write_shard(path, np.zeros(200_000), 65536)  # 400 kB
+    needed = fileio.size_text(data.HEADER_BYTES + 400_000)
+    assert one_line(caught.value).startswith(f"{path}: the disk is full: the shard needs {needed}, ")
+    assert fileio.sha256_of_file(path) == before
+
+
+def test_a_corpus_whose_documents_do_not_fit_is_refused_and_the_old_outputs_stay(disk):
+    cfg = data_layer(
+        "corpus-smoke",
+        dir=os.path.join(disk.path, "data"),
+        processes=1,
+        corpus={"sources": [text_source("sample", sample_corpus(pathlib.Path(disk.path) / "sample.txt"))]},
+    )
+    corpus.build_corpus(cfg, log=lambda *a: None)
+    train_docs = docs_path(cfg, "train")
+    before = fileio.sha256_of_file(train_docs)
+    cfg["corpus"]["min_chars"] += 1  # another corpus: built again
+    disk.fill(leave=20_000)
+    with pytest.raises(fileio.StorageError) as caught:
+        corpus.build_corpus(cfg, log=lambda *a: None)
+    assert "the disk is full" in one_line(caught.value) and caught.value.path.startswith(cfg["dir"])
+    assert fileio.sha256_of_file(train_docs) == before
+    assert [name for name in os.listdir(cfg["dir"]) if name.endswith(".tmp")] == []
+
+
+def test_a_snapshot_that_does_not_fit_is_refused_and_the_older_ones_stay(disk, tmp_path):
+    cfg = copy.deepcopy(memory.load_config())
+    cfg["snapshots"]["dir"] = os.path.join(disk.path, "snapshots")
+    database = str(tmp_path / "family.sqlite")
+    conn = memory.connect(database, cfg)
+    memory.add(conn, "ana", "adult", "Ana es alérgica a las nueces.", cfg)
+    first = memory.snapshot(database, cfg, log=lambda message: None)
+    conn.execute("CREATE TABLE ballast (x)")
+    with conn:
+        conn.execute("INSERT INTO ballast VALUES (?)", (b"\0" * 300_000,))
+    conn.close()
+    disk.fill(leave=100_000)
+    with pytest.raises(fileio.StorageError) as caught:
+        memory.snapshot(database, cfg, log=lambda message: None)
+    assert " the disk is full: the snapshot needs " in one_line(caught.value)
+    assert memory.list_snapshots(cfg["snapshots"]["dir"]) == [first]
+    assert memory.verify(first)["integrity_check"] == "ok"
+
+
+def test_an_export_that_does_not_fit_is_refused_with_its_own_exit_status(disk, chat_run, capsys):
+    out = os.path.join(disk.path, "hf")
+    disk.fill(leave=100_000)
+    assert export.main([chat_run, out, "--to", "hf"]) == fileio.STORAGE_EXIT
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"error: {out}: the disk is full: the hf export (f32) needs ")
+    assert not os.path.exists(out) and [n for n in os.listdir(disk.path) if n.startswith(".hf")] == []
