@@ -73,6 +73,38 @@ def save_checkpoint(run_dir, step, state, keep_last):
     return path
 
 
+def estimate_checkpoint_bytes(model, optimizer, extra_bytes=0):
+    """About the bytes of one checkpoint: the weights, the optimizer's state, and extra_bytes (a tokenizer,
+    a DPO reference). An optimizer that has stepped is measured as it is; a fresh one is counted as AdamW
+    keeps it (exp_avg and exp_avg_sq: two tensors the size of each parameter)."""
+    storages = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in model.state_dict().values()
+    }
+    weights = sum(storages.values())  # tied weights (embedding and LM head) are saved once
+    state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    if state:
+        moments = sum(v.numel() * v.element_size() for v in state)
+    else:
+        moments = 2 * sum(p.numel() * p.element_size() for g in optimizer.param_groups for p in g["params"])
+    return weights + moments + extra_bytes
+
+
+def check_room_for_checkpoints(run_dir, per_checkpoint, keep_last, mode, log=print):
+    """train.space_check: keep_last checkpoints stay while the next is written, so run_dir's disk must hold
+    keep_last + 1 of them (less those already there). refuse: a fileio.StorageError; warn: a warning."""
+    existing = sum(os.path.getsize(p) for p in list_checkpoints(run_dir))
+    needed = max(0, (keep_last + 1) * per_checkpoint - existing)
+    free = fileio.free_bytes(run_dir)
+    if needed <= free:
+        return
+    what = (f"{keep_last + 1} checkpoints of about {fileio.size_text(per_checkpoint)} (train.keep_last={keep_last} "
+            "kept while the next is written; free space, lower train.keep_last or set train.space_check=warn)")  # fmt: skip
+    problem = fileio.StorageError(os.path.join(run_dir, "ckpt_*.pt"), "too full", needed, free, what)
+    if mode == "refuse":
+        raise problem
+    log(f"warning: {problem} (train.space_check=warn: training anyway)")
+
+
 def load_checkpoint(path):
     # map_location="cpu": RNG states must stay CPU tensors, and any rank can read any checkpoint.
     state = torch.load(path, map_location="cpu", weights_only=True)

@@ -46,8 +46,20 @@ LAYERS = ("hardware", "model", "train", "data", "agent", "serve", "memory", "eva
 OPTIONAL_LAYERS = ("agent", "serve", "memory", "eval")
 SCHEMA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "schema")
 COMMAND_LINE = "command line"
-# 1: config_format recorded (release 2026-12-02 and before: none, format 0; the same keys otherwise).
+# 1: config_format recorded, and train.space_check (release 2026-12-02 and before: format 0).
 CONFIG_FORMAT = 1
+
+
+def _format_1(config):
+    """A config.yaml of release 2026-12-02 or before: its run predates train.space_check, and refused
+    nothing; refuse is what every shipped train layer says now."""
+    if isinstance(config.get("train"), dict):
+        config["train"].setdefault("space_check", "refuse")
+
+
+# CONFIG_MIGRATIONS[n] takes a saved config.yaml (a resolved config) from format n to n + 1; run files in
+# configs/ are always read as they are. Add steps at the end; never edit one.
+CONFIG_MIGRATIONS = (_format_1,)
 EXPONENT_NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+")
 
 
@@ -187,6 +199,10 @@ def compose(path, overrides=()):
         config[layer] = section
         origins.update(section_origins)
     _merge(config, run, origins, path)
+    written = config.get("config_format", 0)
+    if resolved and isinstance(written, int):
+        for step in CONFIG_MIGRATIONS[written:]:
+            step(config)
 
     _apply_overrides(config, origins, overrides)
     return config, origins
@@ -388,13 +404,13 @@ def check_section(layer, section, source="config"):
 
 def validate(config, origins, run_path):
     """Check a composed config; raise ConfigError listing every problem."""
+    written = config.get("config_format", 0)
+    if isinstance(written, int) and written > CONFIG_FORMAT:  # its other keys mean what newer code says
+        where = _origin_of(("config_format",), origins, run_path)
+        raise ConfigError([f"{where}: config_format: {written} is newer than this code reads ({CONFIG_FORMAT}); "
+                           "a later ENLACE wrote it: update this checkout"])  # fmt: skip
     run_view = {k: v for k, v in config.items() if k not in LAYERS}
     problems = _schema_problems("", run_view, load_schema("run"), origins, run_path)
-    written = config.get("config_format", 0)
-    if isinstance(written, int) and written > CONFIG_FORMAT:
-        where = _origin_of(("config_format",), origins, run_path)
-        problems.append(f"{where}: config_format: {written} is newer than this code reads ({CONFIG_FORMAT}); "
-                        "a later ENLACE wrote it: update this checkout")  # fmt: skip
     for layer in LAYERS:
         if layer in OPTIONAL_LAYERS and layer not in config:
             continue

@@ -39,8 +39,9 @@ STORAGE_EXIT = 74
 
 
 class StorageError(Exception):
-    """A write the filesystem refused (full or read-only). path: the file; needed, free: bytes (None where
-    not known); reason: "full", "full (disk quota exceeded)" or "read-only"."""
+    """A write the filesystem refused (full or read-only), or one check_space stopped ahead. path: the file;
+    needed, free: bytes (None where not known); reason: "full", "full (disk quota exceeded)", "read-only"
+    or "too full" (check_space)."""
 
     def __init__(self, path, reason, needed=None, free=None, what=None):
         self.path, self.reason, self.needed, self.free, self.what = path, reason, needed, free, what
@@ -125,7 +126,7 @@ def check_space(path, needed, what=None):
     """A StorageError before writing when the filesystem holding path has less than needed bytes free."""
     free = free_bytes(path)
     if needed > free:
-        raise StorageError(path, "full", needed, free, what)
+        raise StorageError(path, "too full", needed, free, what)
     return free
 
 

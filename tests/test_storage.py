@@ -10,6 +10,7 @@ import errno
 import os
 import pathlib
 import pickletools
+import re
 import shutil
 import sqlite3
 import subprocess
@@ -458,7 +459,7 @@ def test_a_shard_that_does_not_fit_is_refused_before_writing_and_the_old_one_sta
     with pytest.raises(fileio.StorageError) as caught:
         data.write_shard(path, np.zeros(200_000), 65536)  # 400 kB
     needed = fileio.size_text(data.HEADER_BYTES + 400_000)
-    assert one_line(caught.value).startswith(f"{path}: the disk is full: the shard needs {needed}, ")
+    assert one_line(caught.value).startswith(f"{path}: the disk is too full: the shard needs {needed}, ")
     assert fileio.sha256_of_file(path) == before
 
 
@@ -476,7 +477,9 @@ def test_a_corpus_whose_documents_do_not_fit_is_refused_and_the_old_outputs_stay
     disk.fill(leave=20_000)
     with pytest.raises(fileio.StorageError) as caught:
         corpus.build_corpus(cfg, log=lambda *a: None)
-    assert "the disk is full" in one_line(caught.value) and caught.value.path.startswith(cfg["dir"])
+    assert re.search("the disk is (too )?full", one_line(caught.value)) and caught.value.path.startswith(
+        cfg["dir"]
+    )
     assert fileio.sha256_of_file(train_docs) == before
     assert [name for name in os.listdir(cfg["dir"]) if name.endswith(".tmp")] == []
 
@@ -495,7 +498,7 @@ def test_a_snapshot_that_does_not_fit_is_refused_and_the_older_ones_stay(disk, t
     disk.fill(leave=100_000)
     with pytest.raises(fileio.StorageError) as caught:
         memory.snapshot(database, cfg, log=lambda message: None)
-    assert " the disk is full: the snapshot needs " in one_line(caught.value)
+    assert " the disk is too full: the snapshot needs " in one_line(caught.value)
     assert memory.list_snapshots(cfg["snapshots"]["dir"]) == [first]
     assert memory.verify(first)["integrity_check"] == "ok"
 
@@ -505,5 +508,47 @@ def test_an_export_that_does_not_fit_is_refused_with_its_own_exit_status(disk, c
     disk.fill(leave=100_000)
     assert export.main([chat_run, out, "--to", "hf"]) == fileio.STORAGE_EXIT
     (line,) = capsys.readouterr().err.strip().splitlines()
-    assert line.startswith(f"error: {out}: the disk is full: the hf export (f32) needs ")
+    assert line.startswith(f"error: {out}: the disk is too full: the hf export (f32) needs ")
     assert not os.path.exists(out) and [n for n in os.listdir(disk.path) if n.startswith(".hf")] == []
+
+
+# -----------------------------------------------------------------------------
+# Training: room for keep_last + 1 checkpoints, checked at start
+
+
+def tiny_model_and_optimizer():
+    from model import Transformer
+
+    cfg = config.load(
+        os.path.join(ROOT, "configs", "smoke-cpu.yaml"), ["model.d_model=64", "model.n_layers=2"]
+    )
+    model = Transformer(cfg["model"])
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def test_a_checkpoints_size_is_estimated_from_the_weights_and_the_optimizer_before_any_step(tmp_path):
+    model, optimizer = tiny_model_and_optimizer()
+    estimate = checkpoint.estimate_checkpoint_bytes(model, optimizer)
+    model(torch.randint(0, 256, (2, 16)), torch.randint(0, 256, (2, 16)))[1]["loss"].backward()
+    optimizer.step()
+    measured = checkpoint.estimate_checkpoint_bytes(model, optimizer)  # AdamW's state, as it is now
+    assert estimate <= measured <= 1.001 * estimate  # plus a step counter per parameter
+    path = checkpoint.save_checkpoint(str(tmp_path), 1, training_state(1, 1) | {"model": model.state_dict(),
+                                      "optimizer": optimizer.state_dict()}, keep_last=2)  # fmt: skip
+    assert estimate <= os.path.getsize(path) <= 1.05 * estimate  # the rest is the zip's and pickle's framing
+
+
+def test_a_run_dir_without_room_for_keep_last_plus_one_checkpoints_is_refused_or_warned_about(disk):
+    run_dir = os.path.join(disk.path, "run")
+    disk.fill(leave=1_000_000)
+    with pytest.raises(fileio.StorageError) as caught:
+        checkpoint.check_room_for_checkpoints(run_dir, 400_000, keep_last=2, mode="refuse")
+    text = one_line(caught.value)
+    assert text.startswith(
+        f"{run_dir}/ckpt_*.pt: the disk is too full: 3 checkpoints of about 400.0 kB (train.keep_last=2 kept "
+        "while the next is written; free space, lower train.keep_last or set train.space_check=warn) needs 1.2 MB, "
+    )
+    warnings = []
+    checkpoint.check_room_for_checkpoints(run_dir, 400_000, keep_last=2, mode="warn", log=warnings.append)
+    assert warnings == [f"warning: {text} (train.space_check=warn: training anyway)"]
+    checkpoint.check_room_for_checkpoints(run_dir, 300_000, keep_last=2, mode="refuse")  # 900 kB fits
