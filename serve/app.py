@@ -825,6 +825,9 @@ def main(argv):
     except (ServeError, serve_accounts.AccountError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except fileio.StorageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return fileio.STORAGE_EXIT
 
 
 if __name__ == "__main__":

@@ -31,9 +31,11 @@ import fileio
 import train
 from corpus import pipeline as corpus
 from corpus.docs import docs_path
+from evaluation import plot
 from family import accounts as serve_accounts
 from family import feedback
 from family import memories as memory
+from serve import app as serve
 
 RELEASE = os.path.join(ROOT, "tests", "fixtures", "release-2026-12-02")
 DISK_BYTES = 4 * 2**20
@@ -552,3 +554,31 @@ def test_a_run_dir_without_room_for_keep_last_plus_one_checkpoints_is_refused_or
     checkpoint.check_room_for_checkpoints(run_dir, 400_000, keep_last=2, mode="warn", log=warnings.append)
     assert warnings == [f"warning: {text} (train.space_check=warn: training anyway)"]
     checkpoint.check_room_for_checkpoints(run_dir, 300_000, keep_last=2, mode="refuse")  # 900 kB fits
+
+
+# -----------------------------------------------------------------------------
+# Command lines: a full disk is one line and exit status 74, apart from bad input (2)
+
+
+@needs_root("SQLite's own ENOSPC")
+def test_adding_a_member_on_a_full_disk_says_so_and_exits_74(disk, capsys):
+    database = os.path.join(disk.path, "family.sqlite")
+    serve_accounts.Store(database).add_member("papa", "admin")
+    disk.fill(leave=0)
+    argv = ["member", "add", "ana", "--role", "adult", f"serve.database={database}"]
+    assert serve.main(argv) == fileio.STORAGE_EXIT
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"error: {database}: the disk is full: writing the family's database")
+    disk.empty()
+    assert serve.main(argv) == 0
+
+
+def test_a_plot_on_a_full_disk_says_so_and_exits_74(disk, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(os.path.join(RELEASE, "run"), run)
+    out = os.path.join(disk.path, "plot.png")
+    disk.fill(leave=1_000)
+    assert plot.main([str(run), "--out", out]) == fileio.STORAGE_EXIT
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"error: {out}: the disk is full: writing it failed, ")
+    assert not os.path.exists(out)
