@@ -7,6 +7,7 @@ tests that need the kernel's own ENOSPC (SQLite, a read-only remount) are skippe
 import contextlib
 import copy
 import errno
+import json
 import os
 import pathlib
 import pickletools
@@ -14,6 +15,7 @@ import re
 import shutil
 import sqlite3
 import subprocess
+import threading
 import zipfile
 
 import httpx
@@ -21,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from conftest import ROOT, data_layer, live_server, sample_corpus, spanish_text, text_source
+from conftest import ROOT, ScriptedModel, data_layer, live_server, sample_corpus, spanish_text, text_source
 
 import checkpoint
 import config
@@ -582,3 +584,49 @@ def test_a_plot_on_a_full_disk_says_so_and_exits_74(disk, tmp_path, capsys):
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith(f"error: {out}: the disk is full: writing it failed, ")
     assert not os.path.exists(out)
+
+
+class GatedModel(ScriptedModel):
+    """A scripted model whose generations stop after their first token until `gate` is set."""
+
+    def __init__(self, *scripts):
+        super().__init__(*scripts)
+        self.gate = threading.Event()
+
+    def decoder(self, slots, allocate=False):
+        decoder = super().decoder(slots, allocate)
+        advance = decoder.advance
+
+        def gated(tokens):
+            if any(row.step >= 1 for row in tokens):
+                self.gate.wait(30)
+            advance(tokens)
+
+        decoder.advance = gated
+        return decoder
+
+
+@needs_root("SQLite's own ENOSPC")
+def test_an_answer_the_disk_cannot_store_ends_its_stream_with_the_507_error_and_the_question_stays(
+    disk, chat_model
+):
+    tokenizer = chat_model[1]
+    model = GatedModel(tokenizer.encode("Son cuatro, como siempre."))
+    with live_server(chat_model, pathlib.Path(disk.path), "serve.tools=false", model=model) as (url, server):
+        ana = {"Authorization": f"Bearer {server.store.add_member('ana', 'adult')}"}
+        conversation = httpx.post(url + "/api/conversations", headers=ana, json={}).json()["id"]
+        turn = {"content": "¿2 + 2?", "stream": True, "max_tokens": 8}
+        events = []
+        with httpx.stream(
+            "POST", f"{url}/api/conversations/{conversation}/messages", headers=ana, json=turn
+        ) as answer:
+            for line in filter(None, answer.iter_lines()):
+                if not events:  # the first event: the question is stored; the answer will not be
+                    disk.fill(leave=0)
+                    model.gate.set()
+                events.append(line)
+        errors = [json.loads(line[6:])["error"] for line in events if line.startswith('data: {"error"')]
+        assert [e["code"] for e in errors] == ["storage_full"] and events[-1] == "data: [DONE]"
+        disk.empty()
+        stored = httpx.get(f"{url}/api/conversations/{conversation}", headers=ana).json()["messages"]
+        assert [(m["role"], m["content"]) for m in stored] == [("user", "¿2 + 2?")]
