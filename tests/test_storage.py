@@ -23,7 +23,17 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from conftest import ROOT, ScriptedModel, data_layer, live_server, sample_corpus, spanish_text, text_source
+from conftest import (
+    ROOT,
+    ScriptedModel,
+    data_layer,
+    live_server,
+    sample_corpus,
+    spanish_text,
+    text_source,
+    tiny_args,
+    tiny_config,
+)
 
 import checkpoint
 import config
@@ -630,3 +640,45 @@ def test_an_answer_the_disk_cannot_store_ends_its_stream_with_the_507_error_and_
         disk.empty()
         stored = httpx.get(f"{url}/api/conversations/{conversation}", headers=ana).json()["messages"]
         assert [(m["role"], m["content"]) for m in stored] == [("user", "¿2 + 2?")]
+
+
+def checkpoint_size(tmp_path, byte_data_dir):
+    """The bytes of one checkpoint of the tiny run (its first, at step 2)."""
+    train.train(tiny_config(tmp_path / "sizing", "bytes", byte_data_dir, "run_name=s", "train.max_steps=2"),
+                log=lambda *a, **k: None)  # fmt: skip
+    return os.path.getsize(checkpoint.checkpoint_path(str(tmp_path / "sizing" / "s"), 2))
+
+
+def test_train_refuses_at_start_a_run_dir_without_room_for_keep_last_plus_one_checkpoints(
+    disk, tmp_path, byte_data_dir, capsys
+):
+    size = checkpoint_size(tmp_path, byte_data_dir)
+    disk.fill(leave=2 * size)  # keep_last=2: three are needed
+    argv = tiny_args(disk.path, "bytes", byte_data_dir, "run_name=r")
+    assert train.main(argv) == fileio.STORAGE_EXIT
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    run_dir = os.path.join(disk.path, "r")
+    assert line.startswith(f"error: {run_dir}/ckpt_*.pt: the disk is too full: 3 checkpoints of about ")
+    assert line.endswith("; no checkpoint was written yet (free space, then start it again)")
+    assert checkpoint.list_checkpoints(run_dir) == []
+
+
+def test_a_disk_that_fills_mid_run_stops_training_with_74_naming_the_last_good_checkpoint_then_resume_finishes(
+    disk, tmp_path, byte_data_dir, capsys
+):
+    size = checkpoint_size(tmp_path, byte_data_dir)
+    disk.fill(leave=size * 3 // 2)  # one checkpoint and a half, as the issue's person had
+    argv = tiny_args(disk.path, "bytes", byte_data_dir, "run_name=r", "train.space_check=warn")
+    assert train.main(argv) == fileio.STORAGE_EXIT
+    err = capsys.readouterr().err.strip().splitlines()
+    run_dir = os.path.join(disk.path, "r")
+    first = checkpoint.checkpoint_path(run_dir, 2)
+    assert err[-1].startswith(
+        f"error: {checkpoint.checkpoint_path(run_dir, 4)}: the disk is full: checkpoint 4 needs "
+    )
+    assert err[-1].endswith(f"; the last good checkpoint is {first} (free space, then --resume)")
+    assert checkpoint.list_checkpoints(run_dir) == [first]
+    assert [name for name in os.listdir(run_dir) if name.endswith(".tmp")] == []
+    disk.empty()
+    assert train.main([*argv, "--resume"]) == 0
+    assert checkpoint.load_checkpoint(checkpoint.list_checkpoints(run_dir)[0])["step"] == 8
