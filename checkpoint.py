@@ -9,6 +9,11 @@ directory's one has been retrained since, and refuse a run whose chat template v
 code's. Checkpoints written before this carried only the tokenizer's name: they still load, with the
 tokenizer of their data directory and warnings.
 
+Each checkpoint records its format (CHECKPOINT_FORMAT; none before release 2026-12-02, which is format 0
+and loads as is); a newer one than this code reads is refused by name. A checkpoint holds tensors and plain
+containers only (torch.load weights_only=True reads it), never a module path of ours, so that moving a file
+of this code never stops an old checkpoint from loading.
+
 This file knows nothing about the training loop; train.py, sample.py, serve/app.py and export.py import it.
 """
 
@@ -24,6 +29,9 @@ import data
 import fileio
 from chat import template as chat
 from model import Transformer
+
+# 1: "format" recorded (release 2026-12-02 and before: no key, format 0; the same contents otherwise).
+CHECKPOINT_FORMAT = 1
 
 
 class CheckpointError(Exception):
@@ -47,8 +55,14 @@ def list_checkpoints(run_dir):
 
 
 def save_checkpoint(run_dir, step, state, keep_last):
+    """Write ckpt_<step>.pt atomically, then drop all but the newest keep_last. A full disk is a
+    fileio.StorageError naming the file, its likely size (the newest checkpoint's) and the bytes free;
+    the checkpoints already there stay."""
     path = checkpoint_path(run_dir, step)
-    fileio.write_atomic(path, lambda f: torch.save(state, f))
+    state = {"format": CHECKPOINT_FORMAT} | state
+    previous = list_checkpoints(run_dir)
+    needed = os.path.getsize(previous[0]) if previous else None
+    fileio.write_atomic(path, lambda f: torch.save(state, f), needed=needed, what=f"checkpoint {step}")
     for old in list_checkpoints(run_dir)[keep_last:]:
         os.unlink(old)
     # Temp files of writes that were killed (never trusted, since they never got the real name).
@@ -59,12 +73,51 @@ def save_checkpoint(run_dir, step, state, keep_last):
     return path
 
 
+def estimate_checkpoint_bytes(model, optimizer, extra_bytes=0):
+    """About the bytes of one checkpoint: the weights, the optimizer's state, and extra_bytes (a tokenizer,
+    a DPO reference). An optimizer that has stepped is measured as it is; a fresh one is counted as AdamW
+    keeps it (exp_avg and exp_avg_sq: two tensors the size of each parameter)."""
+    storages = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in model.state_dict().values()
+    }
+    weights = sum(storages.values())  # tied weights (embedding and LM head) are saved once
+    state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    if state:
+        moments = sum(v.numel() * v.element_size() for v in state)
+    else:
+        moments = 2 * sum(p.numel() * p.element_size() for g in optimizer.param_groups for p in g["params"])
+    return weights + moments + extra_bytes
+
+
+def check_room_for_checkpoints(run_dir, per_checkpoint, keep_last, mode, log=print):
+    """train.space_check: keep_last checkpoints stay while the next is written, so run_dir's disk must hold
+    keep_last + 1 of them (less those already there). refuse: a fileio.StorageError; warn: a warning."""
+    existing = sum(os.path.getsize(p) for p in list_checkpoints(run_dir))
+    needed = max(0, (keep_last + 1) * per_checkpoint - existing)
+    free = fileio.free_bytes(run_dir)
+    if needed <= free:
+        return
+    what = (f"{keep_last + 1} checkpoints of about {fileio.size_text(per_checkpoint)} (train.keep_last={keep_last} "
+            "kept while the next is written; free space, lower train.keep_last or set train.space_check=warn)")  # fmt: skip
+    problem = fileio.StorageError(os.path.join(run_dir, "ckpt_*.pt"), "too full", needed, free, what)
+    if mode == "refuse":
+        raise problem
+    log(f"warning: {problem} (train.space_check=warn: training anyway)")
+
+
 def load_checkpoint(path):
     # map_location="cpu": RNG states must stay CPU tensors, and any rank can read any checkpoint.
     state = torch.load(path, map_location="cpu", weights_only=True)
     missing = {"step", "model", "optimizer", "ranks", "config"} - set(state)
     if missing:
         raise ValueError(f"not a training checkpoint (missing {', '.join(sorted(missing))})")
+    written = state.get("format", 0)
+    if not isinstance(written, int) or written > CHECKPOINT_FORMAT:
+        commit = state.get("code_version", "unknown")
+        raise CheckpointError(
+            f"{path}: checkpoint format {written!r}, newer than this code reads ({CHECKPOINT_FORMAT}); "
+            f"it was written by commit {commit}: update this checkout to read it"
+        )
     return state
 
 
@@ -73,6 +126,8 @@ def load_newest_checkpoint(run_dir, log=print):
     for path in list_checkpoints(run_dir):
         try:
             return path, load_checkpoint(path)
+        except CheckpointError:  # a whole checkpoint from newer code: never skipped in silence
+            raise
         except Exception as e:  # noqa: BLE001 - any unreadable file is skipped, and said so
             log(f"warning: skipping unreadable checkpoint {path}: {type(e).__name__}: {e}")
     raise CheckpointError(f"no usable checkpoint in {run_dir}/ (expected ckpt_<step>.pt files)")
@@ -86,6 +141,8 @@ def read_run(path, log=print):
         raise CheckpointError(f"{path}: no such run directory or checkpoint file")
     try:
         return path, load_checkpoint(path)
+    except CheckpointError:
+        raise
     except Exception as e:  # noqa: BLE001 - whatever torch raises, the file is not usable
         raise CheckpointError(f"{path}: not a loadable ENLACE checkpoint ({type(e).__name__}: {e})") from None
 

@@ -25,6 +25,10 @@ would be right.
 
     python config.py configs/smoke-cpu.yaml [section.key=value ...] [--print]
 
+A run's config.yaml (dump) records CONFIG_FORMAT as config_format; one without it (release 2026-12-02
+and before) is format 0 and loads as is, one written by newer code is refused by name, and load returns
+the config without the key.
+
 This module never imports torch: `make lint` validates every config in a second or so.
 """
 
@@ -42,6 +46,20 @@ LAYERS = ("hardware", "model", "train", "data", "agent", "serve", "memory", "eva
 OPTIONAL_LAYERS = ("agent", "serve", "memory", "eval")
 SCHEMA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "schema")
 COMMAND_LINE = "command line"
+# 1: config_format recorded, and train.space_check (release 2026-12-02 and before: format 0).
+CONFIG_FORMAT = 1
+
+
+def _format_1(config):
+    """A config.yaml of release 2026-12-02 or before: its run predates train.space_check, and refused
+    nothing; refuse is what every shipped train layer says now."""
+    if isinstance(config.get("train"), dict):
+        config["train"].setdefault("space_check", "refuse")
+
+
+# CONFIG_MIGRATIONS[n] takes a saved config.yaml (a resolved config) from format n to n + 1; run files in
+# configs/ are always read as they are. Add steps at the end; never edit one.
+CONFIG_MIGRATIONS = (_format_1,)
 EXPONENT_NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+")
 
 
@@ -181,6 +199,10 @@ def compose(path, overrides=()):
         config[layer] = section
         origins.update(section_origins)
     _merge(config, run, origins, path)
+    written = config.get("config_format", 0)
+    if resolved and isinstance(written, int):
+        for step in CONFIG_MIGRATIONS[written:]:
+            step(config)
 
     _apply_overrides(config, origins, overrides)
     return config, origins
@@ -382,6 +404,11 @@ def check_section(layer, section, source="config"):
 
 def validate(config, origins, run_path):
     """Check a composed config; raise ConfigError listing every problem."""
+    written = config.get("config_format", 0)
+    if isinstance(written, int) and written > CONFIG_FORMAT:  # its other keys mean what newer code says
+        where = _origin_of(("config_format",), origins, run_path)
+        raise ConfigError([f"{where}: config_format: {written} is newer than this code reads ({CONFIG_FORMAT}); "
+                           "a later ENLACE wrote it: update this checkout"])  # fmt: skip
     run_view = {k: v for k, v in config.items() if k not in LAYERS}
     problems = _schema_problems("", run_view, load_schema("run"), origins, run_path)
     for layer in LAYERS:
@@ -402,6 +429,7 @@ def load(path, overrides=()):
     """Compose, validate and return the resolved config of a run file."""
     config, origins = compose(path, overrides)
     validate(config, origins, path)
+    config.pop("config_format", None)  # a saved config.yaml's (checked above); dump writes this code's
     return config
 
 
@@ -422,8 +450,10 @@ def load_layer(layer, path, overrides=()):
 
 
 def dump(config):
-    """The resolved config as YAML, in layer order (what a run saves as config.yaml)."""
-    ordered = {k: config[k] for k in config if k not in LAYERS}
+    """The resolved config as YAML, in layer order, with this code's config_format first (what a run saves
+    as config.yaml)."""
+    ordered = {"config_format": CONFIG_FORMAT}
+    ordered.update({k: config[k] for k in config if k not in LAYERS and k != "config_format"})
     ordered.update({layer: config[layer] for layer in LAYERS if layer in config})
     return yaml.safe_dump(ordered, sort_keys=False, allow_unicode=True)
 

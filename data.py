@@ -224,20 +224,23 @@ def tokenizer_path(data_cfg):
 
 
 def write_shard(path, tokens, vocab_size):
-    """Write a uint16 token shard atomically; returns its sha256."""
+    """Write a uint16 token shard atomically; returns its sha256. A disk without room for it is a
+    fileio.StorageError before anything is written."""
     if not 0 < vocab_size <= 65536:
         raise DataError(f"{path}: vocab size {vocab_size} does not fit uint16 tokens (1..65536)")
     header = np.zeros(HEADER_INTS, dtype="<i4")
     header[:4] = (SHARD_MAGIC, SHARD_VERSION, len(tokens), vocab_size)
     body = np.ascontiguousarray(tokens, dtype="<u2")
     digest = hashlib.sha256()
+    size = header.nbytes + body.nbytes
+    fileio.check_space(path, size, what="the shard")
 
     def write(f):
         for part in (header.tobytes(), body.tobytes()):
             digest.update(part)
             f.write(part)
 
-    fileio.write_atomic(path, write)
+    fileio.write_atomic(path, write, needed=size, what="the shard")
     return digest.hexdigest()
 
 

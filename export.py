@@ -405,6 +405,25 @@ def write_ollama(folder, model, cfg, tokenizer, dtype):
 # -----------------------------------------------------------------------------
 
 
+# Bytes per weight of each dtype; q8_0 counts as f16, an upper bound (its embedding and vectors are wider).
+DTYPE_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "q8_0": 2}
+
+
+def export_bytes(model, dtype):
+    """About the bytes an export writes: each weight once (tied ones once) at dtype's width, plus the
+    tokenizer files (a few MB at most)."""
+    return sum(p.numel() for p in model.parameters()) * DTYPE_BYTES[dtype] + 4 * 2**20
+
+
+def write_format(fmt, folder, model, cfg, tokenizer, dtype):
+    if fmt == "hf":
+        write_hf(folder, model, cfg, tokenizer, dtype)
+    elif fmt == "gguf":
+        write_gguf(os.path.join(folder, GGUF_NAME), model, cfg, tokenizer, dtype)
+    else:
+        write_ollama(folder, model, cfg, tokenizer, dtype)
+
+
 def export(run, fmt, out, dtype=None, force=False, log=print):
     """Write `run` in format `fmt` to the folder `out`; returns the list of files written."""
     if fmt not in FORMATS:
@@ -422,14 +441,12 @@ def export(run, fmt, out, dtype=None, force=False, log=print):
     model, cfg, tokenizer, ckpt_path = load_for_export(run)
     parent = os.path.dirname(out)
     os.makedirs(parent, exist_ok=True)
+    needed = export_bytes(model, dtype)
+    fileio.check_space(out, needed, what=f"the {fmt} export ({dtype})")
     scratch = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.", suffix=".tmp", dir=parent)
     try:
-        if fmt == "hf":
-            write_hf(scratch, model, cfg, tokenizer, dtype)
-        elif fmt == "gguf":
-            write_gguf(os.path.join(scratch, GGUF_NAME), model, cfg, tokenizer, dtype)
-        else:
-            write_ollama(scratch, model, cfg, tokenizer, dtype)
+        with fileio.reporting_storage(out, needed, what=f"the {fmt} export ({dtype})"):
+            write_format(fmt, scratch, model, cfg, tokenizer, dtype)
         os.chmod(scratch, 0o755)  # mkdtemp makes it private; the files too may be (safetensors)
         for name in os.listdir(scratch):
             os.chmod(os.path.join(scratch, name), 0o644)
@@ -461,6 +478,9 @@ def main(argv):
     except ExportError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except fileio.StorageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return fileio.STORAGE_EXIT
     return 0
 
 

@@ -3,6 +3,9 @@ The one atomic writer and the file digests, with nothing heavy imported (no torc
 config-level code (family/memories.py) can use them as well as the training side.
 
     write_atomic(path, write)   write(f) on a temp file beside path, fsync, rename over path, fsync the folder
+    reporting_storage(path)     a block whose full or read-only filesystem becomes a StorageError naming path
+    check_space(path, needed)   a StorageError now when the filesystem holding path has less than needed free
+    free_bytes(path)            bytes free to this user on the filesystem holding path
     write_json(path, obj)       the same for a JSON document (indent 1, UTF-8, trailing newline)
     fsync_path(path)            fsync a file or a folder by name (after a rename into it)
     sha256_of_file(path)        hex sha256 of a file's bytes
@@ -11,12 +14,120 @@ config-level code (family/memories.py) can use them as well as the training side
 
 A reader never sees half a file at `path`: it sees the old one or the new one. A folder is written the
 same way by its owner: into a temp folder beside it, then one rename, then fsync_path of the parent.
+
+A full disk (ENOSPC, a quota) or a read-only filesystem is a StorageError whose message is one line: the
+path, the bytes needed where known and the bytes free. Whatever library was writing (torch's zip writer
+turns the OSError into a RuntimeError), the cause is looked up in the exception's chain.
 """
 
+import contextlib
+import errno
 import hashlib
 import json
 import os
+import re
 import subprocess
+
+# The errors that say the filesystem refuses to store more, and how a message names them: errno values,
+# SQLite's primary result codes (SQLITE_FULL, SQLITE_READONLY) and Rust's io::Error text (safetensors).
+STORAGE_ERRNOS = {errno.ENOSPC: "full", errno.EDQUOT: "full (disk quota exceeded)", errno.EROFS: "read-only"}
+SQLITE_CODES = {13: "full", 8: "read-only"}
+RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
+# The exit status of a command stopped by a full or read-only disk (sysexits.h EX_IOERR), apart from bad
+# input (2): a script or a person can tell "free some space and rerun" from "fix the command".
+STORAGE_EXIT = 74
+
+
+class StorageError(Exception):
+    """A write the filesystem refused (full or read-only), or one check_space stopped ahead. path: the file;
+    needed, free: bytes (None where not known); reason: "full", "full (disk quota exceeded)", "read-only"
+    or "too full" (check_space)."""
+
+    def __init__(self, path, reason, needed=None, free=None, what=None):
+        self.path, self.reason, self.needed, self.free, self.what = path, reason, needed, free, what
+        super().__init__(storage_message(path, reason, needed, free, what))
+
+
+def size_text(size):
+    """Bytes as people read them: 37.2 MB, 512 kB, 10 B (decimal units, as df -H and file managers)."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if size >= scale:
+            return f"{size / scale:,.1f} {unit}"
+    return f"{size} B"
+
+
+def storage_message(path, reason, needed=None, free=None, what=None):
+    folder = os.path.dirname(os.path.abspath(path))
+    if reason == "read-only":
+        return f"{path}: the filesystem holding {folder} is read-only; nothing can be written there"
+    what = what or "writing it"
+    need = f"{what} needs {size_text(needed)}" if needed is not None else f"{what} failed"
+    have = f", {size_text(free)} free in {folder}" if free is not None else ""
+    return f"{path}: the disk is {reason}: {need}{have}"
+
+
+def free_bytes(path):
+    """Bytes this user may still write on the filesystem holding path (or its nearest existing folder)."""
+    folder = os.path.abspath(path)
+    while not os.path.exists(folder):
+        folder = os.path.dirname(folder)
+    stats = os.statvfs(folder)
+    return stats.f_bavail * stats.f_frsize
+
+
+def storage_reason(error):
+    """ "full" / "read-only" when an exception (or one in its chain of causes) is the filesystem refusing a
+    write, else None."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, StorageError):
+            return error.reason
+        if isinstance(error, OSError) and error.errno in STORAGE_ERRNOS:
+            return STORAGE_ERRNOS[error.errno]
+        code = getattr(error, "sqlite_errorcode", None)
+        if isinstance(code, int) and code & 0xFF in SQLITE_CODES:
+            return SQLITE_CODES[code & 0xFF]
+        rust = RUST_OS_ERROR.search(str(error)) if not isinstance(error, OSError) else None
+        if rust and int(rust.group(1)) in STORAGE_ERRNOS:
+            return STORAGE_ERRNOS[int(rust.group(1))]
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def storage_error(error, path, needed=None, what=None):
+    """The StorageError an exception means (see storage_reason), with the bytes free now; None otherwise."""
+    if isinstance(error, StorageError):
+        return error
+    reason = storage_reason(error)
+    if reason is None:
+        return None
+    try:
+        free = free_bytes(path)
+    except OSError:
+        free = None
+    return StorageError(path, reason, needed, free, what)
+
+
+@contextlib.contextmanager
+def reporting_storage(path, needed=None, what=None):
+    """Inside this block, a full or read-only filesystem raises StorageError naming path (needed: the bytes
+    the write needs, when known); any other error passes through unchanged."""
+    try:
+        yield
+    except Exception as e:
+        problem = storage_error(e, path, needed, what)
+        if problem is None or problem is e:
+            raise
+        raise problem from e
+
+
+def check_space(path, needed, what=None):
+    """A StorageError before writing when the filesystem holding path has less than needed bytes free."""
+    free = free_bytes(path)
+    if needed > free:
+        raise StorageError(path, "too full", needed, free, what)
+    return free
 
 
 def fsync_path(path):
@@ -28,21 +139,24 @@ def fsync_path(path):
         os.close(fd)
 
 
-def write_atomic(path, write):
-    """Call write(f) on a temp file beside `path`, fsync it, then rename it over `path`."""
+def write_atomic(path, write, needed=None, what=None):
+    """Call write(f) on a temp file beside `path`, fsync it, then rename it over `path`. On a full or
+    read-only filesystem the old file stays, the temp file goes, and StorageError says so (needed: the
+    caller's estimate of the file's size, for the message)."""
     directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
     tmp = os.path.join(directory, f".{os.path.basename(path)}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-    fsync_path(directory)
+    with reporting_storage(path, needed, what):
+        os.makedirs(directory, exist_ok=True)
+        try:
+            with open(tmp, "wb") as f:
+                write(f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+        fsync_path(directory)
 
 
 def write_json(path, obj):

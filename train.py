@@ -406,16 +406,16 @@ class Metrics:
     beyond its checkpoint."""
 
     def __init__(self, run_dir, ctx, step):
-        self.file = None
+        self.file, self.path = None, os.path.join(run_dir, "metrics.jsonl")
         if ctx.is_main:
-            path = os.path.join(run_dir, "metrics.jsonl")
-            _truncate_metrics(path, step)
-            self.file = open(path, "a", encoding="utf-8")
+            _truncate_metrics(self.path, step)
+            self.file = open(self.path, "a", encoding="utf-8")
 
     def write(self, record):
         if self.file:
-            self.file.write(json.dumps(record) + "\n")
-            self.file.flush()
+            with fileio.reporting_storage(self.path, what="a metrics line"):
+                self.file.write(json.dumps(record) + "\n")
+                self.file.flush()
 
     def close(self):
         if self.file:
@@ -498,6 +498,11 @@ def setup(cfg, ctx, hardware, resume, log):
         run.reference = checkpoint["reference"]
     elif run.dpo:  # the weights just loaded from init_from, before any step
         run.reference = train_dpo.reference_log_probs(model, cfg, hardware, ctx, log)
+    # Room on runs_dir's disk for keep_last + 1 checkpoints, before the first step (train.space_check).
+    per_checkpoint = ckpt.estimate_checkpoint_bytes(model, optimizer, len(tokenizer_record.get("model", b"")))
+    ckpt.check_room_for_checkpoints(
+        run_dir, per_checkpoint, train_cfg["keep_last"], train_cfg["space_check"], log
+    )
 
     run.model = torch.compile(model) if hardware.compile else model
     if ctx.enabled:
@@ -949,6 +954,12 @@ def main(argv):
     except (TrainError, HardwareError, data.DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except fileio.StorageError as e:  # a full disk: its own status, and where the run can go on from
+        newest = list_checkpoints(run_dir_of(cfg))
+        last = (f"the last good checkpoint is {newest[0]} (free space, then --resume)" if newest
+                else "no checkpoint was written yet (free space, then start it again)")  # fmt: skip
+        print(f"error: {e}; {last}", file=sys.stderr)
+        return fileio.STORAGE_EXIT
     except CheckInterrupted as e:
         print(f"resume-check interrupted by {e}: no verdict; its scratch runs were removed", file=sys.stderr)
         return 128 + e.signum

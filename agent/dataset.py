@@ -384,8 +384,12 @@ def main(argv):
         print(f"agent/dataset.py: {exc}", file=sys.stderr)
         return 2
     train, held_out = generate(settings)
-    write_jsonl(os.path.join(args.out, "train.jsonl"), train)
-    write_jsonl(os.path.join(args.out, "eval.jsonl"), held_out)
+    try:
+        write_jsonl(os.path.join(args.out, "train.jsonl"), train)
+        write_jsonl(os.path.join(args.out, "eval.jsonl"), held_out)
+    except fileio.StorageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return fileio.STORAGE_EXIT
     calls, unseen = unseen_share(train, held_out)
     print(
         f"{args.out}: {len(train)} train and {len(held_out)} eval conversations; the arguments of "

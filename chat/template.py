@@ -820,6 +820,9 @@ def main(argv):
     except (ChatError, data.DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except fileio.StorageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return fileio.STORAGE_EXIT
     return 0
 
 

@@ -50,7 +50,15 @@ from corpus import filters as corpus_filters
 from corpus.docs import LENGTH_BINS, SCORE_BINS, docs_path, outputs_intact, processes_of
 from corpus.sources import expand_sources, raw_documents
 from data import NEWLINE, PIPELINE_VERSION, SPLITS, DataError, manifest_path, read_manifest
-from fileio import fingerprint, write_atomic, write_json
+from fileio import (
+    STORAGE_EXIT,
+    StorageError,
+    check_space,
+    fingerprint,
+    storage_error,
+    write_atomic,
+    write_json,
+)
 
 # -----------------------------------------------------------------------------
 # Sources: text, jsonl, parquet and MediaWiki dumps, each document tagged with its source's name
@@ -609,6 +617,11 @@ def build_corpus(data_cfg, log=print):
     hits = collections.Counter()
     examples = stats["examples"]
     files = {}
+    # The kept records of pass 1 are an upper bound of what pass 3 writes: check it fits before writing.
+    kept_bytes = sum(
+        os.path.getsize(os.path.join(workdir, f"kept_{rank:05d}.jsonl")) for rank in range(tasks)
+    )
+    check_space(outputs["train"]["path"], kept_bytes, what="the corpus's documents")
     try:
         files = {split: open(temps[split], "wb") for split in SPLITS}
         for (record, _), row in zip(merged_records(workdir, tasks), rows, strict=True):
@@ -668,10 +681,16 @@ def build_corpus(data_cfg, log=print):
             os.fsync(files[split].fileno())
             files[split].close()
             os.replace(temps[split], outputs[split]["path"])
+    except Exception as e:  # a full disk: one line, the temp files go and the old outputs stay
+        problem = storage_error(e, outputs["train"]["path"], what="writing the corpus's documents")
+        if problem is None or problem is e:
+            raise
+        raise problem from e
     finally:
         for split in SPLITS:
             if split in files:
-                files[split].close()
+                with contextlib.suppress(OSError):  # closing flushes: on a full disk that fails too
+                    files[split].close()
             if os.path.exists(temps[split]):
                 os.remove(temps[split])
 
@@ -772,6 +791,9 @@ def main(argv):
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except StorageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return STORAGE_EXIT
     return 0
 
 

@@ -102,6 +102,9 @@ def main(argv):
     except PlotError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except fileio.StorageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return fileio.STORAGE_EXIT
     return 0
 
 

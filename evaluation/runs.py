@@ -443,6 +443,9 @@ def main(argv):
     except (EvalError, CheckpointError, config.ConfigError, data.DataError, chat.ChatError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except fileio.StorageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return fileio.STORAGE_EXIT
     return 0
 
 

@@ -328,7 +328,11 @@ def main(argv):
     report = {"checkpoint": ckpt_path, "constrained": settings["constrained"], "sets": reports,
               "data": {"generated": args.generated, "hand-written": args.handwritten}}  # fmt: skip
     folder = args.run if os.path.isdir(args.run) else os.path.dirname(args.run)
-    fileio.write_json(args.report or os.path.join(folder, "agent_eval.json"), report)
+    try:
+        fileio.write_json(args.report or os.path.join(folder, "agent_eval.json"), report)
+    except fileio.StorageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return fileio.STORAGE_EXIT
     return 0
 
 

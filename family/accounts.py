@@ -25,6 +25,7 @@ import time
 import uuid
 
 import config
+import fileio
 from family import feedback
 from family import memories as memory
 
@@ -84,6 +85,7 @@ class Store:
         default, 5 s)."""
         folder = os.path.dirname(os.path.abspath(path))
         os.makedirs(folder, exist_ok=True)
+        self.path, self.storage_problem = path, None  # storage_problem: the last write refused by the disk
         timeout = {} if busy_timeout_ms is None else {"timeout": busy_timeout_ms / 1000}
         self.db = sqlite3.connect(path, check_same_thread=False, isolation_level=None, **timeout)
         self.db.row_factory = sqlite3.Row
@@ -92,19 +94,61 @@ class Store:
         self.db.execute("PRAGMA synchronous=FULL")
         self.db.execute("PRAGMA foreign_keys=ON")
         self.db.execute("PRAGMA secure_delete=ON")  # a deleted account or conversation leaves no text behind
-        self.db.executescript(SCHEMA_SQL)
         self.migrate()
         memory.ensure_schema(self.db)
         feedback.ensure_schema(self.db)
 
+    # --- the schema's versions: PRAGMA user_version counts the steps a file has taken
+    def tables_of_release_2026_12_02(self):
+        """Step 1: the tables as release 2026-12-02 left them (a new file gets them all; a file of that
+        release or before, at user_version 0, already has them), and members.provisional (an account
+        made through the admin API until the member changes the password) on files older than it."""
+        for statement in SCHEMA_SQL.split(";"):  # not executescript: it would commit the transaction
+            if statement.strip():
+                self.db.execute(statement)
+        columns = [row["name"] for row in self.db.execute("PRAGMA table_info(members)")]
+        if "provisional" not in columns:
+            self.db.execute("ALTER TABLE members ADD COLUMN provisional INTEGER NOT NULL DEFAULT 0")
+
+    # MIGRATIONS[n] takes a file from user_version n to n + 1. Add steps at the end; never edit one.
+    MIGRATIONS = (tables_of_release_2026_12_02,)
+
     def migrate(self):
-        """Columns added since a database was created: members.provisional (an account made through the
-        admin API, whose credentials the admin knows, until the member changes the password). Checked
-        and added inside one write transaction, so two processes opening an old file do not race."""
+        """Take the file forward step by step to len(MIGRATIONS), all in one write transaction (two processes
+        opening an old file do not race, and a failed step leaves the file as it was); refuse a file that
+        newer code has taken further."""
         with self.transaction():
-            columns = [row["name"] for row in self.db.execute("PRAGMA table_info(members)")]
-            if "provisional" not in columns:
-                self.db.execute("ALTER TABLE members ADD COLUMN provisional INTEGER NOT NULL DEFAULT 0")
+            version = self.db.execute("PRAGMA user_version").fetchone()[0]
+            if version > len(self.MIGRATIONS):
+                raise AccountError(
+                    f"{self.path}: database schema version {version}, newer than this code's "
+                    f"{len(self.MIGRATIONS)}: a later ENLACE wrote it; update this checkout, or restore a "
+                    "snapshot taken before the upgrade (python -m family restore)"
+                )
+            for step in range(version, len(self.MIGRATIONS)):
+                self.MIGRATIONS[step](self)
+                self.db.execute(f"PRAGMA user_version = {step + 1}")
+
+    # --- a full or read-only disk
+    def storage_error(self, error):
+        """The fileio.StorageError a database error means (SQLITE_FULL, SQLITE_READONLY), else None. The
+        first of an episode is kept in storage_problem until a write commits again."""
+        if isinstance(error, fileio.StorageError):
+            return error
+        code = getattr(error, "sqlite_errorcode", None)
+        reasons = {sqlite3.SQLITE_FULL: "full", sqlite3.SQLITE_READONLY: "read-only"}
+        if code is None or code & 0xFF not in reasons:
+            return None
+        try:
+            free = fileio.free_bytes(self.path)
+        except OSError:
+            free = None
+        problem = fileio.StorageError(
+            self.path, reasons[code & 0xFF], free=free, what="writing the family's database"
+        )
+        if self.storage_problem is None:
+            self.storage_problem = problem
+        return problem
 
     def query(self, sql, args=()):
         with self.lock:
@@ -114,13 +158,26 @@ class Store:
     def transaction(self):
         """One write transaction under the lock: committed at the end, rolled back on any exception."""
         with self.lock:
-            self.db.execute("BEGIN IMMEDIATE")
+            try:
+                self.db.execute("BEGIN IMMEDIATE")  # a read-only file refuses already here
+            except sqlite3.Error as e:
+                problem = self.storage_error(e)
+                if problem is not None:
+                    raise problem from e
+                raise
             try:
                 yield
                 self.db.execute("COMMIT")
-            except BaseException:
-                self.db.execute("ROLLBACK")
+            except BaseException as e:
+                # SQLite has already rolled back after some errors (SQLITE_FULL among them): a second
+                # ROLLBACK would fail and hide the first error.
+                if self.db.in_transaction:
+                    self.db.execute("ROLLBACK")
+                problem = self.storage_error(e)
+                if problem is not None and problem is not e:
+                    raise problem from e
                 raise
+            self.storage_problem = None  # a write went through: the disk has room again
 
     def write(self, *statements):
         """Run (sql, args) statements in one transaction; returns the last cursor's rowcount."""

@@ -554,12 +554,17 @@ def snapshot(db_path, cfg, log=print):
     if os.path.exists(final):
         raise SnapshotError(f"{final}: already exists; snapshots are at most one per millisecond")
     tmp = os.path.join(folder, f".tmp-{name}-{os.getpid()}")
+    # The copy is at most the database and its WAL; a disk without room for it refuses before writing.
+    wal = f"{db_path}-wal"
+    needed = os.path.getsize(db_path) + (os.path.getsize(wal) if os.path.exists(wal) else 0)
+    fileio.check_space(final, needed, what="the snapshot")
     os.makedirs(tmp)
     try:
         copy = os.path.join(tmp, "database.sqlite")
         source = sqlite3.connect(db_path, timeout=cfg["busy_timeout_ms"] / 1000)
         try:
-            source.execute("VACUUM INTO ?", (copy,))
+            with fileio.reporting_storage(final, needed, what="the snapshot"):
+                source.execute("VACUUM INTO ?", (copy,))
         finally:
             source.close()
         fileio.fsync_path(copy)
@@ -770,6 +775,9 @@ def main(argv):
         elif args.command == "export":
             print(json.dumps(export(conn, args.member, args.role), ensure_ascii=False, indent=1))
         conn.close()
+    except fileio.StorageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return fileio.STORAGE_EXIT
     except (config.ConfigError, MemoryStoreError, SnapshotError, sqlite3.Error) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -26,7 +26,8 @@ serve/web.py's; other features add theirs with build_app(..., extra_routes)):
     GET|POST /api/members; DELETE /api/members/{name}                         admin only (a member made
                                            here is provisional until they change the password the admin set)
     POST /api/members/{name}/key           a new API key: the caller's own only
-    GET  /api/server                       worker counters: slots in use, queued jobs, tokens/s; admin only
+    GET  /api/server                       worker counters: slots in use, queued jobs, tokens/s, and a write
+                                           the disk refused (storage); admin only
     GET|POST|DELETE /api/memories; GET /api/memories/export; PATCH|DELETE /api/memories/{id}
                                            the member's memories (family/memories.py), never the admin's business
     POST|DELETE /api/conversations/{id}/messages/{n}/feedback   the member's 👍/👎 of answer n (counted
@@ -37,6 +38,10 @@ serve/web.py's; other features add theirs with build_app(..., extra_routes)):
 Every request is authenticated by `Authorization: Bearer <API key>` or the session cookie. A member only
 ever reaches their own conversations and feedback (anything else is 404, whoever asks, admins included).
 Members, sessions and conversations are family/accounts.py's (SQLite).
+
+A full (or read-only) disk under the database is a 507 in OpenAI's shape with Retry-After for the writes
+only: reading conversations and chatting through the API go on. The server logs it once with the path,
+GET /api/server and the admin's web page show it, and the first write that goes through again clears it.
 
 A request that brings its own `tools` gets them rendered by chat.render and the model's calls back as
 OpenAI tool_calls; any other request runs agent/tools.py's loop with the server's tools (search, calculator,
@@ -108,6 +113,7 @@ class Server:
         self.pending = {}  # member id -> requests queued or running
         self.failures = {}  # lowercased name -> (failed logins, locked until)
         self.memory_cfg = memory_cfg or memory.load_config()
+        self.storage_logged = None  # the storage problem already in the log (one line per episode)
 
     # --- who is asking
     def member_of(self, request, provisional_ok=False):
@@ -241,11 +247,37 @@ class Server:
         except agent_grammar.GrammarError as e:
             raise ApiError(400, f"tools: {e}", param="tools", code="invalid_value") from None
 
+    # --- a full or read-only disk
+    def storage_full(self, problem):
+        """The 507 answer to a write the disk refused (a fileio.StorageError). The problem is logged once,
+        with its path, and shown in GET /api/server until a write of the database goes through again."""
+        if self.store.storage_problem is None:  # a file other than the database (the store keeps its own)
+            self.store.storage_problem = problem
+        if self.storage_logged is not self.store.storage_problem:
+            self.storage_logged = self.store.storage_problem
+            print(f"serve: storage: {problem}", file=sys.stderr, flush=True)
+        read_only = problem.reason == "read-only"
+        return ApiError(507, f"the server's storage is {'read-only' if read_only else 'full'}: this could not "
+                        "be saved; reading and chatting without saving still work, and the admin can see "
+                        "the problem (GET /api/server)", code="storage_read_only" if read_only else "storage_full",
+                        retry_after=self.settings["retry_after_s"])  # fmt: skip
+
+    def storage_status(self):
+        problem = self.store.storage_problem
+        if problem is None:
+            return None
+        return {"message": str(problem), "path": problem.path, "reason": problem.reason,
+                "free_bytes": problem.free}  # fmt: skip
+
     # --- memories (family/memories.py decides who reads and changes what; this only binds the caller)
     def memories(self, member, function, *args, **kwargs):
         """function(connection, name, role, *args, **kwargs) of family/memories.py, as this member."""
         with self.store.lock:
-            return function(self.store.db, member["name"], member["role"], *args, **kwargs)
+            changes = self.store.db.total_changes
+            result = function(self.store.db, member["name"], member["role"], *args, **kwargs)
+            if self.store.db.total_changes != changes:  # a write went through: the disk has room again
+                self.store.storage_problem = None
+            return result
 
     def memory_context(self, member, turns):
         """The member's pinned memories and those matching their last message, for the system turn."""
@@ -337,6 +369,20 @@ def sse(value):
     return f"data: {json.dumps(value, ensure_ascii=False)}\n\n"
 
 
+def store_answer(server, on_end, text):
+    """on_end(text) (storing the answer); a full disk is returned as its 507 ApiError for the stream to say."""
+    try:
+        on_end(text)
+    except fileio.StorageError as e:
+        return server.storage_full(e)
+    except sqlite3.OperationalError as e:
+        problem = server.store.storage_error(e)
+        if problem is None:
+            raise
+        return server.storage_full(problem)
+    return None
+
+
 def usage_of(prompt_tokens, completion_tokens):
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}  # fmt: skip
@@ -361,8 +407,9 @@ async def stream_answer(request, server, member, job, reply, base, include_usage
                 continue
             _, finish, tokens, calls, prompt_tokens = event
             if on_end:
-                on_end(text)
-                on_end = None
+                unsaved, on_end = store_answer(server, on_end, text), None
+                if unsaved:
+                    raise unsaved
             if calls:
                 yield chunk({"tool_calls": [call | {"index": i} for i, call in enumerate(calls)]})
             yield chunk({}, finish)
@@ -377,7 +424,7 @@ async def stream_answer(request, server, member, job, reply, base, include_usage
     finally:
         server.finished(member, job)
         if on_end and text:  # stopped or disconnected: keep what the member saw
-            on_end(text)
+            store_answer(server, on_end, text)
 
 
 async def complete(request, server, member, job, reply):
@@ -518,9 +565,17 @@ async def http_error(request, error):
     return await api_error(request, ApiError(error.status_code, message, code=code))
 
 
+async def storage_error(request, error):
+    return await api_error(request, request.app.state.server.storage_full(error))
+
+
 async def database_error(request, error):
     """Another process (the memory command line, a snapshot) holding the database's write lock past
-    serve.busy_timeout_ms is a 503 with Retry-After, as a full queue is; any other database error a 500."""
+    serve.busy_timeout_ms is a 503 with Retry-After, as a full queue is; a full or read-only disk is
+    storage_error's 507; any other database error a 500."""
+    problem = request.app.state.server.store.storage_error(error)
+    if problem is not None:
+        return await storage_error(request, problem)
     if error.sqlite_errorcode & 0xFF not in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED):
         return await internal_error(request, error)
     print(f"serve: {request.method} {request.url.path}: database busy ({error})", file=sys.stderr)
@@ -604,6 +659,7 @@ def build_app(server, extra_routes=()):
             ApiError: api_error,
             HTTPException: http_error,
             sqlite3.OperationalError: database_error,
+            fileio.StorageError: storage_error,
             Exception: internal_error,
         },
     )
@@ -769,6 +825,9 @@ def main(argv):
     except (ServeError, serve_accounts.AccountError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except fileio.StorageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return fileio.STORAGE_EXIT
 
 
 if __name__ == "__main__":

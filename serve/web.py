@@ -220,7 +220,9 @@ async def new_member_key(request):
 async def server_status(request):
     server = request.app.state.server
     server.admin_of(request)
-    return JSONResponse(server.worker.status() | {"model": server.model_id})
+    return JSONResponse(
+        server.worker.status() | {"model": server.model_id, "storage": server.storage_status()}
+    )
 
 
 # --- memories: the logged-in member's own (family/memories.py); the admin has none

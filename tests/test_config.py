@@ -231,7 +231,7 @@ def test_print_shows_the_resolved_config_as_yaml():
     assert result.returncode == 0, result.stderr
     resolved = yaml.safe_load(result.stdout)
     assert resolved["train"]["seed"] == 7 and resolved["run_name"] == "smoke-cpu"
-    assert list(resolved) == ["run_name", "hardware", "model", "train", "data"]
+    assert list(resolved) == ["config_format", "run_name", "hardware", "model", "train", "data"]
 
 
 def test_config_stays_free_of_torch_while_validating_every_config():

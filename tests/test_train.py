@@ -14,6 +14,7 @@ import torch
 import yaml
 from conftest import ROOT, start_training, tiny_args, tiny_config, wait_for_step
 
+import config
 import model
 import train
 
@@ -25,7 +26,9 @@ def test_a_run_writes_its_resolved_config_metrics_and_checkpoints(tmp_path, byte
     lines = []
     train.train(cfg, log=lines.append)
     run_dir = tmp_path / "outputs"
-    assert yaml.safe_load((run_dir / "config.yaml").read_text()) == cfg
+    assert (
+        yaml.safe_load((run_dir / "config.yaml").read_text()) == {"config_format": config.CONFIG_FORMAT} | cfg
+    )
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "loss" in r]
     evals = [r for r in records if "val_loss" in r]

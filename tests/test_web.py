@@ -334,3 +334,31 @@ def test_the_stop_button_ends_the_answer_and_keeps_what_was_shown(browser, chat_
         stored = httpx.get(f"{url}/api/conversations/{listed['id']}", headers=headers).json()["messages"]
     assert stored[0]["content"] == "Cuéntame un cuento" and stored[1]["content"].startswith(shown)
     assert server.worker.stats["generated_tokens"] < 150  # stopped well before its ~190 tokens
+
+
+def test_an_admin_sees_on_the_page_that_the_servers_disk_refuses_writes_until_one_goes_through(
+    browser, chat_model, tmp_path
+):
+    with live_server(chat_model, tmp_path) as (url, server):
+        server.store.add_member("carla", "admin")
+        server.store.set_password(
+            "carla", serve_accounts.hash_password("clave-carla", {"n": 1024, "r": 8, "p": 1})
+        )
+        ana = {"Authorization": f"Bearer {server.store.add_member('ana', 'adult')}"}
+        browser.delete_all_cookies()
+        log_in(browser, url, "carla", "clave-carla")
+        assert not by_id(browser, "storage-alert").is_displayed()
+        server.store.db.execute("PRAGMA query_only = 1")  # SQLite refuses every write: SQLITE_READONLY
+        assert httpx.post(url + "/api/conversations", headers=ana, json={}).status_code == 507
+        browser.refresh()  # the admin's session is read, not written: the page opens
+        wait_for(browser, lambda d: by_id(d, "storage-alert").is_displayed())
+        alert = by_id(browser, "storage-alert").text
+        assert (
+            alert.startswith("El disco del servidor no admite más escrituras") and server.store.path in alert
+        )
+        screenshot(browser, "10-storage-alert.png")
+        server.store.db.execute("PRAGMA query_only = 0")
+        assert httpx.post(url + "/api/conversations", headers=ana, json={}).status_code == 201
+        browser.refresh()
+        wait_for(browser, lambda d: by_id(d, "storage-alert").get_attribute("data-checked") == "true")
+        assert not by_id(browser, "storage-alert").is_displayed()

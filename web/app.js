@@ -49,6 +49,18 @@ async function showApp(member) {
   $("app").hidden = false;
   newConversation();
   await loadConversations();
+  if (member.role === "admin") await showStorage();
+}
+
+// An admin sees what the server's disk refused (full or read-only) and where, until a write goes through.
+async function showStorage() {
+  const status = await api("GET", "/api/server").catch(() => ({ storage: null }));
+  const alert = $("storage-alert");
+  alert.hidden = !status.storage;
+  alert.textContent = status.storage
+    ? `El disco del servidor no admite más escrituras (no se guarda nada nuevo): ${status.storage.message}`
+    : "";
+  alert.dataset.checked = "true";
 }
 
 $("login-form").addEventListener("submit", async (event) => {
@@ -62,7 +74,9 @@ $("login-form").addEventListener("submit", async (event) => {
     $("login-password").value = "";
     await showApp(member);
   } catch (error) {
-    $("login-error").textContent = error.status === 401 ? "Nombre o contraseña incorrectos." : error.message;
+    $("login-error").textContent = error.status === 401 ? "Nombre o contraseña incorrectos."
+      : error.status === 507 ? "El disco del servidor está lleno: no se puede entrar hasta que haya espacio."
+      : error.message;
   }
 });
 
