@@ -204,7 +204,7 @@ async def remove_member(request):
 
 async def new_member_key(request):
     """A new API key for the caller's own account (the old one stops working). Another member's key is
-    replaced only on the server's machine (`serve/app.py member new-key`): whoever holds a member's key reads
+    replaced only on the server's machine (`python -m serve member new-key`): whoever holds a member's key reads
     their conversations, and an admin must not."""
     server = request.app.state.server
     member, name = server.member_of(request), request.path_params["name"]

@@ -288,7 +288,7 @@ def test_turn_context_takes_the_top_k_best_matches_first(conn, cfg):
 
 def start_writer_process(db, member, stop_file):
     code = (
-        "import os, sqlite3, sys, memory\n"
+        "import os, sqlite3, sys\nfrom family import memories as memory\n"
         "db, member, stop = sys.argv[1:]\n"
         "cfg = memory.load_config()\n"
         "conn = memory.connect(db, cfg)\n"
@@ -411,7 +411,7 @@ def test_restore_after_a_crash_leaves_no_stale_wal(db, conn, cfg, family):
     path = memory.snapshot(db, cfg, log=lambda _: None)
     conn.close()
     crash = (  # a server killed mid-work: committed writes still only in its WAL, no checkpoint on exit
-        "import os, sys, memory\n"
+        "import os, sys\nfrom family import memories as memory\n"
         "cfg = memory.load_config()\n"
         "conn = memory.connect(sys.argv[1], cfg)\n"
         "conn.execute('PRAGMA wal_autocheckpoint = 0')\n"
@@ -469,7 +469,7 @@ def test_restore_is_refused_while_the_server_runs(tmp_path, db, conn, cfg):
         [
             sys.executable,
             "-c",
-            "import memory, sys\nwith memory.server_lock(sys.argv[1], {}):\n    print('held', flush=True)\n    sys.stdin.read()",
+            "from family import memories as memory\nimport sys\nwith memory.server_lock(sys.argv[1], {}):\n    print('held', flush=True)\n    sys.stdin.read()",
             db,
         ],
         cwd=ROOT,
@@ -545,7 +545,7 @@ def test_a_run_file_may_include_the_memory_layer(tmp_path):
 
 
 def test_memory_does_not_import_torch():
-    code = "import sys, memory; sys.exit('torch' in sys.modules)"
+    code = "import sys\nfrom family import memories\nsys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0
 
 
