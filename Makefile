@@ -176,7 +176,7 @@ chat: $(STAMP)
 
 RUN_DIR = $(if $(filter %.pt,$(RUN)),$(patsubst %/,%,$(dir $(RUN))),$(RUN))
 
-# Pretraining data is rebuilt from the run's saved config (chat data comes from `chat/template.py prepare`); a
+# Pretraining data is rebuilt from the run's saved config (chat data comes from `python -m chat prepare`); a
 # config saved by an older version may no longer validate: then the data already there is used.
 eval: $(STAMP)
 	if [ -f $(RUN_DIR)/config.yaml ] && ! grep -qE '^  format: (chat|preference)$$' $(RUN_DIR)/config.yaml; then \
