@@ -499,7 +499,7 @@ def test_members_never_reach_each_others_conversations_and_admins_cannot_read_th
         takeover = httpx.post(f"{url}/api/members/ana/key", headers=admin)
         assert (
             takeover.status_code == 403
-            and "serve/app.py member new-key ana" in takeover.json()["error"]["message"]
+            and "python -m serve member new-key ana" in takeover.json()["error"]["message"]
         )
         assert httpx.get(f"{url}/api/conversations/{cid}", headers=owner).json() == own  # untouched
         assert httpx.delete(f"{url}/api/conversations/{cid}", headers=owner).status_code == 200
