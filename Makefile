@@ -18,9 +18,9 @@ RESUME_FLAG := $(if $(filter 1 yes true,$(RESUME)),--resume,)
 TRAIN := $(if $(filter 1,$(NPROC)),$(PY),$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC)) train.py
 
 .PHONY: setup lint check-configs test test-other-cpu clean smoke smoke-2060 pretrain resume-check data-smoke \
-	corpus-download corpus tokenizer encode corpus-smoke corpus-report smoke-corpus sample chat eval serve bench \
-	search agent-data agent-eval sft-agent agent-ladder agent-ladder-c agent-ladder-table sync remote-setup \
-	remote-smoke-2060 remote-pretrain logs fetch status chat-prepare sft sft-smoke \
+	corpus-download corpus tokenizer encode corpus-smoke corpus-report smoke-corpus sample sample-chat bpb chat eval \
+	serve bench search agent-data agent-eval sft-agent agent-ladder agent-ladder-c agent-ladder-table sync \
+	remote-setup remote-smoke-2060 remote-pretrain logs fetch status chat-prepare sft sft-smoke \
 	plot export gguf-check snapshot restore install-service fuzz gpu-check eval-bench report preferences dpo dpo-smoke
 
 setup: $(STAMP)
@@ -185,17 +185,25 @@ dpo-smoke: corpus-smoke
 sample: $(STAMP)
 	$(PY) sample.py $(RUN) $(ARGS)
 
-chat: $(STAMP)
+sample-chat: $(STAMP)
 	$(PY) sample.py $(RUN) --chat $(ARGS)
 
 RUN_DIR = $(if $(filter %.pt,$(RUN)),$(patsubst %/,%,$(dir $(RUN))),$(RUN))
 
-# Pretraining data is rebuilt from the run's saved config (chat data comes from `chat/template.py prepare`); a
-# config saved by an older version may no longer validate: then the data already there is used.
-eval: $(STAMP)
+# A run's loss and bits per byte on its val split. Pretraining data is rebuilt from the run's saved config
+# (chat data comes from `python -m chat prepare`); a config saved by an older version may no longer
+# validate: then the data already there is used.
+bpb: $(STAMP)
 	if [ -f $(RUN_DIR)/config.yaml ] && ! grep -qE '^  format: (chat|preference)$$' $(RUN_DIR)/config.yaml; then \
-		$(PY) -m corpus all $(RUN_DIR)/config.yaml || echo "eval: could not rebuild the run's data (above)"; fi
+		$(PY) -m corpus all $(RUN_DIR)/config.yaml || echo "bpb: could not rebuild the run's data (above)"; fi
 	$(PY) sample.py $(RUN) --eval val $(ARGS)
+
+# The old names said less than what they ran (`make chat` is not chat/, `make eval` not evaluation/): they
+# name the new ones and stop.
+chat:
+	@echo "make chat is now make sample-chat RUN=... (sample.py --chat: talk to a run here); chat data: python -m chat" >&2; exit 2
+eval:
+	@echo "make eval is now make bpb RUN=... (sample.py --eval: loss and bits per byte on val); benchmarks: make eval-bench" >&2; exit 2
 
 plot: $(STAMP)
 	$(PY) -m evaluation.plot $(RUN)
@@ -206,7 +214,7 @@ plot: $(STAMP)
 # make eval-bench RUN=runs/smoke-corpus-cpu TASKS=fixtures  (the local test tasks: no network needed)
 # make report RUN=runs/smoke-corpus-cpu                     (-> RUN/report.md)
 # runs/smoke-corpus-cpu is trained first when it is missing (a fresh clone), as make serve does; the report
-# rebuilds a pretraining run's data from its saved config, as make eval does, for characters per token.
+# rebuilds a pretraining run's data from its saved config, as make bpb does, for characters per token.
 TASKS ?= enlace-es
 eval-bench: $(STAMP)
 	@test -e $(RUN_DIR) || test "$(RUN_DIR)" != runs/smoke-corpus-cpu || $(MAKE) smoke-corpus ARGS=

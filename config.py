@@ -61,6 +61,9 @@ def _format_1(config):
 # configs/ are always read as they are. Add steps at the end; never edit one.
 CONFIG_MIGRATIONS = (_format_1,)
 EXPONENT_NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+")
+# The one override syntax of every command: `section.key=value` (`key=value` for a key of the run file
+# itself, such as run_name), the key's parts split by dots, the value a YAML scalar (parse_override).
+OVERRIDE = re.compile(r"(?P<key>[A-Za-z_][\w-]*(?:\.[A-Za-z_][\w-]*)*)=(?P<value>.*)", re.DOTALL)
 
 
 class ConfigError(Exception):
@@ -149,11 +152,19 @@ def _load_layer(layer, relpath, configs_root, included_from, stack):
     return section, origins
 
 
+def is_override(word, layer=None):
+    """Whether a command-line word is an override, and with layer, one of that layer's settings
+    (`serve.queue_size=4` for 'serve'): how a command that takes other arguments too picks them out."""
+    match = OVERRIDE.fullmatch(word)
+    return match is not None and (layer is None or match["key"].startswith(f"{layer}."))
+
+
 def parse_override(text):
     """'train.lr=3e-4' -> (('train', 'lr'), 0.0003). Values are YAML scalars."""
-    key, sep, raw = text.partition("=")
-    if not sep or not key or any(not part for part in key.split(".")):
+    match = OVERRIDE.fullmatch(text)
+    if match is None:
         raise ConfigError([f"{COMMAND_LINE}: {text!r}: expected section.key=value (e.g. train.seed=99)"])
+    key, raw = match["key"], match["value"]
     try:
         value = yaml.safe_load(raw) if raw != "" else ""
     except yaml.YAMLError:

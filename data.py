@@ -17,7 +17,7 @@ Loaders yield windows of seq_len + 1 tokens as (x, y) = (window[:-1], window[1:]
     shards: a shard's windows start every seq_len tokens (each token is a target exactly once); each epoch
             visits the shards in an order drawn from (seed, epoch) and a shard's windows in an order
             drawn from (seed, epoch, shard); rank r takes windows r, r + world_size, ... of that order.
-    chat:   rows of seq_len + 1 packed conversations (chat/template.py prepare) and their loss mask; y is -1 where the
+    chat:   rows of seq_len + 1 packed conversations (python -m chat prepare) and their loss mask; y is -1 where the
             mask is 0. Each epoch visits the rows in an order drawn from (seed, epoch); rank r takes rows
             r, r + world_size, ... of that order.
     preference: the same for pairs: a batch of batch_size pairs is 2 x batch_size rows, the chosen ones
@@ -200,7 +200,7 @@ def load_tokenizer(data_cfg):
     if data_cfg["format"] in (
         "chat",
         "preference",
-    ):  # the copy `chat/template.py prepare` made of data.chat.tokenizer
+    ):  # the copy `python -m chat prepare` made of data.chat.tokenizer
         path = tokenizer_path(data_cfg)
         if not os.path.exists(path):
             raise DataError(f"{path}: not found; pack the conversations with `python -m chat prepare CONFIG`")

@@ -194,7 +194,7 @@ def init_checkpoint(cfg, log):
     if theirs != ours:
         differences.append(
             f"tokenizer: {path} was trained with {str(theirs)[:12]}, this run's data gives {ours[:12]} "
-            "(sha256 of tokenizer.model; `chat/template.py prepare` must copy the pretraining tokenizer)"
+            "(sha256 of tokenizer.model; `python -m chat prepare` must copy the pretraining tokenizer)"
         )
     if differences:
         raise TrainError(f"train.init_from: {path} does not fit this run:\n  " + "\n  ".join(differences))

@@ -1,6 +1,6 @@
 """
 DPO for train.py (train.objective: dpo): Direct Preference Optimization (Rafailov et al., 2023) on the pairs
-`chat/template.py prepare` lays out (data.format preference), starting from the run in train.init_from, which is
+`python -m chat prepare` lays out (data.format preference), starting from the run in train.init_from, which is
 also the reference model.
 
 For a pair of a prompt x, a chosen answer c and a rejected answer r, with log p(a|x) the sum of the

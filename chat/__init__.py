@@ -1,1 +1,1 @@
-"""Conversations: the one chat template and the SFT/DPO preparation command."""
+"""Conversations: the one chat template (template.py) and the SFT/DPO preparation command (prepare.py)."""

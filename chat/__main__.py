@@ -1,8 +1,8 @@
-"""python -m chat: the command line of chat/template.py."""
+"""python -m chat: the preparation command of chat/prepare.py."""
 
 import sys
 
-from chat.template import main
+from chat.prepare import main
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

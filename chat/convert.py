@@ -2,7 +2,7 @@
 Records in other shapes -> chat/template.py's conversations and preference pairs: the importers of `python -m chat
 import --from ...` (public conversation sets: alpaca, sharegpt, oasst; public preference sets: TRL's
 preference formats) and the pairs `python -m chat seed-pairs` makes from conversations. Pure conversion of
-already-read records, no files and no template: chat/template.py reads the files, checks what comes out against the
+already-read records, no files and no template: chat/prepare.py reads the files, checks what comes out against the
 schemas and writes the JSONL.
 
 Each importer takes (where, record) pairs and yields (where, conversation or pair) or (where, RecordError)

@@ -539,20 +539,37 @@ def build_corpus(data_cfg, log=print):
     if done and done["fingerprint"] == key and outputs_intact(done["outputs"].values()):
         log(f"corpus: up to date ({data_cfg['dir']}/docs_*.jsonl)")
         return done["stats"]
-    # The filter tasks' outputs are kept, named by what they depend on: changing decontamination, the
-    # mixture or the executor merges again without filtering again.
+    workdir = filter_workdir(data_cfg)
+    task = FilterTask(data_cfg, workdir)
+    tasks = run_tasks(task, data_cfg, workdir, log)
+    if tasks is None:
+        log(f"corpus: filter tasks submitted; run this step again when they have finished ({workdir})")
+        return None
+    stats = filter_stats(task, tasks, corpus_cfg)
+    rows, order = exact_dedup(workdir, tasks, stats)
+    clusters, sizes = near_dedup(task, tasks, order, corpus_cfg["near_dedup"], stats)
+    guard = decontaminator(corpus_cfg, workdir, tasks, rows, clusters, stats)
+    outputs, hits = write_documents(data_cfg, workdir, tasks, (rows, clusters, sizes), guard, stats)
+    save_corpus(data_cfg, key, stats, outputs, hits, log)
+    return stats
+
+
+def filter_workdir(data_cfg):
+    """DIR/work/<filter fingerprint>: the filter tasks' outputs are kept, named by what they depend on, so
+    changing decontamination, the mixture or the executor merges again without filtering again. The
+    folders of other fingerprints are removed."""
     work = os.path.join(data_cfg["dir"], "work")
     workdir = os.path.join(work, filter_fingerprint(data_cfg)[:16])
     if os.path.isdir(work):
         for stale in set(os.listdir(work)) - {os.path.basename(workdir)}:
             shutil.rmtree(os.path.join(work, stale), ignore_errors=True)
     os.makedirs(workdir, exist_ok=True)
-    task = FilterTask(data_cfg, workdir)
-    tasks = run_tasks(task, data_cfg, workdir, log)
-    if tasks is None:
-        log(f"corpus: filter tasks submitted; run this step again when they have finished ({workdir})")
-        return None
+    return workdir
 
+
+def filter_stats(task, tasks, corpus_cfg):
+    """The statistics of every filter task summed per source (with its licence and kind), and the first
+    EXAMPLES dropped documents per reason."""
     stats = {"sources": {}, "examples": {}}
     for rank in range(tasks):
         with open(task.paths(rank)["stats"], encoding="utf-8") as f:
@@ -560,19 +577,22 @@ def build_corpus(data_cfg, log=print):
         add_stats(stats["sources"], part["sources"])
         for reason, items in part["examples"].items():
             stats["examples"][reason] = (stats["examples"].get(reason, []) + items)[:EXAMPLES]
-    per_source = stats["sources"]
     for source in corpus_cfg["sources"]:
-        per_source[source["name"]]["licence"] = source["licence"]
-        per_source[source["name"]]["kind"] = source["kind"]
+        stats["sources"][source["name"]]["licence"] = source["licence"]
+        stats["sources"][source["name"]]["kind"] = source["kind"]
+    return stats
 
-    # Pass 1: exact duplicates (same text after cleaning and PII) and MinHash clusters over what is left.
-    keys = [np.load(task.paths(rank)["keys"]) for rank in range(tasks)]
-    rows, order, seen = [], [], set()  # order: (rank, row within the task's keys) of unique documents
+
+def exact_dedup(workdir, tasks, stats):
+    """Pass 1: exact duplicates (same text after cleaning and PII). Returns rows, one per kept document of
+    the tasks in input order (None for a duplicate, else its index in order), and order, the (rank, row
+    within the task's keys) of each unique document."""
+    rows, order, seen = [], [], set()
     row_of_rank = [0] * tasks
     for record, rank in merged_records(workdir, tasks):
         row = row_of_rank[rank]
         row_of_rank[rank] += 1
-        s = per_source[record["source"]]
+        s = stats["sources"][record["source"]]
         unique = record["digest"] not in seen
         count_stage(s, "exact_dedup", len(record["text"]), unique)
         if not unique:
@@ -582,9 +602,14 @@ def build_corpus(data_cfg, log=print):
         seen.add(record["digest"])
         rows.append(len(order))
         order.append((rank, row))
-    del seen
-    dedup_cfg = corpus_cfg["near_dedup"]
+    return rows, order
+
+
+def near_dedup(task, tasks, order, dedup_cfg, stats):
+    """MinHash clusters over the unique documents: (cluster of each, as the index of its first member;
+    size of each cluster by that index). Without near_dedup every document is its own cluster."""
     if dedup_cfg["enabled"] and order:
+        keys = [np.load(task.paths(rank)["keys"]) for rank in range(tasks)]
         matrix = np.stack([keys[rank][row] for rank, row in order])
         clusters = corpus_filters.near_duplicate_clusters(matrix)
     else:
@@ -594,8 +619,12 @@ def build_corpus(data_cfg, log=print):
         str(size): int(count)
         for size, count in zip(*np.unique(sizes[sizes > 0], return_counts=True), strict=True)
     }
+    return clusters, sizes
 
-    # Pass 2: the val documents (one per cluster) are protected n-grams, with the evaluation files.
+
+def decontaminator(corpus_cfg, workdir, tasks, rows, clusters, stats):
+    """Pass 2: the n-grams no train document may share, from the evaluation files and the val documents
+    (one per cluster); n-grams common in the language are left out."""
     decon_cfg = corpus_cfg["decontamination"]
     guard = corpus_filters.Decontaminator(
         decon_cfg["ngram"], decon_cfg["common_in"], decon_cfg["val_max_overlap"]
@@ -607,15 +636,63 @@ def build_corpus(data_cfg, log=print):
         if row is not None and clusters[row] == row and record["split"] == "val":
             guard.protect("val", record["text"])
     stats["common_ngrams_ignored"] = guard.drop_common()
+    return guard
 
-    # Pass 3: write the survivors.
+
+def count_drop(stats, record, reason, example):
+    """A document of record's source dropped for reason (an example kept while there are few)."""
+    s, examples = stats["sources"][record["source"]], stats["examples"]
+    s["drops"][reason] = s["drops"].get(reason, 0) + 1
+    if len(examples.setdefault(reason, [])) < EXAMPLES:
+        examples[reason].append({"source": record["source"], "text": example})
+
+
+def survivor(record, row, dedup, guard, hits, stats):
+    """The entry to write for a unique document, or None when it is not the first of its near-duplicate
+    cluster or, in the train split, shares a protected n-gram (counted in hits by what it shares)."""
+    _, clusters, sizes = dedup
+    s, text = stats["sources"][record["source"]], record["text"]
+    first = clusters[row] == row
+    count_stage(s, "near_dedup", len(text), first)
+    if not first:
+        count_drop(stats, record, "near_duplicate", text[:EXAMPLE_CHARS])
+        return None
+    hit = guard.hit(text) if record["split"] == "train" else None
+    count_stage(s, "decontamination", len(text), hit is None)
+    if hit is not None:
+        hits[hit] += 1
+        count_drop(stats, record, "contaminated", f"[{hit}] {text[:EXAMPLE_CHARS]}")
+        return None
+    return {"text": text, "source": record["source"], "cluster_size": int(sizes[row]), **record["meta"]}
+
+
+def check_splits(outputs, per_source):
+    """Refuse a corpus with no document, or with an empty split, naming the settings to change."""
+    documents_out = sum(o["documents"] for o in outputs.values())
+    if documents_out == 0:
+        documents_in = sum(s["documents_in"] for s in per_source.values())
+        drops = {name: s["drops"] for name, s in per_source.items()}
+        raise DataError(
+            f"data.corpus.sources: no document survived ({documents_in} read; drops {drops}); "
+            "check the sources and the filter thresholds (data.corpus.min_chars, data.corpus.filters)"
+        )
+    for split in SPLITS:
+        if outputs[split]["documents"] == 0:
+            raise DataError(
+                f"data.corpus.val_fraction: the {split} split is empty ({documents_out} documents in all); "
+                "add documents or change val_fraction"
+            )
+
+
+def write_documents(data_cfg, workdir, tasks, dedup, guard, stats):
+    """Pass 3: the survivors written to DIR/docs_{train,val}.jsonl, each file replaced only when both are
+    complete. dedup is (rows, clusters, sizes) of the two dedup passes. Returns (outputs, hits)."""
     outputs = {
         split: {"path": docs_path(data_cfg, split), "documents": 0, "text_bytes": 0} for split in SPLITS
     }
     hashes = {split: hashlib.sha256() for split in SPLITS}
     temps = {split: f"{outputs[split]['path']}.{os.getpid()}.tmp" for split in SPLITS}
     hits = collections.Counter()
-    examples = stats["examples"]
     files = {}
     # The kept records of pass 1 are an upper bound of what pass 3 writes: check it fits before writing.
     kept_bytes = sum(
@@ -624,36 +701,11 @@ def build_corpus(data_cfg, log=print):
     check_space(outputs["train"]["path"], kept_bytes, what="the corpus's documents")
     try:
         files = {split: open(temps[split], "wb") for split in SPLITS}
-        for (record, _), row in zip(merged_records(workdir, tasks), rows, strict=True):
-            if row is None:
+        for (record, _), row in zip(merged_records(workdir, tasks), dedup[0], strict=True):
+            entry = None if row is None else survivor(record, row, dedup, guard, hits, stats)
+            if entry is None:
                 continue
-            s, text = per_source[record["source"]], record["text"]
-            first = clusters[row] == row
-            count_stage(s, "near_dedup", len(text), first)
-            if not first:
-                s["drops"]["near_duplicate"] = s["drops"].get("near_duplicate", 0) + 1
-                if len(examples.setdefault("near_duplicate", [])) < EXAMPLES:
-                    examples["near_duplicate"].append(
-                        {"source": record["source"], "text": text[:EXAMPLE_CHARS]}
-                    )
-                continue
-            split = record["split"]
-            hit = guard.hit(text) if split == "train" else None
-            count_stage(s, "decontamination", len(text), hit is None)
-            if hit is not None:
-                hits[hit] += 1
-                s["drops"]["contaminated"] = s["drops"].get("contaminated", 0) + 1
-                if len(examples.setdefault("contaminated", [])) < EXAMPLES:
-                    examples["contaminated"].append(
-                        {"source": record["source"], "text": f"[{hit}] {text[:EXAMPLE_CHARS]}"}
-                    )
-                continue
-            entry = {
-                "text": text,
-                "source": record["source"],
-                "cluster_size": int(sizes[row]),
-                **record["meta"],
-            }
+            split, s, text = record["split"], stats["sources"][record["source"]], record["text"]
             line = json.dumps(entry, ensure_ascii=False).encode("utf-8") + b"\n"
             files[split].write(line)
             hashes[split].update(line)
@@ -662,20 +714,7 @@ def build_corpus(data_cfg, log=print):
             s["documents_out"] += 1
             s["chars_out"] += len(text)
             s["length_out"][length_bin(len(text))] += 1
-        documents_out = sum(o["documents"] for o in outputs.values())
-        documents_in = sum(s["documents_in"] for s in per_source.values())
-        if documents_out == 0:
-            drops = {name: s["drops"] for name, s in per_source.items()}
-            raise DataError(
-                f"data.corpus.sources: no document survived ({documents_in} read; drops {drops}); "
-                "check the sources and the filter thresholds (data.corpus.min_chars, data.corpus.filters)"
-            )
-        for split in SPLITS:
-            if outputs[split]["documents"] == 0:
-                raise DataError(
-                    f"data.corpus.val_fraction: the {split} split is empty ({documents_out} documents in all); "
-                    "add documents or change val_fraction"
-                )
+        check_splits(outputs, stats["sources"])
         for split in SPLITS:
             files[split].flush()
             os.fsync(files[split].fileno())
@@ -693,12 +732,17 @@ def build_corpus(data_cfg, log=print):
                     files[split].close()
             if os.path.exists(temps[split]):
                 os.remove(temps[split])
-
     for split in SPLITS:
         outputs[split].update(size=os.path.getsize(outputs[split]["path"]), sha256=hashes[split].hexdigest())
+    return outputs, hits
+
+
+def save_corpus(data_cfg, key, stats, outputs, hits, log):
+    """The totals into stats, the corpus's record into the manifest, and one line for the terminal."""
+    per_source = stats["sources"]
     stats["decontamination"] = dict(hits)
-    stats["documents_in"] = documents_in
-    stats["documents_out"] = documents_out
+    stats["documents_in"] = sum(s["documents_in"] for s in per_source.values())
+    stats["documents_out"] = sum(o["documents"] for o in outputs.values())
     stats["bytes_in"] = sum(s["bytes_in"] for s in per_source.values())
     stats["bytes_out"] = sum(o["text_bytes"] for o in outputs.values())
     stats["undecodable"] = sum(s["undecodable"] for s in per_source.values())
@@ -709,13 +753,12 @@ def build_corpus(data_cfg, log=print):
     for s in per_source.values():
         dropped.update(s["drops"])
     log(
-        f"corpus: {documents_in:,} documents in -> {documents_out:,} out (train {outputs['train']['documents']:,}, "
-        f"val {outputs['val']['documents']:,}); dropped: "
+        f"corpus: {stats['documents_in']:,} documents in -> {stats['documents_out']:,} out (train "
+        f"{outputs['train']['documents']:,}, val {outputs['val']['documents']:,}); dropped: "
         + (", ".join(f"{reason} {count:,}" for reason, count in dropped.most_common()) or "none")
         + f"; {stats['undecodable']:,} undecodable bytes replaced; {stats['bytes_in'] / 1e6:.2f} MB in, "
         f"{stats['bytes_out'] / 1e6:.2f} MB out -> {data_cfg['dir']}/docs_*.jsonl"
     )
-    return stats
 
 
 # -----------------------------------------------------------------------------

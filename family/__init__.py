@@ -1,1 +1,1 @@
-"""The family's data: memories, feedback and consent, accounts (SQLite, no torch)."""
+"""The family's data: memories, feedback and consent, accounts and their `member` command (SQLite, no torch)."""

@@ -3,35 +3,30 @@ The family's accounts and conversations, in one SQLite file (WAL): members with 
 child), their API keys (stored as SHA-256: they are random 256-bit secrets) and web passwords or PINs
 (salted scrypt), web sessions, and each member's conversations (with their ratings of the answers and
 their consent to train on them: family/feedback.py's tables, created here). No HTTP here: serve/app.py is the only user,
-and `python -m serve member ...` is this file's command line (member_main).
+and `python -m serve member ...` (family/member_command.py) this store's command line.
 
 Every query about conversations names their owner, so no member's rows can come back to another.
 Deleting a member deletes their conversations, feedback and consent (foreign keys) and their memories; freed
 pages are overwritten (secure_delete).
 """
 
-import argparse
 import contextlib
-import getpass
 import hashlib
 import hmac
 import os
 import re
 import secrets
 import sqlite3
-import sys
 import threading
 import time
 import uuid
 
-import config
 import fileio
 from family import feedback
 from family import memories as memory
 
 ROLES = ("admin", "adult", "child")
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9ÁÉÍÓÚÜÑáéíóúüñ][A-Za-z0-9ÁÉÍÓÚÜÑáéíóúüñ._-]{0,39}$")
-OVERRIDE = re.compile(r"^serve\.[A-Za-z_.]+=")
 
 
 class AccountError(Exception):
@@ -314,71 +309,3 @@ def password_problem(password, settings):
     if len(password) < settings["min_password_chars"]:
         return f"password: at least {settings['min_password_chars']} characters"
     return None
-
-
-# -----------------------------------------------------------------------------
-# Command line
-
-
-def read_password(settings, stream=sys.stdin):
-    """The password typed twice on a terminal, or one line of stdin. Bytes that are not in the terminal's
-    encoding are refused: the same password typed on another device would not match."""
-    not_text = AccountError("the password is not valid UTF-8: the terminal sends another encoding than the "
-                            "locale says; set it to UTF-8 and type the password again")  # fmt: skip
-    try:
-        if stream.isatty():
-            password = getpass.getpass("password or PIN: ")
-            if getpass.getpass("again: ") != password:
-                raise AccountError("the two passwords differ")
-        else:
-            password = stream.readline().rstrip("\n")
-    except UnicodeDecodeError:  # a strict decoder (a UTF-8 locale)
-        raise not_text from None
-    if config.LONE_SURROGATE.search(password):  # a surrogateescape decoder (the C locale)
-        raise not_text
-    problem = password_problem(password, settings)
-    if problem:
-        raise AccountError(problem)
-    return password
-
-
-def member_main(argv, load_settings, default_config):
-    """`python -m serve member ...`: load_settings(path, overrides) gives the serve layer."""
-    parser = argparse.ArgumentParser(prog="serve/app.py member", description="Family accounts.")
-    parser.add_argument("--config", default=default_config, help="serve layer file (configs/serve/*.yaml)")
-    commands = parser.add_subparsers(dest="command", required=True)
-    add = commands.add_parser("add", help="create a member and print their API key once")
-    add.add_argument("name")
-    add.add_argument("--role", choices=ROLES, required=True)
-    for name, text in (("remove", "delete a member with their conversations, feedback and memories"),
-                       ("new-key", "replace a member's API key and print the new one"),
-                       ("password", "set the web password or PIN (asked twice, or one line on stdin)")):  # fmt: skip
-        commands.add_parser(name, help=text).add_argument("name")
-    commands.add_parser("list", help="members and roles")
-    overrides = [a for a in argv if OVERRIDE.match(a)]  # serve.key=value anywhere on the line
-    args = parser.parse_args([a for a in argv if not OVERRIDE.match(a)])
-    settings = load_settings(args.config, overrides)
-    store = Store(settings["database"], settings["busy_timeout_ms"])
-    if args.command == "add":
-        key = store.add_member(args.name, args.role)
-        print(f"member {args.name} ({args.role}) added; API key (shown only now):\n{key}")
-    elif args.command == "list":
-        for m in store.members():
-            web = "web password set" if m["has_password"] else "no web password"
-            web += " (provisional: the member must change it)" if m["provisional"] else ""
-            print(f"{m['name']:20s} {m['role']:6s} {web}")
-    elif args.command == "remove":
-        if not store.remove_member(args.name):
-            raise AccountError(f"no member {args.name!r}")
-        print(f"member {args.name} removed with their conversations, feedback and memories")
-    elif args.command == "new-key":
-        key = store.new_key(args.name)
-        if key is None:
-            raise AccountError(f"no member {args.name!r}")
-        print(f"new API key of {args.name} (the old one no longer works):\n{key}")
-    else:
-        if store.member(args.name) is None:
-            raise AccountError(f"no member {args.name!r}")
-        store.set_password(args.name, hash_password(read_password(settings), settings["scrypt"]))
-        print(f"web password of {args.name} set")
-    return 0

@@ -22,7 +22,7 @@ Who may do what (every function here takes the calling member and enforces it):
 preference_pairs() turns those records into DPO pairs: an answer with a better version gives (better,
 original); a 👎 answer and a 👍 answer of the same member to the same prompt give a pair; a lone 👎 without
 a better answer is counted, never made into a pair. `python -m chat preferences --db DB OUT.jsonl` writes
-them. No torch, no HTTP: serve/web.py's routes and chat/template.py call these functions.
+them. No torch, no HTTP: serve/web.py's routes and chat/prepare.py call these functions.
 """
 
 import json

@@ -59,7 +59,6 @@ SERVE_CONFIG = os.path.join(os.path.dirname(DEFAULT_CONFIG), "..", "serve", "def
 SNAPSHOT_NAME = re.compile(r"^\d{8}T\d{6}\.\d{3}Z$")
 MANIFEST_KEYS = ("format", "created", "database", "integrity_check", "server", "memory_config")
 WORD = re.compile(r"\w+")
-OVERRIDE = re.compile(r"^memory\.[A-Za-z_.]+=")  # memory.key=value on serve/app.py's command line
 
 SCHEMA_SQL = """
 CREATE TABLE IF NOT EXISTS memories (

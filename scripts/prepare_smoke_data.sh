@@ -9,4 +9,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=.venv/bin/python
 [ -x "$PYTHON" ] || PYTHON=python3
-exec "$PYTHON" corpus/pipeline.py all configs/smoke-cpu.yaml "$@"
+exec "$PYTHON" -m corpus all configs/smoke-cpu.yaml "$@"

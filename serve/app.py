@@ -76,6 +76,7 @@ from agent import grammar as agent_grammar
 from agent import tools as agent
 from chat import template as chat
 from family import accounts as serve_accounts
+from family import member_command
 from family import memories as memory
 from serve import web as serve_web
 from serve import worker as serve_worker
@@ -768,8 +769,8 @@ def serve_main(argv):
         "Settings of the serve layer can follow as serve.key=value (e.g. serve.queue_size=4), and of the "
         "memory layer (configs/memory/default.yaml) as memory.key=value (e.g. memory.snapshots.every_hours=6)."
     )
-    overrides = [a for a in argv if serve_accounts.OVERRIDE.match(a)]
-    memory_overrides = [a for a in argv if memory.OVERRIDE.match(a)]
+    overrides = [a for a in argv if config.is_override(a, "serve")]
+    memory_overrides = [a for a in argv if config.is_override(a, "memory")]
     args = parser.parse_args([a for a in argv if a not in overrides and a not in memory_overrides])
     settings = load_settings(args.config, overrides)
     try:
@@ -820,7 +821,7 @@ def main(argv):
         return 2
     try:
         if argv and argv[0] == "member":
-            return serve_accounts.member_main(argv[1:], load_settings, DEFAULT_CONFIG)
+            return member_command.main(argv[1:], load_settings, DEFAULT_CONFIG)
         return serve_main(argv)
     except (ServeError, serve_accounts.AccountError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -195,15 +195,15 @@ def chat_overrides(folder, shard_dir):
 
 @pytest.fixture(scope="session")
 def chat_data_dir(tmp_path_factory, shard_data_dir):
-    """Test conversations packed by chat.prepare (rows of CHAT_SEQ_LEN + 1) with the shard tokenizer."""
-    from chat import template as chat
+    """Test conversations packed by chat/prepare.py (rows of CHAT_SEQ_LEN + 1) with the shard tokenizer."""
+    from chat import prepare as chat_prepare
 
     folder = tmp_path_factory.mktemp("chat")
     write_jsonl(folder / "train.jsonl", example_conversations(60))
     write_jsonl(folder / "val.jsonl", example_conversations(12, start=100))
     overrides = [*TINY, *chat_overrides(str(folder), shard_data_dir)]
     (folder / "shard_dir.txt").write_text(shard_data_dir, encoding="utf-8")
-    chat.prepare(
+    chat_prepare.prepare(
         config.load(os.path.join(ROOT, "configs", "sft-smoke-cpu.yaml"), overrides), log=lambda *a: None
     )
     return str(folder)

@@ -1,4 +1,5 @@
-"""chat/template.py: the conversation format, the one template render() -> (ids, mask), importers and show."""
+"""chat/template.py and chat/prepare.py: the conversation format, the one template render() -> (ids, mask), importers
+and show."""
 
 import json
 import os
@@ -292,3 +293,13 @@ def test_show_marks_trained_tokens_apart_from_masked_ones(tmp_path, shard_data_d
     assert f"== {path}:1 | " in plain.stdout and " trained" in plain.stdout
     coloured = run_chat("show", path, "--color", "always")
     assert "\033[1;32mbuenas\033[0m" in coloured.stdout and "\033[36m<|user|>\033[0m" in coloured.stdout
+
+
+def test_the_template_module_knows_neither_the_family_database_nor_the_packing():
+    # checkpoint, serve, export and the agent import the template: it must not bring the preparation
+    # command's SQLite reads of the family's feedback or its packing along
+    from test_imports import imported_names
+
+    imported = imported_names(os.path.join(ROOT, "chat", "template.py"))
+    assert not {"sqlite3", "family", "numpy", "data", "chat.prepare"} & imported
+    assert "chat.template" in imported_names(os.path.join(ROOT, "chat", "prepare.py"))

@@ -116,6 +116,21 @@ def test_an_override_without_equals_sign_is_rejected():
         config.parse_override("train.seed")
 
 
+def test_a_command_picks_out_its_layer_settings_by_the_one_override_syntax():
+    argv = ["runs/x", "--port", "8000", "--config=configs/serve/x.yaml", "serve.queue_size=4",
+            "memory.snapshots.every_hours=6", "run_name=try", "serve.=4", "serve", "serve.max_batch"]  # fmt: skip
+    assert [w for w in argv if config.is_override(w, "serve")] == ["serve.queue_size=4"]
+    assert [w for w in argv if config.is_override(w, "memory")] == ["memory.snapshots.every_hours=6"]
+    overrides = [w for w in argv if config.is_override(w)]
+    assert overrides == ["serve.queue_size=4", "memory.snapshots.every_hours=6", "run_name=try"]
+    for word in argv:  # a word is picked out exactly when parse_override reads it
+        if word in overrides:
+            config.parse_override(word)
+        else:
+            with pytest.raises(config.ConfigError, match="expected section.key=value"):
+                config.parse_override(word)
+
+
 def test_unknown_key_on_the_command_line_suggests_the_closest_key_and_exits_2():
     result = run_config_cli("configs/smoke-cpu.yaml", "train.sede=1")
     assert result.returncode == 2

@@ -33,7 +33,7 @@ COMMAND_WORDS = PYTHONS | {"make"}
 SEPARATORS = {"|", "||", "&&", ";", "&"}
 ELLIPSES = {"…", "..."}
 ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
-LAYER_OVERRIDE = re.compile(r"^(agent|serve|memory)\.[A-Za-z_.]+=")  # settings of a tool's own layer file
+TOOL_LAYERS = ("agent", "serve", "memory")  # a tool's own layer file, set on its command line (serve.port=1)
 PLACEHOLDER = re.compile(r"…|\.\.\.|\$|<|(?<![A-Za-z])[A-Z][A-Z_]{2,}(?![a-z])")  # CONFIG, runs/NOMBRE, $RUN
 NOT_SHELL = {"python", "py", "yaml", "yml", "json", "toml", "go", "html", "javascript", "js"}
 
@@ -281,8 +281,8 @@ def check_python(words, partial, shown):
     if unknown:  # a mention left out what was required, and argparse stopped before the flags
         return f"{script} has no option {', '.join(unknown)}"
     if not validated:
-        for setting in filter(LAYER_OVERRIDE.match, argv):
-            layer = setting.split(".")[0]
+        settings = [(w, layer) for w in argv for layer in TOOL_LAYERS if config.is_override(w, layer)]
+        for setting, layer in settings:
             try:
                 config.load_layer(layer, os.path.join(ROOT, "configs", layer, "default.yaml"), [setting])
             except config.ConfigError as e:

@@ -19,7 +19,7 @@ import hardware
 import train
 import train_dpo
 from chat import convert as chat_convert
-from chat import template as chat
+from chat import prepare as chat_prepare
 from evaluation import plot
 from model import Transformer
 
@@ -182,7 +182,7 @@ def dpo_config(pair_data, init_from, runs_dir, *overrides):
     """The resolved config of dpo_args(...), its pairs packed."""
     run_file, *rest = dpo_args(pair_data, init_from, runs_dir, *overrides)
     cfg = config.load(run_file, rest)
-    chat.prepare(cfg, log=quiet)
+    chat_prepare.prepare(cfg, log=quiet)
     return cfg
 
 

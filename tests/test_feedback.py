@@ -1,8 +1,8 @@
 """The family's feedback on answers through the server (family/feedback.py behind serve/web.py's routes): every
 route private to its member, whoever else asks (another adult, a child, the admin, by key or by cookie);
-consent off by default, a child's set only by an adult; `chat/template.py preferences` exports only consented
+consent off by default, a child's set only by an adult; `python -m chat preferences` exports only consented
 feedback, turning consent off withdraws what was given before; deleting an account deletes its feedback.
-Real servers on 127.0.0.1 (test_serve's in-process uvicorn), a real `chat/template.py preferences` subprocess, and
+Real servers on 127.0.0.1 (test_serve's in-process uvicorn), a real `python -m chat preferences` subprocess, and
 the page in headless Chromium (test_web's browser)."""
 
 import json

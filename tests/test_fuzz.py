@@ -432,18 +432,16 @@ def cli(*args, stdin=b""):
 def test_every_command_line_that_takes_text_refuses_bytes_that_are_not_utf8_with_exit_2(tmp_path):
     database = str(tmp_path / "family.sqlite")
     db = f"serve.database={database}"
-    assert cli("serve/app.py", "member", "add", "ana", "--role", "adult", db).returncode == 0
+    assert cli("-m", "serve", "member", "add", "ana", "--role", "adult", db).returncode == 0
     cafe = "café".encode("latin-1")  # b"caf\xe9": no UTF-8
     runs = {
-        "memory add": cli("family/memories.py", "--db", database, "add", "--member", "ana", cafe),
-        "memory list": cli(
-            "family/memories.py", "--db", database, "list", "--member", "an\xe1".encode("latin-1")
-        ),
-        "member remove": cli("serve/app.py", "member", "remove", cafe, db),
-        "member password (argument)": cli("serve/app.py", "member", "password", cafe, db),
-        "member password (stdin)": cli("serve/app.py", "member", "password", "ana", db, stdin=cafe + b"\n"),
+        "memory add": cli("-m", "family", "--db", database, "add", "--member", "ana", cafe),
+        "memory list": cli("-m", "family", "--db", database, "list", "--member", "an\xe1".encode("latin-1")),
+        "member remove": cli("-m", "serve", "member", "remove", cafe, db),
+        "member password (argument)": cli("-m", "serve", "member", "password", cafe, db),
+        "member password (stdin)": cli("-m", "serve", "member", "password", "ana", db, stdin=cafe + b"\n"),
         "search": cli("search.py", cafe),
-        "agent call": cli("agent/tools.py", "call", "calculadora", b'{"expresion": "1\xe9"}'),
+        "agent call": cli("-m", "agent", "call", "calculadora", b'{"expresion": "1\xe9"}'),
         "sample": cli("sample.py", "runs/none", "--prompt", cafe),
     }
     for name, result in runs.items():

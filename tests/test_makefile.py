@@ -26,6 +26,16 @@ def test_every_declared_make_target_has_commands(target):
     assert dry.stdout.strip(), f"make {target} runs nothing"
 
 
+@pytest.mark.parametrize("old, new", [("chat", "sample-chat"), ("eval", "bpb")])
+def test_a_renamed_target_names_its_new_name_and_runs_nothing(old, new):
+    # `make chat` ran sample.py, not chat/, and `make eval` sample.py --eval, not evaluation/
+    done = subprocess.run(
+        ["make", old, "RUN=runs/none"], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2 and f"make {old} is now make {new} RUN=" in done.stderr
+    assert done.stdout == ""
+
+
 # -----------------------------------------------------------------------------
 # A new user's first commands: on a fresh clone nothing is built yet, so the targets build their data.
 
@@ -56,7 +66,7 @@ def make(clone, *args):
     )
 
 
-def test_make_resume_check_and_make_eval_build_their_data_on_a_fresh_clone(tmp_path):
+def test_make_resume_check_and_make_bpb_build_their_data_on_a_fresh_clone(tmp_path):
     clone = fresh_clone(tmp_path)
     overrides = " ".join([*TINY, SMALL_DATA])
     check = make(clone, "resume-check", "CONFIG=configs/smoke-cpu.yaml", f"ARGS={overrides}")
@@ -64,11 +74,11 @@ def test_make_resume_check_and_make_eval_build_their_data_on_a_fresh_clone(tmp_p
     assert "PASS resume-check:" in check.stdout.strip().splitlines()[-1]
     assert (clone / "data" / "smoke" / "train.bin").exists()
 
-    # A run whose data is gone (trained elsewhere, copied here): make eval rebuilds it from the run's config.
+    # A run whose data is gone (trained elsewhere, copied here): make bpb rebuilds it from the run's config.
     train = [".venv/bin/python", "train.py", "configs/smoke-cpu.yaml", *TINY, SMALL_DATA]
     subprocess.run(train, cwd=clone, capture_output=True, check=True, timeout=600)
     shutil.rmtree(clone / "data")
-    evaluation = make(clone, "eval", "RUN=runs/smoke-cpu")
+    evaluation = make(clone, "bpb", "RUN=runs/smoke-cpu")
     assert evaluation.returncode == 0, evaluation.stdout[-2000:] + evaluation.stderr[-2000:]
     assert re.search(
         r"val split: \d+ tokens, \d+ bytes \| loss [\d.]+ \| bpb [\d.]+$", evaluation.stdout, re.M

@@ -13,6 +13,7 @@ from conftest import CHAT_SEQ_LEN, ROOT, TINY, example_conversations, write_json
 import config
 import data
 from chat import convert as chat_convert
+from chat import prepare as chat_prepare
 from chat import template as chat
 from family import feedback
 
@@ -111,7 +112,7 @@ def test_prepare_lays_each_pair_out_as_two_rows_and_shortens_or_drops_what_does_
     write_jsonl(tmp_path / "val.jsonl", [PAIR])
     logs = []
     cfg = pair_config(tmp_path, shard_data_dir)
-    chat.prepare(cfg, log=logs.append)
+    chat_prepare.prepare(cfg, log=logs.append)
     record = data.read_manifest(cfg["data"])["prepare"]["train"]
     assert record["stats"] | {"fill": 0} == record["stats"] | {
         "pairs": 4, "packed": 3, "rows": 6, "dropped_too_long": 1, "truncated": 1, "fill": 0}  # fmt: skip
@@ -142,7 +143,7 @@ def test_the_pair_loader_gives_chosen_rows_then_rejected_restores_its_position_a
     write_jsonl(tmp_path / "train.jsonl", chat_convert.seed_pairs(conversations, seed=0))
     write_jsonl(tmp_path / "val.jsonl", [PAIR])
     cfg = pair_config(tmp_path, shard_data_dir)
-    chat.prepare(cfg, log=quiet)
+    chat_prepare.prepare(cfg, log=quiet)
 
     def loader(batch=3, rank=0, world=1):
         return data.build_loader(cfg["data"], "train", batch, CHAT_SEQ_LEN, 5, rank, world)

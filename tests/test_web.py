@@ -298,8 +298,25 @@ def test_the_page_loads_nothing_from_outside_the_server(chat_model, tmp_path):
         scripts = re.findall(r'(?:src|href)="([^"]+)"', page.text)
         assets = [httpx.get(url + path) for path in scripts]
     assert page.status_code == 200 and "default-src 'self'" in page.headers["content-security-policy"]
-    assert sorted(scripts) == ["/web/app.js", "/web/feedback.js", "/web/memories.js", "/web/style.css"]
+    # api.js first: the page scripts after it call its api()
+    assert scripts == ["/web/style.css", "/web/api.js", "/web/app.js", "/web/memories.js", "/web/feedback.js"]
     assert all(asset.status_code == 200 for asset in assets)
+
+
+def test_every_page_script_talks_to_the_server_through_the_one_api_helper():
+    def script(name):
+        with open(os.path.join(ROOT, "web", name), encoding="utf-8") as f:
+            return f.read()
+
+    assert re.findall(r"async function (\w+)", script("api.js")) == ["errorOf", "api"]
+    for name in ("feedback.js", "memories.js"):  # their Spanish messages go to api() with each call
+        assert "fetch(" not in script(name) and "=> api(method, path, body, SPANISH)" in script(name), name
+    # app.js fetches the streamed answer itself (read as it arrives), and its errors go through errorOf
+    app = script("app.js")
+    assert app.count("fetch(") == 1 and "throw await errorOf(response)" in app
+    assert not re.search(
+        r"function (api|errorOf|call)\b", app + script("feedback.js") + script("memories.js")
+    )
 
 
 def test_the_stop_button_ends_the_answer_and_keeps_what_was_shown(browser, chat_model, tmp_path):

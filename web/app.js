@@ -1,34 +1,9 @@
-// ENLACE web chat: plain JavaScript, no build step. Talks to serve/app.py's /api routes with the session
-// cookie (HttpOnly: this script never sees it). Text is always inserted with textContent, never as HTML.
+// ENLACE web chat: plain JavaScript, no build step. Talks to serve/app.py's /api routes through api.js's
+// api() and errorOf(). Text is always inserted with textContent, never as HTML.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
 const state = { member: null, current: null, controller: null, passwordRequired: false };
-
-async function api(method, path, body) {
-  const options = { method, headers: {}, credentials: "same-origin" };
-  if (body !== undefined) {
-    options.headers["Content-Type"] = "application/json";
-    options.body = JSON.stringify(body);
-  }
-  const response = await fetch(path, options);
-  if (!response.ok) throw await errorOf(response);
-  return response.json();
-}
-
-async function errorOf(response) {
-  let message = `Error ${response.status}`;
-  let code = null;
-  try {
-    const { error } = await response.json();
-    message = error.message || message;
-    code = error.code;
-  } catch (_) { /* not JSON */ }
-  const error = new Error(message);
-  error.status = response.status;
-  error.code = code;
-  return error;
-}
 
 // --- login ---------------------------------------------------------------------------------------
 

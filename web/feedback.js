@@ -21,24 +21,7 @@
     invalid_feedback: "Escribe la respuesta que querías (distinta de la que te dio ENLACE).",
     consent_forbidden: "Lo decide una persona adulta de la familia.",
   };
-
-  async function call(method, path, body) {
-    const options = { method, headers: {}, credentials: "same-origin" };
-    if (body !== undefined) {
-      options.headers["Content-Type"] = "application/json";
-      options.body = JSON.stringify(body);
-    }
-    const response = await fetch(path, options);
-    let data = null;
-    try {
-      data = await response.json();
-    } catch (_) { /* not JSON */ }
-    if (!response.ok) {
-      const error = (data && data.error) || {};
-      throw new Error(SPANISH[error.code] || error.message || `Error ${response.status}`);
-    }
-    return data;
-  }
+  const call = (method, path, body) => api(method, path, body, SPANISH);
 
   // --- under each answer --------------------------------------------------------------------------
 

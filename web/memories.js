@@ -11,24 +11,6 @@
     return node;
   };
 
-  async function call(method, path, body) {
-    const options = { method, headers: {}, credentials: "same-origin" };
-    if (body !== undefined) {
-      options.headers["Content-Type"] = "application/json";
-      options.body = JSON.stringify(body);
-    }
-    const response = await fetch(path, options);
-    let data = null;
-    try {
-      data = await response.json();
-    } catch (_) { /* not JSON */ }
-    if (!response.ok) {
-      const error = (data && data.error) || {};
-      throw new Error(SPANISH[error.code] || error.message || `Error ${response.status}`);
-    }
-    return data;
-  }
-
   // The server's errors are in English; the ones a member can cause here, in Spanish.
   const SPANISH = {
     memory_forbidden: "Solo las personas adultas guardan recuerdos de la familia.",
@@ -36,6 +18,7 @@
     invalid_memory: "El recuerdo está vacío o es demasiado largo (máximo 500 caracteres).",
     admin_only: "La cuenta de administración no tiene recuerdos.",
   };
+  const call = (method, path, body) => api(method, path, body, SPANISH);
 
   const text = el("textarea", { id: "memory-text", rows: 2, maxLength: 500, placeholder: "Algo que ENLACE debe recordar…" });
   const family = el("input", { id: "memory-family", type: "checkbox" });
