@@ -2,7 +2,7 @@
 serve/app.py's model worker: continuous batching. One decode thread keeps up to serve.max_batch answers going
 at once as the rows of a model.Decoder. Each step samples every row's next token (with the row's own
 temperature, top_p, top_k, seeded generator and constraint), streams it to the request as whole characters
-(sample.StreamDecoder), and feeds the rows that go on their tokens in one batched forward pass. A new job
+(data.StreamDecoder), and feeds the rows that go on their tokens in one batched forward pass. A new job
 joins at the next step (its prompt prefilled on its own into a free slot); a finished, cancelled or failed
 one leaves at once and frees its slot. Jobs wait for a slot in a bounded queue (a full queue raises Busy,
 which the server answers with 503 and Retry-After). A row's tokens do not depend on the other rows
@@ -21,6 +21,7 @@ import sys
 import threading
 import time
 
+import data
 from agent import grammar as agent_grammar
 from agent import tools as agent
 from chat import template as chat
@@ -197,8 +198,6 @@ class Worker:
     def prefill(self, generation):
         import torch
 
-        from sample import StreamDecoder
-
         job = generation.job
         if job.cancelled.is_set():
             return self.end(generation, None)
@@ -213,7 +212,7 @@ class Worker:
             )  # fmt: skip
         except Exception as e:
             return self.fail([generation], e)
-        generation.text = StreamDecoder(self.tokenizer)
+        generation.text = data.StreamDecoder(self.tokenizer)
         self.active.append(generation)
 
     def step(self):
