@@ -141,6 +141,22 @@ class Attention(nn.Module):
             y = q.new_zeros(q.shape).index_copy_(0, step.index, y)
         return self.o_proj(y.reshape(slots, 1, -1))
 
+    def decode_all(self, x, cos, sin, keys, values, positions, visible):
+        """Attention.decode with static shapes, for a compiled step: every slot writes its new key and
+        value at its position and attends over the whole preallocated cache, the keys past its position
+        masked (visible: (slots, max_len) bool). The shapes never depend on the lengths or on the slots in
+        use, so one graph (or CUDA graph) serves every step; a row's result depends only on its own
+        inputs, so it is the same whichever other slots are in use."""
+        slots = x.shape[0]
+        q, k, v = self.project(x, cos, sin)
+        rows = torch.arange(slots, device=x.device)
+        keys[rows, :, positions] = k[:, :, 0]
+        values[rows, :, positions] = v[:, :, 0]
+        q = q.reshape(slots, self.n_kv_heads, -1, self.head_dim) * self.head_dim**-0.5
+        scores = (q @ keys.transpose(2, 3)).masked_fill(~visible[:, None, None, :], float("-inf"))
+        y = scores.softmax(-1) @ values  # (slots, kv_heads, group, head_dim)
+        return self.o_proj(y.reshape(slots, 1, -1))
+
 
 class MLP(nn.Module):
     def __init__(self, cfg):
@@ -476,10 +492,26 @@ class Transformer(nn.Module):
             cache.lengths[row] = end
         return self.lm_head(self.norm(x))[:, 0]
 
-    def decoder(self, slots, allocate=False):
+    def decode_all(self, tokens, positions, cache):
+        """decode_step for every slot at once with static shapes (what Decoder compiles): tokens (slots,)
+        and positions (slots,) each slot's next token and the position it takes; writes every slot's keys
+        and values there (a slot not in use writes past its filled length, where its next step or prefill
+        writes again) and returns logits (slots, vocab_size). The caller advances the lengths."""
+        x = self.embed_tokens(tokens[:, None])
+        cos, sin = self.rope_cos[positions][:, None, :], self.rope_sin[positions][:, None, :]
+        visible = torch.arange(cache.max_len, device=tokens.device)[None, :] <= positions[:, None]
+        for layer_index, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            x = x + attn.decode_all(h, cos, sin, cache.keys[layer_index], cache.values[layer_index], positions,
+                                    visible)  # fmt: skip
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.lm_head(self.norm(x))[:, 0]
+
+    def decoder(self, slots, allocate=False, compile_mode=None):
         """A Decoder over this model with `slots` slots (allocate: its KV cache now, in the weights'
-        dtype, rather than on the first prefill)."""
-        return Decoder(self, slots, allocate)
+        dtype, rather than on the first prefill; compile_mode: see Decoder)."""
+        return Decoder(self, slots, allocate, compile_mode)
 
     @torch.no_grad()
     def generate(
@@ -540,18 +572,38 @@ class Decoder:
     cache; sample() picks a row's next token with the row's own settings, generator and constraint;
     advance() feeds every continuing row its token in one batched decode_step; remove() frees the slot.
     A row's tokens are those it would get alone in a Decoder of as many slots (decode_step). Windows
-    past seq_len restart as Transformer.generate describes, each row on its own."""
+    past seq_len restart as Transformer.generate describes, each row on its own.
 
-    def __init__(self, model, slots, allocate=False):
+    With a compile_mode ("default": inductor; "reduce-overhead": CUDA graphs too) the batched step is
+    Transformer.decode_all under torch.compile: static shapes (every slot, the whole preallocated cache),
+    so compile() builds the one graph before any row arrives and no later step compiles again. Its logits
+    are the eager step's up to float32 rounding; a row's tokens still do not depend on the other rows."""
+
+    def __init__(self, model, slots, allocate=False, compile_mode=None):
         self.model, self.slots = model, slots
         self.cache = model.new_kv_cache(slots)
         weight = model.embed_tokens.weight
         self.device = weight.device
-        if allocate:
+        if allocate or compile_mode:
             attn = model.layers[0].self_attn
             self.cache.allocate(attn.n_kv_heads, attn.head_dim, weight.dtype, weight.device)
+        self.compiled_step = None
+        if compile_mode:
+            for tensor in self.cache.keys + self.cache.values:  # CUDA graphs write into them in place
+                torch._dynamo.mark_static_address(tensor)
+            self.compiled_step = torch.compile(
+                model.decode_all, mode=compile_mode, fullgraph=True, dynamic=False
+            )
         self.free = list(range(slots))
         self.rows = {}  # slot -> Row
+
+    @torch.no_grad()
+    def compile(self):
+        """Run the compiled step until it is built (CUDA graphs record on the third call), before any row
+        is added: the garbage it writes at position 0 of every slot is overwritten by each prefill."""
+        for _ in range(3):
+            tokens, positions = (torch.zeros(self.slots, dtype=torch.long, device=self.device) for _ in "tp")
+            float(self.compiled_step(tokens, positions, self.cache)[0, 0])  # waits for the device
 
     @torch.no_grad()
     def add(self, prompt, temperature=1.0, top_k=None, top_p=None, generator=None, constraint=None):
@@ -602,9 +654,25 @@ class Decoder:
             ids = torch.zeros(self.slots, dtype=torch.long)
             for row in batched:
                 ids[row.slot] = row.window[-1]
-            logits = self.model.decode_step(ids.to(self.device), self.cache, [row.slot for row in batched])
+            if self.compiled_step is None:
+                logits = self.model.decode_step(
+                    ids.to(self.device), self.cache, [row.slot for row in batched]
+                )
+            else:
+                logits = self.step_compiled(ids, batched)
             for row in batched:
                 row.logits = logits[row.slot]
+
+    def step_compiled(self, ids, batched):
+        """The compiled decode_all for the rows in `batched`; the other slots write at their length (at
+        most max_len - 1), past what they have filled. The logits are copied out of the graph's buffer,
+        which the next step overwrites."""
+        last = self.cache.max_len - 1
+        positions = torch.tensor([min(length, last) for length in self.cache.lengths])
+        logits = self.compiled_step(ids.to(self.device), positions.to(self.device), self.cache).clone()
+        for row in batched:
+            self.cache.lengths[row.slot] += 1
+        return logits
 
     def remove(self, row):
         """Free the row's slot (a later add() overwrites its cache)."""

@@ -674,6 +674,15 @@ def check_kv_cache(model, settings, device):
                              f"({memory_text(per_slot)} per slot), more than {what}; {advice}")  # fmt: skip
 
 
+COMPILE_MODES = {"off": None, "inductor": "default", "cuda-graphs": "reduce-overhead"}  # torch.compile's
+
+
+def decoding_options(settings, device):
+    """The worker's model.Decoder options for this device: serve.compile as a torch.compile mode."""
+    mode = COMPILE_MODES[settings["compile"]["cuda" if device.startswith("cuda") else "cpu"]]
+    return {"compile_mode": mode} if mode else {}
+
+
 def serving_info(run, model, tokenizer, settings, memory_cfg):
     """What this server uses, for the snapshots of its database (memory.hold_lock writes it)."""
     processor = getattr(tokenizer, "processor", None)  # sentencepiece, possibly from inside the checkpoint
@@ -725,7 +734,13 @@ def serve_main(argv):
     store = serve_accounts.Store(settings["database"], settings["busy_timeout_ms"])
     model, tokenizer, model_id, context = load_model(args.run, args.device)
     check_kv_cache(model, settings, args.device)
-    model_worker = serve_worker.Worker(model, tokenizer, settings["queue_size"], settings["max_batch"])
+    decoding = decoding_options(settings, args.device)
+    model_worker = serve_worker.Worker(
+        model, tokenizer, settings["queue_size"], settings["max_batch"], **decoding
+    )
+    if "compile_s" in model_worker.stats:
+        print(f"serve: decode step compiled ({decoding['compile_mode']}) in {model_worker.stats['compile_s']} s",
+              file=sys.stderr)  # fmt: skip
     server = Server(settings, store, model_worker, model_id, context, memory_cfg=memory_cfg)
     # family/memories.py: the database's lock, held until this process ends (restore refuses to run meanwhile, and
     # so does a second server on the same file), and the snapshot schedule on a daemon thread.

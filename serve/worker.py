@@ -80,11 +80,14 @@ class Busy(Exception):
 
 
 class Worker:
-    def __init__(self, model, tokenizer, queue_size, max_batch=1):
+    """decoding: model.Decoder's options beyond the slots (compile_mode, serve.compile's torch.compile
+    mode); a compiled step is built on the decode thread before the constructor returns."""
+
+    def __init__(self, model, tokenizer, queue_size, max_batch=1, **decoding):
         self.model, self.tokenizer = model, tokenizer
-        self.queue_size, self.max_batch = queue_size, max_batch
+        self.queue_size, self.max_batch, self.decoding = queue_size, max_batch, decoding
         self.stop_ids = {tokenizer.special_ids["<|end|>"], tokenizer.eos_id}
-        self.decoder = model.decoder(max_batch, allocate=True)  # the KV cache of every slot, now
+        self.decoder = model.decoder(max_batch, allocate=True, **decoding)  # the KV cache of every slot, now
         self.decoder_of = model
         self.lock = threading.Condition()
         self.waiting = collections.deque()  # jobs not started yet, at most queue_size
@@ -105,8 +108,12 @@ class Worker:
         # Seconds with at least one row in the batch (prefills and steps): what the same answers cost
         # without HTTP. generated_tokens / generate_s is the worker's rate while busy.
         self.stats["generate_s"] = 0.0
+        self.compiled, self.compile_error = threading.Event(), None
         self.thread = threading.Thread(target=self.loop, name="model-worker", daemon=True)
         self.thread.start()
+        self.compiled.wait()  # the compile runs on the thread that steps (CUDA graphs are per thread)
+        if self.compile_error is not None:
+            raise self.compile_error
 
     # --- what serve/app.py calls, from the event loop
 
@@ -139,6 +146,16 @@ class Worker:
     # --- the decode thread
 
     def loop(self):
+        try:
+            if getattr(self.decoder, "compiled_step", None) is not None:
+                started = time.perf_counter()
+                self.decoder.compile()
+                self.stats["compile_s"] = round(time.perf_counter() - started, 1)
+        except Exception as e:  # raised by the constructor: the server does not start
+            self.compile_error = e
+            return
+        finally:
+            self.compiled.set()
         while True:
             with self.lock:
                 while not self.ready():
@@ -204,7 +221,7 @@ class Worker:
         top_p = job.top_p if job.top_p < 1 else None
         try:
             if self.decoder_of is not self.model and not self.active:  # the model was swapped (tests)
-                self.decoder = self.model.decoder(self.max_batch, allocate=True)
+                self.decoder = self.model.decoder(self.max_batch, allocate=True, **self.decoding)
                 self.decoder_of = self.model
             generation.row = self.decoder.add(
                 generation.prompt_ids, job.temperature, job.top_k, top_p,

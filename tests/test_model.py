@@ -625,10 +625,12 @@ def test_a_decode_step_over_several_rows_gives_each_row_its_single_row_logits():
             decoder.advance({solo_rows[i]: fed[i][step]})
 
 
-def run_rows(net, slots, plans, steps):
+def run_rows(net, slots, plans, steps, compile_mode=None):
     """Decode with `slots` slots. plans: (prompt, first step, last step, sampling kwargs) per row; a row
     joins at its first step and leaves after its last. Returns each row's (tokens, logits per step)."""
-    decoder = net.decoder(slots)
+    decoder = net.decoder(slots, compile_mode=compile_mode)
+    if compile_mode:
+        decoder.compile()
     rows, results = {}, [([], []) for _ in plans]
     for step in range(steps):
         for i, (prompt, first, _, sampling) in enumerate(plans):
@@ -651,18 +653,41 @@ def seeded(temperature, seed):
     return {"temperature": temperature, "generator": torch.Generator().manual_seed(seed)}
 
 
-def test_a_rows_tokens_and_logits_are_bit_for_bit_its_own_whatever_the_other_rows_do():
+@pytest.mark.parametrize("compile_mode", [None, "default"])  # eager, and the compiled step (inductor)
+def test_a_rows_tokens_and_logits_are_bit_for_bit_its_own_whatever_the_other_rows_do(compile_mode):
     net = build(tiny(seq_len=32))
     target = (forced_tokens(7, seed=1), 3, 40, {"temperature": 0})
     others = [(forced_tokens(n, seed=n), first, last, seeded(0.8, n))
               for n, first, last in [(12, 0, 9), (2, 1, 30), (25, 5, 12), (4, 20, 45)]]  # fmt: skip
     for target_sampling in ({"temperature": 0}, "seeded"):
         sampling = seeded(0.8, 5) if target_sampling == "seeded" else target_sampling
-        alone = run_rows(net, 4, [(target[0], 0, 37, sampling)], 38)[0]
+        alone = run_rows(net, 4, [(target[0], 0, 37, sampling)], 38, compile_mode)[0]
         sampling = seeded(0.8, 5) if target_sampling == "seeded" else target_sampling
-        together = run_rows(net, 4, [*others[:2], (target[0], 3, 40, sampling), *others[2:]], 41)[2]
+        plans = [*others[:2], (target[0], 3, 40, sampling), *others[2:]]
+        together = run_rows(net, 4, plans, 41, compile_mode)[2]
         assert together[0] == alone[0]  # the row joined at step 3, in slot 2, among rows coming and going
         assert all(torch.equal(a, b) for a, b in zip(together[1], alone[1], strict=True))
+
+
+def compiled_graphs():
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+def test_the_compiled_step_gives_the_eager_logits_and_greedy_tokens_and_compiles_only_at_start():
+    # CPU inductor: the first compile of this tiny shape takes ~20-90 s on a shared 2-core CPU (cached after).
+    net = build(tiny(seq_len=32))
+    decoder = net.decoder(4, compile_mode="default")
+    decoder.compile()
+    graphs = compiled_graphs()
+    plans = [(forced_tokens(n, seed=n), first, last, {"temperature": 0})
+             for n, first, last in [(7, 0, 37), (12, 0, 9), (2, 1, 30), (25, 5, 12), (4, 20, 45)]]  # fmt: skip
+    eager = run_rows(net, 4, plans, 46)
+    compiled = run_rows(net, 4, plans, 46, "default")
+    assert [tokens for tokens, _ in compiled] == [tokens for tokens, _ in eager]
+    for (_, got), (_, want) in zip(compiled, eager, strict=True):
+        torch.testing.assert_close(torch.stack(got), torch.stack(want), rtol=0, atol=1e-5)
+    # Rows joining and leaving, windows restarting past seq_len and new decoders compiled nothing more.
+    assert compiled_graphs() == graphs
 
 
 class Forced:

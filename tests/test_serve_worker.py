@@ -90,7 +90,15 @@ def leave_midway(url, key, body):
 BROKEN_SEED = 666
 
 
-def test_answers_decoded_together_are_token_for_token_their_solo_answers(chat_model, tmp_path, monkeypatch):
+# The compiled step (CPU inductor: its first compile at the tiny run's shape takes a minute or more on a
+# shared 2-core CPU).
+DECODING = {"eager": (), "compiled": ("serve.compile.cpu=inductor",)}
+
+
+@pytest.mark.parametrize("decoding", DECODING.values(), ids=DECODING.keys())
+def test_answers_decoded_together_are_token_for_token_their_solo_answers(
+    chat_model, tmp_path, monkeypatch, decoding
+):
     class JobWithBrokenConstraint(serve_worker.Job):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
@@ -102,7 +110,7 @@ def test_answers_decoded_together_are_token_for_token_their_solo_answers(chat_mo
     # abandons midway and one whose generation raises: ten requests for eight slots.
     bodies = [request(i, 12 + 7 * i, 0.0 if i % 2 == 0 else 0.8, 100 + i) for i in range(8)]
     abandoned, broken = request(8, 300, 0.8, 8), request(9, 40, 0.8, BROKEN_SEED)
-    settings = (NO_TOOLS, "serve.max_batch=8", "serve.max_pending_per_member=16")
+    settings = (NO_TOOLS, "serve.max_batch=8", "serve.max_pending_per_member=16", *decoding)
     with live_server(chat_model, tmp_path, *settings) as (url, server):
         key = server.store.add_member("ana", "adult")
         tokens = record_tokens(server.worker)
