@@ -271,6 +271,7 @@ class Server:
         job = serve_worker.Job(
             loop, prompt_ids, max_tokens, temperature, top_p, self.settings["top_k"], seed, turn, constraint
         )
+        job.scope, job.public_ids = member["id"], self.public_prefix(member, turn)
         try:
             self.worker.submit(job)
         except serve_worker.Busy:
@@ -278,6 +279,15 @@ class Server:
                            retry_after=self.settings["retry_after_s"]) from None  # fmt: skip
         self.pending[member["id"]] = count + 1
         return job
+
+    def public_prefix(self, member, turn):
+        """The token ids that start the prompts of every member of this role: the server's own system text
+        and, for an agent turn, the date and its tools. The prefix cache shares the blocks a prompt has in
+        common with them; the rest (memories, the request's own text) stays the member's."""
+        parts = [self.settings["child"]["system_prompt"]] if member["role"] == "child" else []
+        head = [{"role": "system", "content": "\n\n".join([*parts, self.settings["system_prompt"]])}]
+        conversation = turn[0].conversation(head) if turn else {"messages": head}
+        return chat.render(conversation, self.worker.tokenizer)[0]
 
     def finished(self, member, job):
         job.cancel()
@@ -678,9 +688,15 @@ COMPILE_MODES = {"off": None, "inductor": "default", "cuda-graphs": "reduce-over
 
 
 def decoding_options(settings, device):
-    """The worker's model.Decoder options for this device: serve.compile as a torch.compile mode."""
+    """The worker's model.Decoder options for this device: serve.compile as a torch.compile mode, and
+    serve.prefix_cache."""
     mode = COMPILE_MODES[settings["compile"]["cuda" if device.startswith("cuda") else "cpu"]]
-    return {"compile_mode": mode} if mode else {}
+    prefix = settings["prefix_cache"]
+    return ({"compile_mode": mode} if mode else {}) | (
+        {"prefix_block": prefix["block_tokens"], "prefix_cache_bytes": prefix["mib"] * 2**20}
+        if prefix["mib"]
+        else {}
+    )
 
 
 def serving_info(run, model, tokenizer, settings, memory_cfg):

@@ -44,6 +44,9 @@ class Job:
         self.prompt_ids, self.max_tokens, self.turn = prompt_ids, max_tokens, turn
         self.temperature, self.top_p, self.top_k, self.seed = temperature, top_p, top_k, seed
         self.constraint = constraint
+        # The prefix cache's: whose request this is, and the prompt start every member shares (see
+        # serve/app.py Server.public_prefix).
+        self.scope, self.public_ids = None, ()
         self.cancelled = threading.Event()
         self.reserved = False  # an agent turn holding a slot for its first generation (the worker's)
 
@@ -226,11 +229,23 @@ class Worker:
             generation.row = self.decoder.add(
                 generation.prompt_ids, job.temperature, job.top_k, top_p,
                 torch.Generator().manual_seed(job.seed), generation.constraint,
+                **self.scoping(job, generation.prompt_ids),
             )  # fmt: skip
         except Exception as e:
             return self.fail([generation], e)
         generation.text = data.StreamDecoder(self.tokenizer)
         self.active.append(generation)
+
+    def scoping(self, job, prompt_ids):
+        """Decoder.add's scope and shared for a generation (none for a decoder without a prefix cache)."""
+        if getattr(self.decoder, "prefix_cache", None) is None:
+            return {}
+        shared = 0
+        for token, public in zip(prompt_ids, job.public_ids, strict=False):
+            if token != public:
+                break
+            shared += 1
+        return {"scope": job.scope, "shared": shared}
 
     def step(self):
         """Each row's next token, then one forward pass for the rows that go on."""

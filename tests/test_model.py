@@ -690,6 +690,69 @@ def test_the_compiled_step_gives_the_eager_logits_and_greedy_tokens_and_compiles
     assert compiled_graphs() == graphs
 
 
+def greedy_run(decoder, prompt, steps, **scoping):
+    """(tokens, logits per step) of a greedy row of `decoder`, removed at the end."""
+    row, tokens, logits = decoder.add(prompt, temperature=0, **scoping), [], []
+    for _ in range(steps):
+        logits.append(row.logits.clone())
+        tokens.append(decoder.sample(row))
+        decoder.advance({row: tokens[-1]})
+    decoder.remove(row)
+    return tokens, logits
+
+
+def test_a_prompt_restored_from_the_prefix_cache_gets_bit_for_bit_the_answer_it_gets_without_it():
+    net = build(tiny(seq_len=32))
+    first = forced_tokens(19, seed=3)
+    second = first[:10] + forced_tokens(6, seed=4)  # shares two blocks of 4 with the first
+    decoder = net.decoder(2, prefix_block=4, prefix_cache_bytes=2**20)
+    answers = [greedy_run(decoder, prompt, 10) for prompt in (first, second, first)]
+    assert decoder.prefix_cache.stats["reused_tokens"] == 8 + 16  # the second reused 8, the third 16
+    for prompt, answer in zip((first, second, first), answers, strict=True):
+        fresh = greedy_run(net.decoder(2, prefix_block=4, prefix_cache_bytes=2**20), prompt, 10)
+        assert answer[0] == fresh[0] and all(map(torch.equal, answer[1], fresh[1]))
+    assert answers[0][0] == answers[2][0] and all(map(torch.equal, answers[0][1], answers[2][1]))
+
+
+def test_the_prefix_cache_shares_only_the_public_blocks_between_members():
+    net = build(tiny(seq_len=32))
+    prompt = forced_tokens(17, seed=5)  # its first 9 tokens are the server's (public), the rest ana's
+    decoder = net.decoder(1, prefix_block=4, prefix_cache_bytes=2**20)
+    reused = lambda: decoder.prefix_cache.stats["reused_tokens"]  # noqa: E731
+    ana = greedy_run(decoder, prompt, 3, scope="ana", shared=9)
+    assert reused() == 0
+    ben = greedy_run(decoder, prompt, 3, scope="ben", shared=9)  # the same text, another member
+    assert reused() == 8  # blocks 0-3 and 4-7 only: 8-11 holds one of ana's tokens
+    greedy_run(decoder, prompt, 3, scope="ana", shared=9)
+    assert reused() == 8 + 16  # ana's own blocks, all four
+    assert ana[0] == ben[0] and all(map(torch.equal, ana[1], ben[1]))
+    scopes = {key[0] for key in decoder.prefix_cache.blocks}
+    assert scopes == {("public",), ("member", "ana"), ("member", "ben")}
+    ends_of = {
+        scope: sorted(len(ids) for s, ids in decoder.prefix_cache.blocks if s == scope) for scope in scopes
+    }
+    assert ends_of[("public",)] == [4, 8] and ends_of[("member", "ana")] == ends_of[("member", "ben")] == [
+        12,
+        16,
+    ]
+
+
+def test_the_prefix_cache_stays_within_its_bytes_and_evicts_the_least_recently_used_blocks_last_first():
+    net = build(tiny(seq_len=32))
+    attn = net.layers[0].self_attn
+    block_bytes = 2 * len(net.layers) * attn.n_kv_heads * 4 * attn.head_dim * 4  # keys + values, float32
+    decoder = net.decoder(1, prefix_block=4, prefix_cache_bytes=5 * block_bytes)
+    old, new = forced_tokens(13, seed=6), forced_tokens(9, seed=7)  # three blocks, then two
+    greedy_run(decoder, old, 1)
+    greedy_run(decoder, new, 1)
+    assert decoder.prefix_cache.bytes == 5 * block_bytes
+    greedy_run(decoder, new + [1, 2, 3, 4], 1)  # one more block: the old prompt's last one goes
+    ends = [len(ids) for _, ids in decoder.prefix_cache.blocks]
+    assert sorted(ends) == [4, 4, 8, 8, 12] and decoder.prefix_cache.bytes <= 5 * block_bytes
+    assert tuple(old[:8]) in {ids for _, ids in decoder.prefix_cache.blocks}
+    assert tuple(old[:12]) not in {ids for _, ids in decoder.prefix_cache.blocks}
+
+
 class Forced:
     """A constraint that allows only the next token of `sequence` (then anything), recording its calls."""
 

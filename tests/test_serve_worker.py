@@ -90,9 +90,9 @@ def leave_midway(url, key, body):
 BROKEN_SEED = 666
 
 
-# The compiled step (CPU inductor: its first compile at the tiny run's shape takes a minute or more on a
-# shared 2-core CPU).
-DECODING = {"eager": (), "compiled": ("serve.compile.cpu=inductor",)}
+# Eager with one-pass prefills, and the compiled step with the prefix cache (the shipped default) on. CPU
+# inductor's first compile at the tiny run's shape takes a minute or more on a shared 2-core CPU.
+DECODING = {"eager": ("serve.prefix_cache.mib=0",), "compiled+prefix_cache": ("serve.compile.cpu=inductor",)}
 
 
 @pytest.mark.parametrize("decoding", DECODING.values(), ids=DECODING.keys())
@@ -152,6 +152,31 @@ def test_answers_decoded_together_are_token_for_token_their_solo_answers(
     assert failed["answer"].status_code == 500
     assert failed["answer"].json() == {"error": {"message": "generation failed on the server", "type": "server_error",
                                                  "param": None, "code": "generation_failed"}}  # fmt: skip
+
+
+def test_the_prefix_cache_shares_the_servers_prompt_between_members_and_nothing_a_member_wrote(
+    chat_model, tmp_path
+):
+    body = request(5, 8, 0.0, 1)
+    with live_server(chat_model, tmp_path, NO_TOOLS, "serve.prefix_cache.block_tokens=8") as (url, server):
+        members = {name: server.store.add_member(name, "adult") for name in ("ana", "ben")}
+        cache, add, added = server.worker.decoder.prefix_cache, server.worker.decoder.add, []
+
+        def recording_add(prompt, *args, **kwargs):
+            added.append((list(prompt), kwargs["scope"], kwargs["shared"], cache.stats["reused_tokens"]))
+            return add(prompt, *args, **kwargs)
+
+        server.worker.decoder.add = recording_add
+        answers = [post(url, members[name], body).json()["choices"] for name in ("ana", "ben", "ana")]
+        reused = [after - before for (*_, before), (*_, after) in zip(added, added[1:], strict=False)]
+        reused.append(cache.stats["reused_tokens"] - added[-1][3])
+        blocks = list(cache.blocks)
+    assert answers[0] == answers[1] == answers[2]  # a restored block holds what its prefill computes
+    (prompt, ana, shared, _), (_, ben, _, _) = added[:2]
+    assert ana != ben and [scope for _, scope, _, _ in added] == [ana, ben, ana]
+    assert 8 <= shared < len(prompt) - 8  # the system turn is everyone's; the user's message is ana's
+    assert reused == [0, shared // 8 * 8, (len(prompt) - 1) // 8 * 8]  # ben: the system turn's blocks only
+    assert {scope for scope, ids in blocks if len(ids) > shared} == {("member", ana), ("member", ben)}
 
 
 # -----------------------------------------------------------------------------
