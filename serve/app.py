@@ -687,6 +687,24 @@ def check_kv_cache(model, settings, device):
 COMPILE_MODES = {"off": None, "inductor": "default", "cuda-graphs": "reduce-overhead"}  # torch.compile's
 
 
+def prepare_weights(model, settings, device):
+    """The model in serve.weights' format for this device; a ServeError for a combination that cannot
+    run."""
+    kind = "cuda" if device.startswith("cuda") else "cpu"
+    if settings["weights"][kind] == "float32":
+        return model
+    if settings["compile"][kind] != "off":
+        raise ServeError(
+            f"serve.weights.{kind}=int8 runs eager: set serve.compile.{kind}=off (or weights float32)"
+        )
+    import model as model_code
+
+    quantized = model_code.int8_weights(model)
+    quantized.checkpoint_path = model.checkpoint_path
+    print("serve: int8 weights (serve.weights)", file=sys.stderr)
+    return quantized
+
+
 def decoding_options(settings, device):
     """The worker's model.Decoder options for this device: serve.compile as a torch.compile mode, and
     serve.prefix_cache."""
@@ -749,6 +767,7 @@ def serve_main(argv):
     port = settings["port"] if args.port is None else args.port
     store = serve_accounts.Store(settings["database"], settings["busy_timeout_ms"])
     model, tokenizer, model_id, context = load_model(args.run, args.device)
+    model = prepare_weights(model, settings, args.device)
     check_kv_cache(model, settings, args.device)
     decoding = decoding_options(settings, args.device)
     model_worker = serve_worker.Worker(

@@ -179,6 +179,23 @@ def test_the_prefix_cache_shares_the_servers_prompt_between_members_and_nothing_
     assert {scope for scope, ids in blocks if len(ids) > shared} == {("member", ana), ("member", ben)}
 
 
+def test_int8_weights_answer_requests_and_refuse_a_compiled_step_on_the_same_device(chat_model, tmp_path):
+    model = chat_model[0]
+    settings = serve.load_settings(serve.DEFAULT_CONFIG, ["serve.weights.cpu=int8"])
+    quantized = serve.prepare_weights(model, settings, "cpu")
+    assert quantized is not model and quantized.checkpoint_path == model.checkpoint_path
+    with live_server(chat_model, tmp_path, NO_TOOLS, model=quantized) as (url, server):
+        key = server.store.add_member("ana", "adult")
+        answer = post(url, key, request(1, 6, 0.0, 1))
+    assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] >= 1
+    both = serve.load_settings(serve.DEFAULT_CONFIG, ["serve.weights.cpu=int8", "serve.compile.cpu=inductor"])
+    with pytest.raises(
+        serve.ServeError, match=r"serve.weights.cpu=int8 runs eager: set serve.compile.cpu=off"
+    ):
+        serve.prepare_weights(model, both, "cpu")
+    assert serve.prepare_weights(model, serve.load_settings(serve.DEFAULT_CONFIG, []), "cpu") is model
+
+
 # -----------------------------------------------------------------------------
 # The worker itself, driven as serve/app.py drives it
 
