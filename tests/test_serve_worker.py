@@ -12,6 +12,7 @@ import time
 
 import httpx
 import pytest
+import torch
 from conftest import ROOT, live_server
 
 from agent import tools as agent
@@ -112,6 +113,7 @@ def test_answers_decoded_together_are_token_for_token_their_solo_answers(
     abandoned, broken = request(8, 300, 0.8, 8), request(9, 40, 0.8, BROKEN_SEED)
     settings = (NO_TOOLS, "serve.max_batch=8", "serve.max_pending_per_member=16", *decoding)
     with live_server(chat_model, tmp_path, *settings) as (url, server):
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]  # compiled at start, if at all
         key = server.store.add_member("ana", "adult")
         tokens = record_tokens(server.worker)
         alone = [post(url, key, body).json() for body in bodies]
@@ -135,6 +137,7 @@ def test_answers_decoded_together_are_token_for_token_their_solo_answers(
             time.sleep(0.02)
         admin = {"Authorization": f"Bearer {server.store.add_member('root', 'admin')}"}
         status = httpx.get(url + "/api/server", headers=admin).json()
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs  # no request compiled anything
     assert [together[i] | {"id": None, "created": None} for i in range(8)] == [
         answer | {"id": None, "created": None} for answer in alone
     ]
