@@ -194,6 +194,30 @@ class SentencePieceTokenizer:
         return self.processor.decode([int(i) for i in ids])
 
 
+class StreamDecoder:
+    """Turns token ids into text as they arrive, holding back an incomplete UTF-8 sequence (a byte
+    token or a byte-fallback piece can end in the middle of a character). Sentencepiece decodes each byte
+    of an unfinished character as its own U+FFFD, so every trailing U+FFFD is held back (flush() gives
+    what is left, a real U+FFFD included)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.ids = []
+        self.emitted = 0
+
+    def push(self, token):
+        self.ids.append(token)
+        text = self.tokenizer.decode(self.ids)
+        stable = len(text.rstrip("\ufffd"))
+        new, self.emitted = text[self.emitted : stable], max(self.emitted, stable)
+        return new
+
+    def flush(self):
+        text = self.tokenizer.decode(self.ids)
+        new, self.emitted = text[self.emitted :], len(text)
+        return new
+
+
 def load_tokenizer(data_cfg):
     if data_cfg["format"] == "bytes":
         return ByteTokenizer()

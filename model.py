@@ -17,6 +17,7 @@ rope_theta = rope_base; the weights then map one to one and give the same logits
 The model knows nothing about devices, dtypes or files: the caller moves it and picks autocast.
 """
 
+import collections
 import math
 
 import torch
@@ -141,6 +142,22 @@ class Attention(nn.Module):
             y = q.new_zeros(q.shape).index_copy_(0, step.index, y)
         return self.o_proj(y.reshape(slots, 1, -1))
 
+    def decode_all(self, x, cos, sin, keys, values, positions, visible):
+        """Attention.decode with static shapes, for a compiled step: every slot writes its new key and
+        value at its position and attends over the whole preallocated cache, the keys past its position
+        masked (visible: (slots, max_len) bool). The shapes never depend on the lengths or on the slots in
+        use, so one graph (or CUDA graph) serves every step; a row's result depends only on its own
+        inputs, so it is the same whichever other slots are in use."""
+        slots = x.shape[0]
+        q, k, v = self.project(x, cos, sin)
+        rows = torch.arange(slots, device=x.device)
+        keys[rows, :, positions] = k[:, :, 0]
+        values[rows, :, positions] = v[:, :, 0]
+        q = q.reshape(slots, self.n_kv_heads, -1, self.head_dim) * self.head_dim**-0.5
+        scores = (q @ keys.transpose(2, 3)).masked_fill(~visible[:, None, None, :], float("-inf"))
+        y = scores.softmax(-1) @ values  # (slots, kv_heads, group, head_dim)
+        return self.o_proj(y.reshape(slots, 1, -1))
+
 
 class MLP(nn.Module):
     def __init__(self, cfg):
@@ -231,6 +248,66 @@ class DecodeStep:
         self.ends = [lengths[row] + 1 for row in self.rows]
         self.index = torch.tensor(self.rows, device=device)
         self.positions = torch.tensor([end - 1 for end in self.ends], device=device)
+
+
+PUBLIC = ("public",)  # the PrefixCache scope of the blocks every request may share
+
+
+class PrefixCache:
+    """Keys and values of prompt prefixes, in blocks of `block` positions cut at the fixed points 0, block,
+    2 * block, ... (Decoder prefills every prompt in chunks at those points, so a block restored here holds
+    the very numbers its prefill would compute, and an answer is the same with or without the cache).
+    A block is keyed by its scope and every token id up to its end: a block within a prompt's first
+    `shared` tokens (text the server wrote for everyone) has the scope PUBLIC; any later block the scope of
+    the request's member, and only that member's requests find it. At most max_bytes, least recently used
+    blocks evicted first (a prompt's later blocks before its earlier ones)."""
+
+    def __init__(self, block, max_bytes):
+        self.block, self.max_bytes, self.bytes = block, max_bytes, 0
+        self.blocks = collections.OrderedDict()  # (scope, ids) -> [(keys, values) per layer]
+        self.stats = {"reused_tokens": 0, "prefilled_tokens": 0, "evicted_blocks": 0}
+
+    def key(self, ids, end, scope, shared):
+        return (PUBLIC if end <= shared else ("member", scope), tuple(ids[:end]))
+
+    def restore(self, cache, slot, ids, scope, shared):
+        """Copy the cached blocks that start ids (leaving at least its last token to prefill) into the
+        slot; returns how many positions they fill, and the keys of the blocks used."""
+        used = []
+        for end in range(self.block, len(ids), self.block):
+            entry = self.blocks.get(self.key(ids, end, scope, shared))
+            if entry is None:
+                break
+            for layer_index, (keys, values) in enumerate(entry):
+                cache.keys[layer_index][slot, :, end - self.block : end] = keys
+                cache.values[layer_index][slot, :, end - self.block : end] = values
+            used.append(self.key(ids, end, scope, shared))
+        filled = len(used) * self.block
+        cache.lengths[slot] = filled
+        self.stats["reused_tokens"] += filled
+        return filled, used
+
+    def store(self, cache, slot, ids, end, scope, shared):
+        """Keep positions end - block .. end - 1 of the slot (just prefilled from ids)."""
+        key = self.key(ids, end, scope, shared)
+        if key in self.blocks:
+            return key
+        entry = [(keys[slot, :, end - self.block : end].clone(), values[slot, :, end - self.block : end].clone())
+                 for keys, values in zip(cache.keys, cache.values, strict=True)]  # fmt: skip
+        self.blocks[key] = entry
+        self.bytes += sum(k.nbytes + v.nbytes for k, v in entry)
+        while self.bytes > self.max_bytes and self.blocks:
+            _, evicted = self.blocks.popitem(last=False)
+            self.bytes -= sum(k.nbytes + v.nbytes for k, v in evicted)
+            self.stats["evicted_blocks"] += 1
+        return key
+
+    def touch(self, keys):
+        """Mark a prompt's blocks used, its first block last: eviction takes a prompt's later blocks
+        first, which are useless without the earlier ones."""
+        for key in reversed(keys):
+            if key in self.blocks:
+                self.blocks.move_to_end(key)
 
 
 def logits_losses(logits, targets, z_loss_coef):
@@ -476,10 +553,26 @@ class Transformer(nn.Module):
             cache.lengths[row] = end
         return self.lm_head(self.norm(x))[:, 0]
 
-    def decoder(self, slots, allocate=False):
+    def decode_all(self, tokens, positions, cache):
+        """decode_step for every slot at once with static shapes (what Decoder compiles): tokens (slots,)
+        and positions (slots,) each slot's next token and the position it takes; writes every slot's keys
+        and values there (a slot not in use writes past its filled length, where its next step or prefill
+        writes again) and returns logits (slots, vocab_size). The caller advances the lengths."""
+        x = self.embed_tokens(tokens[:, None])
+        cos, sin = self.rope_cos[positions][:, None, :], self.rope_sin[positions][:, None, :]
+        visible = torch.arange(cache.max_len, device=tokens.device)[None, :] <= positions[:, None]
+        for layer_index, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            x = x + attn.decode_all(h, cos, sin, cache.keys[layer_index], cache.values[layer_index], positions,
+                                    visible)  # fmt: skip
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.lm_head(self.norm(x))[:, 0]
+
+    def decoder(self, slots, allocate=False, compile_mode=None, prefix_block=None, prefix_cache_bytes=0):
         """A Decoder over this model with `slots` slots (allocate: its KV cache now, in the weights'
-        dtype, rather than on the first prefill)."""
-        return Decoder(self, slots, allocate)
+        dtype, rather than on the first prefill; compile_mode and the prefix cache: see Decoder)."""
+        return Decoder(self, slots, allocate, compile_mode, prefix_block, prefix_cache_bytes)
 
     @torch.no_grad()
     def generate(
@@ -540,23 +633,54 @@ class Decoder:
     cache; sample() picks a row's next token with the row's own settings, generator and constraint;
     advance() feeds every continuing row its token in one batched decode_step; remove() frees the slot.
     A row's tokens are those it would get alone in a Decoder of as many slots (decode_step). Windows
-    past seq_len restart as Transformer.generate describes, each row on its own."""
+    past seq_len restart as Transformer.generate describes, each row on its own.
 
-    def __init__(self, model, slots, allocate=False):
+    With a compile_mode ("default": inductor; "reduce-overhead": CUDA graphs too) the batched step is
+    Transformer.decode_all under torch.compile: static shapes (every slot, the whole preallocated cache),
+    so compile() builds the one graph before any row arrives and no later step compiles again. Its logits
+    are the eager step's up to float32 rounding; a row's tokens still do not depend on the other rows.
+
+    With prefix_block (and prefix_cache_bytes > 0) prompts are prefilled in chunks of prefix_block tokens
+    and their whole blocks kept in a PrefixCache of at most prefix_cache_bytes, which later prompts
+    starting with the same blocks copy instead of computing (see PrefixCache for who may reuse what)."""
+
+    def __init__(
+        self, model, slots, allocate=False, compile_mode=None, prefix_block=None, prefix_cache_bytes=0
+    ):
         self.model, self.slots = model, slots
         self.cache = model.new_kv_cache(slots)
         weight = model.embed_tokens.weight
         self.device = weight.device
-        if allocate:
+        if allocate or compile_mode:
             attn = model.layers[0].self_attn
             self.cache.allocate(attn.n_kv_heads, attn.head_dim, weight.dtype, weight.device)
+        self.compiled_step = None
+        if compile_mode:
+            for tensor in self.cache.keys + self.cache.values:  # CUDA graphs write into them in place
+                torch._dynamo.mark_static_address(tensor)
+            self.compiled_step = torch.compile(
+                model.decode_all, mode=compile_mode, fullgraph=True, dynamic=False
+            )
+        self.prefix_cache = (
+            PrefixCache(prefix_block, prefix_cache_bytes) if prefix_block and prefix_cache_bytes else None
+        )
         self.free = list(range(slots))
         self.rows = {}  # slot -> Row
 
     @torch.no_grad()
-    def add(self, prompt, temperature=1.0, top_k=None, top_p=None, generator=None, constraint=None):
+    def compile(self):
+        """Run the compiled step until it is built (CUDA graphs record on the third call), before any row
+        is added: the garbage it writes at position 0 of every slot is overwritten by each prefill."""
+        for _ in range(3):
+            tokens, positions = (torch.zeros(self.slots, dtype=torch.long, device=self.device) for _ in "tp")
+            float(self.compiled_step(tokens, positions, self.cache)[0, 0])  # waits for the device
+
+    @torch.no_grad()
+    def add(self, prompt, temperature=1.0, top_k=None, top_p=None, generator=None, constraint=None, scope=None,
+            shared=0):  # fmt: skip
         """A new row continuing `prompt` (a list of token ids, its last seq_len read), prefilled into the
-        lowest free slot; raises ValueError when every slot is taken."""
+        lowest free slot; raises ValueError when every slot is taken. With a prefix cache, scope (who
+        asks) and shared (how many first tokens are everyone's) say which cached blocks it may reuse."""
         check_sampling(temperature, top_k, top_p)
         if not prompt:
             raise ValueError("a row needs a non-empty prompt")
@@ -564,15 +688,29 @@ class Decoder:
             raise ValueError(f"all {self.slots} slots are in use")
         row = Row(min(self.free), list(prompt)[-self.model.seq_len :], temperature, top_k, top_p, generator,
                   constraint)  # fmt: skip
+        row.scope, row.shared = scope, shared if len(prompt) <= self.model.seq_len else 0
         self.prefill(row)
         self.free.remove(row.slot)
         self.rows[row.slot] = row
         return row
 
     def prefill(self, row):
-        self.cache.lengths[row.slot] = 0
-        ids = torch.tensor([row.window], device=self.device)
-        row.logits = self.model.forward_with_cache(ids, self.cache, row.slot)[0, -1]
+        if self.prefix_cache is None:
+            self.cache.lengths[row.slot] = 0
+            ids = torch.tensor([row.window], device=self.device)
+            row.logits = self.model.forward_with_cache(ids, self.cache, row.slot)[0, -1]
+            return
+        # In chunks cut at multiples of the block, from the first position the cache did not restore.
+        cache, block, window = self.prefix_cache, self.prefix_cache.block, row.window
+        start, used = cache.restore(self.cache, row.slot, window, row.scope, row.shared)
+        for begin in range(start, len(window), block):
+            chunk = torch.tensor([window[begin : begin + block]], device=self.device)
+            logits = self.model.forward_with_cache(chunk, self.cache, row.slot)
+            if begin + block <= len(window):
+                used.append(cache.store(self.cache, row.slot, window, begin + block, row.scope, row.shared))
+        cache.touch(used)
+        cache.stats["prefilled_tokens"] += len(window) - start
+        row.logits = logits[0, -1]
 
     def sample(self, row):
         """The row's next token: its logits, masked by its constraint (constraint.mask(logits) returns the
@@ -597,19 +735,47 @@ class Decoder:
                 batched.append(row)
             else:
                 row.window = row.window[-(self.model.seq_len // 2) :]
+                row.shared = 0  # the window no longer starts where the prompt did
                 self.prefill(row)
         if batched:
             ids = torch.zeros(self.slots, dtype=torch.long)
             for row in batched:
                 ids[row.slot] = row.window[-1]
-            logits = self.model.decode_step(ids.to(self.device), self.cache, [row.slot for row in batched])
+            if self.compiled_step is None:
+                logits = self.model.decode_step(
+                    ids.to(self.device), self.cache, [row.slot for row in batched]
+                )
+            else:
+                logits = self.step_compiled(ids, batched)
             for row in batched:
                 row.logits = logits[row.slot]
+
+    def step_compiled(self, ids, batched):
+        """The compiled decode_all for the rows in `batched`; the other slots write at their length (at
+        most max_len - 1), past what they have filled. The logits are copied out of the graph's buffer,
+        which the next step overwrites."""
+        last = self.cache.max_len - 1
+        positions = torch.tensor([min(length, last) for length in self.cache.lengths])
+        logits = self.compiled_step(ids.to(self.device), positions.to(self.device), self.cache).clone()
+        for row in batched:
+            self.cache.lengths[row.slot] += 1
+        return logits
 
     def remove(self, row):
         """Free the row's slot (a later add() overwrites its cache)."""
         if self.rows.pop(row.slot, None) is row:
             self.free.append(row.slot)
+
+
+def int8_weights(model):
+    """A copy of the model whose linear layers (the LM head included) hold int8 weights with one scale per
+    output row, through torch's own dynamic quantization (fbgemm: int8 x int8 products, each input
+    quantized per call): a decode step reads a quarter of the float32 bytes. The embedding lookup stays
+    float32. CPU only; eager only (the compiled step takes float weights). torch.ao.quantization is marked
+    deprecated in favour of torchao, whose int8 linears run 1.4-4x slower than float32 in eager on an AVX2
+    CPU where this one runs several times faster (make bench ARGS=serve)."""
+    spec = {nn.Linear: torch.ao.quantization.per_channel_dynamic_qconfig}
+    return torch.ao.quantization.quantize_dynamic(model, spec, dtype=torch.qint8, inplace=False)
 
 
 def check_sampling(temperature, top_k, top_p):

@@ -47,37 +47,13 @@ def load_run(path, device="cpu"):
 # Generation
 
 
-class StreamDecoder:
-    """Turns token ids into text as they arrive, holding back an incomplete UTF-8 sequence (a byte
-    token or a byte-fallback piece can end in the middle of a character). Sentencepiece decodes each byte
-    of an unfinished character as its own U+FFFD, so every trailing U+FFFD is held back (flush() gives
-    what is left, a real U+FFFD included)."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self.ids = []
-        self.emitted = 0
-
-    def push(self, token):
-        self.ids.append(token)
-        text = self.tokenizer.decode(self.ids)
-        stable = len(text.rstrip("\ufffd"))
-        new, self.emitted = text[self.emitted : stable], max(self.emitted, stable)
-        return new
-
-    def flush(self):
-        text = self.tokenizer.decode(self.ids)
-        new, self.emitted = text[self.emitted :], len(text)
-        return new
-
-
 def stream_text(model, tokenizer, prompt_ids, args, generator, write, stop_token=None, constraint=None):
     """Generate from prompt_ids, handing decoded text to write(piece) as it comes; write returns True to
     end the reply early. Stops at stop_token or the end-of-text token (neither is written). A constraint
     (agent_grammar) masks each step's logits: the tool calls of a chat reply."""
     device = model.embed_tokens.weight.device
     stop_tokens = {stop_token, tokenizer.eos_id} - {None}
-    decoder = StreamDecoder(tokenizer)
+    decoder = data.StreamDecoder(tokenizer)
     for token in model.generate(
         torch.tensor(prompt_ids, device=device),
         args.max_new_tokens,

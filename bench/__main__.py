@@ -19,6 +19,7 @@ SECTIONS = {
     "corpus": bench_data.bench_corpus,
     "search": bench_serve.bench_search,
     "serve": bench_serve.bench_serve,
+    "bandwidth": bench_serve.bench_decoding,
     "memory": bench_serve.bench_memory,
     "eval": bench_eval.bench_eval,
     "agent": bench_agent.bench_agent,

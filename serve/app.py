@@ -304,6 +304,7 @@ class Server:
         job = serve_worker.Job(
             loop, prompt_ids, max_tokens, temperature, top_p, self.settings["top_k"], seed, turn, constraint
         )
+        job.scope, job.public_ids = member["id"], self.public_prefix(member, turn)
         try:
             self.worker.submit(job)
         except serve_worker.Busy:
@@ -311,6 +312,15 @@ class Server:
                            retry_after=self.settings["retry_after_s"]) from None  # fmt: skip
         self.pending[member["id"]] = count + 1
         return job
+
+    def public_prefix(self, member, turn):
+        """The token ids that start the prompts of every member of this role: the server's own system text
+        and, for an agent turn, the date and its tools. The prefix cache shares the blocks a prompt has in
+        common with them; the rest (memories, the request's own text) stays the member's."""
+        parts = [self.settings["child"]["system_prompt"]] if member["role"] == "child" else []
+        head = [{"role": "system", "content": "\n\n".join([*parts, self.settings["system_prompt"]])}]
+        conversation = turn[0].conversation(head) if turn else {"messages": head}
+        return chat.render(conversation, self.worker.tokenizer)[0]
 
     def finished(self, member, job):
         job.cancel()
@@ -731,6 +741,39 @@ def check_kv_cache(model, settings, device):
                              f"({memory_text(per_slot)} per slot), more than {what}; {advice}")  # fmt: skip
 
 
+COMPILE_MODES = {"off": None, "inductor": "default", "cuda-graphs": "reduce-overhead"}  # torch.compile's
+
+
+def prepare_weights(model, settings, device):
+    """The model in serve.weights' format for this device; a ServeError for a combination that cannot
+    run."""
+    kind = "cuda" if device.startswith("cuda") else "cpu"
+    if settings["weights"][kind] == "float32":
+        return model
+    if settings["compile"][kind] != "off":
+        raise ServeError(
+            f"serve.weights.{kind}=int8 runs eager: set serve.compile.{kind}=off (or weights float32)"
+        )
+    import model as model_code
+
+    quantized = model_code.int8_weights(model)
+    quantized.checkpoint_path = model.checkpoint_path
+    print("serve: int8 weights (serve.weights)", file=sys.stderr)
+    return quantized
+
+
+def decoding_options(settings, device):
+    """The worker's model.Decoder options for this device: serve.compile as a torch.compile mode, and
+    serve.prefix_cache."""
+    mode = COMPILE_MODES[settings["compile"]["cuda" if device.startswith("cuda") else "cpu"]]
+    prefix = settings["prefix_cache"]
+    return ({"compile_mode": mode} if mode else {}) | (
+        {"prefix_block": prefix["block_tokens"], "prefix_cache_bytes": prefix["mib"] * 2**20}
+        if prefix["mib"]
+        else {}
+    )
+
+
 def serving_info(run, model, tokenizer, settings, memory_cfg):
     """What this server uses, for the snapshots of its database (memory.hold_lock writes it)."""
     processor = getattr(tokenizer, "processor", None)  # sentencepiece, possibly from inside the checkpoint
@@ -781,8 +824,15 @@ def serve_main(argv):
     port = settings["port"] if args.port is None else args.port
     store = serve_accounts.Store(settings["database"], settings["busy_timeout_ms"])
     model, tokenizer, model_id, context = load_model(args.run, args.device)
+    model = prepare_weights(model, settings, args.device)
     check_kv_cache(model, settings, args.device)
-    model_worker = serve_worker.Worker(model, tokenizer, settings["queue_size"], settings["max_batch"])
+    decoding = decoding_options(settings, args.device)
+    model_worker = serve_worker.Worker(
+        model, tokenizer, settings["queue_size"], settings["max_batch"], **decoding
+    )
+    if "compile_s" in model_worker.stats:
+        print(f"serve: decode step compiled ({decoding['compile_mode']}) in {model_worker.stats['compile_s']} s",
+              file=sys.stderr)  # fmt: skip
     server = Server(settings, store, model_worker, model_id, context, memory_cfg=memory_cfg)
     # family/memories.py: the database's lock, held until this process ends (restore refuses to run meanwhile, and
     # so does a second server on the same file), and the snapshot schedule on a daemon thread.

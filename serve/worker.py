@@ -2,7 +2,7 @@
 serve/app.py's model worker: continuous batching. One decode thread keeps up to serve.max_batch answers going
 at once as the rows of a model.Decoder. Each step samples every row's next token (with the row's own
 temperature, top_p, top_k, seeded generator and constraint), streams it to the request as whole characters
-(sample.StreamDecoder), and feeds the rows that go on their tokens in one batched forward pass. A new job
+(data.StreamDecoder), and feeds the rows that go on their tokens in one batched forward pass. A new job
 joins at the next step (its prompt prefilled on its own into a free slot); a finished, cancelled or failed
 one leaves at once and frees its slot. Jobs wait for a slot in a bounded queue (a full queue raises Busy,
 which the server answers with 503 and Retry-After). A row's tokens do not depend on the other rows
@@ -21,6 +21,7 @@ import sys
 import threading
 import time
 
+import data
 from agent import grammar as agent_grammar
 from agent import tools as agent
 from chat import template as chat
@@ -43,6 +44,9 @@ class Job:
         self.prompt_ids, self.max_tokens, self.turn = prompt_ids, max_tokens, turn
         self.temperature, self.top_p, self.top_k, self.seed = temperature, top_p, top_k, seed
         self.constraint = constraint
+        # The prefix cache's: whose request this is, and the prompt start every member shares (see
+        # serve/app.py Server.public_prefix).
+        self.scope, self.public_ids = None, ()
         self.cancelled = threading.Event()
         self.reserved = False  # an agent turn holding a slot for its first generation (the worker's)
 
@@ -79,11 +83,14 @@ class Busy(Exception):
 
 
 class Worker:
-    def __init__(self, model, tokenizer, queue_size, max_batch=1):
+    """decoding: model.Decoder's options beyond the slots (compile_mode, serve.compile's torch.compile
+    mode); a compiled step is built on the decode thread before the constructor returns."""
+
+    def __init__(self, model, tokenizer, queue_size, max_batch=1, **decoding):
         self.model, self.tokenizer = model, tokenizer
-        self.queue_size, self.max_batch = queue_size, max_batch
+        self.queue_size, self.max_batch, self.decoding = queue_size, max_batch, decoding
         self.stop_ids = {tokenizer.special_ids["<|end|>"], tokenizer.eos_id}
-        self.decoder = model.decoder(max_batch, allocate=True)  # the KV cache of every slot, now
+        self.decoder = model.decoder(max_batch, allocate=True, **decoding)  # the KV cache of every slot, now
         self.decoder_of = model
         self.lock = threading.Condition()
         self.waiting = collections.deque()  # jobs not started yet, at most queue_size
@@ -104,8 +111,12 @@ class Worker:
         # Seconds with at least one row in the batch (prefills and steps): what the same answers cost
         # without HTTP. generated_tokens / generate_s is the worker's rate while busy.
         self.stats["generate_s"] = 0.0
+        self.compiled, self.compile_error = threading.Event(), None
         self.thread = threading.Thread(target=self.loop, name="model-worker", daemon=True)
         self.thread.start()
+        self.compiled.wait()  # the compile runs on the thread that steps (CUDA graphs are per thread)
+        if self.compile_error is not None:
+            raise self.compile_error
 
     # --- what serve/app.py calls, from the event loop
 
@@ -138,6 +149,16 @@ class Worker:
     # --- the decode thread
 
     def loop(self):
+        try:
+            if getattr(self.decoder, "compiled_step", None) is not None:
+                started = time.perf_counter()
+                self.decoder.compile()
+                self.stats["compile_s"] = round(time.perf_counter() - started, 1)
+        except Exception as e:  # raised by the constructor: the server does not start
+            self.compile_error = e
+            return
+        finally:
+            self.compiled.set()
         while True:
             with self.lock:
                 while not self.ready():
@@ -197,24 +218,34 @@ class Worker:
     def prefill(self, generation):
         import torch
 
-        from sample import StreamDecoder
-
         job = generation.job
         if job.cancelled.is_set():
             return self.end(generation, None)
         top_p = job.top_p if job.top_p < 1 else None
         try:
             if self.decoder_of is not self.model and not self.active:  # the model was swapped (tests)
-                self.decoder = self.model.decoder(self.max_batch, allocate=True)
+                self.decoder = self.model.decoder(self.max_batch, allocate=True, **self.decoding)
                 self.decoder_of = self.model
             generation.row = self.decoder.add(
                 generation.prompt_ids, job.temperature, job.top_k, top_p,
                 torch.Generator().manual_seed(job.seed), generation.constraint,
+                **self.scoping(job, generation.prompt_ids),
             )  # fmt: skip
         except Exception as e:
             return self.fail([generation], e)
-        generation.text = StreamDecoder(self.tokenizer)
+        generation.text = data.StreamDecoder(self.tokenizer)
         self.active.append(generation)
+
+    def scoping(self, job, prompt_ids):
+        """Decoder.add's scope and shared for a generation (none for a decoder without a prefix cache)."""
+        if getattr(self.decoder, "prefix_cache", None) is None:
+            return {}
+        shared = 0
+        for token, public in zip(prompt_ids, job.public_ids, strict=False):
+            if token != public:
+                break
+            shared += 1
+        return {"scope": job.scope, "shared": shared}
 
     def step(self):
         """Each row's next token, then one forward pass for the rows that go on."""

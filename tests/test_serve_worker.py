@@ -12,6 +12,7 @@ import time
 
 import httpx
 import pytest
+import torch
 from conftest import ROOT, live_server
 
 from agent import tools as agent
@@ -90,7 +91,15 @@ def leave_midway(url, key, body):
 BROKEN_SEED = 666
 
 
-def test_answers_decoded_together_are_token_for_token_their_solo_answers(chat_model, tmp_path, monkeypatch):
+# Eager with one-pass prefills, and the compiled step with the prefix cache (the shipped default) on. CPU
+# inductor's first compile at the tiny run's shape takes a minute or more on a shared 2-core CPU.
+DECODING = {"eager": ("serve.prefix_cache.mib=0",), "compiled+prefix_cache": ("serve.compile.cpu=inductor",)}
+
+
+@pytest.mark.parametrize("decoding", DECODING.values(), ids=DECODING.keys())
+def test_answers_decoded_together_are_token_for_token_their_solo_answers(
+    chat_model, tmp_path, monkeypatch, decoding
+):
     class JobWithBrokenConstraint(serve_worker.Job):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
@@ -102,8 +111,9 @@ def test_answers_decoded_together_are_token_for_token_their_solo_answers(chat_mo
     # abandons midway and one whose generation raises: ten requests for eight slots.
     bodies = [request(i, 12 + 7 * i, 0.0 if i % 2 == 0 else 0.8, 100 + i) for i in range(8)]
     abandoned, broken = request(8, 300, 0.8, 8), request(9, 40, 0.8, BROKEN_SEED)
-    settings = (NO_TOOLS, "serve.max_batch=8", "serve.max_pending_per_member=16")
+    settings = (NO_TOOLS, "serve.max_batch=8", "serve.max_pending_per_member=16", *decoding)
     with live_server(chat_model, tmp_path, *settings) as (url, server):
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]  # compiled at start, if at all
         key = server.store.add_member("ana", "adult")
         tokens = record_tokens(server.worker)
         alone = [post(url, key, body).json() for body in bodies]
@@ -127,6 +137,7 @@ def test_answers_decoded_together_are_token_for_token_their_solo_answers(chat_mo
             time.sleep(0.02)
         admin = {"Authorization": f"Bearer {server.store.add_member('root', 'admin')}"}
         status = httpx.get(url + "/api/server", headers=admin).json()
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs  # no request compiled anything
     assert [together[i] | {"id": None, "created": None} for i in range(8)] == [
         answer | {"id": None, "created": None} for answer in alone
     ]
@@ -144,6 +155,48 @@ def test_answers_decoded_together_are_token_for_token_their_solo_answers(chat_mo
     assert failed["answer"].status_code == 500
     assert failed["answer"].json() == {"error": {"message": "generation failed on the server", "type": "server_error",
                                                  "param": None, "code": "generation_failed"}}  # fmt: skip
+
+
+def test_the_prefix_cache_shares_the_servers_prompt_between_members_and_nothing_a_member_wrote(
+    chat_model, tmp_path
+):
+    body = request(5, 8, 0.0, 1)
+    with live_server(chat_model, tmp_path, NO_TOOLS, "serve.prefix_cache.block_tokens=8") as (url, server):
+        members = {name: server.store.add_member(name, "adult") for name in ("ana", "ben")}
+        cache, add, added = server.worker.decoder.prefix_cache, server.worker.decoder.add, []
+
+        def recording_add(prompt, *args, **kwargs):
+            added.append((list(prompt), kwargs["scope"], kwargs["shared"], cache.stats["reused_tokens"]))
+            return add(prompt, *args, **kwargs)
+
+        server.worker.decoder.add = recording_add
+        answers = [post(url, members[name], body).json()["choices"] for name in ("ana", "ben", "ana")]
+        reused = [after - before for (*_, before), (*_, after) in zip(added, added[1:], strict=False)]
+        reused.append(cache.stats["reused_tokens"] - added[-1][3])
+        blocks = list(cache.blocks)
+    assert answers[0] == answers[1] == answers[2]  # a restored block holds what its prefill computes
+    (prompt, ana, shared, _), (_, ben, _, _) = added[:2]
+    assert ana != ben and [scope for _, scope, _, _ in added] == [ana, ben, ana]
+    assert 8 <= shared < len(prompt) - 8  # the system turn is everyone's; the user's message is ana's
+    assert reused == [0, shared // 8 * 8, (len(prompt) - 1) // 8 * 8]  # ben: the system turn's blocks only
+    assert {scope for scope, ids in blocks if len(ids) > shared} == {("member", ana), ("member", ben)}
+
+
+def test_int8_weights_answer_requests_and_refuse_a_compiled_step_on_the_same_device(chat_model, tmp_path):
+    model = chat_model[0]
+    settings = serve.load_settings(serve.DEFAULT_CONFIG, ["serve.weights.cpu=int8"])
+    quantized = serve.prepare_weights(model, settings, "cpu")
+    assert quantized is not model and quantized.checkpoint_path == model.checkpoint_path
+    with live_server(chat_model, tmp_path, NO_TOOLS, model=quantized) as (url, server):
+        key = server.store.add_member("ana", "adult")
+        answer = post(url, key, request(1, 6, 0.0, 1))
+    assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] >= 1
+    both = serve.load_settings(serve.DEFAULT_CONFIG, ["serve.weights.cpu=int8", "serve.compile.cpu=inductor"])
+    with pytest.raises(
+        serve.ServeError, match=r"serve.weights.cpu=int8 runs eager: set serve.compile.cpu=off"
+    ):
+        serve.prepare_weights(model, both, "cpu")
+    assert serve.prepare_weights(model, serve.load_settings(serve.DEFAULT_CONFIG, []), "cpu") is model
 
 
 # -----------------------------------------------------------------------------
