@@ -20,7 +20,7 @@ TRAIN := $(if $(filter 1,$(NPROC)),$(PY),$(VENV)/bin/torchrun --standalone --npr
 .PHONY: setup lint check-configs test clean smoke smoke-2060 pretrain resume-check data-smoke \
 	corpus tokenizer encode corpus-smoke corpus-report smoke-corpus sample chat eval serve bench search agent-data \
 	agent-eval sft-agent sync remote-setup remote-smoke-2060 remote-pretrain logs fetch status chat-prepare sft sft-smoke \
-	plot export gguf-check snapshot restore install-service fuzz gpu-check eval-bench report preferences dpo dpo-smoke
+	plot export gguf-check snapshot restore install-service fuzz gpu-check eval-bench report preferences dpo dpo-smoke recipe
 
 setup: $(STAMP)
 
@@ -46,6 +46,12 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m bench $(ARGS)
+
+# The training recipes side by side at a fixed token budget (bench/recipe.py, docs/entrenamiento.md):
+# make recipe                                      (smoke-cpu: adamw, muon, muon+zero_init, 3 seeds)
+# make recipe ARGS="--config configs/smoke-corpus-cpu.yaml --recipes adamw muon muon+bos"
+recipe: data-smoke
+	$(PY) -m bench.recipe $(ARGS)
 
 # The GPU acceptance check on the board this machine has (bench/gpu_check.py, report in gpu-report.md). A bare
 # machine gets the check's own venv first (requirements-gpu-check.txt: the runtime and transformers, not
