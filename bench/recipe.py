@@ -11,9 +11,10 @@ adamw, train.muon.lr for muon) is chosen by the same sweep: the config's value t
 first seed, lowest final val bpb; the other seeds then train at the chosen rate, and a recipe with options
 reuses its base's rate. Runs are interleaved (seed by seed, recipe by recipe) so that the load of a shared
 machine falls on every recipe alike. Printed per recipe, mean and spread over the seeds: val bpb at the
-budget (equal tokens), val bpb at the shortest recipe's training seconds (equal wall-clock, linear between
+budget (equal tokens), val bpb at the shortest run's training seconds (equal wall-clock, linear between
 evaluations), the tokens needed to reach adamw's final val bpb (on the seed-mean curve), and seconds per
-step (training only: the logged windows, evaluations and checkpoints excluded). Runs go to
+step, median over the seeds and its range (training only: the logged windows, evaluations and
+checkpoints excluded). Runs go to
 runs/recipe/<config>/<recipe>-lr<rate>-s<seed>/ (metrics.jsonl; checkpoints deleted) and the table to
 summary.json there; `make plot RUN="runs/recipe/smoke-cpu/adamw-... runs/recipe/smoke-cpu/muon-..."`
 overlays the curves.
@@ -178,8 +179,8 @@ def spread(values):
 def summarize(results, chosen):
     baseline = "adamw" if "adamw" in results else next(iter(results))
     target = statistics.mean(r["points"][-1][3] for r in results[baseline])
-    equal_seconds = min(statistics.mean(r["points"][-1][2] for r in runs) for runs in results.values())
-    base_step = statistics.mean(statistics.median(r["step_seconds"]) for r in results[baseline])
+    equal_seconds = min(r["points"][-1][2] for runs in results.values() for r in runs)  # every run got there
+    base_step = statistics.median(statistics.median(r["step_seconds"]) for r in results[baseline])
     budget = results[baseline][0]["points"][-1][1]
     rows = []
     for recipe, runs in results.items():
@@ -194,13 +195,13 @@ def summarize(results, chosen):
                 "bpb_equal_seconds": [interpolate(r["points"], 2, equal_seconds) for r in runs],
                 "tokens_to_baseline": reach,
                 "step_seconds": step_s,
-                "overhead": statistics.mean(step_s) / base_step - 1,
+                "overhead": statistics.median(step_s) / base_step - 1,
                 "runs": [r["run"] for r in runs],
             }
         )
     header = (
         f"{'recipe':<22} {'peak lr':>9} | val bpb at {budget / 1e3:.0f}k tokens | val bpb at "
-        f"{equal_seconds:.0f} s | tokens to {baseline}'s {target:.4f} | s/step (vs {baseline})"
+        f"{equal_seconds:.0f} s | tokens to {baseline}'s {target:.4f} | s/step median (min-max) (vs {baseline})"
     )
     print(header)
     for row in rows:
@@ -209,8 +210,8 @@ def summarize(results, chosen):
         print(
             f"{row['recipe']:<22} {row['rate']:>9.2e} | {spread(row['bpb_equal_tokens']):>17} | "
             f"{spread(row['bpb_equal_seconds']):>15} | {reached:>19} | "
-            f"{statistics.mean(row['step_seconds']):.3f} ± {statistics.pstdev(row['step_seconds']):.3f} "
-            f"({100 * row['overhead']:+.1f}%)"
+            f"{statistics.median(row['step_seconds']):.3f} ({min(row['step_seconds']):.3f}-"
+            f"{max(row['step_seconds']):.3f}) ({100 * row['overhead']:+.1f}%)"
         )
     return {"baseline": baseline, "target_bpb": target, "equal_seconds": equal_seconds, "rows": rows}
 
