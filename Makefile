@@ -17,9 +17,9 @@ ARGS ?=
 RESUME_FLAG := $(if $(filter 1 yes true,$(RESUME)),--resume,)
 TRAIN := $(if $(filter 1,$(NPROC)),$(PY),$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC)) train.py
 
-.PHONY: setup lint check-configs test clean smoke smoke-2060 pretrain resume-check data-smoke \
+.PHONY: setup lint check-configs test test-other-cpu clean smoke smoke-2060 pretrain resume-check data-smoke \
 	corpus tokenizer encode corpus-smoke corpus-report smoke-corpus sample chat eval serve bench search agent-data \
-	agent-eval sft-agent sync remote-setup remote-smoke-2060 remote-pretrain logs fetch status chat-prepare sft sft-smoke \
+	agent-eval sft-agent agent-ladder agent-ladder-c agent-ladder-table sync remote-setup remote-smoke-2060 remote-pretrain logs fetch status chat-prepare sft sft-smoke \
 	plot export gguf-check snapshot restore install-service fuzz gpu-check eval-bench report preferences dpo dpo-smoke recipe
 
 setup: $(STAMP)
@@ -43,6 +43,15 @@ check-configs: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/pytest -q
+
+# The tests whose numbers come from a model (parity with transformers and lm-eval, greedy text, exact
+# resume, a loss that falls) again with PyTorch's, MKL's and oneDNN's kernels forced down to the baseline
+# x86-64 instruction set: another CPU sums float32 in another order, and a test must hold on every CPU.
+KERNEL_TESTS ?= tests/test_export.py tests/test_eval.py tests/test_train.py tests/test_model.py \
+	tests/test_sample.py tests/test_dpo.py tests/test_resume.py
+test-other-cpu: $(STAMP)
+	ATEN_CPU_CAPABILITY=default MKL_ENABLE_INSTRUCTIONS=SSE4_2 ONEDNN_MAX_CPU_ISA=SSE41 \
+		$(VENV)/bin/pytest -q $(KERNEL_TESTS)
 
 bench: $(STAMP)
 	$(PY) -m bench $(ARGS)
@@ -252,6 +261,26 @@ sft-agent: corpus-smoke agent-data
 	$(PY) -m chat prepare configs/sft-agent-cpu.yaml
 	$(PY) train.py configs/sft-agent-tiny-cpu.yaml $(ARGS)
 	$(PY) -m evaluation.tool_use runs/sft-agent-tiny-cpu --generated $(AGENT_DATA)/eval.jsonl
+
+# The agent on a size ladder (evaluation/ladder.py): each rung trained on the same tool data with SFT
+# seeds LADDER_SEEDS, then one table of the mean and min-max over seeds on both sets. A seed already
+# evaluated is kept: a stopped ladder goes on where it stopped. Rung a: the 0.92M model from scratch;
+# rung b: the 4.2M smoke model after the smoke-corpus pretraining. agent-ladder-c adds the ~17M rung
+# (hours of CPU: docs/herramientas.md); agent-ladder-table prints the table of what has run.
+LADDER_SEEDS ?= 1 2 3
+LADDER_AB := --rung a configs/sft-agent-tiny-cpu.yaml --rung b configs/sft-agent-cpu.yaml configs/smoke-corpus-cpu.yaml
+LADDER_C := --rung c configs/ladder-c-sft-cpu.yaml configs/ladder-c-pretrain-cpu.yaml
+
+agent-ladder: corpus-smoke agent-data
+	$(PY) -m chat prepare configs/sft-agent-cpu.yaml
+	$(PY) -m evaluation.ladder $(LADDER_AB) --seeds $(LADDER_SEEDS) --generated $(AGENT_DATA)/eval.jsonl
+
+agent-ladder-c: corpus-smoke agent-data
+	$(PY) -m chat prepare configs/sft-agent-cpu.yaml
+	$(PY) -m evaluation.ladder $(LADDER_AB) $(LADDER_C) --seeds $(LADDER_SEEDS) --generated $(AGENT_DATA)/eval.jsonl
+
+agent-ladder-table: $(STAMP)
+	$(PY) -m evaluation.ladder $(LADDER_AB) $(LADDER_C) --seeds $(LADDER_SEEDS) --table
 
 # --- the family's database ------------------------------------------------------------------------
 

@@ -9,12 +9,11 @@ Train ENLACE from a run file.
 
 Everything a run writes lives in <train.runs_dir>/<run_name>/: config.yaml (resolved), metrics.jsonl
 and ckpt_<step>.pt (atomic, the last `keep_last` kept). train.objective picks what a step minimizes: the
-next token's cross-entropy (pretraining, SFT), or DPO on preference pairs (train_dpo.py). This file is the only code that knows how
-boards differ; the hardware profile (configs/hardware/) is the only config layer that does.
+next token's cross-entropy (pretraining, SFT), or DPO on preference pairs (train_dpo.py). How boards differ
+is hardware.py's business; the hardware profile (configs/hardware/) is the only config layer that knows.
 """
 
 import contextlib
-import datetime
 import json
 import math
 import os
@@ -43,6 +42,7 @@ from checkpoint import (
     load_newest_checkpoint,
     save_checkpoint,
 )
+from hardware import Dist, Hardware, HardwareError, all_ranks_true, init_distributed, setup_hardware
 from model import Transformer
 
 # Keys that fix tensor shapes or the meaning of a step: a resume that changes one of them cannot
@@ -56,176 +56,6 @@ SHAPE_KEYS += [("data", "format"), ("train", "objective")]
 
 class TrainError(Exception):
     """A problem the user can fix; main() prints it without a traceback and exits 2."""
-
-
-# -----------------------------------------------------------------------------
-# Hardware: the only code that knows how boards differ
-
-
-@dataclass
-class DeviceCaps:
-    """What the machine offers, probed once (or passed in by tests)."""
-
-    cuda_available: bool
-    name: str = "cpu"
-    capability: tuple = (0, 0)  # CUDA compute capability
-    bf16_native: bool = False  # False on Turing, where bf16 only runs emulated
-
-
-def bf16_is_native(device_index=0):
-    """True only where bf16 runs in hardware. The default is_bf16_supported() also says True on an
-    RTX 2060, where bf16 is emulated ~2.6x slower than fp16: that is exactly the case to refuse."""
-    try:
-        return bool(torch.cuda.is_bf16_supported(including_emulation=False))
-    except TypeError:  # older torch without the argument
-        return torch.cuda.get_device_capability(device_index) >= (8, 0)
-
-
-def probe_device(local_rank=0):
-    if not torch.cuda.is_available():
-        return DeviceCaps(cuda_available=False)
-    return DeviceCaps(
-        cuda_available=True,
-        name=torch.cuda.get_device_name(local_rank),
-        capability=torch.cuda.get_device_capability(local_rank),
-        bf16_native=bf16_is_native(local_rank),
-    )
-
-
-def check_hardware(profile, caps):
-    """Problems of running `profile` on a device with `caps`; empty when it fits."""
-    name = f"hardware profile '{profile['name']}'"
-    if profile["device"] == "cpu":
-        return []
-    if not caps.cuda_available:
-        return [
-            f"{name} needs CUDA, but this machine has no CUDA device (found: cpu); "
-            "use configs/hardware/cpu.yaml"
-        ]
-    problems = []
-    sm = f"sm{caps.capability[0]}{caps.capability[1]}"
-    if profile["dtype"] == "bfloat16" and not caps.bf16_native:
-        problems.append(
-            f"{name} asks for bfloat16, but {caps.name} ({sm}) has no native bf16 (only emulated, ~2.6x "
-            "slower than float16); use dtype: float16 with grad_scaler: true "
-            "(configs/hardware/turing-2060.yaml)"
-        )
-    if profile["attention_backend"] == "flash" and caps.capability < (8, 0):
-        problems.append(
-            f"{name} asks for flash attention, which needs sm80 or newer; {caps.name} is {sm}: "
-            "use attention_backend: mem_efficient"
-        )
-    if profile["dtype"] == "float16" and not profile["grad_scaler"]:
-        problems.append(f"{name}: float16 without a GradScaler underflows; set grad_scaler: true")
-    return problems
-
-
-def measure_peak_tflops(device, dtype=torch.float32, size=2048, seconds=1.0, min_timings=5):
-    """Dense matmul throughput actually reached on this device: the reference for MFU where the hardware
-    profile gives none, and the figure `make bench` divides by, so a run's logged MFU and the bench's
-    agree. Square matmuls of `size` (large enough that the BLAS kernel runs at full speed), one untimed
-    for warm-up, then the best of repeated timings for `seconds` and at least `min_timings`: a neighbour
-    process can only slow a timing down, never speed it up."""
-    a = torch.randn(size, size, device=device, dtype=dtype)
-    b = torch.randn(size, size, device=device, dtype=dtype)
-
-    def timed_matmul():
-        start = time.perf_counter()
-        a @ b
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        return time.perf_counter() - start
-
-    timed_matmul()
-    timings = []
-    deadline = time.perf_counter() + seconds
-    while time.perf_counter() < deadline or len(timings) < min_timings:
-        timings.append(timed_matmul())
-    return 2 * size**3 / min(timings) / 1e12
-
-
-# Measured once per process and device: a --resume-check's three runs, or a test session's many tiny
-# runs, share one figure instead of paying for it each time.
-_measured_peak_tflops = {}
-
-
-@dataclass
-class Hardware:
-    device: torch.device
-    autocast: object  # a callable returning a context manager
-    scaler: torch.amp.GradScaler
-    attention_backend: str
-    peak_tflops: float
-    description: str
-
-
-def setup_hardware(profile, local_rank=0, caps=None):
-    caps = caps or probe_device(local_rank)
-    problems = check_hardware(profile, caps)
-    if problems:
-        raise TrainError("\n".join(problems))
-    if profile["device"] == "cuda":
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-        description = f"{caps.name} (sm{caps.capability[0]}{caps.capability[1]})"
-    else:
-        device = torch.device("cpu")
-        description = f"cpu ({torch.get_num_threads()} threads)"
-    dtype = getattr(torch, profile["dtype"])
-    if dtype == torch.float32:
-        autocast = contextlib.nullcontext
-    else:
-        autocast = lambda: torch.autocast(device_type=device.type, dtype=dtype)
-    scaler = torch.amp.GradScaler(device.type, enabled=profile["grad_scaler"])
-    peak = profile["peak_tflops"]
-    if not peak:
-        key = (str(device), dtype if device.type == "cuda" else torch.float32)
-        if key not in _measured_peak_tflops:
-            _measured_peak_tflops[key] = measure_peak_tflops(device, key[1])
-        peak = _measured_peak_tflops[key]
-    return Hardware(device, autocast, scaler, profile["attention_backend"], peak, description)
-
-
-# -----------------------------------------------------------------------------
-# Distributed: torchrun sets RANK, LOCAL_RANK and WORLD_SIZE; without them we are one process
-
-
-@dataclass
-class Dist:
-    rank: int = 0
-    local_rank: int = 0
-    world_size: int = 1
-
-    @property
-    def enabled(self):
-        return self.world_size > 1
-
-    @property
-    def is_main(self):
-        return self.rank == 0
-
-
-def init_distributed(device_kind, timeout_s):
-    if "RANK" not in os.environ:
-        return Dist()
-    ctx = Dist(int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"]))
-    # A collective that waits longer than the timeout raises instead of hanging, so a crashed rank ends
-    # the whole job (torchrun then stops the rest).
-    dist.init_process_group(
-        backend="nccl" if device_kind == "cuda" else "gloo",
-        timeout=datetime.timedelta(seconds=timeout_s),
-    )
-    return ctx
-
-
-def all_ranks_true(flag, ctx, device):
-    if not ctx.enabled:
-        return flag
-    t = torch.tensor([1.0 if flag else 0.0], device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return bool(t.item())
 
 
 # -----------------------------------------------------------------------------
@@ -415,10 +245,9 @@ class StopRequest:
             signal.signal(sig, handler)
 
 
-def memory_line(model_cfg, batch, profile):
-    """The step's estimated peak memory against the profile's memory_gib (microbatch.py), and what to
-    change when it does not fit."""
-    dtype, chunk, memory_gib = profile["dtype"], profile["loss_chunk_size"], profile["memory_gib"]
+def memory_line(model_cfg, batch, dtype, chunk, memory_gib):
+    """The step's estimated peak memory (microbatch.py) for the profile's dtype and loss chunks against
+    its memory_gib, and what to change when it does not fit."""
     peak = train_memory.step_peak_bytes(model_cfg, batch, dtype, chunk) / train_memory.GIB
     fits = train_memory.largest_micro_batch(model_cfg, dtype, chunk, memory_gib * train_memory.GIB)
     line = (
@@ -500,11 +329,11 @@ def train(cfg, resume=False, stop_after=None, log=print, handle_signals=True):
     """Train `cfg` (a resolved config). Returns the final step. `stop_after` ends the run as an
     interruption would (checkpoint, no final eval): used by --resume-check, which also passes
     handle_signals=False so that SIGINT/SIGTERM reach its own handler instead of ending one phase."""
-    train_cfg, profile = cfg["train"], cfg["hardware"]
-    ctx = init_distributed(profile["device"], train_cfg["dist_timeout_s"])
+    ctx = init_distributed(cfg["hardware"], cfg["train"]["dist_timeout_s"])
     try:
+        hardware = setup_hardware(cfg["hardware"], ctx.local_rank)  # the one read of the section
         quiet = lambda *a, **k: None
-        step = _train(cfg, ctx, resume, stop_after, log if ctx.is_main else quiet, handle_signals)
+        step = _train(cfg, ctx, hardware, resume, stop_after, log if ctx.is_main else quiet, handle_signals)
         if ctx.enabled:
             dist.barrier()  # rank 0 may still be sampling: no rank tears down gloo under a busy peer
         return step
@@ -513,11 +342,13 @@ def train(cfg, resume=False, stop_after=None, log=print, handle_signals=True):
             dist.destroy_process_group()
 
 
-def _train(cfg, ctx, resume, stop_after, log, handle_signals):
-    model_cfg, train_cfg, profile = cfg["model"], cfg["train"], cfg["hardware"]
-    hardware = setup_hardware(profile, ctx.local_rank)
-    run_dir = run_dir_of(cfg)
-    checkpoint = None
+# -----------------------------------------------------------------------------
+# Setup: the run directory, the tokenizer, the model and everything a resume restores
+
+
+def previous_run(cfg, ctx, run_dir, resume, log):
+    """(path, checkpoint) to resume from, or (None, None) for a fresh run: checkpoints already in run_dir
+    are continued (--resume), removed (train.replace_run) or refused."""
     if resume:
         try:
             ckpt_path, checkpoint = load_newest_checkpoint(run_dir, log)
@@ -533,7 +364,8 @@ def _train(cfg, ctx, resume, stop_after, log, handle_signals):
             raise TrainError(
                 f"cannot resume {ckpt_path}: shape-defining settings changed:\n  " + "\n  ".join(differences)
             )
-    elif train_cfg["replace_run"]:
+        return ckpt_path, checkpoint
+    if cfg["train"]["replace_run"]:
         if ctx.is_main and list_checkpoints(run_dir):
             log(f"replacing the previous run in {run_dir}/ (train.replace_run: true): {replace_run(run_dir)}")
         if ctx.enabled:
@@ -543,8 +375,86 @@ def _train(cfg, ctx, resume, stop_after, log, handle_signals):
             f"{run_dir}/ already holds checkpoints; pass --resume to continue it, or choose another run "
             f"name (run_name=...), or set train.replace_run=true to start it afresh"
         )
-    init = init_checkpoint(cfg, log) if checkpoint is None and train_cfg["init_from"] else None
+    return None, None
 
+
+def run_tokenizer(cfg, ckpt_path, checkpoint):
+    """(tokenizer, its checkpoint record) of the data, checked against model.vocab_size and against the
+    tokenizer a resumed run was trained with."""
+    tokenizer = data.load_tokenizer(cfg["data"])
+    vocab_size = cfg["model"]["vocab_size"]
+    if tokenizer.vocab_size != vocab_size:
+        raise TrainError(
+            f"model.vocab_size is {vocab_size} but the {tokenizer.name} tokenizer has "
+            f"{tokenizer.vocab_size} tokens; set model.vocab_size={tokenizer.vocab_size}"
+        )
+    record = ckpt.tokenizer_record(tokenizer)
+    ours = record.get("sha256")
+    trained_with = ckpt.stored_tokenizer_sha256(checkpoint) if checkpoint is not None else None
+    if trained_with and trained_with != ours:
+        raise TrainError(
+            f"cannot resume {ckpt_path}: it was trained with the tokenizer of sha256 {trained_with}, but "
+            f"{tokenizer.path} has sha256 {ours}; point data.dir at the data it was trained on (or start a "
+            "new run)"
+        )
+    return tokenizer, record
+
+
+class Metrics:
+    """metrics.jsonl, one JSON record per line, written by rank 0 only; a resume first drops the lines from
+    beyond its checkpoint."""
+
+    def __init__(self, run_dir, ctx, step):
+        self.file = None
+        if ctx.is_main:
+            path = os.path.join(run_dir, "metrics.jsonl")
+            _truncate_metrics(path, step)
+            self.file = open(path, "a", encoding="utf-8")
+
+    def write(self, record):
+        if self.file:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+
+    def close(self):
+        if self.file:
+            self.file.close()
+
+
+@dataclass
+class Run:
+    """What the loop works on, built by setup(): `model` is what a step calls (compiled and/or DDP-wrapped),
+    `raw_model` the Transformer whose weights a checkpoint holds."""
+
+    cfg: dict
+    ctx: Dist
+    hardware: Hardware
+    log: object
+    run_dir: str
+    tokenizer: object
+    tokenizer_record: dict  # what each checkpoint stores of it (checkpoint.tokenizer_record)
+    raw_model: Transformer
+    optimizer: torch.optim.Optimizer
+    loader: object
+    benchmark: object  # train.eval's TrainingEval on rank 0, else None
+    model: torch.nn.Module = None
+    reference: dict = None  # DPO: {split: (pairs, 2)} log-probs of the answers under the starting run
+    step: int = 0
+    skipped_steps: int = 0
+    metrics: Metrics = None
+
+    @property
+    def dpo(self):
+        return self.cfg["train"]["objective"] == "dpo"
+
+
+def setup(cfg, ctx, hardware, resume, log):
+    """The run, ready for its first step: a fresh one seeded the same on every rank, a resumed one in the
+    state its checkpoint saved, a fine-tuning one with the weights of train.init_from."""
+    model_cfg, train_cfg = cfg["model"], cfg["train"]
+    run_dir = run_dir_of(cfg)
+    ckpt_path, checkpoint = previous_run(cfg, ctx, run_dir, resume, log)
+    init = init_checkpoint(cfg, log) if checkpoint is None and train_cfg["init_from"] else None
     os.makedirs(run_dir, exist_ok=True)
 
     # Seed everything, then build: identical initial weights on every rank.
@@ -552,263 +462,309 @@ def _train(cfg, ctx, resume, stop_after, log, handle_signals):
     np.random.seed(train_cfg["seed"])
     torch.manual_seed(train_cfg["seed"])
 
-    tokenizer = data.load_tokenizer(cfg["data"])
-    if tokenizer.vocab_size != model_cfg["vocab_size"]:
-        raise TrainError(
-            f"model.vocab_size is {model_cfg['vocab_size']} but the {tokenizer.name} tokenizer has "
-            f"{tokenizer.vocab_size} tokens; set model.vocab_size={tokenizer.vocab_size}"
-        )
+    tokenizer, tokenizer_record = run_tokenizer(cfg, ckpt_path, checkpoint)
     benchmark = training_eval(cfg, ctx, tokenizer, hardware, log)
-    tokenizer_record = ckpt.tokenizer_record(tokenizer)
-    trained_with = ckpt.stored_tokenizer_sha256(checkpoint) if checkpoint is not None else None
-    if trained_with and trained_with != tokenizer_record.get("sha256"):
-        raise TrainError(
-            f"cannot resume {ckpt_path}: it was trained with the tokenizer of sha256 {trained_with}, but "
-            f"{tokenizer.path} has sha256 {tokenizer_record['sha256']}; point data.dir at the data it was "
-            "trained on (or start a new run)"
-        )
-    token_bytes = torch.as_tensor(tokenizer.token_bytes, dtype=torch.float64, device=hardware.device)
     model = Transformer(
-        model_cfg, attention_backend=hardware.attention_backend, loss_chunk_size=profile["loss_chunk_size"]
+        model_cfg, attention_backend=hardware.attention_backend, loss_chunk_size=hardware.loss_chunk_size
     ).to(hardware.device)
     optimizer = build_optimizer(model, train_cfg, hardware.device)
-    batch, seq_len, accum = train_cfg["micro_batch_size"], model_cfg["seq_len"], train_cfg["grad_accum_steps"]
     loader = data.build_loader(
-        cfg["data"], "train", batch, seq_len, train_cfg["seed"], ctx.rank, ctx.world_size
+        cfg["data"], "train", train_cfg["micro_batch_size"], model_cfg["seq_len"], train_cfg["seed"], ctx.rank,
+        ctx.world_size,
+    )  # fmt: skip
+    run = Run(
+        cfg, ctx, hardware, log, run_dir, tokenizer, tokenizer_record, model, optimizer, loader, benchmark
     )
-
-    step = 0
-    skipped_steps = 0
     if checkpoint is not None:
-        model.load_state_dict(checkpoint["model"])
-        optimizer.load_state_dict(checkpoint["optimizer"])
-        if checkpoint.get("scaler"):
-            hardware.scaler.load_state_dict(checkpoint["scaler"])
-        own = checkpoint["ranks"][ctx.rank]
-        loader.load_state_dict(own["loader"])
-        set_rng_state(own["rng"])
-        step = checkpoint["step"]
-        skipped_steps = checkpoint.get("skipped_steps", 0)
-        log(f"resumed from {ckpt_path} at step {step}")
+        restore(run, ckpt_path, checkpoint)
     elif init is not None:  # fine-tuning: the weights only; optimizer, schedule and step start afresh
         init_path, init_state = init
         model.load_state_dict(init_state["model"])
         log(f"initialized from {init_path} (step {init_state['step']}); fresh optimizer and schedule")
+    if run.dpo and checkpoint is not None:
+        run.reference = checkpoint["reference"]
+    elif run.dpo:  # the weights just loaded from init_from, before any step
+        run.reference = train_dpo.reference_log_probs(model, cfg, hardware, ctx, log)
 
-    dpo = train_cfg["objective"] == "dpo"
-    reference = None  # DPO: {split: (pairs, 2)} log-probs of the answers under the starting run
-    if dpo and checkpoint is not None:
-        reference = checkpoint["reference"]
-    elif dpo:  # the weights just loaded from init_from, before any step
-        reference = train_dpo.reference_log_probs(model, cfg, hardware, ctx, log)
-
-    raw_model = model
-    if profile["compile"]:
-        model = torch.compile(model)
+    run.model = torch.compile(model) if hardware.compile else model
     if ctx.enabled:
-        model = torch.nn.parallel.DistributedDataParallel(
-            model, device_ids=[ctx.local_rank] if hardware.device.type == "cuda" else None
+        run.model = torch.nn.parallel.DistributedDataParallel(
+            run.model, device_ids=[ctx.local_rank] if hardware.device.type == "cuda" else None
         )
+    return run
 
-    tokens_per_step = batch * seq_len * accum * ctx.world_size
-    flops_per_token = raw_model.flops_per_token(seq_len)
-    metrics_path = os.path.join(run_dir, "metrics.jsonl")
-    if ctx.is_main:
-        fileio.write_atomic(
-            os.path.join(run_dir, "config.yaml"), lambda f: f.write(config.dump(cfg).encode())
-        )
-        _truncate_metrics(metrics_path, step)
+
+def restore(run, ckpt_path, checkpoint):
+    """Continue a run where its checkpoint left it: weights, optimizer, loss scale, this rank's loader
+    position and RNG states, the step."""
+    run.raw_model.load_state_dict(checkpoint["model"])
+    run.optimizer.load_state_dict(checkpoint["optimizer"])
+    if checkpoint.get("scaler"):
+        run.hardware.scaler.load_state_dict(checkpoint["scaler"])
+    own = checkpoint["ranks"][run.ctx.rank]
+    run.loader.load_state_dict(own["loader"])
+    set_rng_state(own["rng"])
+    run.step = checkpoint["step"]
+    run.skipped_steps = checkpoint.get("skipped_steps", 0)
+    run.log(f"resumed from {ckpt_path} at step {run.step}")
+
+
+def start_log(run):
+    """Rank 0 writes the resolved config.yaml and says what trains where, with which batch."""
+    cfg, ctx, hardware, log = run.cfg, run.ctx, run.hardware, run.log
+    model_cfg, train_cfg = cfg["model"], cfg["train"]
+    batch, seq_len, accum = train_cfg["micro_batch_size"], model_cfg["seq_len"], train_cfg["grad_accum_steps"]
+    fileio.write_atomic(
+        os.path.join(run.run_dir, "config.yaml"), lambda f: f.write(config.dump(cfg).encode())
+    )
+    log(
+        f"run {cfg['run_name']}: {run.raw_model.num_params() / 1e6:.2f}M parameters on "
+        f"{hardware.description}, {hardware.dtype}, attention {hardware.attention_backend}, "
+        f"matmul peak {hardware.peak_tflops:.3g} TFLOP/s (MFU reference)"
+    )
+    if run.dpo:
         log(
-            f"run {cfg['run_name']}: {raw_model.num_params() / 1e6:.2f}M parameters on "
-            f"{hardware.description}, {profile['dtype']}, attention {hardware.attention_backend}, "
-            f"matmul peak {hardware.peak_tflops:.3g} TFLOP/s (MFU reference)"
+            f"global batch {ctx.world_size * batch * accum} pairs = {ctx.world_size} ranks x {batch} pairs "
+            f"(a chosen and a rejected sequence each, up to {seq_len} tokens) x {accum} accumulation; "
+            f"{train_cfg['max_steps']} steps"
         )
-        if dpo:
-            log(
-                f"global batch {ctx.world_size * batch * accum} pairs = {ctx.world_size} ranks x {batch} pairs "
-                f"(a chosen and a rejected sequence each, up to {seq_len} tokens) x {accum} accumulation; "
-                f"{train_cfg['max_steps']} steps"
-            )
-        else:
-            log(
-                f"global batch {tokens_per_step} tokens = {ctx.world_size} ranks x {batch} sequences x "
-                f"{seq_len} tokens x {accum} accumulation; {train_cfg['max_steps']} steps"
-            )
-        if profile["memory_gib"] is not None and not dpo:  # the estimate models a next-token step
-            log(memory_line(model_cfg, batch, profile))
-    metrics_file = open(metrics_path, "a", encoding="utf-8") if ctx.is_main else None
+    else:
+        log(
+            f"global batch {batch * seq_len * accum * ctx.world_size} tokens = {ctx.world_size} ranks x {batch} "
+            f"sequences x {seq_len} tokens x {accum} accumulation; {train_cfg['max_steps']} steps"
+        )
+    if hardware.memory_gib is not None and not run.dpo:  # the estimate models a next-token step
+        log(memory_line(model_cfg, batch, hardware.dtype, hardware.loss_chunk_size, hardware.memory_gib))
 
-    def write_metrics(record):
-        if metrics_file:
-            metrics_file.write(json.dumps(record) + "\n")
-            metrics_file.flush()
 
-    def make_checkpoint(at_step):
-        rank_state = {"rng": rng_state(), "loader": loader.state_dict()}
-        ranks = [None] * ctx.world_size
-        if ctx.enabled:
-            dist.all_gather_object(ranks, rank_state)
-        else:
-            ranks = [rank_state]
-        if ctx.is_main:
-            state = {
-                "step": at_step,
-                "model": raw_model.state_dict(),
-                "optimizer": optimizer.state_dict(),
-                "scaler": hardware.scaler.state_dict() if hardware.scaler.is_enabled() else {},
-                "ranks": ranks,
-                "skipped_steps": skipped_steps,
-                "world_size": ctx.world_size,
-                "tokenizer": tokenizer_record,
-                **({"reference": reference} if dpo else {}),
-                "config": cfg,
-                "code_version": fileio.code_version(),
-            }
-            path = save_checkpoint(run_dir, at_step, state, train_cfg["keep_last"])
-            log(f"checkpoint {path}")
-        if ctx.enabled:
-            dist.barrier()
+# -----------------------------------------------------------------------------
+# One optimizer step, its log line, evaluation and checkpoint
 
+
+@dataclass
+class StepResult:
+    loss_sum: torch.Tensor  # the step's mean loss (this rank's until the log line averages the ranks)
+    pair_sums: torch.Tensor  # DPO's figures summed over this rank's pairs (train_dpo.STATS)
+    grad_norm: torch.Tensor
+    finite: bool  # False: the step was skipped (a non-finite loss or gradient on some rank)
+    tokens: int  # tokens this rank trained on
+
+
+def optimizer_step(run, lr):
+    """One optimizer step at learning rate `lr`: grad_accum_steps micro-steps (DDP syncs gradients only on
+    the last, no_sync on the others), the gradient clipped, the step applied unless the loss or a gradient
+    is not finite on some rank, the GradScaler updated."""
+    model, optimizer, hardware, ctx = run.model, run.optimizer, run.hardware, run.ctx
+    train_cfg = run.cfg["train"]
+    accum = train_cfg["grad_accum_steps"]
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    loss_sum = torch.zeros((), device=hardware.device)
+    pair_sums = torch.zeros(len(train_dpo.STATS), dtype=torch.float64)
+    step_tokens = 0
+    for micro in range(accum):
+        sync = micro == accum - 1
+        with model.no_sync() if ctx.enabled and not sync else contextlib.nullcontext():
+            if run.dpo:
+                loss, sums, tokens = train_dpo.micro_step(
+                    model, run.loader.next_batch(), run.reference["train"], train_cfg["dpo"], hardware
+                )
+                pair_sums += sums
+            else:
+                x, y = (t.to(hardware.device, non_blocking=True) for t in run.loader.next_batch())
+                with hardware.autocast():
+                    _, losses = model(x, y)
+                loss, tokens = losses["loss"], x.numel()
+            loss = loss / accum
+            hardware.scaler.scale(loss).backward()
+        loss_sum += loss.detach()
+        step_tokens += tokens
+
+    hardware.scaler.unscale_(optimizer)
+    max_norm = train_cfg["grad_clip"] if train_cfg["grad_clip"] > 0 else float("inf")
+    grad_norm = torch.nn.utils.clip_grad_norm_(run.raw_model.parameters(), max_norm)
+    # Every rank must agree whether to apply this step (with float16 the GradScaler decides per rank
+    # from its own gradients; DDP makes them equal, the all-reduce makes it certain).
+    finite = all_ranks_true(
+        bool(torch.isfinite(grad_norm)) and bool(torch.isfinite(loss_sum)), ctx, hardware.device
+    )
+    if finite:
+        hardware.scaler.step(optimizer)
+    if hardware.scaler.is_enabled():
+        scale_before = hardware.scaler.get_scale()
+        hardware.scaler.update(None if finite else scale_before * hardware.scaler.get_backoff_factor())
+    optimizer.zero_grad(set_to_none=True)
+    return StepResult(loss_sum, pair_sums, grad_norm, finite, step_tokens)
+
+
+class Window:
+    """Training tokens and wall time since the last log line; evaluation, checkpoint and benchmark time
+    restart it, so tokens/s and MFU measure training only."""
+
+    def __init__(self, start_step):
+        self.run_start, self.start_step = time.perf_counter(), start_step
+        self.restart()
+
+    def restart(self):
+        self.start, self.tokens = time.perf_counter(), 0
+
+
+def log_step(run, result, lr, window):
+    """The step's record in metrics.jsonl and its log line, the loss averaged over the ranks."""
+    ctx, hardware, train_cfg, step = run.ctx, run.hardware, run.cfg["train"], run.step
+    if ctx.enabled:
+        dist.all_reduce(result.loss_sum)  # gloo has no AVG
+        result.loss_sum /= ctx.world_size
+        result.pair_sums = result.pair_sums.to(hardware.device)
+        dist.all_reduce(result.pair_sums)
+    if hardware.device.type == "cuda":
+        torch.cuda.synchronize()
+    now = time.perf_counter()
+    tokens_per_second = window.tokens * ctx.world_size / (now - window.start)
+    flops_per_token = run.raw_model.flops_per_token(run.cfg["model"]["seq_len"])
+    mfu = flops_per_token * tokens_per_second / (hardware.peak_tflops * 1e12 * ctx.world_size)
+    elapsed = now - window.run_start
+    eta = elapsed / (step - window.start_step) * (train_cfg["max_steps"] - step)
+    record = {
+        "step": step,
+        "loss": result.loss_sum.item(),
+        "lr": lr,
+        "grad_norm": result.grad_norm.item(),
+        "tokens_per_s": tokens_per_second,
+        "mfu": mfu,
+        "elapsed_s": elapsed,
+        "eta_s": eta,
+        "skipped_steps": run.skipped_steps,
+    }
+    if hardware.scaler.is_enabled():
+        record["loss_scale"] = hardware.scaler.get_scale()
+    pairs = train_dpo.means(result.pair_sums.cpu()) if run.dpo else {}  # this step's pairs
+    record |= {
+        key: pairs[key] for key in ("margin", "chosen_reward", "rejected_reward", "accuracy") if key in pairs
+    }
+    run.metrics.write(record)
+    run.log(
+        f"step {step}/{train_cfg['max_steps']} | loss {record['loss']:.4f} | "
+        + (f"margin {pairs['margin']:.3f} | acc {100 * pairs['accuracy']:.0f}% | " if run.dpo else "")
+        + f"lr {lr:.1e} | gnorm {record['grad_norm']:.2f} | {format_rate(tokens_per_second)} tok/s | "
+        f"mfu {100 * mfu:.0f}% | {format_duration(elapsed)} | eta {format_duration(eta)}"
+        + (f" | skipped {run.skipped_steps}" if run.skipped_steps else "")
+    )
+    window.restart()
+
+
+def evaluate_run(run):
+    """The held-out evaluation of the objective being trained, into metrics.jsonl and the log."""
+    cfg, step = run.cfg, run.step
+    if run.dpo:
+        result = train_dpo.evaluate(run.model, run.reference, cfg, run.hardware, run.ctx)
+        run.metrics.write({"step": step, **result})
+        run.log(
+            f"eval step {step} | val_loss {result['val_loss']:.4f} | held-out reward accuracy "
+            f"{100 * result['val_accuracy']:.1f}% of {result['val_pairs']} pairs | margin "
+            f"{result['val_margin']:.3f} | chosen answer likelier than under {cfg['train']['init_from']} for "
+            f"{100 * result['val_chosen_likelier']:.1f}% of {result['val_prompts']} prompts"
+        )
+    else:
+        token_bytes = torch.as_tensor(
+            run.tokenizer.token_bytes, dtype=torch.float64, device=run.hardware.device
+        )
+        result = evaluate(run.model, cfg, run.hardware, run.ctx, token_bytes)
+        run.metrics.write({"step": step, **result})
+        run.log(f"eval step {step} | val_loss {result['val_loss']:.4f} | val_bpb {result['val_bpb']:.4f}")
+
+
+def write_checkpoint(run):
+    """Every rank's loader position and RNG states gathered to rank 0, which writes the checkpoint; all
+    ranks wait until it is on disk."""
+    ctx = run.ctx
+    rank_state = {"rng": rng_state(), "loader": run.loader.state_dict()}
+    ranks = [None] * ctx.world_size
+    if ctx.enabled:
+        dist.all_gather_object(ranks, rank_state)
+    else:
+        ranks = [rank_state]
+    if ctx.is_main:
+        state = {
+            "step": run.step,
+            "model": run.raw_model.state_dict(),
+            "optimizer": run.optimizer.state_dict(),
+            "scaler": run.hardware.scaler.state_dict() if run.hardware.scaler.is_enabled() else {},
+            "ranks": ranks,
+            "skipped_steps": run.skipped_steps,
+            "world_size": ctx.world_size,
+            "tokenizer": run.tokenizer_record,
+            **({"reference": run.reference} if run.dpo else {}),
+            "config": run.cfg,
+            "code_version": fileio.code_version(),
+        }
+        path = save_checkpoint(run.run_dir, run.step, state, run.cfg["train"]["keep_last"])
+        run.log(f"checkpoint {path}")
+    if ctx.enabled:
+        dist.barrier()
+
+
+# -----------------------------------------------------------------------------
+# The loop
+
+
+def _train(cfg, ctx, hardware, resume, stop_after, log, handle_signals):
+    train_cfg = cfg["train"]
+    run = setup(cfg, ctx, hardware, resume, log)
+    if ctx.is_main:
+        start_log(run)
+    run.metrics = Metrics(run.run_dir, ctx, run.step)
+    window = Window(run.step)
     nonfinite_streak = 0
-    start_step = step
-    window_start, window_steps, window_tokens = time.perf_counter(), 0, 0
-    run_start = time.perf_counter()
     stopped_by = None
     with StopRequest(enabled=handle_signals) as stop:
-        while step < train_cfg["max_steps"]:
-            lr = lr_at(step, train_cfg)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-
-            # Micro-steps: DDP syncs gradients only on the last one (no_sync on the others).
-            loss_sum = torch.zeros((), device=hardware.device)
-            pair_sums = torch.zeros(len(train_dpo.STATS), dtype=torch.float64)  # DPO's logged figures
-            for micro in range(accum):
-                sync = micro == accum - 1
-                with model.no_sync() if ctx.enabled and not sync else contextlib.nullcontext():
-                    if dpo:
-                        loss, sums, tokens = train_dpo.micro_step(
-                            model, loader.next_batch(), reference["train"], train_cfg["dpo"], hardware
-                        )
-                        pair_sums += sums
-                    else:
-                        x, y = (t.to(hardware.device, non_blocking=True) for t in loader.next_batch())
-                        with hardware.autocast():
-                            _, losses = model(x, y)
-                        loss, tokens = losses["loss"], x.numel()
-                    loss = loss / accum
-                    hardware.scaler.scale(loss).backward()
-                loss_sum += loss.detach()
-                window_tokens += tokens
-
-            hardware.scaler.unscale_(optimizer)
-            max_norm = train_cfg["grad_clip"] if train_cfg["grad_clip"] > 0 else float("inf")
-            grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), max_norm)
-            # Every rank must agree whether to apply this step (with float16 the GradScaler decides per
-            # rank from its own gradients; DDP makes them equal, the all-reduce makes it certain).
-            finite = all_ranks_true(
-                bool(torch.isfinite(grad_norm)) and bool(torch.isfinite(loss_sum)), ctx, hardware.device
-            )
-            if finite:
-                hardware.scaler.step(optimizer)
+        while run.step < train_cfg["max_steps"]:
+            lr = lr_at(run.step, train_cfg)
+            result = optimizer_step(run, lr)
+            run.step += 1
+            window.tokens += result.tokens
+            if result.finite:
                 nonfinite_streak = 0
             else:
-                skipped_steps += 1
+                run.skipped_steps += 1
                 nonfinite_streak += 1
-            if hardware.scaler.is_enabled():
-                scale_before = hardware.scaler.get_scale()
-                hardware.scaler.update(
-                    None if finite else scale_before * hardware.scaler.get_backoff_factor()
-                )
-            optimizer.zero_grad(set_to_none=True)
-            step += 1
-            window_steps += 1
-
-            if not finite and nonfinite_streak >= train_cfg["max_nonfinite"]:
+            if not result.finite and nonfinite_streak >= train_cfg["max_nonfinite"]:
                 raise TrainError(
-                    f"step {step}: {nonfinite_streak} consecutive non-finite losses/gradients "
+                    f"step {run.step}: {nonfinite_streak} consecutive non-finite losses/gradients "
                     f"(train.max_nonfinite={train_cfg['max_nonfinite']}); stopping. The last good checkpoint "
-                    f"in {run_dir}/ is intact; lower train.lr or check the data."
+                    f"in {run.run_dir}/ is intact; lower train.lr or check the data."
                 )
+            at_end = run.step == train_cfg["max_steps"]
+            if run.step % train_cfg["log_interval"] == 0 or at_end:
+                log_step(run, result, lr, window)
 
-            if step % train_cfg["log_interval"] == 0 or step == train_cfg["max_steps"]:
-                if ctx.enabled:
-                    dist.all_reduce(loss_sum)  # gloo has no AVG
-                    loss_sum /= ctx.world_size
-                    pair_sums = pair_sums.to(hardware.device)
-                    dist.all_reduce(pair_sums)
-                if hardware.device.type == "cuda":
-                    torch.cuda.synchronize()
-                now = time.perf_counter()
-                tokens_per_second = window_tokens * ctx.world_size / (now - window_start)
-                mfu = flops_per_token * tokens_per_second / (hardware.peak_tflops * 1e12 * ctx.world_size)
-                elapsed = now - run_start
-                eta = elapsed / (step - start_step) * (train_cfg["max_steps"] - step)
-                record = {
-                    "step": step,
-                    "loss": loss_sum.item(),
-                    "lr": lr,
-                    "grad_norm": grad_norm.item(),
-                    "tokens_per_s": tokens_per_second,
-                    "mfu": mfu,
-                    "elapsed_s": elapsed,
-                    "eta_s": eta,
-                    "skipped_steps": skipped_steps,
-                }
-                if hardware.scaler.is_enabled():
-                    record["loss_scale"] = hardware.scaler.get_scale()
-                pairs = train_dpo.means(pair_sums.cpu()) if dpo else {}  # this step's pairs
-                record |= {key: pairs[key] for key in ("margin", "chosen_reward", "rejected_reward", "accuracy")
-                           if key in pairs}  # fmt: skip
-                write_metrics(record)
-                log(
-                    f"step {step}/{train_cfg['max_steps']} | loss {record['loss']:.4f} | "
-                    + (f"margin {pairs['margin']:.3f} | acc {100 * pairs['accuracy']:.0f}% | " if dpo else "")
-                    + f"lr {lr:.1e} | gnorm {record['grad_norm']:.2f} | {format_rate(tokens_per_second)} tok/s | "
-                    f"mfu {100 * mfu:.0f}% | {format_duration(elapsed)} | eta {format_duration(eta)}"
-                    + (f" | skipped {skipped_steps}" if skipped_steps else "")
-                )
-                window_start, window_steps, window_tokens = time.perf_counter(), 0, 0
-
-            stop_now = stop.signal_name is not None or (stop_after is not None and step >= stop_after)
+            stop_now = stop.signal_name is not None or (stop_after is not None and run.step >= stop_after)
             if ctx.enabled:  # a signal may reach one rank first; stop together
-                stop_now = not all_ranks_true(not stop_now, ctx, hardware.device)
-            at_end = step == train_cfg["max_steps"]
-            eval_due = train_cfg["eval_interval"] and step % train_cfg["eval_interval"] == 0
-            if (eval_due or at_end) and not stop_now and dpo:
-                result = train_dpo.evaluate(model, reference, cfg, hardware, ctx)
-                write_metrics({"step": step, **result})
-                log(
-                    f"eval step {step} | val_loss {result['val_loss']:.4f} | held-out reward accuracy "
-                    f"{100 * result['val_accuracy']:.1f}% of {result['val_pairs']} pairs | margin "
-                    f"{result['val_margin']:.3f} | chosen answer likelier than under {train_cfg['init_from']} for "
-                    f"{100 * result['val_chosen_likelier']:.1f}% of {result['val_prompts']} prompts"
-                )
-            elif (eval_due or at_end) and not stop_now:
-                result = evaluate(model, cfg, hardware, ctx, token_bytes)
-                write_metrics({"step": step, **result})
-                log(f"eval step {step} | val_loss {result['val_loss']:.4f} | val_bpb {result['val_bpb']:.4f}")
-            benchmark_due = benchmark is not None and benchmark.due(step, at_end) and not stop_now
+                stop_now = not all_ranks_true(not stop_now, ctx, run.hardware.device)
+            eval_due = train_cfg["eval_interval"] and run.step % train_cfg["eval_interval"] == 0
+            if (eval_due or at_end) and not stop_now:
+                evaluate_run(run)
+            benchmark_due = run.benchmark is not None and run.benchmark.due(run.step, at_end) and not stop_now
             if benchmark_due:  # rank 0 only; the other ranks wait at the next step's all-reduce
-                record = benchmark(raw_model, step)
-                write_metrics(record)
-                log(benchmark.line(record))
-            if step % train_cfg["ckpt_interval"] == 0 or at_end or stop_now:
-                make_checkpoint(step)
-            if eval_due or at_end or step % train_cfg["ckpt_interval"] == 0 or benchmark_due:
-                window_start, window_steps, window_tokens = time.perf_counter(), 0, 0  # training only
+                record = run.benchmark(run.raw_model, run.step)
+                run.metrics.write(record)
+                log(run.benchmark.line(record))
+            checkpoint_due = run.step % train_cfg["ckpt_interval"] == 0
+            if checkpoint_due or at_end or stop_now:
+                write_checkpoint(run)
+            if eval_due or at_end or checkpoint_due or benchmark_due:
+                window.restart()  # training only
             if stop_now:
                 stopped_by = stop.signal_name or f"stop after step {stop_after}"
                 break
 
-    if metrics_file:
-        metrics_file.close()
+    run.metrics.close()
     if stopped_by:
-        log(f"stopped at step {step} ({stopped_by}); continue with --resume")
+        log(f"stopped at step {run.step} ({stopped_by}); continue with --resume")
     elif ctx.is_main and train_cfg["sample_tokens"] > 0:
         chat_run = cfg["data"]["format"] in ("chat", "preference")
-        log(f"sample: {sample_text(raw_model, tokenizer, train_cfg, hardware, chat_run)}")
-    return step
+        log(f"sample: {sample_text(run.raw_model, run.tokenizer, train_cfg, run.hardware, chat_run)}")
+    return run.step
 
 
 def _truncate_metrics(path, step):
@@ -977,7 +933,7 @@ def main(argv):
     except config.ConfigError as e:
         print(f"{args[0]}: config problems:\n  " + "\n  ".join(e.problems), file=sys.stderr)
         return 2
-    except (TrainError, data.DataError) as e:
+    except (TrainError, HardwareError, data.DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except CheckInterrupted as e:

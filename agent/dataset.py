@@ -34,6 +34,7 @@ import re
 import sys
 import tempfile
 import threading
+import unicodedata
 
 import config
 import fileio
@@ -325,6 +326,41 @@ def unseen_share(train, held_out):
     return len(calls), sum(arguments not in seen for arguments in calls) / max(1, len(calls))
 
 
+PIECE = re.compile(r"\d+(?:[.,]\d+)?|[^\W\d_]+")
+
+
+def pieces(text):
+    """The numbers (decimal comma as point) and words of a text, lower case and without accents."""
+    plain = "".join(
+        c for c in unicodedata.normalize("NFD", str(text).lower()) if unicodedata.category(c) != "Mn"
+    )
+    return [piece.replace(",", ".") for piece in PIECE.findall(plain)]
+
+
+def copied(value, prompt):
+    """Whether an argument value is a copy of the prompt: every number and word of it (an int's digits,
+    without its sign) is in the prompt, in the canonical form the tool accepts ("2,35" is "2.35")."""
+    held = set(pieces(prompt))
+    return all(piece in held for piece in pieces(abs(value) if isinstance(value, int) else value))
+
+
+def copy_shares(conversations):
+    """{tool: (arguments, the share copied from the prompt: the user's question and the system turn,
+    where the member's memories are listed with their numbers)}, and "all" over every tool."""
+    tally = {}
+    for conversation in conversations:
+        messages = conversation["messages"]
+        prompt = "\n".join(m["content"] for m in messages if m["role"] in ("system", "user"))
+        for message in messages:
+            for call in message.get("tool_calls", [])[:1]:
+                name = call["function"]["name"]
+                for value in chat.arguments_of(call).values():
+                    for key in (name, "all"):
+                        count, hits = tally.get(key, (0, 0))
+                        tally[key] = (count + 1, hits + copied(value, prompt))
+    return {key: (count, hits / count) for key, (count, hits) in sorted(tally.items())}
+
+
 def write_jsonl(path, conversations):
     text = "".join(json.dumps(c, ensure_ascii=False) + "\n" for c in conversations)
     fileio.write_atomic(path, lambda f: f.write(text.encode("utf-8")))
@@ -355,6 +391,10 @@ def main(argv):
         f"{args.out}: {len(train)} train and {len(held_out)} eval conversations; the arguments of "
         f"{100 * unseen:.1f}% of the {calls} held-out calls appear in no training call"
     )
+    shares = copy_shares(held_out)
+    count, share = shares.pop("all", (0, 0.0))
+    per_tool = ", ".join(f"{name} {100 * part:.0f}% of {n}" for name, (n, part) in shares.items())
+    print(f"{100 * share:.1f}% of the {count} held-out arguments are spans of their prompt ({per_tool})")
     return 0
 
 

@@ -8,6 +8,7 @@ are data, the functions only pick and inflect.
 """
 
 import math
+import re
 
 # -----------------------------------------------------------------------------
 # Places and time zones (the zone is what fecha_hora takes)
@@ -207,136 +208,144 @@ THINGS_BOUGHT = (("kilos", "manzanas"), ("kilos", "tomates"), ("kilos", "naranja
 SHARED = ("caramelos", "cromos", "galletas", "canicas", "lápices", "fichas", "libros", "pegatinas")
 
 
+PERCENTS = (5, 7, 10, 12, 15, 16, 18, 20, 21, 25, 30, 33, 35, 40, 45, 50, 60, 75)
+UNIT_FACTORS = (("horas", "minutos", 60), ("minutos", "segundos", 60), ("días", "horas", 24),
+                ("semanas", "días", 7), ("años", "meses", 12), ("horas", "segundos", 3600),
+                ("kilómetros", "metros", 1000), ("metros", "centímetros", 100),
+                ("kilos", "gramos", 1000), ("litros", "mililitros", 1000))  # fmt: skip
+
+
+def draw_shared(rng):
+    return {"things": rng.choice(SHARED), "t": whole(rng, 6, 600)}
+
+
+def draw_bought(rng):
+    unit, thing = rng.choice(THINGS_BOUGHT)
+    return {"unit": unit, "thing": thing, "price": decimal(rng, 30)}
+
+
+def draw_units(rng):
+    unit, to, factor = rng.choice(UNIT_FACTORS)
+    return {"unit": unit, "to": to, "factor": factor, "c": whole(rng, 2, 900)}
+
+
+def draw_marks(rng):
+    marks = [
+        str(rng.randint(1, 10) if rng.random() < 0.5 else whole(rng, 2, 300))
+        for _ in range(rng.randint(3, 5))
+    ]
+    return {"m": ", ".join(marks[:-1]) + " y " + marks[-1], "sum": "+".join(marks), "k": len(marks)}
+
+
+# Each kind of calculation: values drawn (in order) besides a, b, cur, n and p; question templates; the
+# expression; answers with {r} for the result (one answer: no draw). Optional: "named" (placeholder, what
+# replaces expression or answers when the question names it), "squared" (probability, templates, values:
+# drawn after the question, another question), "otherwise" (probability of keeping this kind, else the
+# kind drawn instead, after the values).
+CALCULATIONS = (
+    {"questions": ("¿Cuánto es {a} por {b}?", "Calcula {a} × {b}", "{a} x {b}", "¿{a} por {b}?",
+                   "¿Cuánto da {a} multiplicado por {b}?", "Multiplica {a} por {b}", "¿Me dices cuánto es {a}*{b}?",
+                   "Necesito saber cuánto es {a} por {b}", "¿Y {a} por {b}? ¿Cuánto sale?",
+                   "Hazme esta cuenta: {a} por {b}",
+                   "{a} y {b}: son las dos cifras que tengo apuntadas en la libreta desde ayer, ¿cuánto da si las multiplico?"),
+     "expression": "{a}*{b}",
+     "answers": ("{a} por {b} son {r}.", "Son {r}.", "El resultado es {r}.", "Da {r}.")},
+    {"draws": (lambda rng: {"c": amount(rng)},),
+     "questions": ("¿Cuánto es {a} más {b}?", "Suma {a} y {b}", "¿Cuánto suman {a}, {b} y {c}?", "{a} + {b} + {c}",
+                   "Súmame {a} más {b} más {c}", "¿Cuánto es {a} + {b}?", "Necesito el total de {a}, {b} y {c}"),
+     "expression": "{a}+{b}", "answers": ("Suman {r}.", "El total es {r}.", "Son {r}."),
+     "named": ("c", {"expression": "{a}+{b}+{c}"})},
+    {"questions": ("¿Cuánto es {a} menos {b}?", "Réstale {b} a {a}", "{a} - {b}",
+                   "Si tengo {a} {cur} y me gasto {b}, ¿cuánto me queda?",
+                   "Tenía {a} {cur} y pagué {b}, ¿cuánto me sobra?",
+                   "Me quedan {a} {cur} y debo {b}, ¿con cuánto me quedo?"),
+     "expression": "{a}-{b}", "answers": ("Son {r}.", "Da {r}."),
+     "named": ("cur", {"answers": ("Te quedan {r} {cur}.",)})},
+    {"questions": ("¿Cuánto es {a} entre {n}?", "Divide {a} entre {n}", "¿{a} dividido por {n}?",
+                   "Somos {n} y la cuenta es de {a} {cur}, ¿cuánto paga cada uno?",
+                   "Hay que pagar {a} {cur} entre {n} personas, ¿a cuánto tocamos?",
+                   "Tenemos que repartir {a} {cur} entre {n}, ¿cuánto le toca a cada uno?",
+                   "Una cena de {a} {cur} que al final pagamos a medias entre los {n} que fuimos, ¿a cuánto sale cada uno?"),
+     "expression": "{a}/{n}", "answers": ("Sale a {r}.", "Son {r}."),
+     "named": ("cur", {"answers": ("Cada uno paga {r} {cur}.",)})},
+    {"draws": (draw_shared,),
+     "questions": ("Quiero repartir {t} {things} entre {n} niños, ¿cuántos le tocan a cada uno?",
+                   "Mi hija tiene {t} {things} para {n} amigas, ¿cuántos da a cada una?",
+                   "¿Cuántos {things} son para cada uno si repartimos {t} entre {n}?"),
+     "expression": "{t}/{n}", "answers": ("A cada uno le tocan {r} {things}.",)},
+    {"questions": ("¿Cuánto es el {p}% de {a}?", "Calcula el {p} por ciento de {a}", "¿Qué es el {p} % de {a} {cur}?",
+                   "Sácame el {p}% de {a}", "¿El {p} por ciento de {a} cuánto es?"),
+     "expression": "{a}*{p}%", "answers": ("El {p} % de {a} es {r}.",)},
+    {"questions": ("Algo cuesta {a} {cur} con un {p}% de descuento, ¿cuánto pago?",
+                   "Me rebajan un {p}% sobre {a} {cur}, ¿en cuánto se queda?",
+                   "¿Cuánto queda un precio de {a} {cur} con el {p}% de descuento?",
+                   "Está a {a} {cur} y le quitan el {p}%, ¿cuánto cuesta ahora?"),
+     "expression": "{a}-{a}*{p}%", "answers": ("Con el descuento se queda en {r} {cur}.",)},
+    {"draws": (draw_bought,),
+     "questions": ("Si compro {n} {unit} de {thing} a {price} {cur} cada uno, ¿cuánto pago?",
+                   "{n} {unit} de {thing} a {price} {cur}, ¿cuánto es en total?",
+                   "¿Cuánto me cuestan {n} {unit} de {thing} si cada uno sale a {price} {cur}?",
+                   "Compré {n} {unit} de {thing} a {price} {cur}, ¿cuánto gasté?"),
+     "expression": "{n}*{price}", "answers": ("Son {r} {cur} en total.",)},
+    {"draws": (lambda rng: {"x": whole(rng, 2, 40), "y": rng.randint(2, 12)},),
+     "questions": ("¿Cuánto es {x} elevado a {y}?", "{x} elevado a la {y}", "Calcula {x}^{y}",
+                   "¿Me calculas {x} a la potencia {y}?"),
+     "squared": (0.25, ("¿Cuánto es {x} al cuadrado?", "{x} al cuadrado"), {"y": 2}),
+     "expression": "{x}**{y}", "answers": ("{x} elevado a {y} es {r}.",)},
+    {"draws": (draw_units,),
+     "questions": ("¿Cuántos {to} son {c} {unit}?", "¿Cuántos {to} hay en {c} {unit}?", "Pasa {c} {unit} a {to}",
+                   "{c} {unit}, ¿cuántos {to} son?"),
+     "expression": "{c}*{factor}", "answers": ("{c} {unit} son {r} {to}.",)},
+    {"draws": (draw_marks,),
+     "questions": ("¿Cuál es la media de {m}?", "Hazme el promedio de {m}", "Saca la media de {m}"),
+     "expression": "({sum})/{k}", "answers": ("La media es {r}.",)},
+    {"draws": (lambda rng: {"y1": rng.randint(1930, 2020), "y2": rng.randint(2024, 2060)},),
+     "questions": ("Si nací en {y1}, ¿cuántos años cumplo en {y2}?", "¿Cuántos años hay de {y1} a {y2}?",
+                   "Mi abuela nació en {y1}, ¿cuántos años tendrá en {y2}?"),
+     "expression": "{y2}-{y1}", "answers": ("Son {r} años.",)},
+    {"questions": ("La cuenta es de {a} {cur}, ¿cuánto es una propina del {p}%?",
+                   "¿Cuánto dejo de propina si es el {p}% de {a} {cur}?"),
+     "expression": "{a}*{p}%", "answers": ("La propina sería de {r} {cur}.",)},
+    {"questions": ("¿Cuánto es {a} euros más el IVA del 21%?", "Ponle el IVA del 21% a {a} euros",
+                   "{a} € con IVA (21%), ¿cuánto es?"),
+     "expression": "{a}+{a}*21%", "answers": ("Con el IVA son {r} euros.",)},
+    {"draws": (lambda rng: {"v": whole(rng, 4, 130), "h": whole(rng, 2, 12)},),
+     "questions": ("A {v} km por hora, ¿cuántos kilómetros hago en {h} horas?",
+                   "Si voy a {v} km/h durante {h} horas, ¿cuánto recorro?"),
+     "expression": "{v}*{h}", "answers": ("Recorres {r} kilómetros.",),
+     "otherwise": (0.5, {"draws": (lambda rng: {"d": whole(rng, 5, 2000)},),
+                         "questions": ("¿Cuántas horas tardo en hacer {d} km a {v} km por hora?",
+                                       "Son {d} kilómetros a {v} km/h, ¿cuánto tiempo tardo?"),
+                         "expression": "{d}/{v}", "answers": ("Tardas {r} horas.",)})},
+    {"questions": ("Si ahorro {a} {cur} al mes, ¿cuánto tendré en {n} meses?",
+                   "Pago {a} {cur} cada mes, ¿cuánto es en {n} meses?", "Son {n} cuotas de {a} {cur}, ¿cuánto pago en total?"),
+     "expression": "{a}*{n}", "answers": ("En total son {r} {cur}.",)},
+)  # fmt: skip
+
+
 def calculator_case(rng):
-    a, b, cur = amount(rng), amount(rng), rng.choice(CURRENCIES)
-    n, p = (
-        whole(rng, 2, 60),
-        rng.choice((5, 7, 10, 12, 15, 16, 18, 20, 21, 25, 30, 33, 35, 40, 45, 50, 60, 75)),
-    )
-    kind = rng.randrange(16)
-    if kind == 0:
-        question = ask(rng, ("¿Cuánto es {a} por {b}?", "Calcula {a} × {b}", "{a} x {b}", "¿{a} por {b}?",
-                              "¿Cuánto da {a} multiplicado por {b}?", "Multiplica {a} por {b}",
-                              "¿Me dices cuánto es {a}*{b}?", "Necesito saber cuánto es {a} por {b}",
-                              "¿Y {a} por {b}? ¿Cuánto sale?", "Hazme esta cuenta: {a} por {b}"))  # fmt: skip
-        return question.format(a=a, b=b), f"{a}*{b}", pick(rng, ("{a} por {b} son {{r}}.", "Son {{r}}.",
-                                                               "El resultado es {{r}}.", "Da {{r}}.")).format(a=a, b=b)  # fmt: skip
-    if kind == 1:
-        c = amount(rng)
-        question = ask(rng, ("¿Cuánto es {a} más {b}?", "Suma {a} y {b}", "¿Cuánto suman {a}, {b} y {c}?",
-                              "{a} + {b} + {c}", "Súmame {a} más {b} más {c}", "¿Cuánto es {a} + {b}?",
-                              "Necesito el total de {a}, {b} y {c}"))  # fmt: skip
-        terms = [a, b, c] if "{c}" in question else [a, b]
-        return question.format(a=a, b=b, c=c), "+".join(terms), pick(rng, ("Suman {r}.", "El total es {r}.",
-                                                                          "Son {r}."))  # fmt: skip
-    if kind == 2:
-        question = ask(rng, ("¿Cuánto es {a} menos {b}?", "Réstale {b} a {a}", "{a} - {b}",
-                              "Si tengo {a} {cur} y me gasto {b}, ¿cuánto me queda?",
-                              "Tenía {a} {cur} y pagué {b}, ¿cuánto me sobra?",
-                              "Me quedan {a} {cur} y debo {b}, ¿con cuánto me quedo?"))  # fmt: skip
-        answer = "Te quedan {r} " + cur + "." if "{cur}" in question else pick(rng, ("Son {r}.", "Da {r}."))
-        return question.format(a=a, b=b, cur=cur), f"{a}-{b}", answer
-    if kind == 3:
-        question = ask(rng, ("¿Cuánto es {a} entre {n}?", "Divide {a} entre {n}", "¿{a} dividido por {n}?",
-                              "Somos {n} y la cuenta es de {a} {cur}, ¿cuánto paga cada uno?",
-                              "Hay que pagar {a} {cur} entre {n} personas, ¿a cuánto tocamos?",
-                              "Tenemos que repartir {a} {cur} entre {n}, ¿cuánto le toca a cada uno?"))  # fmt: skip
-        answer = (
-            "Cada uno paga {r} " + cur + "."
-            if "{cur}" in question
-            else pick(rng, ("Sale a {r}.", "Son {r}."))
-        )
-        return question.format(a=a, n=n, cur=cur), f"{a}/{n}", answer
-    if kind == 4:
-        things, total = rng.choice(SHARED), whole(rng, 6, 600)
-        question = ask(rng, ("Quiero repartir {t} {things} entre {n} niños, ¿cuántos le tocan a cada uno?",
-                              "Mi hija tiene {t} {things} para {n} amigas, ¿cuántos da a cada una?",
-                              "¿Cuántos {things} son para cada uno si repartimos {t} entre {n}?"))  # fmt: skip
-        return (
-            question.format(t=total, things=things, n=n),
-            f"{total}/{n}",
-            f"A cada uno le tocan {{r}} {things}.",
-        )
-    if kind == 5:
-        question = ask(rng, ("¿Cuánto es el {p}% de {a}?", "Calcula el {p} por ciento de {a}",
-                              "¿Qué es el {p} % de {a} {cur}?", "Sácame el {p}% de {a}",
-                              "¿El {p} por ciento de {a} cuánto es?"))  # fmt: skip
-        return question.format(p=p, a=a, cur=cur), f"{a}*{p}/100", f"El {p} % de {a} es {{r}}."
-    if kind == 6:
-        question = ask(rng, ("Algo cuesta {a} {cur} con un {p}% de descuento, ¿cuánto pago?",
-                              "Me rebajan un {p}% sobre {a} {cur}, ¿en cuánto se queda?",
-                              "¿Cuánto queda un precio de {a} {cur} con el {p}% de descuento?",
-                              "Está a {a} {cur} y le quitan el {p}%, ¿cuánto cuesta ahora?"))  # fmt: skip
-        return (
-            question.format(a=a, p=p, cur=cur),
-            f"{a}-{a}*{p}/100",
-            f"Con el descuento se queda en {{r}} {cur}.",
-        )
-    if kind == 7:
-        unit, thing = rng.choice(THINGS_BOUGHT)
-        price = decimal(rng, 30)
-        question = ask(rng, ("Si compro {n} {unit} de {thing} a {price} {cur} cada uno, ¿cuánto pago?",
-                              "{n} {unit} de {thing} a {price} {cur}, ¿cuánto es en total?",
-                              "¿Cuánto me cuestan {n} {unit} de {thing} si cada uno sale a {price} {cur}?",
-                              "Compré {n} {unit} de {thing} a {price} {cur}, ¿cuánto gasté?"))  # fmt: skip
-        values = {"n": n, "unit": unit, "thing": thing, "price": price, "cur": cur}
-        return question.format(**values), f"{n}*{price}", f"Son {{r}} {cur} en total."
-    if kind == 8:
-        base, power = whole(rng, 2, 40), rng.randint(2, 12)
-        question = ask(rng, ("¿Cuánto es {x} elevado a {y}?", "{x} elevado a la {y}", "Calcula {x}^{y}",
-                              "¿Me calculas {x} a la potencia {y}?"))  # fmt: skip
-        if rng.random() < 0.25:
-            question, power = ask(rng, ("¿Cuánto es {x} al cuadrado?", "{x} al cuadrado")), 2
-        return question.format(x=base, y=power), f"{base}**{power}", f"{base} elevado a {power} es {{r}}."
-    if kind == 9:
-        unit, to, factor = rng.choice((("horas", "minutos", 60), ("minutos", "segundos", 60), ("días", "horas", 24),
-                                        ("semanas", "días", 7), ("años", "meses", 12), ("horas", "segundos", 3600),
-                                        ("kilómetros", "metros", 1000), ("metros", "centímetros", 100),
-                                        ("kilos", "gramos", 1000), ("litros", "mililitros", 1000)))  # fmt: skip
-        count = whole(rng, 2, 900)
-        question = ask(rng, ("¿Cuántos {to} son {c} {unit}?", "¿Cuántos {to} hay en {c} {unit}?",
-                              "Pasa {c} {unit} a {to}", "{c} {unit}, ¿cuántos {to} son?"))  # fmt: skip
-        return (
-            question.format(to=to, c=count, unit=unit),
-            f"{count}*{factor}",
-            f"{count} {unit} son {{r}} {to}.",
-        )
-    if kind == 10:
-        marks = [
-            str(rng.randint(1, 10) if rng.random() < 0.5 else whole(rng, 2, 300))
-            for _ in range(rng.randint(3, 5))
-        ]
-        listed = ", ".join(marks[:-1]) + " y " + marks[-1]
-        question = ask(rng, ("¿Cuál es la media de {m}?", "Hazme el promedio de {m}", "Saca la media de {m}"))
-        return question.format(m=listed), f"({'+'.join(marks)})/{len(marks)}", "La media es {r}."
-    if kind == 11:
-        born, later = rng.randint(1930, 2020), rng.randint(2024, 2060)
-        question = ask(rng, ("Si nací en {y1}, ¿cuántos años cumplo en {y2}?",
-                              "¿Cuántos años hay de {y1} a {y2}?",
-                              "Mi abuela nació en {y1}, ¿cuántos años tendrá en {y2}?"))  # fmt: skip
-        return question.format(y1=born, y2=later), f"{later}-{born}", "Son {r} años."
-    if kind == 12:
-        question = ask(rng, ("La cuenta es de {a} {cur}, ¿cuánto es una propina del {p}%?",
-                              "¿Cuánto dejo de propina si es el {p}% de {a} {cur}?"))  # fmt: skip
-        return question.format(a=a, p=p, cur=cur), f"{a}*{p}/100", f"La propina sería de {{r}} {cur}."
-    if kind == 13:
-        question = ask(rng, ("¿Cuánto es {a} euros más el IVA del 21%?", "Ponle el IVA del 21% a {a} euros",
-                              "{a} € con IVA (21%), ¿cuánto es?"))  # fmt: skip
-        return question.format(a=a), f"{a}*121/100", "Con el IVA son {r} euros."
-    if kind == 14:
-        speed, hours = whole(rng, 4, 130), whole(rng, 2, 12)
-        if rng.random() < 0.5:
-            question = ask(rng, ("A {v} km por hora, ¿cuántos kilómetros hago en {h} horas?",
-                                  "Si voy a {v} km/h durante {h} horas, ¿cuánto recorro?"))  # fmt: skip
-            return question.format(v=speed, h=hours), f"{speed}*{hours}", "Recorres {r} kilómetros."
-        distance = whole(rng, 5, 2000)
-        question = ask(rng, ("¿Cuántas horas tardo en hacer {d} km a {v} km por hora?",
-                              "Son {d} kilómetros a {v} km/h, ¿cuánto tiempo tardo?"))  # fmt: skip
-        return question.format(d=distance, v=speed), f"{distance}/{speed}", "Tardas {r} horas."
-    question = ask(rng, ("Si ahorro {a} {cur} al mes, ¿cuánto tendré en {n} meses?",
-                          "Pago {a} {cur} cada mes, ¿cuánto es en {n} meses?",
-                          "Son {n} cuotas de {a} {cur}, ¿cuánto pago en total?"))  # fmt: skip
-    return question.format(a=a, cur=cur, n=n), f"{a}*{n}", f"En total son {{r}} {cur}."
+    """(question, expression, answer with {r} for the result): a kind of CALCULATIONS filled with drawn
+    values."""
+    values = {"a": amount(rng), "b": amount(rng), "cur": rng.choice(CURRENCIES), "n": whole(rng, 2, 60)}
+    values["p"] = rng.choice(PERCENTS)
+    case = CALCULATIONS[rng.randrange(len(CALCULATIONS))]
+    while True:
+        for draw in case.get("draws", ()):
+            values.update(draw(rng))
+        if "otherwise" not in case or rng.random() < case["otherwise"][0]:
+            break
+        case = case["otherwise"][1]
+    template = ask(rng, case["questions"])
+    if "squared" in case:
+        chance, squares, fixed = case["squared"]
+        if rng.random() < chance:
+            template = ask(rng, squares)
+            values.update(fixed)
+    if "named" in case and "{" + case["named"][0] + "}" in template:
+        case = {**case, **case["named"][1]}
+    answers = case["answers"]
+    answer = answers[0] if len(answers) == 1 else pick(rng, answers)
+    return template.format(**values), case["expression"].format(**values), answer.format(**values, r="{r}")
 
 
 # -----------------------------------------------------------------------------
@@ -352,11 +361,13 @@ NOW = ("¿Qué hora es?", "¿Me dices la hora?", "¿Qué hora es ahora?", "¿Tie
 IN_PLACE = ("¿Qué hora es en {place}?", "¿Qué hora es ahora en {place}?", "Dime la hora de {place}",
             "¿Qué hora tienen en {place}?", "¿Qué horas son en {place}?", "¿Qué hora será ahora en {place}?",
             "Hora en {place}", "¿Me dices qué hora es en {place}?", "¿Es muy tarde en {place}? ¿Qué hora es allí?",
-            "Quiero llamar a {place}, ¿qué hora es allá?", "¿Qué día es ahora en {place}?")  # fmt: skip
+            "Quiero llamar a {place}, ¿qué hora es allá?", "¿Qué día es ahora en {place}?",
+            "{place}: allí vive mi hermana desde hace años y quiero llamarla sin despertarla, ¿qué hora es ahora?")  # fmt: skip
 AHEAD = ("¿Qué día será dentro de {n} días?", "¿Qué fecha cae dentro de {n} días?", "¿Qué día es en {n} días?",
          "Dentro de {n} días, ¿qué fecha será?", "¿Qué fecha será de aquí a {n} días?",
          "Si cuento {n} días desde hoy, ¿qué día es?", "Tengo un plazo de {n} días, ¿cuándo acaba?",
-         "¿En qué fecha estaremos dentro de {n} días?")  # fmt: skip
+         "¿En qué fecha estaremos dentro de {n} días?",
+         "{n} días de plazo me han dado en el banco para llevar los papeles, contando desde hoy: ¿qué fecha será?")  # fmt: skip
 AGO = ("¿Qué día fue hace {n} días?", "¿Qué fecha era hace {n} días?", "Hace {n} días, ¿qué día era?",
        "¿Qué día fue hace {n} días exactamente?", "Si resto {n} días a hoy, ¿qué fecha sale?")  # fmt: skip
 NEAR = ((1, ("¿Qué día es mañana?", "¿Qué fecha es mañana?", "Mañana, ¿qué día será?")),
@@ -393,7 +404,8 @@ def date_case(rng):
 
 
 # -----------------------------------------------------------------------------
-# buscar_web: subjects, each (question templates, query, result title, url, snippet, answer)
+# buscar_web: subjects, each (question templates, result title, url, snippet, answer); the query is the
+# question's own words (keywords)
 
 SKIES = ("cielo despejado", "nubes y claros", "lluvia débil", "tormentas por la tarde", "niebla por la mañana",
          "chubascos", "viento fuerte", "cielo cubierto", "sol y calor", "nieve en las zonas altas")  # fmt: skip
@@ -410,70 +422,71 @@ EVENTS = ("la feria", "las fiestas patronales", "el carnaval", "la Semana Santa"
           "la noche de San Juan", "el desfile de Reyes", "la feria del libro", "el festival de música")  # fmt: skip
 SEARCHES = (
     (("¿Qué tiempo hará mañana en {town}?", "¿Va a llover mañana en {town}?", "Busca el tiempo de {town} para mañana",
-      "¿Qué tal el clima en {town} mañana?", "¿Hará frío mañana en {town}?"),
-     "tiempo mañana {town}", "El tiempo en {town}", "www.eltiempo.es/{slug}.html",
+      "¿Qué tal el clima en {town} mañana?", "¿Hará frío mañana en {town}?",
+      "{town}, que es adonde vamos mañana de excursión con los niños del colegio: ¿qué tiempo hará?"),
+     "El tiempo en {town}", "www.eltiempo.es/{slug}.html",
      "Mañana en {town}: {sky}, máxima de {t} grados y mínima de {low}.",
      "Según [1], mañana en {town} habrá {sky}, con máximas de {t} grados."),
     (("¿Hay alguna farmacia de guardia hoy en {town}?", "Busca la farmacia de guardia de {town}",
       "¿Qué farmacia está abierta esta noche en {town}?"),
-     "farmacia de guardia {town}", "Farmacias de guardia en {town}", "www.farmaciasdeguardia.es/{slug}",
+     "Farmacias de guardia en {town}", "www.farmaciasdeguardia.es/{slug}",
      "Hoy está de guardia la farmacia de la calle Mayor, {n}, abierta las 24 horas.",
      "Según [1], hoy está de guardia la farmacia de la calle Mayor, {n}."),
     (("¿A qué hora abre {place} de {town}?", "Busca el horario de {place} de {town}",
       "¿{place} de {town} abre los sábados?", "¿Cuál es el horario de {place} en {town}?"),
-     "horario {place_q} {town}", "{Place} de {town}: horarios", "www.{slug}.es/horarios",
+     "{Place} de {town}: horarios", "www.{slug}.es/horarios",
      "Abre de lunes a viernes de {h1}:00 a {h2}:00 y los sábados de 10:00 a 14:00.",
      "Según [1], abre de lunes a viernes de {h1}:00 a {h2}:00 y los sábados por la mañana."),
     (("¿Cuándo es {event} de {town} este año?", "Busca las fechas de {event} de {town}",
       "¿Qué días son {event} en {town}?"),
-     "{event_q} {town} fechas", "{Event} de {town}: programa", "www.turismo{slug}.es/agenda",
+     "{Event} de {town}: programa", "www.turismo{slug}.es/agenda",
      "{Event} de {town} se celebra del {d1} al {d2} de {month}, con conciertos y actividades.",
      "Según [1], {event} de {town} es del {d1} al {d2} de {month}."),
     (("¿Cuánto cuesta la entrada del museo de {town}?", "¿Es gratis el museo de {town}?",
       "Mira el precio de la entrada al museo de {town}"),
-     "precio entrada museo {town}", "Museo de {town}: tarifas", "www.museo{slug}.es/visita",
+     "Museo de {town}: tarifas", "www.museo{slug}.es/visita",
      "Entrada general: {t} euros. Menores de 12 años y mayores de 65, gratis.",
      "Según [1], la entrada general cuesta {t} euros; menores de 12 y mayores de 65 entran gratis."),
     (("¿Cuándo juega el {team}?", "¿A qué hora es el partido del {team}?", "Busca el próximo partido del {team}",
       "¿Cómo quedó el {team} ayer?"),
-     "partido {team}", "{team}: calendario y resultados", "www.resultados-futbol.com/{slug}",
+     "{team}: calendario y resultados", "www.resultados-futbol.com/{slug}",
      "Próximo partido del {team}: el domingo a las {h2}:00. El último lo ganó {g1}-{g2}.",
      "Según [1], el {team} juega el domingo a las {h2}:00; el último partido lo ganó {g1}-{g2}."),
     (("¿Qué películas echan en los cines de {town}?", "Busca la cartelera de cine de {town}",
       "¿Qué ponen hoy en el cine en {town}?"),
-     "cartelera cines {town}", "Cartelera de cine en {town}", "www.cartelera.es/{slug}",
+     "Cartelera de cine en {town}", "www.cartelera.es/{slug}",
      "Hoy en {town}: {n} películas en cartel, con sesiones desde las {h1}:00.",
      "Según [1], hoy hay {n} películas en cartel en {town}, con sesiones desde las {h1}:00."),
     (("¿A cuánto está la gasolina en {town}?", "Busca el precio del diésel en {town}",
       "¿Dónde está más barata la gasolina en {town}?"),
-     "precio gasolina {town}", "Precio del combustible en {town}", "www.preciocombustible.com/{slug}",
+     "Precio del combustible en {town}", "www.preciocombustible.com/{slug}",
      "La gasolina más barata de {town} está a 1,{n} el litro en la gasolinera de la avenida principal.",
      "Según [1], la gasolina más barata en {town} está a 1,{n} el litro."),
     (("¿A qué hora sale el último autobús de {town} a {town2}?", "Busca el horario del tren de {town} a {town2}",
       "¿Cuánto tarda el tren de {town} a {town2}?"),
-     "horario {town} {town2}", "Horarios {town} - {town2}", "www.horarios.es/{slug}",
+     "Horarios {town} - {town2}", "www.horarios.es/{slug}",
      "Último servicio de {town} a {town2} a las {h2}:30; el viaje dura {n} minutos.",
      "Según [1], el último sale de {town} a {town2} a las {h2}:30 y tarda {n} minutos."),
     (("¿Qué ha pasado hoy con {topic}?", "Busca noticias de {topic}", "¿Hay novedades sobre {topic}?",
       "Mira qué dicen las noticias de {topic}"),
-     "noticias {topic_q}", "Última hora: {topic}", "www.noticias.es/{slug}",
+     "Última hora: {topic}", "www.noticias.es/{slug}",
      "Las últimas noticias sobre {topic}: novedades importantes esta mañana, según fuentes oficiales.",
      "Según [1], hay novedades sobre {topic} esta mañana."),
     (("¿Cuál es el teléfono del ayuntamiento de {town}?", "Busca el teléfono de atención ciudadana de {town}"),
-     "teléfono ayuntamiento {town}", "Ayuntamiento de {town}: contacto", "www.{slug}.es/contacto",
+     "Ayuntamiento de {town}: contacto", "www.{slug}.es/contacto",
      "Atención ciudadana: 010, o 9{n}0 {n}{n} 00 desde fuera del municipio.",
      "Según [1], el teléfono de atención ciudadana es el 010."),
     (("¿Cuándo abre la piscina de verano en {town}?", "Busca cuándo abren las piscinas de {town}"),
-     "apertura piscinas {town}", "Piscinas de verano de {town}", "www.deportes{slug}.es/piscinas",
+     "Piscinas de verano de {town}", "www.deportes{slug}.es/piscinas",
      "Las piscinas de verano de {town} abren el {d1} de junio, de 11:00 a {h2}:00.",
      "Según [1], las piscinas de {town} abren el {d1} de junio."),
     (("¿Qué restaurantes abren el domingo en {town}?", "Busca un sitio para comer en {town} el domingo"),
-     "restaurantes abiertos domingo {town}", "Dónde comer en {town}", "www.guiagastro.es/{slug}",
+     "Dónde comer en {town}", "www.guiagastro.es/{slug}",
      "En {town} abren el domingo {n} restaurantes del centro; casi todos piden reserva.",
      "Según [1], en {town} abren el domingo {n} restaurantes del centro y conviene reservar."),
     (("¿A cuánto está el {coin} hoy en {coin2}?", "Busca el cambio de {coin} a {coin2}",
       "¿Cuántos {coin2} es un {coin} hoy?", "¿Cómo está el {coin} frente al {coin2}?"),
-     "cambio {coin} {coin2} hoy", "Cambio de divisas hoy", "www.cambio.es/hoy",
+     "Cambio de divisas hoy", "www.cambio.es/hoy",
      "Hoy el cambio está a 1,{n} por unidad, según el banco central.",
      "Según [1], hoy el cambio está a 1,{n}."),
 )  # fmt: skip
@@ -486,9 +499,29 @@ def slug(text):
     return text.lower().translate(str.maketrans("áéíóúñü ", "aeiounu-"))
 
 
+# Words a search leaves out: asking words, articles and prepositions, and the openers and closers of dress
+NOT_SEARCHED = set(
+    "a al algo alguna alguno allí cómo como con cuál cual cuándo cuando cuánto cuanto cuántos cuantos "
+    "de del dime donde dónde el en es esta está este hay la las lo los me mira mucho muy para por q qué "
+    "que se si sí sobre su tal te un una va y ya busca búscame búscalo dicen sabes necesito saber "
+    "oye hola enlace perdona disculpe oiga buenas ey ver cosa favor gracias muchas porfa porfi xfa eres tan "
+    "amable pregunta"
+    .split()
+)  # fmt: skip
+WORD = re.compile(r"[^\W_]+(?:[-'][^\W_]+)*")
+
+
+def keywords(question):
+    """The question's own words a search needs, in order and as typed: 'Oiga, ¿a qué hora abre el
+    polideportivo de Soria?' -> 'hora abre polideportivo Soria'."""
+    words = WORD.findall(question)
+    return " ".join(word for word in words if word.lower() not in NOT_SEARCHED)
+
+
 def search_case(rng):
-    """(question, query, [(title, url, snippet) of the first result], answer citing [1])."""
-    questions, query, title, url, snippet, answer = rng.choice(SEARCHES)
+    """(question, query: the question's keywords, [(title, url, snippet) of the first result], answer
+    citing [1])."""
+    questions, title, url, snippet, answer = rng.choice(SEARCHES)
     town = rng.choice(TOWNS + list(MULTIWORD_TOWNS))
     values = {
         "town": town, "town2": rng.choice([t for t in TOWNS if t != town]), "place": rng.choice(PLACES),
@@ -503,12 +536,6 @@ def search_case(rng):
         values["event"].capitalize(),
     )
     values["slug"] = slug(values["town"])
-    for key in (
-        "place",
-        "event",
-        "topic",
-    ):  # a query without the article: "horario biblioteca municipal León"
-        values[key + "_q"] = values[key].split(" ", 1)[1]
     question = contract(ask(rng, questions).format(**values))
     question = question[0].upper() + question[1:] if question[0] == "¿" else question
     result = (
@@ -516,7 +543,7 @@ def search_case(rng):
         "https://" + url.format(**values),
         contract(snippet.format(**values)),
     )
-    return question, query.format(**values), result, contract(answer.format(**values))
+    return question, keywords(question), result, contract(answer.format(**values))
 
 
 def contract(text):
@@ -567,127 +594,89 @@ def short(who):
     return rest if rest and first in ("mi", "el", "la", "los", "las", "tu") else who
 
 
+def draw_when(rng):
+    return {"when": rng.choice(WEEKDAY) if rng.random() < 0.5 else f"día {rng.randint(1, 28)}"}
+
+
+def draw_wifi(rng):
+    place = rng.choice(
+        ("de casa", "del apartamento", "de la playa", "del pueblo", "de la oficina", "de los abuelos")
+    )
+    word = rng.choice(("Marea", "Sol", "Casa", "Gato", "Luna", "Verano", "Nido", "Olivo")) + str(
+        rng.randint(10, 9999)
+    )
+    return {"place": place, "where": place.split()[-1], "word": word}
+
+
+def draw_revision(rng):
+    vehicle = rng.choice(VEHICLES)
+    return {"vehicle": vehicle, "noun": vehicle.rsplit(" ", 1)[1], "dm": day_month(rng)}
+
+
+def draw_appointment(rng):
+    word, what = rng.choice(APPOINTMENTS)
+    return {"word": word, "what": what}
+
+
+def draw_phone(rng):
+    return {"pro": rng.choice(PROFESSIONALS),
+            "phone": f"6{rng.randint(10, 99)} {rng.randint(100, 999)} {rng.randint(100, 999)}"}  # fmt: skip
+
+
+def one_of(name, pool, short_name=None):
+    """A drawer of one value of pool under name (and its short() form under short_name)."""
+
+    def draw(rng):
+        value = rng.choice(pool)
+        return {name: value, short_name: short(value)} if short_name else {name: value}
+
+    return draw
+
+
+# Each kind of fact: values drawn in order (besides who, o for the gender's ending and short for
+# short(who)), then (clause as said after "que", topic as they refer to it, the words a search needs).
+FACTS = (
+    ((lambda rng: {"dm": day_month(rng)},),
+     "el cumpleaños de {who} es el {dm}", "el cumpleaños de {who}", "cumpleaños {short}"),
+    ((one_of("allergen", ALLERGENS),), "{who} es alérgic{o} a {allergen}", "la alergia de {who}", "alérgic{o} {short}"),
+    ((one_of("food", FOODS_DISLIKED),), "a {who} no le gusta {food}", "lo que no le gusta a {who}", "gusta {short}"),
+    ((draw_revision,),
+     "la revisión {vehicle} es el {dm}", "la revisión {vehicle}", "revisión {noun}"),
+    ((lambda rng: {"code": rng.randint(1000, 9999)},), "el código del portal es {code}", "el código del portal",
+     "código portal"),
+    ((draw_wifi,), "la clave del wifi {place} es {word}", "la clave del wifi {place}", "clave wifi {where}"),
+    ((draw_appointment, draw_when, lambda rng: {"hour": clock_time(rng)}),
+     "{who} tiene {what} el {when} a las {hour}", "lo de {word} de {who}", "{word} {short}"),
+    ((one_of("garment", GARMENTS), one_of("size", SIZES)),
+     "mi talla de {garment} es la {size}", "mi talla de {garment}", "talla {garment}"),
+    ((one_of("vehicle", ("coche", "carro", "auto")), one_of("spot", SPOTS)),
+     "el {vehicle} está aparcado en {spot}", "dónde está aparcado el {vehicle}", "aparcado {vehicle}"),
+    ((one_of("spot", KEY_SPOTS),), "la copia de las llaves está en {spot}", "la copia de las llaves", "copia llaves"),
+    ((one_of("activity", ACTIVITIES), lambda rng: {"hour": clock_time(rng)}),
+     "{who} sale de {activity} a las {hour}", "la hora de {activity} de {who}", "{activity} {short}"),
+    ((one_of("thing", INSURED), lambda rng: {"dm": day_month(rng)}),
+     "el seguro del {thing} vence el {dm}", "el seguro del {thing}", "seguro {thing}"),
+    ((lambda rng: dict(zip(("d1", "d2"), rng.sample(WEEKDAYS[:5], 2), strict=True)),),
+     "el camión de la basura pasa los {d1} y {d2}", "el camión de la basura", "camión basura"),
+    ((one_of("group", GROUPS, "short_group"), one_of("day", WEEKDAY), lambda rng: {"hour": clock_time(rng)}),
+     "la reunión de {group} es el {day} a las {hour}", "la reunión de {group}", "reunión {short_group}"),
+    ((draw_phone,), "el teléfono del {pro} es el {phone}", "el teléfono del {pro}", "teléfono {pro}"),
+    ((one_of("pet", PETS, "short_pet"), lambda rng: {"dm": day_month(rng)}),
+     "{pet} tiene vacuna el {dm}", "la vacuna de {pet}", "vacuna {short_pet}"),
+    ((one_of("title", TITLES), one_of("surname", SURNAMES)),
+     "el médico de {who} es {title} {surname}", "el médico de {who}", "médico {short}"),
+)  # fmt: skip
+
+
 def memory_fact(rng):
     """A fact a member may ask to keep: {"clause": as said after "que", "topic": how they refer to it,
-    "query": the words a search for it needs}."""
+    "query": the words a search for it needs, "text": the clause as a memory}."""
     who, gender = person(rng)
-    o = "a" if gender == "f" else "o"
-    kind = rng.randrange(17)
-    if kind == 0:
-        clause, topic, query = (
-            f"el cumpleaños de {who} es el {day_month(rng)}",
-            f"el cumpleaños de {who}",
-            f"cumpleaños {short(who)}",
-        )
-    elif kind == 1:
-        clause, topic, query = (
-            f"{who} es alérgic{o} a {rng.choice(ALLERGENS)}",
-            f"la alergia de {who}",
-            f"alérgic{o} {short(who)}",
-        )
-    elif kind == 2:
-        clause, topic, query = (
-            f"a {who} no le gusta {rng.choice(FOODS_DISLIKED)}",
-            f"lo que no le gusta a {who}",
-            f"gusta {short(who)}",
-        )
-    elif kind == 3:
-        vehicle = rng.choice(VEHICLES)
-        noun = vehicle.rsplit(" ", 1)[1]
-        clause, topic, query = (
-            f"la revisión {vehicle} es el {day_month(rng)}",
-            f"la revisión {vehicle}",
-            f"revisión {noun}",
-        )
-    elif kind == 4:
-        clause, topic, query = (
-            f"el código del portal es {rng.randint(1000, 9999)}",
-            "el código del portal",
-            "código portal",
-        )
-    elif kind == 5:
-        place = rng.choice(
-            ("de casa", "del apartamento", "de la playa", "del pueblo", "de la oficina", "de los abuelos")
-        )
-        word = rng.choice(("Marea", "Sol", "Casa", "Gato", "Luna", "Verano", "Nido", "Olivo")) + str(
-            rng.randint(10, 9999)
-        )
-        clause, topic, query = (
-            f"la clave del wifi {place} es {word}",
-            f"la clave del wifi {place}",
-            f"clave wifi {place.split()[-1]}",
-        )
-    elif kind == 6:
-        word, what = rng.choice(APPOINTMENTS)
-        when = rng.choice(WEEKDAY) if rng.random() < 0.5 else f"día {rng.randint(1, 28)}"
-        clause = f"{who} tiene {what} el {when} a las {clock_time(rng)}"
-        topic, query = f"lo de {word} de {who}", f"{word} {short(who)}"
-    elif kind == 7:
-        garment = rng.choice(GARMENTS)
-        clause, topic, query = (
-            f"mi talla de {garment} es la {rng.choice(SIZES)}",
-            f"mi talla de {garment}",
-            f"talla {garment}",
-        )
-    elif kind == 8:
-        vehicle = rng.choice(("coche", "carro", "auto"))
-        clause, topic, query = (
-            f"el {vehicle} está aparcado en {rng.choice(SPOTS)}",
-            f"dónde está aparcado el {vehicle}",
-            f"aparcado {vehicle}",
-        )
-    elif kind == 9:
-        clause, topic, query = (
-            f"la copia de las llaves está en {rng.choice(KEY_SPOTS)}",
-            "la copia de las llaves",
-            "copia llaves",
-        )
-    elif kind == 10:
-        activity = rng.choice(ACTIVITIES)
-        clause, topic, query = (
-            f"{who} sale de {activity} a las {clock_time(rng)}",
-            f"la hora de {activity} de {who}",
-            f"{activity} {short(who)}",
-        )
-    elif kind == 11:
-        thing = rng.choice(INSURED)
-        clause, topic, query = (
-            f"el seguro del {thing} vence el {day_month(rng)}",
-            f"el seguro del {thing}",
-            f"seguro {thing}",
-        )
-    elif kind == 12:
-        days = rng.sample(WEEKDAYS[:5], 2)
-        clause, topic, query = (
-            f"el camión de la basura pasa los {days[0]} y {days[1]}",
-            "el camión de la basura",
-            "camión basura",
-        )
-    elif kind == 13:
-        group = rng.choice(GROUPS)
-        clause, topic, query = (
-            f"la reunión de {group} es el {rng.choice(WEEKDAY)} a las {clock_time(rng)}",
-            f"la reunión de {group}",
-            f"reunión {short(group)}",
-        )
-    elif kind == 14:
-        who_pro = rng.choice(PROFESSIONALS)
-        phone = f"6{rng.randint(10, 99)} {rng.randint(100, 999)} {rng.randint(100, 999)}"
-        clause, topic, query = (
-            f"el teléfono del {who_pro} es el {phone}",
-            f"el teléfono del {who_pro}",
-            f"teléfono {who_pro}",
-        )
-    elif kind == 15:
-        pet = rng.choice(PETS)
-        clause, topic, query = (
-            f"{pet} tiene vacuna el {day_month(rng)}",
-            f"la vacuna de {pet}",
-            f"vacuna {short(pet)}",
-        )
-    else:
-        clause = f"el médico de {who} es {rng.choice(TITLES)} {rng.choice(SURNAMES)}"
-        topic, query = f"el médico de {who}", f"médico {short(who)}"
+    values = {"who": who, "o": "a" if gender == "f" else "o", "short": short(who)}
+    draws, *templates = FACTS[rng.randrange(len(FACTS))]
+    for draw in draws:
+        values.update(draw(rng))
+    clause, topic, query = (template.format(**values) for template in templates)
     return {"clause": clause, "topic": topic, "query": query, "text": clause[0].upper() + clause[1:]}
 
 
@@ -695,7 +684,8 @@ REMEMBER = ("Recuerda que {c}", "Apunta que {c}", "Acuérdate de que {c}", "No t
             "Guarda que {c}", "Anota esto: {c}", "Quiero que recuerdes que {c}", "Toma nota: {c}",
             "Memoriza que {c}", "Guárdame esto: {c}", "Apúntate que {c}", "Que no se te olvide que {c}",
             "Recuérdame que {c}", "Ten presente que {c}", "Para que lo sepas: {c}. Guárdalo",
-            "Apunta en mis recuerdos que {c}")  # fmt: skip
+            "Apunta en mis recuerdos que {c}",
+            "Esto es importante y no quiero que se me olvide: {c}. Guárdalo en mis recuerdos, por favor")  # fmt: skip
 REMEMBER_FAMILY = ("Recuerda para toda la familia que {c}", "Guarda para todos que {c}",
                    "Apunta en los recuerdos de la familia que {c}", "Que lo sepa toda la familia: {c}",
                    "Recuérdale a toda la familia que {c}", "Anota para toda la casa que {c}",
@@ -706,13 +696,16 @@ SEARCH_MEMORY = ("¿Qué te dije de {t}?", "¿Recuerdas {t}?", "¿Tienes apuntad
                  "Busca en mis recuerdos {t}", "¿Te acuerdas de {t}?", "¿Qué tengo guardado sobre {t}?",
                  "Mira en tus recuerdos {t}", "¿Qué te conté de {t}?", "¿Me recuerdas {t}?",
                  "¿Guardaste algo de {t}?", "¿Qué apuntaste sobre {t}?", "Busca lo que te dije de {t}",
-                 "¿Sabes algo de {t}? Creo que te lo dije")  # fmt: skip
+                 "¿Sabes algo de {t}? Creo que te lo dije",
+                 "Sobre {t}, hace tiempo te lo conté y ahora no me acuerdo bien: ¿qué te dije?")  # fmt: skip
 FORGET = ("Olvida {t}", "Borra lo de {t}", "Ya no hace falta que recuerdes {t}", "Quita de tus recuerdos {t}",
           "Olvídate de {t}", "Bórrame lo de {t}", "Elimina {t} de tus recuerdos", "Olvida lo de {t}, ya no sirve",
-          "Borra {t}, que ya no vale")  # fmt: skip
+          "Borra {t}, que ya no vale",
+          "Lo de {t} ya no sirve porque lo hemos cambiado todo esta semana, así que bórralo")  # fmt: skip
 FORGET_NUMBER = ("Olvida el recuerdo {n}", "Borra el recuerdo número {n}", "Elimina el recuerdo {n}",
                  "Quita el recuerdo {n}", "Borra el {n}", "Olvida el número {n}, por favor",
-                 "Puedes borrar el recuerdo {n}?")  # fmt: skip
+                 "Puedes borrar el recuerdo {n}?",
+                 "El recuerdo {n} ya no sirve de nada porque lo hemos cambiado todo, bórralo")  # fmt: skip
 SAVED = ("Hecho, lo he guardado: {x}.", "Guardado: {x}.", "Listo, queda guardado: {x}.",
          "Lo he guardado en tus recuerdos: {x}.", "Apuntado y guardado: {x}.")  # fmt: skip
 SAVED_FAMILY = ("Hecho, lo he guardado para toda la familia: {x}.", "Guardado para toda la familia: {x}.",

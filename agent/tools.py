@@ -581,6 +581,52 @@ def olvidar(arguments, context):
 
 
 # -----------------------------------------------------------------------------
+# Grounding: the numbers of a calculation or a date offset come from the conversation
+
+NUMBER = re.compile(r"\d+(?:[.,]\d+)*")
+
+
+def said_numbers(text):
+    """The numbers a text says in the forms a call may copy them in: with a decimal point ("2,35" is
+    2.35), without separators ("1.250" is also 1250), and Spanish style ("1.250,5" is 1250.5)."""
+    found = set()
+    for number in NUMBER.findall(text):
+        spanish = number.replace(".", "").replace(",", ".")
+        found |= {number.replace(",", "."), number.replace(".", "").replace(",", ""), spanish}
+    return {canonical(number) for number in found}
+
+
+def canonical(number):
+    """'2.50' and '2.5' are one number; '007' is '7'. Text only: a number of any length is no int."""
+    whole, _, fraction = number.partition(".")
+    if "." in fraction:
+        return number
+    whole, fraction = whole.lstrip("0") or "0", fraction.rstrip("0")
+    return f"{whole}.{fraction}" if fraction else whole
+
+
+def ungrounded(call, texts, known):
+    """The numbers of a calculadora expression or a fecha_hora offset that none of the texts says and
+    that are not known numbers, in the call's order."""
+    if call.name == "calculadora" and isinstance(call.arguments.get("expresion"), str):
+        numbers = NUMBER.findall(call.arguments["expresion"])
+    elif call.name == "fecha_hora" and isinstance(call.arguments.get("dias"), int):
+        numbers = [str(abs(call.arguments["dias"]))]
+    else:
+        return []
+    said = set().union(*map(said_numbers, texts)) | {canonical(str(n)) for n in known}
+    unsaid = [number for number in numbers if canonical(number.replace(",", ".")) not in said]
+    return list(dict.fromkeys(unsaid))
+
+
+def grounding_hint(numbers):
+    listed = " ni ".join(numbers)
+    verb = "aparece" if len(numbers) == 1 else "aparecen"
+    noun = "el número" if len(numbers) == 1 else "los números"
+    return f"(Aviso: {noun} {listed} no {verb} en la pregunta; usa los números que ha dicho la persona.)"
+
+
+# -----------------------------------------------------------------------------
 # The loop
 
 
@@ -615,6 +661,7 @@ class Agent:
         self.searcher = searcher
         self.on_event = on_event or (lambda kind, data: None)
         self.member = member
+        self.ungrounded = 0  # calls told that a number of theirs appears nowhere in the conversation
 
     def new_context(self):
         return Context(self.settings, self.count_tokens, self.clock, self.searcher, self.member)
@@ -683,7 +730,7 @@ class Agent:
         messages (assistant calls, tool results, the final assistant answer) to append to messages."""
         context = self.new_context()
         limit = self.settings["max_calls_per_turn"]
-        new, used = [], 0
+        new, used, hinted = [], 0, False
         while True:
             tools_on = self.tools_enabled and used < limit
             text = generate(self.conversation(messages + new, tools=tools_on))
@@ -709,6 +756,8 @@ class Agent:
                     )
                 else:
                     result = self.call(call, context)
+                    if not hinted and result.ok:
+                        hinted = self.hint_ungrounded(call, result, messages + new)
                 used += 1
                 self.on_event(
                     "result",
@@ -731,6 +780,21 @@ class Agent:
                     }
                 )
             new += [message, *results]
+
+    def hint_ungrounded(self, call, result, messages):
+        """Append the grounding hint to the result when the call uses a number the conversation never
+        says; whether it did (the hint is given once a turn)."""
+        grounding = self.settings["grounding"]
+        if not grounding["enabled"]:
+            return False
+        texts = [m["content"] for m in messages if isinstance(m.get("content"), str)]
+        numbers = ungrounded(call, texts, grounding["known_numbers"])
+        if not numbers:
+            return False
+        result.text = f"{result.text} {grounding_hint(numbers)}"
+        self.ungrounded += 1
+        self.on_event("ungrounded", {"name": call.name, "numbers": numbers})
+        return True
 
 
 SOURCES_HEADER = "Fuentes:"

@@ -9,7 +9,7 @@ Each step prints what it does as it goes; every figure lands in gpu-report.md. A
 and the next ones still run when they can; the exit status is 1 if any step failed.
 
   board     the device, its CUDA capability and whether bf16 runs on silicon; the shipped hardware profile
-            of that board (by capability, or --profile), checked by train.check_hardware; a matmul in the
+            of that board (by capability, or --profile), checked by hardware.check_hardware; a matmul in the
             profile's dtype against the profile's peak_tflops
   data      the stage-1 example's shards (data/corpus) if they are built, else the smoke corpus (built if
             missing); tiny-50m takes that tokenizer's vocabulary
@@ -49,6 +49,7 @@ import torch
 import config
 import data
 import fileio
+import hardware
 import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -189,7 +190,7 @@ def pick_profile(device, caps, name=None):
         profile = config.load_layer("hardware", path)
     except config.ConfigError as e:
         raise CheckError(f"{path}: " + "; ".join(e.problems)) from None
-    problems = train.check_hardware(profile, caps)
+    problems = hardware.check_hardware(profile, caps)
     if problems:
         raise CheckError(" ".join(problems))
     return name, profile
@@ -197,11 +198,11 @@ def pick_profile(device, caps, name=None):
 
 def step_board(check):
     args = check.args
-    caps = train.probe_device() if args.device == "cuda" else train.DeviceCaps(cuda_available=False)
+    caps = hardware.probe_device() if args.device == "cuda" else hardware.DeviceCaps(cuda_available=False)
     name, profile = pick_profile(args.device, caps, args.profile)
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
     dtype = getattr(torch, profile["dtype"])
-    measured = train.measure_peak_tflops(device, dtype, size=args.matmul_size, seconds=2.0)
+    measured = hardware.measure_peak_tflops(device, dtype, size=args.matmul_size, seconds=2.0)
     board_name = caps.name if caps.cuda_available else "cpu"
     if caps.cuda_available:
         memory = torch.cuda.get_device_properties(0).total_memory / 2**30
@@ -345,20 +346,20 @@ def nondeterministic_ops(cfg):
     when deterministic algorithms are asked for with warn_only)."""
     from model import Transformer
 
-    hardware = train.setup_hardware(cfg["hardware"])
+    board = hardware.setup_hardware(cfg["hardware"])
     torch.manual_seed(0)
     model = Transformer(
         cfg["model"],
-        attention_backend=hardware.attention_backend,
-        loss_chunk_size=cfg["hardware"]["loss_chunk_size"],
-    ).to(hardware.device)  # built as train.py builds it, so the probe runs the training step's kernels
+        attention_backend=board.attention_backend,
+        loss_chunk_size=board.loss_chunk_size,
+    ).to(board.device)  # built as train.py builds it, so the probe runs the training step's kernels
     shape = (cfg["train"]["micro_batch_size"], cfg["model"]["seq_len"])
-    x, y = (torch.randint(0, cfg["model"]["vocab_size"], shape, device=hardware.device) for _ in range(2))
+    x, y = (torch.randint(0, cfg["model"]["vocab_size"], shape, device=board.device) for _ in range(2))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.use_deterministic_algorithms(True, warn_only=True)
         try:
-            with hardware.autocast():
+            with board.autocast():
                 _, losses = model(x, y)
             losses["loss"].backward()
         finally:

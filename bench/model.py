@@ -24,6 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
+import hardware
 import model
 import train
 from bench.common import ROOT, layer
@@ -37,7 +38,8 @@ SHAPES = {
     "tiny-50m T512": ("tiny-50m", {"seq_len": 512}, 8, 1, 3),
     "tiny-50m T1024": ("tiny-50m", {}, 4, 1, 3),
 }
-CHUNK = layer("hardware", "cpu")["loss_chunk_size"]
+CPU = layer("hardware", "cpu")  # the profile every row trains with, read once
+CHUNK = CPU["loss_chunk_size"]
 CONTENDERS = [
     "nanoGPT",
     "transformers Qwen3",
@@ -112,7 +114,7 @@ def qwen3_twin(model_cfg):
 
 def contender(label, cfg):
     """(module, loss_of(module, idx, targets)) of one row of the table, as the cpu profile trains it."""
-    backend = layer("hardware", "cpu")["attention_backend"]
+    backend = CPU["attention_backend"]
     if label == "nanoGPT":
         return NanoGPT(cfg), lambda net, idx, targets: net(idx, targets)
     if label == "transformers Qwen3":
@@ -244,14 +246,14 @@ def bench_model():
     """Every contender at every shape, each in its own process, trained with the same AdamW on the same
     random tokens: tokens/s, the process's peak resident memory, ratios to nanoGPT and transformers'
     Qwen3; torch.compile's cost and when it pays; the LM head + loss's own peak memory. MFU divides each
-    model's 6 x parameters + attention FLOPs by train.measure_peak_tflops, the figure a run's log uses."""
+    model's 6 x parameters + attention FLOPs by hardware.measure_peak_tflops, the figure a run's log uses."""
     runs = len(SHAPES) * (len(CONTENDERS) + len(LOSSES))
     print(
         f"model: {runs} fresh processes, {len(SHAPES)} shapes (about 15 minutes on an idle 2-core CPU)",
         flush=True,
     )
     load_before = load_average()
-    peak = train.measure_peak_tflops(torch.device("cpu")) * 1e12
+    peak = hardware.measure_peak_tflops(torch.device("cpu")) * 1e12
     for shape in SHAPES:
         cfg, micro_batch, _, rounds = shape_config(shape)
         rows = {label: run_child("step", shape, label) for label in CONTENDERS}
@@ -323,7 +325,7 @@ def uncached_rate(net, prompt, new_tokens):
 def bench_decode():
     """tiny-50m (random weights, the cpu profile's kernel) at 128 and ~1024 tokens of context, and the
     smoke model generating 4 x seq_len tokens, which makes generate restart its cache every seq_len / 2."""
-    backend = layer("hardware", "cpu")["attention_backend"]
+    backend = CPU["attention_backend"]
     torch.manual_seed(0)
     tiny = model.Transformer(layer("model", "tiny-50m"), backend).eval()
     generated, uncached_tokens = 32, 4

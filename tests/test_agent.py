@@ -578,3 +578,82 @@ def test_the_chat_repl_turns_tools_off_when_their_schemas_do_not_fit_the_context
     shown = chat_session(shard_data_dir, "hola\n/exit\n", Script(), seq_len=64)
     assert "(tools off: their schemas need " in shown and "of the 56 tokens this context leaves)" in shown
     assert "[tool" not in shown
+
+
+# --- grounding: the numbers of a calculation come from the conversation -----------------------------------
+
+
+def test_a_calculation_with_a_number_nobody_said_gets_a_hint_once_and_is_counted(settings):
+    # the model copies a memorised expression instead of the question's numbers, then does it again
+    events = []
+    helper = agent.Agent(
+        settings, clock=lambda: MONDAY, on_event=lambda kind, data: events.append((kind, data))
+    )
+    script = Script(
+        call_text("calculadora", {"expresion": "110*30/100"}),
+        call_text("calculadora", {"expresion": "110*870"}),
+        call_text("calculadora", {"expresion": "870*10%"}),
+        "Es 87.",
+    )
+    question = [{"role": "user", "content": "¿Cuánto es el 10 % de 870?"}]
+    new = helper.run_turn(question, script)
+    results = tool_texts(new)
+    assert (
+        results[0]
+        == "33 (Aviso: el número 110 no aparece en la pregunta; usa los números que ha dicho la persona.)"
+    )
+    assert results[1:] == ["95700", "87"]  # once a turn: the second call gets no hint
+    assert helper.ungrounded == 1
+    assert ("ungrounded", {"name": "calculadora", "numbers": ["110"]}) in events
+    assert "el número 110 no aparece" in script.seen[1]["messages"][-1]["content"]  # the model reads it
+
+
+def test_numbers_said_anywhere_in_the_conversation_or_known_get_no_hint(settings):
+    memories = "Eres ENLACE.\n\nRecuerdos:\n- [4] El alquiler es de 1.250,50 euros"
+    conversation = [
+        {"role": "system", "content": memories},
+        {"role": "user", "content": "¿Cuánto pago en 2 años si subo el alquiler 3,5 por ciento?"},
+    ]
+    script = Script(call_text("calculadora", {"expresion": "1250.5*(1+3.50/100)*12*2"}), "Unos 31.000 euros.")
+    helper = agent.Agent(settings, clock=lambda: MONDAY)
+    new = helper.run_turn(conversation, script)
+    assert tool_texts(new) == ["31062,42"] and helper.ungrounded == 0
+
+
+@pytest.mark.parametrize(
+    ("question", "arguments", "hinted"),
+    [
+        ("¿Qué día será dentro de 45 días?", {"dias": 45}, None),
+        ("¿Qué día será dentro de 45 días?", {"dias": 54}, "el número 54 no aparece"),
+        ("¿Qué día fue hace 13 días?", {"dias": -13}, None),
+        ("¿Qué día es mañana?", {"dias": 1}, None),
+        ("¿Qué hora es en Tokio?", {"zona": "Asia/Tokyo"}, None),
+    ],
+)
+def test_a_date_offset_is_checked_like_a_calculation(settings, question, arguments, hinted):
+    new, events = run(settings, Script(call_text("fecha_hora", arguments), "Listo."), question)
+    text = tool_texts(new)[0]
+    assert (
+        (hinted in text)
+        if hinted
+        else ("Aviso" not in text and not any(k == "ungrounded" for k, _ in events))
+    )
+
+
+def test_two_unsaid_numbers_are_named_together_and_grounding_can_be_off(settings):
+    new, _ = run(
+        settings, Script(call_text("calculadora", {"expresion": "347*28"}), "Ya."), "¿Cuánto es 34 por 82?"
+    )
+    assert "los números 347 ni 28 no aparecen en la pregunta" in tool_texts(new)[0]
+    settings["grounding"]["enabled"] = False
+    new, _ = run(
+        settings, Script(call_text("calculadora", {"expresion": "347*28"}), "Ya."), "¿Cuánto es 34 por 82?"
+    )
+    assert tool_texts(new) == ["9716"]
+
+
+def test_a_failed_call_gets_its_error_and_no_grounding_hint(settings):
+    new, _ = run(
+        settings, Script(call_text("calculadora", {"expresion": "77/0"}), "No se puede."), "Divide 5 entre 0"
+    )
+    assert tool_texts(new)[0].startswith("Error: división entre cero") and "Aviso" not in tool_texts(new)[0]

@@ -9,6 +9,7 @@ import re
 import pytest
 
 from agent import dataset as agent_data
+from agent import phrases
 from agent import tools as agent
 from chat import template as chat
 from evaluation import tool_use as agent_eval
@@ -154,6 +155,61 @@ def test_a_calls_values_come_from_the_question_or_the_listed_memories(generated)
     ]
 
 
+def test_a_search_is_the_questions_own_words_as_typed(generated):
+    train, held_out = generated
+    searches = [
+        c for c in train + held_out if kind_of(c) in ("buscar_web", "sin_resultados", "error_busqueda")
+    ]
+    assert len(searches) > 50
+    for conversation in searches:
+        query, question = (
+            the_call(conversation)["arguments"]["consulta"],
+            agent_data.user_question(conversation),
+        )
+        assert query and all(word in question for word in query.split()), (question, query)
+
+
+def test_a_percentage_is_written_as_the_question_writes_it():
+    # "el 15% de 2400" -> 2400*15%: the calculator reads %, so no constant the question lacks is needed
+    settings = agent.load_settings()
+    assert agent.calculate("2400*15%", settings["calculator"]) == 360
+    assert agent.calculate("64-64*30%", settings["calculator"]) == pytest.approx(44.8)
+    assert not any("/100" in case["expression"] for case in phrases.CALCULATIONS)
+
+
+def far_value(conversation):
+    """A value of the call that the question holds: a number, a memory's words, a search's first word."""
+    arguments, kind = the_call(conversation)["arguments"], kind_of(conversation)
+    if kind == "calculadora":
+        return re.findall(r"\d+(?:[.,]\d+)?", arguments["expresion"])[0]
+    if kind == "fecha_hora":
+        return str(abs(arguments["dias"])) if "dias" in arguments else None
+    if kind == "olvidar":
+        return str(arguments["id"])
+    if kind == "recordar":
+        return arguments["texto"][1:]
+    words = list(arguments.values())[0].split()
+    return words[0] if kind in ("buscar_web", "sin_resultados", "error_busqueda") else words[-1]
+
+
+def test_every_tool_is_taught_a_case_whose_value_sits_far_from_the_request(generated):
+    train, _ = generated
+    far = collections.Counter()
+    for conversation in (c for c in train if kind_of(c) != "sin_herramienta"):
+        value, question = far_value(conversation), agent_data.user_question(conversation)
+        if value and value in question:  # then at least 6 words before the request ends the question
+            far[the_call(conversation)["name"]] += len(question.split(value, 1)[1].split()) >= 6
+    assert set(far) == set(agent.TOOLS) and min(far.values()) >= 3, far
+
+
+def test_the_copy_share_counts_numbers_and_words_of_the_prompt_in_the_tools_form():
+    assert agent_data.copied("3*2.35", "Si compro 3 kilos a 2,35 €")
+    assert agent_data.copied(-12, "¿Qué día fue hace 12 días?")
+    assert agent_data.copied("Cumpleanos de Lucia", "recuerda el cumpleaños de Lucía")
+    assert not agent_data.copied("110*30/100", "¿Cuánto es el 10 % de 870?")
+    assert not agent_data.copied("America/Bogota", "¿Qué hora es en Bogotá?")
+
+
 def test_arguments_are_drawn_wide_enough_that_few_repeat(generated):
     train, held_out = generated
     arguments = collections.Counter(agent_data.call_arguments(c) for c in train) - collections.Counter(
@@ -184,7 +240,8 @@ def test_generate_writes_both_files_and_reports_the_unseen_share(tmp_path, capsy
     held_out = agent_data.read_jsonl(tmp_path / "out" / "eval.jsonl")
     assert 0 < len(held_out) < len(train) and len(train) + len(held_out) <= 60
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["eval.jsonl", "train.jsonl"]
-    assert "% of the " in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "held-out calls appear in no training call" in out and "are spans of their prompt (" in out
 
 
 # --- the hand-written set ------------------------------------------------------------------------------

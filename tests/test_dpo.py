@@ -15,6 +15,7 @@ from conftest import CHAT_SEQ_LEN, ROOT, TINY, example_conversations, write_json
 
 import config
 import data
+import hardware
 import train
 import train_dpo
 from chat import convert as chat_convert
@@ -112,7 +113,7 @@ def test_a_pair_whose_chosen_answer_is_its_rejected_one_gives_log_2_and_no_gradi
     torch.manual_seed(2)
     cfg = config.load(os.path.join(ROOT, "configs", "smoke-cpu.yaml"), TINY)
     model = Transformer(cfg["model"]).double()  # float64 (the norms compute in float32 whatever the dtype)
-    hardware = types.SimpleNamespace(
+    cpu = types.SimpleNamespace(
         device=torch.device("cpu"), autocast=lambda: torch.autocast("cpu", enabled=False)
     )
     reference = torch.tensor([[-40.0, -40.0]], dtype=torch.float64)
@@ -124,7 +125,7 @@ def test_a_pair_whose_chosen_answer_is_its_rejected_one_gives_log_2_and_no_gradi
     def gradient(x):
         model.zero_grad()
         loss, sums, _ = train_dpo.micro_step(
-            model, (x, y.repeat(2, 1), torch.tensor([0])), reference, dpo, hardware
+            model, (x, y.repeat(2, 1), torch.tensor([0])), reference, dpo, cpu
         )
         loss.backward()
         return loss.item(), sums, max(p.grad.abs().max().item() for p in model.parameters())
@@ -199,10 +200,10 @@ def test_a_dpo_run_logs_its_rewards_and_held_out_figures_and_keeps_the_starting_
 
     # The reference is the starting run's log-probs: recomputed here from its checkpoint, the same bits.
     start, _ = train.init_checkpoint(cfg, quiet)
-    hardware = train.setup_hardware(cfg["hardware"])
-    base = Transformer(cfg["model"], attention_backend=hardware.attention_backend)
+    board = hardware.setup_hardware(cfg["hardware"])
+    base = Transformer(cfg["model"], attention_backend=board.attention_backend)
     base.load_state_dict(train.load_checkpoint(start)["model"])
-    expected = train_dpo.reference_log_probs(base, cfg, hardware, train.Dist(), quiet)
+    expected = train_dpo.reference_log_probs(base, cfg, board, hardware.Dist(), quiet)
     checkpoints = [train.load_checkpoint(path) for path in train.list_checkpoints(train.run_dir_of(cfg))]
     assert [c["step"] for c in checkpoints] == [8, 6]
     for checkpoint in checkpoints:
@@ -226,7 +227,7 @@ def test_a_dpo_run_logs_its_rewards_and_held_out_figures_and_keeps_the_starting_
     evals = [r for r in records if "val_loss" in r]
     assert [r["step"] for r in evals] == [4, 8]
     final = evals[-1]
-    assert final["val_pairs"] == len(train_dpo.split_loader(cfg, "val", train.Dist()).rank_pairs())
+    assert final["val_pairs"] == len(train_dpo.split_loader(cfg, "val", hardware.Dist()).rank_pairs())
     assert (
         final["val_prompts"] == 8
         and 0 <= final["val_accuracy"] <= 1

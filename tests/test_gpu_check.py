@@ -11,7 +11,7 @@ from conftest import ROOT
 
 import config
 from bench import gpu_check
-from train import DeviceCaps
+from hardware import DeviceCaps
 
 STAMP = ".venv/.requirements.stamp"  # `make -o STAMP`: the shared .venv as it is, never reinstalled
 

@@ -7,8 +7,8 @@ import torch
 import yaml
 
 import config
-import train
-from train import DeviceCaps, check_hardware
+import hardware
+from hardware import DeviceCaps, check_hardware
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RTX_2060 = DeviceCaps(
@@ -54,14 +54,14 @@ def test_float16_without_grad_scaler_is_refused_on_the_gpu_too():
 def test_a_cuda_profile_on_a_machine_without_cuda_names_the_profile_and_the_device_found():
     (problem,) = check_hardware(profile("turing-2060"), NO_CUDA)
     assert "hardware profile 'turing-2060' needs CUDA" in problem and "found: cpu" in problem
-    with pytest.raises(train.TrainError, match="turing-2060"):
-        train.setup_hardware(profile("turing-2060"), caps=NO_CUDA)
+    with pytest.raises(hardware.HardwareError, match="turing-2060"):
+        hardware.setup_hardware(profile("turing-2060"), caps=NO_CUDA)
 
 
 def test_native_bf16_is_asked_without_emulation(monkeypatch):
     # What torch reports on an RTX 2060: bf16 "supported" only when emulation counts.
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
-    assert train.bf16_is_native() is False
+    assert hardware.bf16_is_native() is False
 
 
 def test_native_bf16_falls_back_to_compute_capability_on_older_torch(monkeypatch):
@@ -70,15 +70,15 @@ def test_native_bf16_falls_back_to_compute_capability_on_older_torch(monkeypatch
 
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", old_signature)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=0: (7, 5))
-    assert train.bf16_is_native() is False
+    assert hardware.bf16_is_native() is False
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=0: (8, 0))
-    assert train.bf16_is_native() is True
+    assert hardware.bf16_is_native() is True
 
 
 def test_the_cpu_profile_measures_its_own_peak_for_mfu():
-    hardware = train.setup_hardware(profile("cpu"), caps=NO_CUDA)
-    assert hardware.device.type == "cpu" and hardware.peak_tflops > 0
-    assert not hardware.scaler.is_enabled()
+    cpu = hardware.setup_hardware(profile("cpu"), caps=NO_CUDA)
+    assert cpu.device.type == "cpu" and cpu.peak_tflops > 0
+    assert not cpu.scaler.is_enabled()
 
 
 def test_a_negative_loss_chunk_size_is_refused_naming_the_key():

@@ -1,0 +1,221 @@
+"""
+The agent on a size ladder: each rung trained on the same tool data with several SFT seeds, evaluated on
+both sets (evaluation/tool_use.py), and one table of the mean and the min–max over seeds.
+
+    python -m evaluation.ladder --rung a configs/sft-agent-tiny-cpu.yaml \
+                                --rung b configs/sft-agent-cpu.yaml configs/smoke-corpus-cpu.yaml \
+                                [--seeds 1 2 3] [--table]
+
+A rung is a name, its SFT run file and, optionally, the pretraining run file it starts from. The
+pretraining runs once per rung (kept when it already has a checkpoint); each seed is an SFT run
+<runs_dir>/ladder-<name>-s<seed> (train.seed=<seed>, init_from the pretraining) followed by the agent
+evaluation into its agent_eval.json. A seed whose agent_eval.json exists is not trained again, and one
+with checkpoints but no evaluation resumes from its newest checkpoint (train.py --resume), so a ladder
+stopped half-way goes on where it stopped; --table only prints the table of what is there.
+The CPU time of every training run (user + system, of the child processes) goes to train_time.json
+in its folder.
+"""
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+import config
+import fileio
+
+SETS = (("generated", "generated"), ("hand-written", "hand-written"))
+RATES = (("right", "all", "right tool"), ("valid", "called", "valid syntax"),
+         ("arguments", "needing", "key values in the arguments"), ("uses", "answered", "result used"))  # fmt: skip
+TOOLS = ("calculadora", "fecha_hora", "buscar_web", "recordar", "buscar_recuerdos", "olvidar", "ninguna")
+
+
+def run_dir(cfg):
+    return os.path.join(cfg["train"]["runs_dir"], cfg["run_name"])
+
+
+def tokens_of(cfg):
+    """The tokens a run trains on: steps x rows x accumulation x sequence length."""
+    train = cfg["train"]
+    return (
+        train["max_steps"] * train["micro_batch_size"] * train["grad_accum_steps"] * cfg["model"]["seq_len"]
+    )
+
+
+def timed(command, folder, resumed=False):
+    """Run a command; its CPU and wall seconds go to <folder>/train_time.json (added to those there when
+    it resumes a run)."""
+    before, started = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
+    print("+", " ".join(command), flush=True)
+    code = subprocess.run(command, check=False).returncode
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if code != 0:
+        raise SystemExit(f"evaluation/ladder.py: {' '.join(command)} failed with exit status {code}")
+    spent = {"user_s": round(after.ru_utime - before.ru_utime, 1), "system_s": round(after.ru_stime - before.ru_stime, 1),
+             "wall_s": round(time.perf_counter() - started, 1)}  # fmt: skip
+    earlier = read_json(os.path.join(folder, "train_time.json")) if resumed else None
+    if earlier:
+        spent = {key: round(value + earlier.get(key, 0.0), 1) for key, value in spent.items()}
+    fileio.write_json(os.path.join(folder, "train_time.json"), spent)
+
+
+def has_checkpoint(folder):
+    return os.path.isdir(folder) and any(name.startswith("ckpt_") for name in os.listdir(folder))
+
+
+def climb(rungs, seeds, generated, overrides=(), limit=0):
+    """Train and evaluate what is missing, one run at a time; overrides go to every SFT run, limit (the
+    first N prompts of each set) to every evaluation: a quick check of the ladder itself."""
+    python = sys.executable
+    for name, sft_path, pretrain_path in rungs:
+        start = []
+        if pretrain_path:
+            pretrain = run_dir(config.load(pretrain_path))
+            if not has_checkpoint(pretrain):
+                timed([python, "train.py", pretrain_path], pretrain)
+            start.append(f"train.init_from={pretrain}")
+        for seed in seeds:
+            run_overrides = [f"run_name=ladder-{name}-s{seed}", f"train.seed={seed}", *start, *overrides]
+            folder = run_dir(config.load(sft_path, run_overrides))
+            if os.path.exists(os.path.join(folder, "agent_eval.json")):
+                continue
+            resume = ["--resume"] if has_checkpoint(folder) else []  # a run stopped half-way goes on
+            timed([python, "train.py", sft_path, *run_overrides, *resume], folder, resumed=bool(resume))
+            command = [
+                python,
+                "-m",
+                "evaluation.tool_use",
+                folder,
+                "--generated",
+                generated,
+                "--limit",
+                str(limit),
+            ]
+            print("+", " ".join(command), flush=True)
+            if subprocess.run(command, check=False).returncode != 0:
+                raise SystemExit(f"evaluation/ladder.py: the agent evaluation of {folder} failed")
+
+
+# -----------------------------------------------------------------------------
+# The table
+
+
+def read_json(path):
+    if not os.path.exists(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def parameters(cfg):
+    """The parameter count of the run's model, built without memory (the meta device)."""
+    import torch
+
+    import model
+
+    with torch.device("meta"):
+        return model.Transformer(cfg["model"]).num_params()
+
+
+def cpu_minutes(folder):
+    spent = read_json(os.path.join(folder, "train_time.json"))
+    return None if spent is None else (spent["user_s"] + spent["system_s"]) / 60
+
+
+def rung_figures(name, sft_path, pretrain_path, seeds, overrides=()):
+    """{row label: [value per evaluated seed]} for one rung."""
+    rows, evaluated = {}, []
+    for seed in seeds:
+        cfg = config.load(sft_path, [f"run_name=ladder-{name}-s{seed}", f"train.seed={seed}", *overrides])
+        report = read_json(os.path.join(run_dir(cfg), "agent_eval.json"))
+        if report is not None:
+            evaluated.append((cfg, report))
+    if not evaluated:
+        return rows, 0
+    pretrain = config.load(pretrain_path) if pretrain_path else None
+    rows["parameters (M)"] = [parameters(evaluated[0][0]) / 1e6]
+    rows["pretraining tokens (M)"] = [tokens_of(pretrain) / 1e6 if pretrain else 0.0]
+    rows["SFT tokens (M)"] = [tokens_of(cfg) / 1e6 for cfg, _ in evaluated]
+    if pretrain and cpu_minutes(run_dir(pretrain)) is not None:
+        rows["pretraining CPU time (min)"] = [cpu_minutes(run_dir(pretrain))]
+    rows["SFT CPU time (min)"] = [
+        m for m in (cpu_minutes(run_dir(cfg)) for cfg, _ in evaluated) if m is not None
+    ]
+    for label, key in SETS:
+        for part, whole, title in RATES:
+            values = []
+            for _, report in evaluated:
+                counts = report["sets"][key]["counts"]
+                if counts[whole]:
+                    values.append(100 * counts[part] / counts[whole])
+            rows[f"{label}: {title} (%)"] = values
+        for tool in TOOLS:
+            right, arguments = [], []
+            for _, report in evaluated:
+                row = report["sets"][key]["by_tool"].get(tool)
+                if row and row["prompts"]:
+                    right.append(100 * row["right"] / row["prompts"])
+                    arguments.append(100 * row["arguments"] / row["prompts"])
+            rows[f"{label}: {tool} right tool (%)"] = right
+            if tool != "ninguna":
+                rows[f"{label}: {tool} key values (%)"] = arguments
+    return rows, len(evaluated)
+
+
+def cell(values, digits=1):
+    """'mean (min–max)' of the values; a single value (or all alike) alone; '-' for none."""
+    if not values:
+        return "-"
+    mean, low, high = (
+        f"{value:.{digits}f}" for value in (statistics.fmean(values), min(values), max(values))
+    )
+    return mean if low == high else f"{mean} ({low}–{high})"
+
+
+def table(rungs, seeds, overrides=()):
+    figures = {name: rung_figures(name, sft, pretrain, seeds, overrides) for name, sft, pretrain in rungs}
+    labels = list(dict.fromkeys(label for rows, _ in figures.values() for label in rows))
+    header = f"{'':48s}" + "".join(f"{f'{name} ({n} seeds)':>24s}" for name, (_, n) in figures.items())
+    lines = [header]
+    for label in labels:
+        digits = 2 if label.endswith("(M)") else 1  # a model's millions of parameters and tokens
+        cells = (cell(rows.get(label, []), digits) for rows, _ in figures.values())
+        lines.append(f"{label:48s}" + "".join(f"{text:>24s}" for text in cells))
+    return "\n".join(lines)
+
+
+def main(argv):
+    parser = argparse.ArgumentParser(description="Train and evaluate the agent on a size ladder.")
+    parser.add_argument("--rung", nargs="+", action="append", required=True,
+                        metavar="NAME SFT_CONFIG [PRETRAIN_CONFIG]", help="a rung of the ladder")  # fmt: skip
+    parser.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3], help="the SFT seeds of every rung")
+    parser.add_argument("--generated", default="data/agent/eval.jsonl", help="agent/dataset.py's eval.jsonl")
+    parser.add_argument("--table", action="store_true", help="only print the table of the runs there are")
+    parser.add_argument("--override", nargs="+", default=[], metavar="KEY=VALUE", help="for every SFT run")
+    parser.add_argument("--limit", type=int, default=0, help="evaluate only the first N prompts of each set")
+    args = parser.parse_args(argv)
+    rungs = []
+    for rung in args.rung:
+        if len(rung) not in (2, 3):
+            parser.error(f"--rung {' '.join(rung)}: give NAME SFT_CONFIG [PRETRAIN_CONFIG]")
+        rungs.append((rung[0], rung[1], rung[2] if len(rung) == 3 else None))
+    try:
+        for _, sft_path, pretrain_path in rungs:
+            config.load(sft_path, args.override)
+            if pretrain_path:
+                config.load(pretrain_path)
+    except config.ConfigError as exc:
+        print(f"evaluation/ladder.py: {exc}", file=sys.stderr)
+        return 2
+    if not args.table:
+        climb(rungs, args.seeds, args.generated, args.override, args.limit)
+    print(table(rungs, args.seeds, args.override))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,210 @@
+"""
+The hardware profile against the real board: the only code that knows how boards differ.
+
+probe_device() says what this machine offers, check_hardware() what a profile (configs/hardware/) asks that
+the board cannot do, setup_hardware() turns the profile into a Hardware (device, autocast, GradScaler,
+attention kernel, peak TFLOP/s for MFU) and init_distributed() joins torchrun's process group.
+"""
+
+import contextlib
+import datetime
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+class HardwareError(Exception):
+    """A profile this machine cannot run; the message names the profile, the board and what to use."""
+
+
+# -----------------------------------------------------------------------------
+# The board and the profile
+
+
+@dataclass
+class DeviceCaps:
+    """What the machine offers, probed once (or passed in by tests)."""
+
+    cuda_available: bool
+    name: str = "cpu"
+    capability: tuple = (0, 0)  # CUDA compute capability
+    bf16_native: bool = False  # False on Turing, where bf16 only runs emulated
+
+
+def bf16_is_native(device_index=0):
+    """True only where bf16 runs in hardware. The default is_bf16_supported() also says True on an
+    RTX 2060, where bf16 is emulated ~2.6x slower than fp16: that is exactly the case to refuse."""
+    try:
+        return bool(torch.cuda.is_bf16_supported(including_emulation=False))
+    except TypeError:  # older torch without the argument
+        return torch.cuda.get_device_capability(device_index) >= (8, 0)
+
+
+def probe_device(local_rank=0):
+    if not torch.cuda.is_available():
+        return DeviceCaps(cuda_available=False)
+    return DeviceCaps(
+        cuda_available=True,
+        name=torch.cuda.get_device_name(local_rank),
+        capability=torch.cuda.get_device_capability(local_rank),
+        bf16_native=bf16_is_native(local_rank),
+    )
+
+
+def check_hardware(profile, caps):
+    """Problems of running `profile` on a device with `caps`; empty when it fits."""
+    name = f"hardware profile '{profile['name']}'"
+    if profile["device"] == "cpu":
+        return []
+    if not caps.cuda_available:
+        return [
+            f"{name} needs CUDA, but this machine has no CUDA device (found: cpu); "
+            "use configs/hardware/cpu.yaml"
+        ]
+    problems = []
+    sm = f"sm{caps.capability[0]}{caps.capability[1]}"
+    if profile["dtype"] == "bfloat16" and not caps.bf16_native:
+        problems.append(
+            f"{name} asks for bfloat16, but {caps.name} ({sm}) has no native bf16 (only emulated, ~2.6x "
+            "slower than float16); use dtype: float16 with grad_scaler: true "
+            "(configs/hardware/turing-2060.yaml)"
+        )
+    if profile["attention_backend"] == "flash" and caps.capability < (8, 0):
+        problems.append(
+            f"{name} asks for flash attention, which needs sm80 or newer; {caps.name} is {sm}: "
+            "use attention_backend: mem_efficient"
+        )
+    if profile["dtype"] == "float16" and not profile["grad_scaler"]:
+        problems.append(f"{name}: float16 without a GradScaler underflows; set grad_scaler: true")
+    return problems
+
+
+def measure_peak_tflops(device, dtype=torch.float32, size=2048, seconds=1.0, min_timings=5):
+    """Dense matmul throughput actually reached on this device: the reference for MFU where the hardware
+    profile gives none, and the figure `make bench` divides by, so a run's logged MFU and the bench's
+    agree. Square matmuls of `size` (large enough that the BLAS kernel runs at full speed), one untimed
+    for warm-up, then the best of repeated timings for `seconds` and at least `min_timings`: a neighbour
+    process can only slow a timing down, never speed it up."""
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+
+    def timed_matmul():
+        start = time.perf_counter()
+        a @ b
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    timed_matmul()
+    timings = []
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline or len(timings) < min_timings:
+        timings.append(timed_matmul())
+    return 2 * size**3 / min(timings) / 1e12
+
+
+# Measured once per process and device: a --resume-check's three runs, or a test session's many tiny
+# runs, share one figure instead of paying for it each time.
+_measured_peak_tflops = {}
+
+
+@dataclass
+class Hardware:
+    """The run's hardware section, read once and set up on this machine by setup_hardware(): what builds
+    the model, runs a step or logs the run takes it from here, never from cfg["hardware"] again."""
+
+    device: torch.device
+    dtype: str  # the profile's: float32, bfloat16 or float16 (the autocast dtype)
+    autocast: object  # a callable returning a context manager
+    scaler: torch.amp.GradScaler
+    attention_backend: str
+    loss_chunk_size: int  # positions per chunk of the LM head + loss; 0: the full logits
+    compile: bool  # wrap the model in torch.compile
+    memory_gib: float | None  # what a step may use (microbatch.py's estimate); None: not checked
+    peak_tflops: float  # the profile's, or measured here: the MFU reference
+    description: str
+
+
+def setup_hardware(profile, local_rank=0, caps=None):
+    caps = caps or probe_device(local_rank)
+    problems = check_hardware(profile, caps)
+    if problems:
+        raise HardwareError("\n".join(problems))
+    if profile["device"] == "cuda":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+        description = f"{caps.name} (sm{caps.capability[0]}{caps.capability[1]})"
+    else:
+        device = torch.device("cpu")
+        description = f"cpu ({torch.get_num_threads()} threads)"
+    dtype = getattr(torch, profile["dtype"])
+    if dtype == torch.float32:
+        autocast = contextlib.nullcontext
+    else:
+        autocast = lambda: torch.autocast(device_type=device.type, dtype=dtype)
+    scaler = torch.amp.GradScaler(device.type, enabled=profile["grad_scaler"])
+    peak = profile["peak_tflops"]
+    if not peak:
+        key = (str(device), dtype if device.type == "cuda" else torch.float32)
+        if key not in _measured_peak_tflops:
+            _measured_peak_tflops[key] = measure_peak_tflops(device, key[1])
+        peak = _measured_peak_tflops[key]
+    return Hardware(
+        device=device,
+        dtype=profile["dtype"],
+        autocast=autocast,
+        scaler=scaler,
+        attention_backend=profile["attention_backend"],
+        loss_chunk_size=profile["loss_chunk_size"],
+        compile=profile["compile"],
+        memory_gib=profile["memory_gib"],
+        peak_tflops=peak,
+        description=description,
+    )
+
+
+# -----------------------------------------------------------------------------
+# Distributed: torchrun sets RANK, LOCAL_RANK and WORLD_SIZE; without them we are one process
+
+
+@dataclass
+class Dist:
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+
+    @property
+    def enabled(self):
+        return self.world_size > 1
+
+    @property
+    def is_main(self):
+        return self.rank == 0
+
+
+def init_distributed(profile, timeout_s):
+    """This process's place in torchrun's job, the process group joined (nccl for a cuda profile, gloo
+    on the CPU); a lone process without torchrun's variables."""
+    if "RANK" not in os.environ:
+        return Dist()
+    ctx = Dist(int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"]))
+    # A collective that waits longer than the timeout raises instead of hanging, so a crashed rank ends
+    # the whole job (torchrun then stops the rest).
+    dist.init_process_group(
+        backend="nccl" if profile["device"] == "cuda" else "gloo",
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    return ctx
+
+
+def all_ranks_true(flag, ctx, device):
+    if not ctx.enabled:
+        return flag
+    t = torch.tensor([1.0 if flag else 0.0], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return bool(t.item())

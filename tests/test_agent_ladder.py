@@ -1,0 +1,74 @@
+"""evaluation/ladder.py: the agent on a size ladder — a seed already evaluated is read, not trained again,
+and the table gives each rung's figures as the mean and the min–max over its seeds."""
+
+import os
+
+import pytest
+from test_agent_eval import replaying
+
+import fileio
+from agent import dataset as agent_data
+from agent import tools as agent
+from evaluation import ladder
+from evaluation import tool_use as agent_eval
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(ROOT, "configs", "sft-agent-tiny-cpu.yaml")
+
+
+@pytest.fixture(scope="module")
+def reports():
+    """Two seeds' agent_eval.json as evaluation/tool_use.py writes them: one model that replies as the
+    references do, one that never calls a tool."""
+    settings = agent.load_settings()
+    entries = agent_data.read_jsonl(agent_eval.HANDWRITTEN)
+    cases = list(agent_eval.handwritten_cases(entries, settings, agent.Agent(settings).count_tokens, 4096))
+    quiet = lambda *args: None  # noqa: E731
+    right = agent_eval.evaluate(cases, replaying(cases), settings, log=quiet)
+    silent = agent_eval.evaluate(cases, replaying(cases, silent=True), settings, log=quiet)
+    return [{"sets": {"generated": report, "hand-written": report}} for report in (right, silent)]
+
+
+def test_the_table_gives_the_mean_and_the_range_over_the_seeds_there_are(reports, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the runs are <runs_dir>/ladder-<rung>-s<seed>, runs_dir "runs" here
+    for seed, report in zip((1, 2), reports, strict=True):
+        fileio.write_json(f"runs/ladder-a-s{seed}/agent_eval.json", report)
+        fileio.write_json(
+            f"runs/ladder-a-s{seed}/train_time.json", {"user_s": 60.0 * seed, "system_s": 0.0, "wall_s": 1}
+        )
+    rows, seeds = ladder.rung_figures("a", TINY, None, [1, 2, 3])  # seed 3 has not run
+    assert seeds == 2
+    none_needed = sum(entry["tool"] is None for entry in agent_data.read_jsonl(agent_eval.HANDWRITTEN))
+    silent_right = 100 * none_needed / reports[1]["sets"]["hand-written"]["counts"]["all"]
+    assert rows["hand-written: right tool (%)"] == [100.0, silent_right]
+    assert rows["hand-written: ninguna right tool (%)"] == [100.0, 100.0]
+    assert rows["hand-written: calculadora right tool (%)"] == [100.0, 0.0]
+    assert rows["hand-written: valid syntax (%)"] == [100.0]  # the silent seed made no call to judge
+    assert rows["parameters (M)"] == [pytest.approx(0.918272)]
+    assert rows["SFT tokens (M)"] == [1456 * 2 * 2048 / 1e6] * 2 and rows["pretraining tokens (M)"] == [0.0]
+    assert rows["SFT CPU time (min)"] == [1.0, 2.0]
+    text = ladder.table([("a", TINY, None), ("b", TINY, None)], [1, 2, 3])
+    line = next(line for line in text.splitlines() if line.startswith("hand-written: right tool (%)"))
+    mean = (100 + silent_right) / 2
+    assert f"{mean:.1f} ({silent_right:.1f}–100.0)" in line and line.rstrip().endswith("-")
+    assert "a (2 seeds)" in text.splitlines()[0] and "b (0 seeds)" in text.splitlines()[0]
+
+
+def test_a_seed_already_evaluated_is_not_trained_again(reports, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    fileio.write_json("runs/ladder-a-s1/agent_eval.json", reports[0])
+    ladder.climb([("a", TINY, None)], [1], "data/agent/eval.jsonl")  # would fail: no data to train on here
+    assert "+ " not in capsys.readouterr().out
+
+
+def test_a_cell_is_the_mean_and_the_range_or_one_value_or_a_dash():
+    assert ladder.cell([40.0, 50.0, 60.0]) == "50.0 (40.0–60.0)"
+    assert ladder.cell([46.4]) == "46.4" and ladder.cell([7.0, 7.0]) == "7.0" and ladder.cell([]) == "-"
+
+
+def test_a_rung_needs_a_name_and_one_or_two_run_files(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        ladder.main(["--rung", "a"])
+    assert exit_info.value.code == 2 and "give NAME SFT_CONFIG [PRETRAIN_CONFIG]" in capsys.readouterr().err
+    assert ladder.main(["--rung", "a", "configs/no-such-run.yaml", "--table"]) == 2
+    assert "no-such-run.yaml" in capsys.readouterr().err
