@@ -2,12 +2,18 @@
 
 import io
 import os
+import shutil
 
 import pytest
 import torch
+from conftest import tiny_args, tiny_config
+from test_distributed import TORCHRUN, newest, torchrun
+from test_dpo import dpo_config, pair_data  # noqa: F401 (a fixture, used by name)
 
 import config
+import hardware
 import optimizer
+import train
 from model import Transformer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -159,3 +165,84 @@ def test_a_float16_profile_refuses_bfloat16_newton_schulz():
 def test_optimizer_muon_needs_its_settings():
     with pytest.raises(config.ConfigError, match="muon"):
         config.load(SMOKE, ["train.optimizer=muon", "train.muon=null"])
+
+
+# -----------------------------------------------------------------------------
+# In training: accumulation, resume, float16 + GradScaler, DDP, SFT and DPO
+
+quiet = lambda *a, **k: None  # noqa: E731
+MUON = ["train.optimizer=muon", "train.decay_fraction=0"]  # no decay: a run to be extended keeps its schedule
+
+
+def final_checkpoint(cfg):
+    return train.load_checkpoint(train.list_checkpoints(train.run_dir_of(cfg))[0])
+
+
+def assert_resumes_bit_exact(make_config, steps=8):
+    """make_config(name, *overrides) -> resolved config; full run vs half + resume."""
+    train.train(make_config("full"), log=quiet)
+    assert train.train(make_config("split", f"train.max_steps={steps // 2}"), log=quiet) == steps // 2
+    assert train.train(make_config("split"), resume=True, log=quiet) == steps
+    a, b = final_checkpoint(make_config("full")), final_checkpoint(make_config("split"))
+    count, differing, largest = train.compare_states(a, b)
+    assert count > 0 and not differing, f"{len(differing)}/{count} tensors differ (largest {largest})"
+    momentum = a["optimizer"]["state"]["muon"]
+    assert len(momentum) == 14 and all("momentum_buffer" in s for s in momentum.values())  # 2 blocks x 7
+    return a, b
+
+
+@pytest.mark.parametrize("kind", ["bytes", "chat"])
+def test_a_muon_run_with_accumulation_resumes_bit_exact_in_pretraining_and_sft(tmp_path, kind, request):
+    data_dir = request.getfixturevalue("byte_data_dir" if kind == "bytes" else "chat_data_dir")
+
+    def make(name, *overrides):
+        cfg = tiny_config(tmp_path, kind, data_dir, f"run_name={name}", *MUON, *overrides)
+        assert cfg["train"]["grad_accum_steps"] > 1
+        return cfg
+
+    assert_resumes_bit_exact(make)
+
+
+def test_a_muon_run_on_the_float16_grad_scaler_path_resumes_bit_exact(tmp_path, byte_data_dir):
+    # The RTX 2060 profile on the CPU's float16 autocast (config.py keeps real CPU runs in float32, so the
+    # resolved dict is switched): Newton-Schulz in float16, the loss scaled, unscaled before the step.
+    def make(name, *overrides):
+        cfg = tiny_config(tmp_path, "bytes", byte_data_dir, f"run_name={name}", *MUON, *overrides)
+        cfg["hardware"] |= {"dtype": "float16", "grad_scaler": True, "muon_ns_dtype": "float16"}
+        return cfg
+
+    a, b = assert_resumes_bit_exact(make)
+    assert a["scaler"] == b["scaler"] and a["scaler"]["scale"] > 1
+
+
+def test_a_muon_dpo_run_resumes_bit_exact(tmp_path, chat_run, request):
+    pairs = request.getfixturevalue("pair_data")  # test_dpo's fixture, imported above
+
+    def make(name, *overrides):
+        return dpo_config(pairs, chat_run, tmp_path, f"run_name={name}", *MUON, *overrides)
+
+    assert_resumes_bit_exact(make)
+
+
+@pytest.mark.skipif(not shutil.which(TORCHRUN), reason="torchrun not found beside the interpreter")
+def test_two_muon_ranks_with_accumulation_k_match_one_process_with_2k(tmp_path, shard_data_dir):
+    # DDP all-reduces the gradients before the step: both ranks orthogonalize the same matrices.
+    args = tiny_args(tmp_path, "shards", shard_data_dir, "run_name=ddp", "train.grad_accum_steps=2", *MUON)
+    ddp = torchrun(args)
+    assert ddp.returncode == 0, ddp.stdout + ddp.stderr
+    single = tiny_config(
+        tmp_path, "shards", shard_data_dir, "run_name=single", "train.grad_accum_steps=4", *MUON
+    )
+    train.train(single, log=quiet)
+    a, b = newest(tmp_path / "ddp"), newest(tmp_path / "single")
+    assert a["step"] == b["step"] == 8 and a["world_size"] == 2
+    for name, tensor in a["model"].items():
+        assert torch.allclose(tensor, b["model"][name], rtol=1e-4, atol=1e-5), name
+
+
+def test_the_profile_check_refuses_bfloat16_newton_schulz_on_a_board_that_only_emulates_it():
+    rtx_2060 = hardware.DeviceCaps(cuda_available=True, name="RTX 2060", capability=(7, 5), bf16_native=False)
+    profile = config.load(os.path.join(ROOT, "configs", "smoke-2060.yaml"))["hardware"]
+    assert hardware.check_hardware(profile, rtx_2060) == []
+    (problem,) = hardware.check_hardware(profile | {"muon_ns_dtype": "bfloat16"}, rtx_2060)
+    assert "Newton-Schulz iteration in bfloat16" in problem and "use muon_ns_dtype: float16" in problem
