@@ -21,7 +21,7 @@ TRAIN := $(if $(filter 1,$(NPROC)),$(PY),$(VENV)/bin/torchrun --standalone --npr
 	corpus-download corpus tokenizer encode corpus-smoke corpus-report smoke-corpus sample sample-chat bpb chat eval \
 	serve bench search agent-data agent-eval sft-agent agent-ladder agent-ladder-c agent-ladder-table sync \
 	remote-setup remote-smoke-2060 remote-pretrain logs fetch status chat-prepare sft sft-smoke \
-	plot export gguf-check snapshot restore install-service fuzz gpu-check eval-bench report preferences dpo dpo-smoke
+	plot export gguf-check snapshot restore install-service fuzz gpu-check eval-bench report preferences dpo dpo-smoke recipe
 
 setup: $(STAMP)
 
@@ -56,6 +56,12 @@ test-other-cpu: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m bench $(ARGS)
+
+# The training recipes side by side at a fixed token budget (bench/recipe.py, docs/entrenamiento.md):
+# make recipe                                      (smoke-cpu: adamw, muon, muon+zero_init, 3 seeds)
+# make recipe ARGS="--config configs/smoke-corpus-cpu.yaml --recipes adamw muon muon+bos"
+recipe: data-smoke
+	$(PY) -m bench.recipe $(ARGS)
 
 # The GPU acceptance check on the board this machine has (bench/gpu_check.py, report in gpu-report.md). A bare
 # machine gets the check's own venv first (requirements-gpu-check.txt: the runtime and transformers, not

@@ -241,6 +241,8 @@ def load_run(
     """(model in eval mode, resolved config, tokenizer, checkpoint path) of a run directory or file."""
     ckpt_path, checkpoint = read_run(path, log)
     cfg = checkpoint["config"]
+    if isinstance(cfg.get("model"), dict):  # written before model.zero_init_out_proj: an init-only key
+        cfg["model"].setdefault("zero_init_out_proj", False)
     try:
         model = Transformer(cfg["model"], attention_backend)
         model.load_state_dict(checkpoint["model"])

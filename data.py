@@ -419,6 +419,7 @@ class ShardLoader:
         self.batch_size, self.seq_len, self.seed = batch_size, seq_len, seed
         self.rank, self.world_size = rank, world_size
         self.paths = self.find(data_cfg, split)
+        self.packing = data_cfg["packing"]
         vocab_size = data_cfg["tokenizer"]["vocab_size"]
         self.shard_tokens = []
         for path in self.paths:
@@ -462,19 +463,27 @@ class ShardLoader:
 
     def load_current(self):
         shard = int(self.shard_order(self.epoch)[self.shard_position])
-        num_tokens = self.shard_tokens[shard]
-        num_windows = (num_tokens - 1) // self.seq_len
-        usable = self.windows_per_rank(num_tokens) * self.world_size  # every rank gets as many
-        order = np.random.default_rng([self.seed, self.epoch, shard]).permutation(num_windows)[:usable]
         self.tokens = read_shard(self.paths[shard])
-        self.window_starts = order[self.rank :: self.world_size] * self.seq_len
+        if self.packing == "bos_aligned":
+            starts = bos_aligned_starts(self.tokens, self.seq_len)
+        else:
+            starts = np.arange((len(self.tokens) - 1) // self.seq_len) * self.seq_len
+        usable = len(starts) // self.world_size * self.world_size  # every rank gets as many
+        order = np.random.default_rng([self.seed, self.epoch, shard]).permutation(len(starts))[:usable]
+        self.window_starts = starts[order[self.rank :: self.world_size]]
         self.current = (self.epoch, self.shard_position)
 
     def next_batch(self):
-        parts, count = [], 0
+        parts, count, empty_shards = [], 0, 0
         while count < self.batch_size:
             if self.current != (self.epoch, self.shard_position):
                 self.load_current()
+                empty_shards = 0 if len(self.window_starts) else empty_shards + 1
+                if empty_shards > len(self.paths):  # bos_aligned: no shard holds a whole row for this rank
+                    raise DataError(
+                        f"{self.split} shards: no row of seq_len + 1 = {self.seq_len + 1} tokens starts at a "
+                        f"<|bos|> for rank {self.rank} of {self.world_size}; use data.packing: windows"
+                    )
             take = min(self.batch_size - count, len(self.window_starts) - self.window_position)
             chosen = self.window_starts[self.window_position : self.window_position + take]
             parts.append(self.tokens[chosen[:, None] + self.offsets])
@@ -498,6 +507,7 @@ class ShardLoader:
             "seq_len": self.seq_len,
             "shards": [os.path.basename(p) for p in self.paths],
             "shard_tokens": list(self.shard_tokens),
+            "packing": self.packing,
         }
 
     def state_dict(self):
@@ -514,6 +524,21 @@ class ShardLoader:
         self.epoch, self.shard_position = state["epoch"], state["shard_position"]
         self.window_position = state["window_position"]
         self.current = None
+
+
+def bos_aligned_starts(tokens, seq_len):
+    """Starts of rows of seq_len + 1 tokens that each begin at a document's <|bos|> (data.packing
+    bos_aligned): the next row starts at the first <|bos|> at or after the previous row's last token, or
+    right there when the document runs on for more than a row (a long document is read whole, in rows;
+    only the first of them starts at its <|bos|>). The rest of a document cut by a row's end is skipped."""
+    bos = np.flatnonzero(tokens == TOKEN_TABLE["<|bos|>"])
+    starts, position = [], int(bos[0]) if len(bos) else len(tokens)
+    while position + seq_len < len(tokens):
+        starts.append(position)
+        end = position + seq_len  # the row's last token, the next row's first at the latest
+        following = np.searchsorted(bos, end)
+        position = int(bos[following]) if following < len(bos) and bos[following] - end < seq_len else end
+    return np.array(starts, dtype=np.int64)
 
 
 def mask_shard_name(split, index):

@@ -72,6 +72,11 @@ def check_hardware(profile, caps):
             "slower than float16); use dtype: float16 with grad_scaler: true "
             "(configs/hardware/turing-2060.yaml)"
         )
+    if profile["muon_ns_dtype"] == "bfloat16" and not caps.bf16_native:
+        problems.append(
+            f"{name} runs Muon's Newton-Schulz iteration in bfloat16, but {caps.name} ({sm}) has no native "
+            "bf16 (only emulated, ~2.6x slower than float16); use muon_ns_dtype: float16"
+        )
     if profile["attention_backend"] == "flash" and caps.capability < (8, 0):
         problems.append(
             f"{name} asks for flash attention, which needs sm80 or newer; {caps.name} is {sm}: "
@@ -125,6 +130,7 @@ class Hardware:
     compile: bool  # wrap the model in torch.compile
     memory_gib: float | None  # what a step may use (microbatch.py's estimate); None: not checked
     peak_tflops: float  # the profile's, or measured here: the MFU reference
+    muon_ns_dtype: str  # Muon's Newton-Schulz iteration (train.optimizer muon)
     description: str
 
 
@@ -161,6 +167,7 @@ def setup_hardware(profile, local_rank=0, caps=None):
         scaler=scaler,
         attention_backend=profile["attention_backend"],
         loss_chunk_size=profile["loss_chunk_size"],
+        muon_ns_dtype=profile["muon_ns_dtype"],
         compile=profile["compile"],
         memory_gib=profile["memory_gib"],
         peak_tflops=peak,

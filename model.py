@@ -452,11 +452,14 @@ class Transformer(nn.Module):
         """The one place that says how weights start: every matrix (the tied embedding included) normal
         with std init_std; the projections that write into the residual stream (o_proj, down_proj) with
         init_std / sqrt(2 * n_layers), so the stream's variance does not grow with depth (GPT-2); every
-        RMSNorm weight 1."""
+        RMSNorm weight 1. With zero_init_out_proj those two start at zero instead: every block starts as the
+        identity of the residual stream (modded-nanogpt); their gradients are not zero, so they still learn."""
         std = self.cfg["init_std"]
         residual_std = std / math.sqrt(2 * self.cfg["n_layers"])
         for name, param in self.named_parameters():
-            if name.endswith(("o_proj.weight", "down_proj.weight")):
+            if name.endswith(("o_proj.weight", "down_proj.weight")) and self.cfg["zero_init_out_proj"]:
+                nn.init.zeros_(param)
+            elif name.endswith(("o_proj.weight", "down_proj.weight")):
                 nn.init.normal_(param, mean=0.0, std=residual_std)
             elif param.dim() == 2:
                 nn.init.normal_(param, mean=0.0, std=std)

@@ -34,6 +34,7 @@ import config
 import data
 import fileio
 import microbatch as train_memory
+import optimizer as optimizer_recipe  # "optimizer" names the live optimizer in the steps below
 import train_dpo
 from chat import template as chat
 from checkpoint import (
@@ -75,22 +76,6 @@ def lr_at(step, train):
     progress = min(1.0, (step - decay_start + 1) / decay_steps)
     remaining = 1.0 - progress if train["decay_shape"] == "linear" else 1.0 - math.sqrt(progress)
     return peak * (train["min_lr_ratio"] + (1.0 - train["min_lr_ratio"]) * remaining)
-
-
-def build_optimizer(model, train, device):
-    # Decay matrices (projections, embedding) only; norm weights are scales and stay undecayed.
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": train["weight_decay"]},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
-    return torch.optim.AdamW(
-        groups,
-        lr=train["lr"],
-        betas=(train["beta1"], train["beta2"]),
-        eps=train["adam_eps"],
-        fused=True,  # one kernel per step on CUDA and on the CPU: 4x faster than foreach on the CPU
-    )
 
 
 # -----------------------------------------------------------------------------
@@ -153,7 +138,7 @@ def shape_differences(saved, current):
 
 # Model keys that may differ between a run and the run it is initialized from (train.init_from): none of
 # them changes a weight's shape or meaning (the RoPE table is rebuilt for any seq_len).
-INIT_FREE_MODEL_KEYS = {"seq_len", "init_std", "z_loss_coef"}
+INIT_FREE_MODEL_KEYS = {"seq_len", "init_std", "zero_init_out_proj", "z_loss_coef"}
 
 
 def tokenizer_sha256(tokenizer):
@@ -480,7 +465,7 @@ def setup(cfg, ctx, hardware, resume, log):
     model = Transformer(
         model_cfg, attention_backend=hardware.attention_backend, loss_chunk_size=hardware.loss_chunk_size
     ).to(hardware.device)
-    optimizer = build_optimizer(model, train_cfg, hardware.device)
+    optimizer = optimizer_recipe.build_optimizer(model, train_cfg, hardware.muon_ns_dtype)
     loader = data.build_loader(
         cfg["data"], "train", train_cfg["micro_batch_size"], model_cfg["seq_len"], train_cfg["seed"], ctx.rank,
         ctx.world_size,
@@ -575,8 +560,7 @@ def optimizer_step(run, lr):
     model, optimizer, hardware, ctx = run.model, run.optimizer, run.hardware, run.ctx
     train_cfg = run.cfg["train"]
     accum = train_cfg["grad_accum_steps"]
-    for group in optimizer.param_groups:
-        group["lr"] = lr
+    optimizer_recipe.set_lr(optimizer, lr, train_cfg)
     loss_sum = torch.zeros((), device=hardware.device)
     pair_sums = torch.zeros(len(train_dpo.STATS), dtype=torch.float64)
     step_tokens = 0

@@ -64,7 +64,7 @@ class NoisyModel(Transformer):
     def __init__(self, tokenizer, adversarial=False, seed=0, ends=False):
         cfg = {"vocab_size": tokenizer.vocab_size, "d_model": 8, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1,
                "ffn_hidden": 8, "seq_len": 4096, "rope_base": 10000.0, "norm_eps": 1e-6, "init_std": 0.02,
-               "z_loss_coef": 0.0}  # fmt: skip
+               "zero_init_out_proj": False, "z_loss_coef": 0.0}  # fmt: skip
         super().__init__(cfg)
         self.adversarial, self.noise = adversarial, torch.Generator().manual_seed(seed)
         pieces = [

@@ -123,6 +123,47 @@ def test_shard_loader_ranks_read_disjoint_windows(tmp_path):
     assert sum(map(len, per_rank)) == 3 * 16 * 10
 
 
+BOS = data.TOKEN_TABLE["<|bos|>"]
+
+
+def documents_shards(directory, lengths, vocab_size=4096):
+    """One train shard of documents <|bos|> 100 101 ... of the given lengths (the <|bos|> included)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    tokens = np.concatenate([[BOS, *range(100, 100 + n - 1)] for n in lengths])
+    data.write_shard(str(directory / data.shard_name("train", 0)), tokens, vocab_size)
+    data.write_shard(str(directory / data.shard_name("val", 0)), tokens, vocab_size)
+    cfg = data_layer("corpus-smoke", dir=str(directory), tokenizer={"vocab_size": vocab_size})
+    return cfg | {"packing": "bos_aligned"}, tokens
+
+
+def test_bos_aligned_rows_start_at_a_document_unless_it_is_longer_than_a_row(tmp_path):
+    lengths = [4, 7, 3, 30, 5, 6, 9, 2, 8]  # the fourth document spans three rows of 10 (+1)
+    cfg, tokens = documents_shards(tmp_path, lengths)
+    starts = data.bos_aligned_starts(tokens, 10)
+    document_starts = set(np.cumsum([0, *lengths[:-1]]).tolist())
+    long_document = range(14, 44)
+    assert all(start in document_starts or start in long_document for start in starts.tolist())
+    assert starts.tolist() == [0, 11, 21, 31, 44, 55]  # the first <|bos|> at or after the last end
+    assert all(b - a >= 10 for a, b in zip(starts, starts[1:], strict=False)), "rows never overlap"
+    loader = data.build_loader(cfg, "train", 6, 10, seed=5)
+    x, y = loader.next_batch()  # exactly one epoch
+    assert sorted(x[:, 0].tolist()) == sorted(tokens[starts].tolist())
+    assert torch.equal(x[:, 1:], y[:, :-1])
+
+
+def test_a_bos_aligned_loader_state_continues_and_a_windows_state_is_refused(tmp_path):
+    cfg, _ = documents_shards(tmp_path, [4, 7, 3, 30, 5, 6, 9, 2, 8] * 5)
+    loader = data.build_loader(cfg, "train", 3, 10, seed=1)
+    batches(loader, 4)
+    state = through_checkpoint(loader.state_dict())
+    expected = batches(loader, 6)
+    restored = data.build_loader(cfg, "train", 3, 10, seed=1)
+    restored.load_state_dict(state)
+    assert_same_batches(batches(restored, 6), expected)
+    with pytest.raises(data.DataError, match="packing: state has 'bos_aligned', this loader has 'windows'"):
+        data.build_loader(cfg | {"packing": "windows"}, "train", 3, 10, seed=1).load_state_dict(state)
+
+
 def test_a_loader_state_from_another_world_size_or_shape_is_refused(tmp_path):
     cfg = positional_shards(tmp_path, [300])
     state = data.build_loader(cfg, "train", 4, 10, seed=1, rank=0, world_size=2).state_dict()

@@ -33,9 +33,12 @@ def test_each_shipped_profile_fits_the_board_it_is_named_after():
 
 
 def test_bf16_on_a_board_that_only_emulates_it_is_refused():
-    (problem,) = check_hardware(profile("blackwell-5090") | {"attention_backend": "mem_efficient"}, RTX_2060)
+    problem, newton_schulz = check_hardware(
+        profile("blackwell-5090") | {"attention_backend": "mem_efficient"}, RTX_2060
+    )
     assert "asks for bfloat16" in problem and "RTX 2060 (sm75) has no native bf16" in problem
     assert "float16 with grad_scaler: true" in problem
+    assert "Muon's Newton-Schulz iteration in bfloat16" in newton_schulz  # the profile's Muon dtype too
 
 
 def test_flash_attention_before_sm80_is_refused():

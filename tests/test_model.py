@@ -258,6 +258,20 @@ def test_residual_output_projections_start_smaller_by_sqrt_of_twice_the_depth():
     assert torch.equal(layer.input_layernorm.weight, torch.ones(256))
 
 
+def test_zero_init_out_proj_starts_every_block_as_the_identity_and_the_projections_still_learn():
+    net = build(tiny(zero_init_out_proj=True))
+    for layer in net.layers:
+        assert not layer.self_attn.o_proj.weight.any() and not layer.mlp.down_proj.weight.any()
+        assert layer.self_attn.q_proj.weight.std() > 0
+    x = torch.randint(0, net.cfg["vocab_size"], (2, 16))
+    hidden = net.embed_tokens(x)
+    assert torch.equal(net.layers[0](hidden, net.rope_cos[:16], net.rope_sin[:16]), hidden)
+    _, losses = net(x, torch.roll(x, -1, 1))
+    losses["loss"].backward()
+    assert all(layer.self_attn.o_proj.weight.grad.abs().sum() > 0 for layer in net.layers)
+    assert all(layer.mlp.down_proj.weight.grad.abs().sum() > 0 for layer in net.layers)
+
+
 @pytest.mark.parametrize("loss_chunk_size", [0, 24])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_autocast_forward_is_finite_at_init(dtype, loss_chunk_size):
