@@ -26,7 +26,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import hardware
 import model
-import optimizer as optimizer_recipe
+import train
 from bench.common import ROOT, layer
 
 # -----------------------------------------------------------------------------
@@ -151,7 +151,7 @@ def step_row(shape, label):
     net, loss_of = contender(label, cfg)
     idx = torch.randint(0, cfg["vocab_size"], (micro_batch, cfg["seq_len"]))
     targets = torch.randint(0, cfg["vocab_size"], (micro_batch, cfg["seq_len"]))
-    optimizer = optimizer_recipe.build_optimizer(net, layer("train", "smoke"), "float32")
+    optimizer = train.build_optimizer(net, layer("train", "smoke"), "float32")
 
     def step():
         loss_of(net, idx, targets).backward()

@@ -11,7 +11,6 @@ import yaml
 
 import config
 import microbatch as train_memory
-import optimizer as optimizer_recipe
 import train
 from bench import model as bench_model
 from model import Transformer
@@ -34,7 +33,7 @@ def measured_step_peak(model_cfg, micro_batch, dtype, loss_chunk_size):
     None): what lives before the step (weights, optimizer state) plus the step's own peak."""
     torch.manual_seed(0)
     net = Transformer(model_cfg, "flash", loss_chunk_size)
-    optimizer = optimizer_recipe.build_optimizer(net, layer("train", "smoke"), "float32")
+    optimizer = train.build_optimizer(net, layer("train", "smoke"), "float32")
     shape = (micro_batch, model_cfg["seq_len"])
     idx, targets = (
         torch.randint(0, model_cfg["vocab_size"], shape),
