@@ -103,7 +103,7 @@ def test_the_command_the_unit_starts_is_accepted_by_serve_py(installed):
     (start,) = settings["Service", "ExecStart"]
     words = shlex.split(re.sub(r"\$\{(\w+)\}", lambda m: environment[m[1]], start))
     assert words[0] == f"{clone}/.venv/bin/python" and os.access(words[0], os.X_OK)
-    assert words[1:] == ["serve/app.py", "runs/familia", "--host", "127.0.0.1", "--port", "8000"]
+    assert words[1:] == ["-m", "serve", "runs/familia", "--host", "127.0.0.1", "--port", "8000"]
     assert check_python(("python", *words[1:]), False, ()) is None
 
 
