@@ -46,15 +46,29 @@ LAYERS = ("hardware", "model", "train", "data", "agent", "serve", "memory", "eva
 OPTIONAL_LAYERS = ("agent", "serve", "memory", "eval")
 SCHEMA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "schema")
 COMMAND_LINE = "command line"
-# 1: config_format recorded, and train.space_check (release 2026-12-02 and before: format 0).
+# 1: config_format recorded, and the keys this round made required (release 2026-12-02 and before: format 0).
 CONFIG_FORMAT = 1
 
 
 def _format_1(config):
-    """A config.yaml of release 2026-12-02 or before: its run predates train.space_check, and refused
-    nothing; refuse is what every shipped train layer says now."""
-    if isinstance(config.get("train"), dict):
-        config["train"].setdefault("space_check", "refuse")
+    """A config.yaml of release 2026-12-02 or before gets the keys that release did not know, set to what
+    its run did: no space check refused it (refuse is what every shipped train layer says now), it trained
+    with AdamW from a normal initialization, shard rows were windows, and it downloaded nothing. Muon's
+    Newton-Schulz dtype is float32, valid on every board (such a run never used Muon)."""
+    sections = {name: config.get(name) for name in ("hardware", "model", "train", "data")}
+    if isinstance(sections["train"], dict):
+        sections["train"].setdefault("space_check", "refuse")
+        sections["train"].setdefault("optimizer", "adamw")
+    if isinstance(sections["model"], dict):
+        sections["model"].setdefault("zero_init_out_proj", False)
+    if isinstance(sections["hardware"], dict):
+        sections["hardware"].setdefault("muon_ns_dtype", "float32")
+    data = sections["data"]
+    if isinstance(data, dict):
+        if data.get("format") == "shards":
+            data.setdefault("packing", "windows")
+        if isinstance(data.get("corpus"), dict):
+            data["corpus"].setdefault("download", {"workers": 4})
 
 
 # CONFIG_MIGRATIONS[n] takes a saved config.yaml (a resolved config) from format n to n + 1; run files in

@@ -282,3 +282,18 @@ def test_yamllint_ignores_are_anchored_so_a_broken_file_under_configs_data_fails
     )
     assert make_lint.returncode != 0
     assert "configs/data/broken.yaml" in make_lint.stdout + make_lint.stderr
+
+
+def test_a_config_yaml_of_a_shards_run_written_before_this_rounds_keys_loads_as_its_run_trained(tmp_path):
+    # Release 2026-12-02 wrote no config_format and knew none of the keys this round made required.
+    saved = config.load(os.path.join(ROOT, "configs", "smoke-corpus-cpu.yaml"))
+    new_keys = [("train", "space_check"), ("train", "optimizer"), ("train", "muon"), ("model", "zero_init_out_proj"),
+                ("hardware", "muon_ns_dtype"), ("data", "packing")]  # fmt: skip
+    for section, key in new_keys:
+        saved[section].pop(key, None)
+    saved["data"]["corpus"].pop("download")
+    (tmp_path / "config.yaml").write_text(config.dump(saved).replace("config_format: 1\n", ""))
+    loaded = config.load(str(tmp_path / "config.yaml"))
+    assert (loaded["train"]["optimizer"], loaded["train"]["space_check"]) == ("adamw", "refuse")
+    assert loaded["model"]["zero_init_out_proj"] is False and loaded["hardware"]["muon_ns_dtype"] == "float32"
+    assert loaded["data"]["packing"] == "windows" and loaded["data"]["corpus"]["download"] == {"workers": 4}
