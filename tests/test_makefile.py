@@ -30,8 +30,12 @@ def test_every_declared_make_target_has_commands(target):
 def test_a_renamed_target_names_its_new_name_and_runs_nothing(old, new):
     # `make chat` ran sample.py, not chat/, and `make eval` sample.py --eval, not evaluation/
     done = subprocess.run(
-        ["make", old, "RUN=runs/none"], cwd=ROOT, capture_output=True, text=True, timeout=60
-    )
+        ["make", "--no-print-directory", old, "RUN=runs/none"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )  # under `make test` the inner make would print its directory (MAKELEVEL is inherited)
     assert done.returncode == 2 and f"make {old} is now make {new} RUN=" in done.stderr
     assert done.stdout == ""
 
