@@ -3,8 +3,9 @@
 transformers' Qwen3 at the same shapes, each model and shape in a fresh process; KV-cached decoding
 against no cache.
 
-    python -m bench model                          # the whole table (~15 minutes on an idle 2-core CPU)
-    python -m bench.model step tiny-50m "ENLACE"   # one row: a JSON line
+    python -m bench model                          # the whole table, 3 rounds (~1 hour on an idle 2-core CPU)
+    python -m bench.model table --rounds 5 --shape smoke   # more rounds, fewer shapes
+    python -m bench.model step tiny-50m "ENLACE"   # one row of one round: a JSON line
     python -m bench.model loss tiny-50m chunked    # the LM head + loss alone: its peak memory
 """
 
@@ -33,11 +34,15 @@ from bench.common import ROOT, layer
 # model: training throughput and memory against nanoGPT and transformers' Qwen3, a fresh process each
 
 # name: (model layer, changes to it, micro-batch, warm-up steps, timed steps). tiny-50m is 12 layers.
+# Each row runs ROUNDS times, each time in a fresh process: one process's median of a few steps moved by
+# up to 1.7x between rows that should agree (a 1024-token row faster per token than a 512-token one), so
+# the table gives the median of the rounds and their min-max, and a row whose rounds disagree says so.
 SHAPES = {
-    "smoke": ("smoke", {}, layer("train", "smoke")["micro_batch_size"], 2, 5),
-    "tiny-50m T512": ("tiny-50m", {"seq_len": 512}, 8, 1, 3),
-    "tiny-50m T1024": ("tiny-50m", {}, 4, 1, 3),
+    "smoke": ("smoke", {}, layer("train", "smoke")["micro_batch_size"], 2, 8),
+    "tiny-50m T512": ("tiny-50m", {"seq_len": 512}, 8, 2, 4),
+    "tiny-50m T1024": ("tiny-50m", {}, 4, 2, 4),
 }
+ROUNDS = 3
 CPU = layer("hardware", "cpu")  # the profile every row trains with, read once
 CHUNK = CPU["loss_chunk_size"]
 CONTENDERS = [
@@ -242,57 +247,96 @@ def load_average():
         return " ".join(f.read().split()[:3])
 
 
-def bench_model():
-    """Every contender at every shape, each in its own process, trained with the same AdamW on the same
-    random tokens: tokens/s, the process's peak resident memory, ratios to nanoGPT and transformers'
-    Qwen3; torch.compile's cost and when it pays; the LM head + loss's own peak memory. MFU divides each
-    model's 6 x parameters + attention FLOPs by hardware.measure_peak_tflops, the figure a run's log uses."""
-    runs = len(SHAPES) * (len(CONTENDERS) + len(LOSSES))
+def step_rounds(shape, rounds):
+    """{label: [one fresh process's row per round]}: the contenders in turn, each round starting one
+    further down the list, so that no contender is always the one that runs first on a cool machine."""
+    rows = {label: [] for label in CONTENDERS}
+    for index in range(rounds):
+        for label in CONTENDERS[index % len(CONTENDERS) :] + CONTENDERS[: index % len(CONTENDERS)]:
+            rows[label].append(run_child("step", shape, label))
+    return rows
+
+
+def spread(values, digits=",.0f"):
+    """'median (min-max)' of a row's values over the rounds."""
+    return f"{statistics.median(values):{digits}} ({min(values):{digits}}-{max(values):{digits}})"
+
+
+def print_steps(shape, rows, peak):
+    """One line per contender: tokens/s (median of the rounds' medians, and their min-max), peak RSS, MFU
+    and the ratios to nanoGPT and Qwen3 taken round by round (both sides of a ratio ran in the same
+    round, so a slower round moves both)."""
+    cfg, micro_batch, _, steps = shape_config(shape)
+    rounds = len(rows["nanoGPT"])
     print(
-        f"model: {runs} fresh processes, {len(SHAPES)} shapes (about 15 minutes on an idle 2-core CPU)",
+        f"model: {shape}: L{cfg['n_layers']} d{cfg['d_model']} T{cfg['seq_len']} vocab {cfg['vocab_size']}, "
+        f"micro-batch {micro_batch} | tok/s: median of {rounds} rounds (min-max), each round a fresh process "
+        f"timing {steps} steps after warm-up"
+    )
+    rates = {
+        label: [row["tokens_per_step"] / statistics.median(row["step_s"]) for row in runs]
+        for label, runs in rows.items()
+    }
+    for label, runs in rows.items():
+        flops = 6 * runs[0]["params"] + 12 * cfg["n_layers"] * cfg["d_model"] * cfg["seq_len"]
+        rate = statistics.median(rates[label])
+        ratios = [
+            spread([mine / theirs for mine, theirs in zip(rates[label], rates[peer], strict=True)], ".2f")
+            + "x"
+            for peer in ("nanoGPT", "transformers Qwen3")
+        ]
+        disagree = max(rates[label]) / min(rates[label]) - 1
+        print(
+            f"model:   {label:34s} {spread(rates[label])} tok/s (rounds {100 * disagree:.0f}% apart) | "
+            f"peak RSS {statistics.median(r['peak_rss_mib'] for r in runs):6,.0f} MiB | "
+            f"MFU {100 * flops * rate / peak:3.0f}% | {ratios[0]} nanoGPT | {ratios[1]} Qwen3"
+        )
+    return rates
+
+
+def print_compile_and_loss(rows, losses):
+    """Where the chunked model's time goes, what torch.compile costs and when it pays (the first round:
+    an empty inductor cache), and the LM head + loss's own memory and time."""
+    chunked, compiled = f"ENLACE, chunks of {CHUNK}", f"ENLACE, chunks of {CHUNK}, compiled"
+    print(f"model:   time per op ({chunked}): {rows[chunked][0]['time_per_op']}")
+    eager_s, compiled_s = (
+        statistics.median(s for row in rows[label] for s in row["step_s"]) for label in (chunked, compiled)
+    )
+    overhead_s = rows[compiled][0]["warmup_s"] - 2 * compiled_s  # the two compiling steps less two ordinary
+    pays = (
+        f"pays for itself after {overhead_s / (eager_s - compiled_s):,.0f} steps"
+        if compiled_s < eager_s
+        else "never pays"
+    )
+    print(f"model:   torch.compile: {overhead_s:.0f} s of compiling before the first step, {pays}")
+    full = losses["ENLACE, full logits"]
+    print(
+        "model:   LM head + loss alone (forward + backward): "
+        + " | ".join(
+            f"{label.replace('ENLACE, ', '')} {row['peak_bytes'] / 2**20:,.0f} MiB {row['seconds']:.2f} s"
+            for label, row in losses.items()
+        )
+        + f" | chunks of {CHUNK}: {full['peak_bytes'] / losses[chunked]['peak_bytes']:.1f}x less memory, "
+        f"{full['seconds'] / losses[chunked]['seconds']:.2f}x the speed of the full logits",
         flush=True,
     )
+
+
+def bench_model(rounds=ROUNDS, shapes=tuple(SHAPES)):
+    """Every contender at every shape, each round of each in its own process, trained with the same AdamW
+    on the same random tokens: tokens/s with its spread over the rounds, the process's peak resident
+    memory, ratios to nanoGPT and transformers' Qwen3; torch.compile's cost and when it pays; the LM head
+    + loss's own peak memory. MFU divides each model's 6 x parameters + attention FLOPs by
+    hardware.measure_peak_tflops, the figure a run's log uses."""
+    runs = len(shapes) * (rounds * len(CONTENDERS) + len(LOSSES))
+    print(f"model: {runs} fresh processes, {len(shapes)} shape(s), {rounds} rounds", flush=True)
     load_before = load_average()
     peak = hardware.measure_peak_tflops(torch.device("cpu")) * 1e12
-    for shape in SHAPES:
-        cfg, micro_batch, _, rounds = shape_config(shape)
-        rows = {label: run_child("step", shape, label) for label in CONTENDERS}
+    for shape in shapes:
+        rows = step_rounds(shape, rounds)
         losses = {label: run_child("loss", shape, label) for label in LOSSES}
-        print(
-            f"model: {shape}: L{cfg['n_layers']} d{cfg['d_model']} T{cfg['seq_len']} vocab {cfg['vocab_size']}, "
-            f"micro-batch {micro_batch} | median of {rounds} steps after warm-up"
-        )
-        rate = {
-            label: row["tokens_per_step"] / statistics.median(row["step_s"]) for label, row in rows.items()
-        }
-        for label, row in rows.items():
-            flops = 6 * row["params"] + 12 * cfg["n_layers"] * cfg["d_model"] * cfg["seq_len"]
-            print(
-                f"model:   {label:34s} {rate[label]:8,.0f} tok/s | peak RSS {row['peak_rss_mib']:6,.0f} MiB | "
-                f"MFU {100 * flops * rate[label] / peak:3.0f}% | {rate[label] / rate['nanoGPT']:.2f}x nanoGPT | "
-                f"{rate[label] / rate['transformers Qwen3']:.2f}x Qwen3"
-            )
-        chunked, compiled = f"ENLACE, chunks of {CHUNK}", f"ENLACE, chunks of {CHUNK}, compiled"
-        print(f"model:   time per op ({chunked}): {rows[chunked]['time_per_op']}")
-        eager_s, compiled_s = (statistics.median(rows[label]["step_s"]) for label in (chunked, compiled))
-        overhead_s = rows[compiled]["warmup_s"] - 2 * compiled_s  # the two compiling steps less two ordinary
-        pays = (
-            f"pays for itself after {overhead_s / (eager_s - compiled_s):,.0f} steps"
-            if compiled_s < eager_s
-            else "never pays"
-        )
-        print(f"model:   torch.compile: {overhead_s:.0f} s of compiling before the first step, {pays}")
-        full = losses["ENLACE, full logits"]
-        print(
-            "model:   LM head + loss alone (forward + backward): "
-            + " | ".join(
-                f"{label.replace('ENLACE, ', '')} {row['peak_bytes'] / 2**20:,.0f} MiB {row['seconds']:.2f} s"
-                for label, row in losses.items()
-            )
-            + f" | chunks of {CHUNK}: {full['peak_bytes'] / losses[chunked]['peak_bytes']:.1f}x less memory, "
-            f"{full['seconds'] / losses[chunked]['seconds']:.2f}x the speed of the full logits",
-            flush=True,
-        )
+        print_steps(shape, rows, peak)
+        print_compile_and_loss(rows, losses)
     print(f"model: load average {load_before} before, {load_average()} after (1, 5, 15 minutes)")
 
 
@@ -351,7 +395,17 @@ def bench_decode():
 
 
 def main(argv):
-    """One row of the model section, in this process: a JSON line (bench_model runs each row this way)."""
+    """`table`: the model section with chosen rounds and shapes; `step` / `loss`: one row of one round, in
+    this process, as a JSON line (bench_model runs each row this way)."""
+    if argv[:1] == ["table"]:
+        parser = argparse.ArgumentParser(prog="python -m bench.model table", description=bench_model.__doc__)
+        parser.add_argument("--rounds", type=int, default=ROUNDS, help="fresh processes per row (>= 2)")
+        parser.add_argument("--shape", action="append", choices=list(SHAPES), help="repeatable; default all")
+        args = parser.parse_args(argv[1:])
+        if args.rounds < 2:
+            parser.error(f"--rounds {args.rounds}: a spread needs at least 2 rounds")
+        bench_model(args.rounds, tuple(args.shape or SHAPES))
+        return
     rows = {"step": CONTENDERS, "loss": LOSSES}
     parser = argparse.ArgumentParser(description="One row of make bench ARGS=model, printed as a JSON line")
     parser.add_argument(
