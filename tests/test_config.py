@@ -195,7 +195,9 @@ def test_an_include_cycle_is_reported_as_such(configs):
     write_yaml(configs / "train" / "a.yaml", {"include": "train/b.yaml", "train": {}})
     write_yaml(configs / "train" / "b.yaml", {"include": "train/a.yaml", "train": {}})
     run = configs / "smoke-cpu.yaml"
-    run.write_text(run.read_text().replace("train/smoke.yaml", "train/a.yaml"))
+    content = yaml.safe_load(run.read_text())
+    content["include"]["train"] = "train/a.yaml"
+    write_yaml(run, content)
     (problem,) = problems_of(run)
     assert "include cycle:" in problem and "a.yaml -> " in problem and "b.yaml -> " in problem
 
@@ -217,7 +219,10 @@ def test_a_run_file_must_name_every_layer(configs):
         (["model.n_heads=5"], "model.d_model: 256 must be divisible by model.n_heads=5"),
         (["model.n_kv_heads=3"], "model.n_kv_heads: 3 must divide model.n_heads=4"),
         (["model.d_model=36", "model.n_heads=4", "model.n_kv_heads=2"], "head_dim = d_model/n_heads = 9"),
-        (["train.warmup_steps=250", "train.decay_fraction=0.3"], "exceed train.max_steps=300"),
+        (
+            ["train.max_steps=300", "train.warmup_steps=250", "train.decay_fraction=0.3"],
+            "exceed train.max_steps=300",
+        ),
         (["hardware.grad_scaler=true"], "hardware.grad_scaler: true, but only float16 uses it"),
         (["hardware.attention_backend=mem_efficient"], "'mem_efficient' exists only on CUDA"),
         (["model.vocab_size=512"], "model.vocab_size: 512 but data.format is bytes; expected 256"),
