@@ -63,7 +63,7 @@ def test_muon_gets_the_block_matrices_and_adamw_the_embedding_and_norms_each_par
 
 
 def test_adamw_stays_one_fused_adamw_that_decays_matrices_only():
-    cfg = config.load(SMOKE, SMALL)
+    cfg = config.load(SMOKE, [*SMALL, "train.optimizer=adamw"])
     opt = train.build_optimizer(model_of(cfg), cfg["train"], "float32")
     assert type(opt) is torch.optim.AdamW and opt.defaults["fused"]
     assert [g["weight_decay"] for g in opt.param_groups] == [cfg["train"]["weight_decay"], 0.0]
@@ -148,7 +148,9 @@ def test_the_state_dict_round_trips_through_a_weights_only_checkpoint_and_contin
 
 def test_an_adamw_state_is_refused_by_muon_with_the_reason():
     cfg = muon_config()
-    adamw_state = train.build_optimizer(model_of(cfg), config.load(SMOKE, SMALL)["train"], "float32")
+    adamw_state = train.build_optimizer(
+        model_of(cfg), config.load(SMOKE, [*SMALL, "train.optimizer=adamw"])["train"], "float32"
+    )
     opt = train.build_optimizer(model_of(cfg), cfg["train"], "float32")
     with pytest.raises(ValueError, match="not Muon \\+ AdamW"):
         opt.load_state_dict(adamw_state.state_dict())
