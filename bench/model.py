@@ -3,7 +3,7 @@
 transformers' Qwen3 at the same shapes, each model and shape in a fresh process; KV-cached decoding
 against no cache.
 
-    python -m bench model                          # the whole table, 3 rounds (~1 hour on an idle 2-core CPU)
+    python -m bench model                          # the whole table, 3 rounds (~2 hours on an idle 2-core CPU)
     python -m bench.model table --rounds 5 --shape smoke   # more rounds, fewer shapes
     python -m bench.model step tiny-50m "ENLACE"   # one row of one round: a JSON line
     python -m bench.model loss tiny-50m chunked    # the LM head + loss alone: its peak memory
