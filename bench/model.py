@@ -147,10 +147,11 @@ def where_time_goes(step, top=6):
     return ", ".join(f"{e.key[6:]} {100 * e.self_cpu_time_total / total:.0f}%" for e in events[:top])
 
 
-def step_row(shape, label):
+def step_row(shape, label, profile=False):
     """One row in this (fresh) process: seconds per optimizer step (forward + backward + the trainer's
     AdamW) after warm-up, the process's peak resident memory, and for compiled models the seconds of
-    the first two steps (the compile, with the inductor cache the parent emptied)."""
+    the first two steps (the compile, with the inductor cache the parent emptied); with profile, the share
+    of one more step's CPU time per aten op."""
     cfg, micro_batch, warmup, rounds = shape_config(shape)
     torch.manual_seed(0)
     net, loss_of = contender(label, cfg)
@@ -177,7 +178,7 @@ def step_row(shape, label):
         step()
         times.append(time.perf_counter() - start)
     row |= {"step_s": times, "peak_rss_mib": peak_rss_mib()}
-    if label == f"ENLACE, chunks of {CHUNK}":
+    if profile:
         row["time_per_op"] = where_time_goes(step)
     return row
 
@@ -226,12 +227,12 @@ def loss_row(shape, label, rounds=3):
     return {"peak_bytes": allocated_peak(forward_backward), "seconds": statistics.median(times)}
 
 
-def run_child(kind, shape, label):
+def run_child(kind, shape, label, *flags):
     """step_row / loss_row in a fresh Python process (whatever ran before in one process slows the next
     measurement by 10-30% at these shapes), with an empty inductor cache, as a first run sees it."""
     with tempfile.TemporaryDirectory(prefix="bench-inductor-") as cache:
         result = subprocess.run(
-            [sys.executable, "-m", "bench.model", kind, shape, label],
+            [sys.executable, "-m", "bench.model", kind, shape, label, *flags],
             cwd=ROOT,
             capture_output=True,
             text=True,
@@ -253,7 +254,8 @@ def step_rounds(shape, rounds):
     rows = {label: [] for label in CONTENDERS}
     for index in range(rounds):
         for label in CONTENDERS[index % len(CONTENDERS) :] + CONTENDERS[: index % len(CONTENDERS)]:
-            rows[label].append(run_child("step", shape, label))
+            profiled = index == 0 and label == f"ENLACE, chunks of {CHUNK}"  # one op profile is enough
+            rows[label].append(run_child("step", shape, label, *(["--profile"] if profiled else [])))
     return rows
 
 
@@ -413,10 +415,16 @@ def main(argv):
     )
     parser.add_argument("shape", choices=list(SHAPES))
     parser.add_argument("label", help=f"step: {', '.join(CONTENDERS)}; loss: {', '.join(LOSSES)}")
+    parser.add_argument("--profile", action="store_true", help="step: also the share of time per aten op")
     args = parser.parse_args(argv)
     if args.label not in rows[args.kind]:
         parser.error(f"{args.kind} has no row {args.label!r}; one of: {', '.join(rows[args.kind])}")
-    print(json.dumps((step_row if args.kind == "step" else loss_row)(args.shape, args.label)))
+    row = (
+        step_row(args.shape, args.label, args.profile)
+        if args.kind == "step"
+        else loss_row(args.shape, args.label)
+    )
+    print(json.dumps(row))
 
 
 if __name__ == "__main__":

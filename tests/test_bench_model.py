@@ -36,7 +36,9 @@ def test_ratios_to_a_peer_are_paired_round_by_round(capsys):
 
 def test_the_contenders_take_turns_at_running_first(monkeypatch):
     order = []
-    monkeypatch.setattr(bench_model, "run_child", lambda kind, shape, label: order.append(label) or {})
+    monkeypatch.setattr(
+        bench_model, "run_child", lambda kind, shape, label, *flags: order.append(label) or {}
+    )
     rows = bench_model.step_rounds("smoke", 3)
     n = len(bench_model.CONTENDERS)
     firsts = [order[i * n] for i in range(3)]
