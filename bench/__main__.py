@@ -8,6 +8,7 @@ import sys
 
 from bench import agent as bench_agent
 from bench import data as bench_data
+from bench import decoding as bench_decoding
 from bench import evaluation as bench_eval
 from bench import model as bench_model
 from bench import serve as bench_serve
@@ -19,7 +20,7 @@ SECTIONS = {
     "corpus": bench_data.bench_corpus,
     "search": bench_serve.bench_search,
     "serve": bench_serve.bench_serve,
-    "bandwidth": bench_serve.bench_decoding,
+    "bandwidth": bench_decoding.bench_decoding,
     "memory": bench_serve.bench_memory,
     "eval": bench_eval.bench_eval,
     "agent": bench_agent.bench_agent,
