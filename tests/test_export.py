@@ -664,8 +664,11 @@ def test_llama_cpp_f32_continues_greedily_as_enlace(llama, llama_enlace):
     assert theirs == ours and len(set(ours)) >= 4
 
 
-@pytest.mark.parametrize("dtype, min_agreement", [("f32", 1.0), ("q8_0", 0.99)])
-def test_llama_cpp_agrees_with_enlace_on_the_top_token(llama, llama_enlace, dtype, min_agreement):
+# f32 with llama.cpp's default f16 KV cache moves logits by a few 1e-3 (3.95e-3 on an AVX2 EPYC), which
+# flipped one near tie in 2560 positions there (99.96%): the f32 bound is the logit difference, and the
+# top-1 agreement allows such ties; exactness is the f32 KV cache test's below.
+@pytest.mark.parametrize("dtype, min_agreement, max_diff", [("f32", 0.999, 2e-2), ("q8_0", 0.99, 0.5)])
+def test_llama_cpp_agrees_with_enlace_on_the_top_token(llama, llama_enlace, dtype, min_agreement, max_diff):
     model, _, tokenizer = llama_enlace
     agree = total = 0
     largest = 0.0
@@ -679,7 +682,7 @@ def test_llama_cpp_agrees_with_enlace_on_the_top_token(llama, llama_enlace, dtyp
     print(
         f"\nllama.cpp {dtype}: top-1 agreement {agree}/{total} = {agree / total:.2%}, max |logit diff| {largest:.2e}"
     )
-    assert agree / total >= min_agreement
+    assert agree / total >= min_agreement and largest < max_diff
 
 
 def test_llama_cpp_f32_with_an_f32_kv_cache_gives_enlace_s_logits(llama, llama_enlace):
@@ -691,3 +694,24 @@ def test_llama_cpp_f32_with_an_f32_kv_cache_gives_enlace_s_logits(llama, llama_e
         largest = max(largest, (ours - llama_logits(llama["f32, f32 KV cache"], ids)).abs().max().item())
     print(f"\nllama.cpp f32 with an f32 KV cache: max |logit diff| {largest:.2e}")
     assert largest < 1e-3
+
+
+def test_llama_cpp_decodes_eight_streams_as_enlace_s_eight_slots(llama_enlace, tmp_path, monkeypatch):
+    """make bench ARGS=llama's two sides do the same work: eight streams in one llama_decode per step
+    (GGUF f32) give, stream by stream, the greedy tokens of ENLACE's Decoder with eight slots."""
+    from bench import llama_cpp as bench_llama
+
+    model, cfg, tokenizer = llama_enlace
+    monkeypatch.setattr(bench_llama, "NEW_TOKENS", 24)  # 32-token prompts + 24 fit the 64-token window
+    path = str(tmp_path / "f32.gguf")
+    export.write_gguf(path, model, cfg, tokenizer, "f32")
+    weights = bench_llama.llama_weights(path)
+    context, batch = bench_llama.llama_context(weights, 8, cfg["model"]["seq_len"], torch.get_num_threads())
+    _, theirs = bench_llama.llama_answers(context, batch, weights.n_vocab(), 8)
+    with torch.no_grad():
+        _, ours = bench_llama.enlace_answers(model.decoder(8, allocate=True), tokenizer.vocab_size, 8)
+    context.close()
+    batch.close()
+    weights.close()
+    assert len(ours) == 8 and all(len(stream) == bench_llama.NEW_TOKENS for stream in ours)
+    assert ours == theirs
