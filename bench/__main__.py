@@ -10,6 +10,7 @@ from bench import agent as bench_agent
 from bench import data as bench_data
 from bench import decoding as bench_decoding
 from bench import evaluation as bench_eval
+from bench import llama_cpp as bench_llama
 from bench import model as bench_model
 from bench import serve as bench_serve
 
@@ -21,6 +22,7 @@ SECTIONS = {
     "search": bench_serve.bench_search,
     "serve": bench_serve.bench_serve,
     "bandwidth": bench_decoding.bench_decoding,
+    "llama": bench_llama.bench_llama,
     "memory": bench_serve.bench_memory,
     "eval": bench_eval.bench_eval,
     "agent": bench_agent.bench_agent,

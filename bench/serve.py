@@ -22,6 +22,7 @@ import model
 import search
 from bench.common import ROOT, layer, per_call_seconds, percentile
 from bench.decoding import bench_decoding, serve_bench_run
+from bench.llama_cpp import bench_llama
 
 # -----------------------------------------------------------------------------
 # search: parse time per page, and what the provider chain costs when the primary answers
@@ -104,8 +105,8 @@ def bench_search():
 def bench_serve(clients=20, requests_per_client=10, max_tokens=8, new_tokens=64, repeats=3):
     """Continuous batching, side by side in one run: aggregate decode rates at 1, 2, 4 and 8 streams for the
     served smoke run and the tiny-50m shape; the `clients` x `requests_per_client` load test through
-    serve/app.py with max_batch 1 (one answer at a time) and the default max_batch; single-stream decoding
-    against llama.cpp on the same weights in GGUF f32."""
+    serve/app.py with max_batch 1 (one answer at a time) and the default max_batch; 8 members over HTTP at
+    once against one at a time; then the bandwidth section and decoding against llama.cpp (bench/llama_cpp.py)."""
     import checkpoint
 
     print(f"serve: load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs, torch with "
@@ -113,7 +114,7 @@ def bench_serve(clients=20, requests_per_client=10, max_tokens=8, new_tokens=64,
     batch = config.load_layer("serve", os.path.join(ROOT, "configs", "serve", "default.yaml"))["max_batch"]
     with tempfile.TemporaryDirectory(prefix="bench-serve-") as folder:
         run = serve_bench_run(folder)
-        smoke, cfg, tokenizer, _ = checkpoint.load_run(run, log=lambda message: None)
+        smoke = checkpoint.load_run(run, log=lambda message: None)[0]
         torch.manual_seed(0)
         tiny_cfg = layer("model", "tiny-50m")
         tiny = model.Transformer(tiny_cfg).eval()  # random weights: the rates do not depend on them
@@ -132,15 +133,10 @@ def bench_serve(clients=20, requests_per_client=10, max_tokens=8, new_tokens=64,
                 f"(target <= 0.33); requests/s {batched['rps'] / sequential['rps']:.2f}x",
                 flush=True,
             )
-        against_llama_cpp(name, smoke, cfg, tokenizer, folder, new_tokens)
-        # GGUF needs the tokenizer: the tiny-50m shape with the smoke run's vocabulary.
-        tiny_cfg = {"run_name": "tiny-50m", "model": dict(tiny_cfg, vocab_size=cfg["model"]["vocab_size"])}
-        torch.manual_seed(0)
-        tiny = model.Transformer(tiny_cfg["model"]).eval()
-        label = f"tiny-50m shape, vocabulary {tiny_cfg['model']['vocab_size']}"
-        against_llama_cpp(label, tiny, tiny_cfg, tokenizer, folder, new_tokens)
+        http_streams(serve_bench_run(folder, shipped=False), folder)  # answers that run to max_tokens
     print(f"serve: load average {os.getloadavg()[0]:.1f} at the end", flush=True)
     bench_decoding(new_tokens, repeats)
+    bench_llama()
 
 
 def stream_rate(net, streams, slots, new_tokens):
@@ -178,6 +174,68 @@ def scaling_table(label, net, batch, new_tokens, repeats):
         print(f"serve:   {streams:7d} | {slots:9d} | {rate:8.1f} | {rate / rates[(1, 1)]:.2f}")
 
 
+def start_server(run, database, queue_size, max_batch):
+    """(process, base URL) of `python -m serve RUN` on a free port of 127.0.0.1, once it listens."""
+    command = [sys.executable, "-m", "serve", run, "--port", "0", f"serve.database={database}",
+               f"serve.queue_size={queue_size}", f"serve.max_batch={max_batch}"]  # fmt: skip
+    proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    return proc, proc.stdout.readline().split(" at ")[1].split()[0].rstrip("/")
+
+
+def http_streams(run, folder, members=8, answer_tokens=48, rounds=3):
+    """End to end as a family sees it: `members` members of one server (max_batch = members), each asking
+    over HTTP for a greedy answer of up to answer_tokens tokens to its own question (`run`: one whose
+    answers seldom end sooner, such as serve_bench_run's 2-step stand-in). One stream: the questions one
+    after another; then all members at once. Generated tokens per second of wall time (the usage the
+    server reports), medians of `rounds`; and whether each answer at once is its answer alone."""
+    import httpx
+
+    from family import accounts as serve_accounts
+
+    database = os.path.join(folder, f"bench-http-{members}.sqlite")
+    store = serve_accounts.Store(database)
+    keys = [store.add_member(f"m{i}", "adult") for i in range(members)]
+    proc, url = start_server(run, database, members, members)
+    model_id = httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {keys[0]}"}).json()["data"][
+        0
+    ]["id"]
+
+    def ask(index, answers):
+        question = f"Hola, soy {index + 1}. ¿Me cuentas algo de la ciudad número {index + 1}?"
+        body = {"model": model_id, "messages": [{"role": "user", "content": question}],
+                "max_tokens": answer_tokens, "temperature": 0}  # fmt: skip
+        reply = httpx.post(url + "/v1/chat/completions", json=body, timeout=600,
+                           headers={"Authorization": f"Bearer {keys[index]}"}).json()  # fmt: skip
+        answers[index] = (reply["choices"][0]["message"]["content"], reply["usage"]["completion_tokens"])
+
+    try:
+        ask(0, {})  # warm-up
+        alone, together, solo, batched = [], [], {}, {}
+        for _ in range(rounds):
+            start = time.perf_counter()
+            for index in range(members):
+                ask(index, solo)
+            alone.append(sum(tokens for _, tokens in solo.values()) / (time.perf_counter() - start))
+            threads = [threading.Thread(target=ask, args=(index, batched)) for index in range(members)]
+            start = time.perf_counter()
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            together.append(sum(tokens for _, tokens in batched.values()) / (time.perf_counter() - start))
+    finally:
+        proc.kill()
+        proc.wait()
+    mean_tokens = statistics.mean(tokens for _, tokens in batched.values())
+    same = sum(solo[index][0] == batched[index][0] for index in range(members))
+    ratios = [many / one for many, one in zip(together, alone, strict=True)]
+    print(f"serve: over HTTP, {members} members of one server (max_batch={members}), greedy answers of "
+          f"{mean_tokens:.0f} tokens on average (up to {answer_tokens}): one at a time "
+          f"{statistics.median(alone):.0f} tok/s, all at once {statistics.median(together):.0f} tok/s -> "
+          f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}, {rounds} rounds; target >= 4); "
+          f"{same}/{members} answers identical to the answer alone", flush=True)  # fmt: skip
+
+
 def load_test(run, folder, clients, requests_per_client, max_tokens, max_batch):
     """requests/s and latency of serve/app.py (a real process on 127.0.0.1) with `clients` threads, one member
     each, sending `requests_per_client` greedy chat completions; and the server's wall seconds per answer
@@ -190,11 +248,8 @@ def load_test(run, folder, clients, requests_per_client, max_tokens, max_batch):
     store = serve_accounts.Store(database)
     admin = store.add_member("admin", "admin")
     keys = [store.add_member(f"c{i}", "adult") for i in range(clients)]
-    command = [sys.executable, "-m", "serve", run, "--port", "0", f"serve.database={database}",
-               f"serve.queue_size={clients}", f"serve.max_batch={max_batch}"]  # fmt: skip
-    proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    proc, url = start_server(run, database, clients, max_batch)
     try:
-        url = proc.stdout.readline().split(" at ")[1].split()[0].rstrip("/")
         admin_headers = {"Authorization": f"Bearer {admin}"}
         model_id = httpx.get(url + "/v1/models", headers=admin_headers).json()["data"][0]["id"]
         messages = [{"role": "user", "content": "Hola, ¿me cuentas un cuento corto?"}]
@@ -243,83 +298,6 @@ def load_test(run, folder, clients, requests_per_client, max_tokens, max_batch):
         flush=True,
     )
     return result
-
-
-def against_llama_cpp(label, net, cfg, tokenizer, folder, new_tokens):
-    """Single-stream greedy decoding, tokens/s after a 32-token prompt: ENLACE's model.generate against
-    llama.cpp (llama-cpp-python, the same weights exported to GGUF f32, as many threads); then where
-    ENLACE's decoding step spends its time."""
-    try:
-        import llama_cpp
-        import numpy as np
-    except ImportError:
-        print(
-            "serve: llama.cpp: llama-cpp-python is not installed (make gguf-check installs it); no comparison"
-        )
-        return
-    import export
-
-    text = gzip.open(os.path.join(ROOT, "corpus", "fortunes-es.txt.gz"), "rt", encoding="utf-8").read(2000)
-    prompt = [tokenizer.bos_id, *tokenizer.encode(text)][:32]
-    path = os.path.join(folder, f"{cfg['run_name']}.gguf")
-    export.write_gguf(path, net, cfg, tokenizer, "f32")
-    threads = torch.get_num_threads()
-    llm = llama_cpp.Llama(model_path=path, n_ctx=cfg["model"]["seq_len"], n_threads=threads,
-                          n_threads_batch=threads, verbose=False, seed=0)  # fmt: skip
-
-    def llama_rate():
-        llm.reset()
-        llm.eval(prompt)
-        token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
-        start = time.perf_counter()
-        for _ in range(new_tokens - 1):  # as many decoding steps as ENLACE's below
-            llm.eval([token])
-            token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
-        return (new_tokens - 1) / (time.perf_counter() - start)
-
-    def enlace_rate():
-        stream = net.generate(torch.tensor(prompt), new_tokens, temperature=0)
-        next(stream)  # the prefill's token
-        start = time.perf_counter()
-        count = sum(1 for _ in stream)
-        return count / (time.perf_counter() - start)
-
-    ours, theirs = [], []
-    for _ in range(3):  # interleaved: drift on a busy machine hits both alike
-        ours.append(enlace_rate())
-        theirs.append(llama_rate())
-    llm.close()
-    ours, theirs = statistics.median(ours), statistics.median(theirs)
-    print(f"serve: single stream, {label}: ENLACE {ours:,.0f} tok/s, llama.cpp (GGUF f32, {threads} threads) "
-          f"{theirs:,.0f} tok/s -> ENLACE/llama.cpp {ours / theirs:.2f}")  # fmt: skip
-    if ours < theirs:
-        print(f"serve:   where an ENLACE step goes: {decode_profile(net, prompt, new_tokens)}")
-
-
-def decode_profile(net, prompt, new_tokens):
-    """The shares of one decoding step's wall time: matrix products, the other torch operators, and what
-    is left outside operators (Python, the dispatcher)."""
-    from torch.profiler import profile
-
-    stream = net.generate(torch.tensor(prompt), new_tokens, temperature=0)
-    next(stream)
-    with profile() as prof:
-        start = time.perf_counter()
-        steps = sum(1 for _ in stream)
-        wall = time.perf_counter() - start
-    totals = {}
-    for event in prof.key_averages():
-        totals[event.key] = totals.get(event.key, 0.0) + event.self_cpu_time_total / 1e6
-    matmul = sum(
-        seconds for key, seconds in totals.items() if key in ("aten::mm", "aten::addmm", "aten::bmm")
-    )
-    ops = sum(totals.values())
-    top = sorted(((s, k) for k, s in totals.items() if k not in ("aten::mm", "aten::addmm", "aten::bmm")),
-                 reverse=True)[:3]  # fmt: skip
-    others = ", ".join(f"{key} {100 * seconds / wall:.0f}%" for seconds, key in top)
-    return (f"{1e3 * wall / steps:.2f} ms per step under the profiler: matrix products {100 * matmul / wall:.0f}%, "
-            f"other operators {100 * (ops - matmul) / wall:.0f}% ({others}), outside operators (Python, "
-            f"dispatch) {100 * max(wall - ops, 0) / wall:.0f}%")  # fmt: skip
 
 
 def serve_rss_kib(pid):
