@@ -479,8 +479,7 @@ def main(argv):
         print(f"error: {e}", file=sys.stderr)
         return 2
     except fileio.StorageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return fileio.STORAGE_EXIT
+        return fileio.exit_on_storage_error(e)
     return 0
 
 

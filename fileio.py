@@ -27,6 +27,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 
 # The errors that say the filesystem refuses to store more, and how a message names them: errno values,
 # SQLite's primary result codes (SQLITE_FULL, SQLITE_READONLY) and Rust's io::Error text (safetensors).
@@ -36,6 +37,12 @@ RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
 # The exit status of a command stopped by a full or read-only disk (sysexits.h EX_IOERR), apart from bad
 # input (2): a script or a person can tell "free some space and rerun" from "fix the command".
 STORAGE_EXIT = 74
+
+
+def exit_on_storage_error(error):
+    """What a command does with a StorageError: its one-line message on stderr, and STORAGE_EXIT."""
+    print(f"error: {error}", file=sys.stderr)
+    return STORAGE_EXIT
 
 
 class StorageError(Exception):

@@ -388,8 +388,7 @@ def main(argv):
         write_jsonl(os.path.join(args.out, "train.jsonl"), train)
         write_jsonl(os.path.join(args.out, "eval.jsonl"), held_out)
     except fileio.StorageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return fileio.STORAGE_EXIT
+        return fileio.exit_on_storage_error(e)
     calls, unseen = unseen_share(train, held_out)
     print(
         f"{args.out}: {len(train)} train and {len(held_out)} eval conversations; the arguments of "

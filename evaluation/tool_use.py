@@ -331,8 +331,7 @@ def main(argv):
     try:
         fileio.write_json(args.report or os.path.join(folder, "agent_eval.json"), report)
     except fileio.StorageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return fileio.STORAGE_EXIT
+        return fileio.exit_on_storage_error(e)
     return 0
 
 

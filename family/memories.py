@@ -775,8 +775,7 @@ def main(argv):
             print(json.dumps(export(conn, args.member, args.role), ensure_ascii=False, indent=1))
         conn.close()
     except fileio.StorageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return fileio.STORAGE_EXIT
+        return fileio.exit_on_storage_error(e)
     except (config.ConfigError, MemoryStoreError, SnapshotError, sqlite3.Error) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
