@@ -69,19 +69,36 @@ def step_bytes(net, slots, length):
     return weights + net.kv_cache_bytes(slots) * length // net.seq_len
 
 
+def random_prompts(vocab, streams, length=32):
+    """`streams` prompts of `length` random ids, the same in every process (rates do not depend on text)."""
+    return [torch.randint(0, vocab, (length,), generator=torch.Generator().manual_seed(i)).tolist()
+            for i in range(streams)]  # fmt: skip
+
+
+def greedy_answers(decoder, prompts, new_tokens):
+    """(tokens/s, each row's tokens) of new_tokens greedy decoding steps of one row per prompt, decoded
+    together by `decoder` (prefills excluded); the rows are removed afterwards."""
+    rows = [decoder.add(ids, temperature=0) for ids in prompts]
+    tokens = [[] for _ in rows]
+    start = time.perf_counter()
+    for _ in range(new_tokens):
+        chosen = {row: decoder.sample(row) for row in rows}
+        for index, row in enumerate(rows):
+            tokens[index].append(chosen[row])
+        decoder.advance(chosen)
+    seconds = time.perf_counter() - start
+    for row in rows:
+        decoder.remove(row)
+    return len(rows) * new_tokens / seconds, tokens
+
+
 def decode_rate(net, streams, new_tokens, **options):
     """Tokens/s of `streams` greedy answers of new_tokens after 32-token prompts, decoded together by a
     model.Decoder of `streams` slots with `options` (compile_mode), prefills excluded."""
-    vocab = net.cfg["vocab_size"]
     decoder = net.decoder(streams, allocate=True, **options)
     if decoder.compiled_step is not None:
         decoder.compile()
-    rows = [decoder.add(torch.randint(0, vocab, (32,), generator=torch.Generator().manual_seed(i)).tolist(),
-                        temperature=0) for i in range(streams)]  # fmt: skip
-    start = time.perf_counter()
-    for _ in range(new_tokens):
-        decoder.advance({row: decoder.sample(row) for row in rows})
-    return streams * new_tokens / (time.perf_counter() - start)
+    return greedy_answers(decoder, random_prompts(net.cfg["vocab_size"], streams), new_tokens)[0]
 
 
 def bandwidth_table(label, net, bandwidth, new_tokens, repeats):

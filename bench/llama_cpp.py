@@ -12,7 +12,6 @@ machine; ratios are taken round by round.
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -23,8 +22,8 @@ import config
 import data
 import export
 import model
-from bench.common import ROOT, layer
-from bench.decoding import memory_bandwidth, step_bytes
+from bench.common import ROOT, in_turns, layer, run_fresh, spread
+from bench.decoding import greedy_answers, memory_bandwidth, random_prompts, step_bytes
 from corpus import pipeline as corpus
 
 CONFIGURATIONS = (
@@ -42,13 +41,12 @@ PEER = {
 SHAPES = ("smoke", "tiny-50m")
 STREAMS = (1, 8)
 PROMPT_TOKENS, NEW_TOKENS, REPEATS = 32, 64, 3
-KV_BYTES = {"ENLACE": 4, "llama.cpp": 2}  # ENLACE caches keys and values in float32, llama.cpp in f16
+LLAMA_KV_BYTES = 2  # llama.cpp caches keys and values in f16 (ENLACE in float32: step_bytes counts them)
 
 
 def prompts(vocab, streams):
-    """The same `streams` prompts of PROMPT_TOKENS random ids on both sides (rates do not depend on text)."""
-    return [torch.randint(0, vocab, (PROMPT_TOKENS,), generator=torch.Generator().manual_seed(i)).tolist()
-            for i in range(streams)]  # fmt: skip
+    """The same `streams` prompts of PROMPT_TOKENS random ids on both sides."""
+    return random_prompts(vocab, streams, PROMPT_TOKENS)
 
 
 # -----------------------------------------------------------------------------
@@ -88,7 +86,7 @@ def gguf_step_bytes(path, streams, length, kv_layers, kv_width):
     import gguf
 
     weights = sum(int(tensor.n_bytes) for tensor in gguf.GGUFReader(path).tensors)
-    return weights + 2 * kv_layers * kv_width * KV_BYTES["llama.cpp"] * streams * length
+    return weights + 2 * kv_layers * kv_width * LLAMA_KV_BYTES * streams * length
 
 
 # -----------------------------------------------------------------------------
@@ -98,18 +96,7 @@ def gguf_step_bytes(path, streams, length, kv_layers, kv_width):
 
 def enlace_answers(decoder, vocab, streams):
     """(tokens/s of NEW_TOKENS decoding steps of `streams` greedy rows, each row's tokens)."""
-    rows = [decoder.add(ids, temperature=0) for ids in prompts(vocab, streams)]
-    tokens = [[] for _ in rows]
-    start = time.perf_counter()
-    for _ in range(NEW_TOKENS):
-        chosen = {row: decoder.sample(row) for row in rows}
-        for index, row in enumerate(rows):
-            tokens[index].append(chosen[row])
-        decoder.advance(chosen)
-    seconds = time.perf_counter() - start
-    for row in rows:
-        decoder.remove(row)
-    return streams * NEW_TOKENS / seconds, tokens
+    return greedy_answers(decoder, prompts(vocab, streams), NEW_TOKENS)
 
 
 def enlace_rates(folder, shape, configuration, profile=False):
@@ -128,7 +115,7 @@ def enlace_rates(folder, shape, configuration, profile=False):
                 decoder.compile()
                 result["compile_s"] += time.perf_counter() - start
             answers = timed_answers(enlace_answers, decoder, saved["model"]["vocab_size"], streams)
-            result[str(streams)], result[f"tokens{streams}"] = answers
+            result[str(streams)] = answers
             result[f"bytes{streams}"] = step_bytes(net, streams, PROMPT_TOKENS + NEW_TOKENS // 2)
         if profile and not compile_mode:
             result["profile"] = decode_profile(net, saved["model"]["vocab_size"])
@@ -227,7 +214,7 @@ def llama_rates(folder, shape, configuration, profile=False):
     for streams in STREAMS:
         context, batch = llama_context(weights, streams, cfg["seq_len"], torch.get_num_threads())
         answers = timed_answers(llama_answers, context, batch, weights.n_vocab(), streams)
-        result[str(streams)], result[f"tokens{streams}"] = answers
+        result[str(streams)] = answers
         kv_width = cfg["n_kv_heads"] * (cfg["d_model"] // cfg["n_heads"])
         length = PROMPT_TOKENS + NEW_TOKENS // 2
         result[f"bytes{streams}"] = gguf_step_bytes(path, streams, length, cfg["n_layers"], kv_width)
@@ -238,13 +225,9 @@ def llama_rates(folder, shape, configuration, profile=False):
 
 
 def timed_answers(answers, *args):
-    """(median tokens/s of REPEATS calls of answers(*args) after one warm-up call, the first stream's tokens)."""
+    """Median tokens/s of REPEATS calls of answers(*args) after one warm-up call."""
     answers(*args)
-    rates, tokens = [], None
-    for _ in range(REPEATS):
-        rate, tokens = answers(*args)
-        rates.append(rate)
-    return statistics.median(rates), tokens[0]
+    return statistics.median(answers(*args)[0] for _ in range(REPEATS))
 
 
 # -----------------------------------------------------------------------------
@@ -252,29 +235,19 @@ def timed_answers(answers, *args):
 
 
 def run_child(folder, shape, configuration, profile=False):
-    flags = ["--profile"] if profile else []
-    with tempfile.TemporaryDirectory(prefix="bench-inductor-") as cache:
-        result = subprocess.run([sys.executable, "-m", "bench.llama_cpp", "rate", folder, shape, configuration, *flags],
-                                cwd=ROOT, capture_output=True, text=True,
-                                env=os.environ | {"TORCHINDUCTOR_CACHE_DIR": cache})  # fmt: skip
-    if result.returncode != 0:
-        raise RuntimeError(f"bench/llama_cpp.py {shape!r} {configuration!r} failed:\n{result.stderr[-3000:]}")
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return run_fresh(
+        "bench.llama_cpp", "rate", folder, shape, configuration, *(["--profile"] if profile else [])
+    )
 
 
 def rounds_of(folder, shape, rounds):
     """{configuration: [one fresh process's rates per round]}, the configurations taking turns."""
     rows = {name: [] for name in CONFIGURATIONS}
     for index in range(rounds):
-        order = CONFIGURATIONS[index % len(CONFIGURATIONS) :] + CONFIGURATIONS[: index % len(CONFIGURATIONS)]
-        for name in order:
+        for name in in_turns(CONFIGURATIONS, index):
             rows[name].append(run_child(folder, shape, name, profile=index == 0))  # one op profile is enough
             print(f"llama: {shape} round {index + 1}: {name} done", file=sys.stderr, flush=True)
     return rows
-
-
-def spread(values, digits=",.0f"):
-    return f"{statistics.median(values):{digits}} ({min(values):{digits}}-{max(values):{digits}})"
 
 
 def print_table(shape, rows, bandwidth):

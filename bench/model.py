@@ -12,12 +12,9 @@ against no cache.
 import argparse
 import json
 import math
-import os
 import resource
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 
 import torch
@@ -28,7 +25,7 @@ from torch.profiler import ProfilerActivity, profile
 import hardware
 import model
 import train
-from bench.common import ROOT, layer
+from bench.common import in_turns, layer, run_fresh, spread
 
 # -----------------------------------------------------------------------------
 # model: training throughput and memory against nanoGPT and transformers' Qwen3, a fresh process each
@@ -228,19 +225,8 @@ def loss_row(shape, label, rounds=3):
 
 
 def run_child(kind, shape, label, *flags):
-    """step_row / loss_row in a fresh Python process (whatever ran before in one process slows the next
-    measurement by 10-30% at these shapes), with an empty inductor cache, as a first run sees it."""
-    with tempfile.TemporaryDirectory(prefix="bench-inductor-") as cache:
-        result = subprocess.run(
-            [sys.executable, "-m", "bench.model", kind, shape, label, *flags],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            env=os.environ | {"TORCHINDUCTOR_CACHE_DIR": cache},
-        )
-    if result.returncode != 0:
-        raise RuntimeError(f"bench/model.py {kind} {shape!r} {label!r} failed:\n{result.stderr[-3000:]}")
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    """step_row / loss_row in a fresh process (common.run_fresh)."""
+    return run_fresh("bench.model", kind, shape, label, *flags)
 
 
 def load_average():
@@ -253,15 +239,10 @@ def step_rounds(shape, rounds):
     further down the list, so that no contender is always the one that runs first on a cool machine."""
     rows = {label: [] for label in CONTENDERS}
     for index in range(rounds):
-        for label in CONTENDERS[index % len(CONTENDERS) :] + CONTENDERS[: index % len(CONTENDERS)]:
+        for label in in_turns(CONTENDERS, index):
             profiled = index == 0 and label == f"ENLACE, chunks of {CHUNK}"  # one op profile is enough
             rows[label].append(run_child("step", shape, label, *(["--profile"] if profiled else [])))
     return rows
-
-
-def spread(values, digits=",.0f"):
-    """'median (min-max)' of a row's values over the rounds."""
-    return f"{statistics.median(values):{digits}} ({min(values):{digits}}-{max(values):{digits}})"
 
 
 def print_steps(shape, rows, peak):

@@ -10,8 +10,7 @@ from bench import llama_cpp as bench_llama
 
 def run_of(rate):
     return {"compile_s": 1.0, **{str(s): rate * s for s in bench_llama.STREAMS},
-            **{f"bytes{s}": 1e6 for s in bench_llama.STREAMS},
-            **{f"tokens{s}": [1, 2, 3] for s in bench_llama.STREAMS}}  # fmt: skip
+            **{f"bytes{s}": 1e6 for s in bench_llama.STREAMS}}  # fmt: skip
 
 
 def test_ratios_to_llama_cpp_are_paired_round_by_round(capsys):
