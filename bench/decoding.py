@@ -17,6 +17,7 @@ import model
 import train
 from bench.common import ROOT, layer, timed
 from corpus import pipeline as corpus
+from serve.weights import int8_weights
 
 
 def serve_bench_run(folder, shipped=True):
@@ -105,7 +106,7 @@ def bandwidth_table(label, net, bandwidth, new_tokens, repeats):
     """Each decoding configuration's tokens/s at 1 and 8 streams, and as a share of the memory-bandwidth
     limit (bandwidth x streams / bytes per step); configurations interleave, medians and ranges of repeats."""
     configurations = {"float32 eager": (net, {}), "float32 compiled (inductor)": (net, {"compile_mode": "default"}),
-                      "int8 weights eager": (model.int8_weights(net), {})}  # fmt: skip
+                      "int8 weights eager": (int8_weights(net), {})}  # fmt: skip
     started = time.perf_counter()
     for weights, options in configurations.values():
         decode_rate(weights, 1, 2, **options)  # warm-up, and the compile (timed once, here)
@@ -202,9 +203,7 @@ def bench_decoding(new_tokens=64, repeats=3):
             print(f"serve: time to first token, {length}-token prompt (system prompt + date + tools + question, "
                   f"{os.path.basename(run)}'s tokenizer), tiny-50m: {1e3 * without:.0f} ms without the prefix cache, "
                   f"{1e3 * with_cache:.0f} ms with it -> {with_cache / without:.2f} (target <= 0.3)")  # fmt: skip
-            f32, int8 = (
-                held_out_bpb(net, cfg, tokenizer, 20_000) for net in (smoke, model.int8_weights(smoke))
-            )
+            f32, int8 = (held_out_bpb(net, cfg, tokenizer, 20_000) for net in (smoke, int8_weights(smoke)))
         print(f"serve: held-out bpb (val, first 20,000 tokens), {os.path.basename(run)}: float32 {f32:.4f}, int8 "
               f"weights {int8:.4f} -> {100 * (int8 / f32 - 1):+.2f}% (target within 1%)")  # fmt: skip
     print("serve: llama.cpp f32/q8_0 side by side on the same weights: make bench ARGS=llama (needs "

@@ -25,6 +25,7 @@ import model
 from bench.common import ROOT, in_turns, layer, run_fresh, spread
 from bench.decoding import greedy_answers, memory_bandwidth, random_prompts, step_bytes
 from corpus import pipeline as corpus
+from serve.weights import int8_weights
 
 CONFIGURATIONS = (
     "ENLACE float32",
@@ -104,7 +105,7 @@ def enlace_rates(folder, shape, configuration, profile=False):
     net = model.Transformer(saved["model"]).eval()
     net.load_state_dict(saved["weights"])
     if configuration == "ENLACE int8":
-        net = model.int8_weights(net)
+        net = int8_weights(net)
     compile_mode = "default" if configuration.endswith("compiled") else None
     result = {"compile_s": 0.0}
     with torch.no_grad():

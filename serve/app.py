@@ -754,9 +754,9 @@ def prepare_weights(model, settings, device):
         raise ServeError(
             f"serve.weights.{kind}=int8 runs eager: set serve.compile.{kind}=off (or weights float32)"
         )
-    import model as model_code
+    from serve import weights
 
-    quantized = model_code.int8_weights(model)
+    quantized = weights.int8_weights(model)
     quantized.checkpoint_path = model.checkpoint_path
     print("serve: int8 weights (serve.weights)", file=sys.stderr)
     return quantized

@@ -768,7 +768,7 @@ def test_the_prefix_cache_stays_within_its_bytes_and_evicts_the_least_recently_u
 
 
 def test_int8_weights_hold_every_linear_layer_in_int8_and_move_the_logits_by_about_a_percent():
-    from model import int8_weights
+    from serve.weights import int8_weights
 
     for seed in range(3):
         net = build(tiny(), seed=seed)
