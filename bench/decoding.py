@@ -17,7 +17,7 @@ import model
 import train
 from bench.common import ROOT, layer, timed
 from corpus import pipeline as corpus
-from serve.weights import int8_weights
+from serve.weights import SplitLinear, int8_weights, split_matvec
 
 
 def serve_bench_run(folder, shipped=True):
@@ -62,7 +62,7 @@ def step_bytes(net, slots, length):
     keys and values of `slots` rows of `length` positions."""
     weights = 0
     for module in net.modules():
-        if isinstance(module, torch.nn.Linear):
+        if isinstance(module, (torch.nn.Linear, SplitLinear)):
             weights += module.weight.nbytes
         elif isinstance(module, torch.ao.nn.quantized.dynamic.Linear):  # int8 weights, a scale per row
             weight = module.weight()
@@ -106,6 +106,7 @@ def bandwidth_table(label, net, bandwidth, new_tokens, repeats):
     """Each decoding configuration's tokens/s at 1 and 8 streams, and as a share of the memory-bandwidth
     limit (bandwidth x streams / bytes per step); configurations interleave, medians and ranges of repeats."""
     configurations = {"float32 eager": (net, {}), "float32 compiled (inductor)": (net, {"compile_mode": "default"}),
+                      "float32 split products": (split_matvec(net, torch.get_num_threads(), 8), {}),
                       "int8 weights eager": (int8_weights(net), {})}  # fmt: skip
     started = time.perf_counter()
     for weights, options in configurations.values():

@@ -1,7 +1,7 @@
 """
 `make bench ARGS=llama` (also part of ARGS=serve): ENLACE's decoding against llama.cpp on the same weights,
-at 1 and 8 streams, each configuration in a fresh process. ENLACE float32 (eager and compiled) and int8
-weights; llama.cpp (llama-cpp-python, its own batched llama_decode, as many threads) on the same weights
+at 1 and 8 streams, each configuration in a fresh process. ENLACE float32 (eager, with its products split
+over the threads as the server runs it on a CPU, and compiled) and int8 weights; llama.cpp (llama-cpp-python, its own batched llama_decode, as many threads) on the same weights
 exported to GGUF f32 and q8_0. Rounds take turns, so that no configuration always runs first on a cool
 machine; ratios are taken round by round.
 
@@ -25,10 +25,11 @@ import model
 from bench.common import ROOT, in_turns, layer, run_fresh, spread
 from bench.decoding import greedy_answers, memory_bandwidth, random_prompts, step_bytes
 from corpus import pipeline as corpus
-from serve.weights import int8_weights
+from serve.weights import int8_weights, split_matvec
 
 CONFIGURATIONS = (
     "ENLACE float32",
+    "ENLACE float32 split",
     "ENLACE float32 compiled",
     "ENLACE int8",
     "llama.cpp f32",
@@ -36,6 +37,7 @@ CONFIGURATIONS = (
 )
 PEER = {
     "ENLACE float32": "llama.cpp f32",
+    "ENLACE float32 split": "llama.cpp f32",
     "ENLACE float32 compiled": "llama.cpp f32",
     "ENLACE int8": "llama.cpp q8_0",
 }
@@ -106,6 +108,8 @@ def enlace_rates(folder, shape, configuration, profile=False):
     net.load_state_dict(saved["weights"])
     if configuration == "ENLACE int8":
         net = int8_weights(net)
+    if configuration == "ENLACE float32 split":  # serve.matvec_parts: one block per thread
+        net = split_matvec(net, torch.get_num_threads(), max(STREAMS))
     compile_mode = "default" if configuration.endswith("compiled") else None
     result = {"compile_s": 0.0}
     with torch.no_grad():

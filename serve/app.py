@@ -745,17 +745,22 @@ COMPILE_MODES = {"off": None, "inductor": "default", "cuda-graphs": "reduce-over
 
 
 def prepare_weights(model, settings, device):
-    """The model in serve.weights' format for this device; a ServeError for a combination that cannot
-    run."""
+    """The model in serve.weights' format for this device (float32 with serve.matvec_parts > 1: its
+    products split for the decode step); a ServeError for a combination that cannot run."""
+    from serve import weights
+
     kind = "cuda" if device.startswith("cuda") else "cpu"
+    parts = settings["matvec_parts"][kind]
     if settings["weights"][kind] == "float32":
-        return model
+        if parts == 1:
+            return model
+        split = weights.split_matvec(model, parts, settings["max_batch"])
+        print(f"serve: decode products in {parts} blocks (serve.matvec_parts)", file=sys.stderr)
+        return split
     if settings["compile"][kind] != "off":
         raise ServeError(
             f"serve.weights.{kind}=int8 runs eager: set serve.compile.{kind}=off (or weights float32)"
         )
-    from serve import weights
-
     quantized = weights.int8_weights(model)
     quantized.checkpoint_path = model.checkpoint_path
     print("serve: int8 weights (serve.weights)", file=sys.stderr)

@@ -357,8 +357,9 @@ def live_server(chat_model, tmp_path, *overrides, model=None, context=None):
     real_model, tokenizer, model_id, run_context = chat_model
     context = context or run_context
     decoding = serve.decoding_options(settings, "cpu") if model is None else {}
+    model = model or serve.prepare_weights(real_model, settings, "cpu")  # as serve_main prepares it
     model_worker = serve_worker.Worker(
-        model or real_model, tokenizer, settings["queue_size"], settings["max_batch"], **decoding
+        model, tokenizer, settings["queue_size"], settings["max_batch"], **decoding
     )
     store = serve_accounts.Store(database, settings["busy_timeout_ms"])
     server = serve.Server(settings, store, model_worker, model_id, context)

@@ -667,9 +667,14 @@ def seeded(temperature, seed):
     return {"temperature": temperature, "generator": torch.Generator().manual_seed(seed)}
 
 
-@pytest.mark.parametrize("compile_mode", [None, "default"])  # eager, and the compiled step (inductor)
-def test_a_rows_tokens_and_logits_are_bit_for_bit_its_own_whatever_the_other_rows_do(compile_mode):
+@pytest.mark.parametrize(
+    "compile_mode, parts", [(None, 1), ("default", 1), (None, 2)], ids=["eager", "compiled", "split products"]
+)
+def test_a_rows_tokens_and_logits_are_bit_for_bit_its_own_whatever_the_other_rows_do(compile_mode, parts):
+    from serve.weights import split_matvec
+
     net = build(tiny(seq_len=32))
+    net = split_matvec(net, parts, max_rows=4) if parts > 1 else net
     target = (forced_tokens(7, seed=1), 3, 40, {"temperature": 0})
     others = [(forced_tokens(n, seed=n), first, last, seeded(0.8, n))
               for n, first, last in [(12, 0, 9), (2, 1, 30), (25, 5, 12), (4, 20, 45)]]  # fmt: skip
@@ -784,6 +789,33 @@ def test_int8_weights_hold_every_linear_layer_in_int8_and_move_the_logits_by_abo
         assert float((got - want).abs().max() / want.abs().max()) < 0.03
         # The Decoder runs on them as on float weights: its first token is the int8 forward's argmax.
         assert quantized.decoder(1).add(x[0].tolist(), temperature=0).logits.argmax() == got[0, -1].argmax()
+
+
+def test_split_matvec_shares_the_weights_and_decodes_the_plain_models_tokens_with_logits_within_1e_5():
+    from bench.decoding import step_bytes
+    from serve.weights import SplitLinear, split_matvec
+
+    net = build(tiny(seq_len=32))
+    split = split_matvec(net, parts=2, max_rows=4)
+    layers = [m for m in split.modules() if isinstance(m, SplitLinear)]
+    assert len(layers) == 7 * net.cfg["n_layers"] + 1  # every projection and the LM head
+    assert split.lm_head.weight is split.embed_tokens.weight is net.embed_tokens.weight  # shared, still tied
+    same = {name: tensor.data_ptr() for name, tensor in net.state_dict().items()}
+    assert {name: tensor.data_ptr() for name, tensor in split.state_dict().items()} == same
+    assert step_bytes(split, 4, 16) == step_bytes(net, 4, 16)  # the bench's bytes per step: the same weights
+    odd = split_matvec(net, parts=5, max_rows=4)  # 5 divides none of the widths 32, 64, 96, 256
+    assert not any(isinstance(m, SplitLinear) for m in odd.modules())
+    x = tokens(1, 12)
+    with torch.no_grad():  # 12 rows > max_rows: a prefill goes through F.linear, bit for bit
+        assert torch.equal(split(x)[0], net(x)[0])
+    plans = [(forced_tokens(n, seed=n), first, last, {"temperature": 0})
+             for n, first, last in [(7, 0, 20), (12, 0, 9), (2, 1, 16), (25, 5, 12)]]  # fmt: skip
+    plain, eager = run_rows(net, 4, plans, 21), run_rows(split, 4, plans, 21)
+    compiled = run_rows(split, 4, plans, 21, "default")
+    for got in (eager, compiled):
+        assert [tokens for tokens, _ in got] == [tokens for tokens, _ in plain]
+        for (_, logits), (_, want) in zip(got, plain, strict=True):
+            torch.testing.assert_close(torch.stack(logits), torch.stack(want), rtol=0, atol=1e-5)
 
 
 class Forced:

@@ -196,7 +196,21 @@ def test_int8_weights_answer_requests_and_refuse_a_compiled_step_on_the_same_dev
         serve.ServeError, match=r"serve.weights.cpu=int8 runs eager: set serve.compile.cpu=off"
     ):
         serve.prepare_weights(model, both, "cpu")
-    assert serve.prepare_weights(model, serve.load_settings(serve.DEFAULT_CONFIG, []), "cpu") is model
+
+
+def test_float32_weights_split_the_decode_products_in_matvec_parts_blocks_and_one_block_is_the_model(
+    chat_model,
+):
+    from serve.weights import SplitLinear
+
+    model = chat_model[0]
+    plain = serve.load_settings(serve.DEFAULT_CONFIG, ["serve.matvec_parts.cpu=1"])
+    assert serve.prepare_weights(model, plain, "cpu") is model
+    defaults = serve.load_settings(serve.DEFAULT_CONFIG, [])
+    split = serve.prepare_weights(model, defaults, "cpu")  # serve.matvec_parts.cpu: 2
+    blocks = {m.parts for m in split.modules() if isinstance(m, SplitLinear)}
+    assert blocks == {2} and split.checkpoint_path == model.checkpoint_path
+    assert split.lm_head.weight is model.lm_head.weight  # the same weights, not a copy
 
 
 # -----------------------------------------------------------------------------
