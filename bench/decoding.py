@@ -105,8 +105,9 @@ def decode_rate(net, streams, new_tokens, **options):
 def bandwidth_table(label, net, bandwidth, new_tokens, repeats):
     """Each decoding configuration's tokens/s at 1 and 8 streams, and as a share of the memory-bandwidth
     limit (bandwidth x streams / bytes per step); configurations interleave, medians and ranges of repeats."""
-    configurations = {"float32 eager": (net, {}), "float32 compiled (inductor)": (net, {"compile_mode": "default"}),
-                      "float32 split products": (split_matvec(net, torch.get_num_threads(), 8), {}),
+    split, compiled = split_matvec(net, torch.get_num_threads(), 8), {"compile_mode": "default"}
+    configurations = {"float32 eager": (net, {}), "float32 compiled (inductor)": (net, compiled),
+                      "float32 split products": (split, {}), "float32 split, compiled": (split, compiled),
                       "int8 weights eager": (int8_weights(net), {})}  # fmt: skip
     started = time.perf_counter()
     for weights, options in configurations.values():

@@ -1,8 +1,9 @@
 """
 `make bench ARGS=llama` (also part of ARGS=serve): ENLACE's decoding against llama.cpp on the same weights,
-at 1 and 8 streams, each configuration in a fresh process. ENLACE float32 (eager, with its products split
-over the threads as the server runs it on a CPU, and compiled) and int8 weights; llama.cpp (llama-cpp-python, its own batched llama_decode, as many threads) on the same weights
-exported to GGUF f32 and q8_0. Rounds take turns, so that no configuration always runs first on a cool
+at 1 and 8 streams, each configuration in a fresh process. ENLACE float32 (eager; with its products split
+over the threads, as the server runs it on a CPU; compiled; both) and int8 weights; llama.cpp
+(llama-cpp-python, its own batched llama_decode, as many threads) on the same weights exported to GGUF f32
+and q8_0. Rounds take turns, so that no configuration always runs first on a cool
 machine; ratios are taken round by round.
 
     python -m bench.llama_cpp table --rounds 3            # the table
@@ -31,6 +32,7 @@ CONFIGURATIONS = (
     "ENLACE float32",
     "ENLACE float32 split",
     "ENLACE float32 compiled",
+    "ENLACE float32 split compiled",
     "ENLACE int8",
     "llama.cpp f32",
     "llama.cpp q8_0",
@@ -39,6 +41,7 @@ PEER = {
     "ENLACE float32": "llama.cpp f32",
     "ENLACE float32 split": "llama.cpp f32",
     "ENLACE float32 compiled": "llama.cpp f32",
+    "ENLACE float32 split compiled": "llama.cpp f32",
     "ENLACE int8": "llama.cpp q8_0",
 }
 SHAPES = ("smoke", "tiny-50m")
@@ -108,7 +111,7 @@ def enlace_rates(folder, shape, configuration, profile=False):
     net.load_state_dict(saved["weights"])
     if configuration == "ENLACE int8":
         net = int8_weights(net)
-    if configuration == "ENLACE float32 split":  # serve.matvec_parts: one block per thread
+    if "split" in configuration:  # serve.matvec_parts: one block per thread
         net = split_matvec(net, torch.get_num_threads(), max(STREAMS))
     compile_mode = "default" if configuration.endswith("compiled") else None
     result = {"compile_s": 0.0}
@@ -266,7 +269,7 @@ def print_table(shape, rows, bandwidth):
           f"per stream after {PROMPT_TOKENS}-token prompts; tok/s: median (min-max) of {rounds} rounds, each a "
           f"fresh process taking the median of {REPEATS} answers")  # fmt: skip
     print(
-        "llama:   configuration           | streams | MB/step | tok/s               | limit share | x llama.cpp peer"
+        "llama:   configuration                 | streams | MB/step | tok/s               | limit share | x llama.cpp peer"
     )
     for name, runs in rows.items():
         for streams in STREAMS:
@@ -277,13 +280,16 @@ def print_table(shape, rows, bandwidth):
             if peer:
                 ratios = [mine / theirs[str(streams)] for mine, theirs in zip(rates, rows[peer], strict=True)]
                 versus = spread(ratios, ".2f") + "x"
-            print(f"llama:   {name:23s} | {streams:7d} | {per_step / 1e6:7.1f} | {spread(rates):19s} | "
+            print(f"llama:   {name:29s} | {streams:7d} | {per_step / 1e6:7.1f} | {spread(rates):19s} | "
                   f"{share:10.0f}% | {versus}")  # fmt: skip
     for name, runs in rows.items():
         if "profile" in runs[0]:
             print(f"llama:   where a step of {name} goes, 1 stream: {runs[0]['profile']}")
-    compiles = [run["compile_s"] for run in rows["ENLACE float32 compiled"]]
-    print(f"llama:   compiling ENLACE's step for 1 and 8 slots took {spread(compiles)} s per process")
+    for name in ("ENLACE float32 compiled", "ENLACE float32 split compiled"):
+        compiles = [run["compile_s"] for run in rows[name]]
+        print(
+            f"llama:   compiling the step of {name} for 1 and 8 slots took {spread(compiles)} s per process"
+        )
 
 
 def bench_llama(rounds=3, shapes=SHAPES):
