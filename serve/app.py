@@ -779,6 +779,18 @@ def decoding_options(settings, device):
     )
 
 
+def compile_failure(error, settings, device):
+    """The one-line reason a server with serve.compile on did not start, and what to do."""
+    kind = "cuda" if device.startswith("cuda") else "cpu"
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    reason = f"{type(error).__name__}: {lines[0] if lines else ''}"[:300]
+    needs = (
+        "a working C++ compiler (g++, or the one CXX names)" if kind == "cpu" else "a working CUDA toolchain"
+    )
+    return (f"serve.compile.{kind}={settings['compile'][kind]}: the decode step did not compile ({reason}); "
+            f"inductor needs {needs}: install it, or set serve.compile.{kind}=off")  # fmt: skip
+
+
 def serving_info(run, model, tokenizer, settings, memory_cfg):
     """What this server uses, for the snapshots of its database (memory.hold_lock writes it)."""
     processor = getattr(tokenizer, "processor", None)  # sentencepiece, possibly from inside the checkpoint
@@ -832,9 +844,12 @@ def serve_main(argv):
     model = prepare_weights(model, settings, args.device)
     check_kv_cache(model, settings, args.device)
     decoding = decoding_options(settings, args.device)
-    model_worker = serve_worker.Worker(
-        model, tokenizer, settings["queue_size"], settings["max_batch"], **decoding
-    )
+    try:
+        model_worker = serve_worker.Worker(
+            model, tokenizer, settings["queue_size"], settings["max_batch"], **decoding
+        )
+    except serve_worker.CompileFailed as e:
+        raise ServeError(compile_failure(e.__cause__, settings, args.device)) from None
     if "compile_s" in model_worker.stats:
         print(f"serve: decode step compiled ({decoding['compile_mode']}) in {model_worker.stats['compile_s']} s",
               file=sys.stderr)  # fmt: skip

@@ -82,6 +82,10 @@ class Busy(Exception):
     """The worker's queue is full; the request may be retried shortly."""
 
 
+class CompileFailed(Exception):
+    """The compiled decode step could not be built (the cause is chained): the server does not start."""
+
+
 class Worker:
     """decoding: model.Decoder's options beyond the slots (compile_mode, serve.compile's torch.compile
     mode); a compiled step is built on the decode thread before the constructor returns."""
@@ -116,7 +120,7 @@ class Worker:
         self.thread.start()
         self.compiled.wait()  # the compile runs on the thread that steps (CUDA graphs are per thread)
         if self.compile_error is not None:
-            raise self.compile_error
+            raise CompileFailed(self.compile_error) from self.compile_error
 
     # --- what serve/app.py calls, from the event loop
 
