@@ -295,7 +295,7 @@ def generate(settings):
         family = Family(folder, synthetic)
         for _ in range(synthetic["conversations"]):
             conversation = one_conversation(rng, rng.choices(kinds, weights)[0], settings, family)
-            chat.check_conversation(conversation)
+            chat.check_conversation(conversation, training=True)
             question = user_question(conversation)
             bucket = int(hashlib.sha256(question.encode("utf-8")).hexdigest()[:8], 16) / 16**8
             if bucket >= synthetic["eval_fraction"]:

@@ -25,7 +25,6 @@ import fileio
 from chat import convert as chat_convert
 from chat.template import (
     ChatError,
-    conversation_problems,
     decode_utf8,
     expand_paths,
     preference_problems,
@@ -34,6 +33,7 @@ from chat.template import (
     render,
     render_pair,
     segments,
+    training_problems,
 )
 from family import feedback
 
@@ -322,7 +322,7 @@ def import_file(kind, path, out_path, skip_bad=False, lang=None, log=print):
     records = read_records(path)
     converter = chat_convert.IMPORTERS[kind]
     converted = converter(records, source, lang) if kind == "oasst" else converter(records, source)
-    problems_of = preference_problems if kind == "preference" else conversation_problems
+    problems_of = preference_problems if kind == "preference" else training_problems
     lines, skipped = [], 0
     for where, conversation in converted:
         problems = (

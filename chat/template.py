@@ -87,8 +87,6 @@ def conversation_problems(conversation):
             problems.append(f"{where}: tool_call_id and name belong to tool messages")
         if role == "assistant":
             calls = message.get("tool_calls", [])
-            if not message["content"].strip() and not calls:
-                problems.append(f"{where}: empty assistant content and no tool calls")
             for number, call in enumerate(calls):
                 try:
                     arguments_of(call)
@@ -104,6 +102,24 @@ def conversation_problems(conversation):
     return problems
 
 
+def empty_answers(messages, where="messages"):
+    """'PATH: empty assistant content and no tool calls' for each assistant turn that says nothing."""
+    return [
+        f"{where}.{index}: empty assistant content and no tool calls"
+        for index, message in enumerate(messages)
+        if message.get("role") == "assistant"
+        and not str(message.get("content") or "").strip()
+        and not message.get("tool_calls")
+    ]
+
+
+def training_problems(conversation):
+    """conversation_problems and what a training example must also hold: every assistant turn answers
+    (text or a tool call) — an empty turn would teach the model to say nothing. Rendering alone accepts
+    one: the model may end an answer at once, and a served conversation goes on after it."""
+    return conversation_problems(conversation) or empty_answers(conversation["messages"])
+
+
 def text_problems(conversation):
     """A string that is not Unicode text (a lone surrogate, as JSON's "\\ud800" escape gives): the tokenizer
     cannot encode it."""
@@ -111,8 +127,8 @@ def text_problems(conversation):
     return [f"{problem[0] or 'conversation'}: {problem[1]}"] if problem else []
 
 
-def check_conversation(conversation, where="conversation"):
-    problems = conversation_problems(conversation)
+def check_conversation(conversation, where="conversation", training=False):
+    problems = (training_problems if training else conversation_problems)(conversation)
     if problems:
         raise ChatError(f"{where}: " + "; ".join(problems))
 
@@ -237,7 +253,7 @@ def read_conversations(path, bad_lines="fatal", log=print):
     """[(where, conversation)] of a JSONL file, where = 'FILE:LINE'; blank lines are ignored. A line that
     is not a valid conversation raises ChatError naming FILE:LINE and the reason, or with bad_lines='skip'
     is reported and left out. Returns (conversations, number of skipped lines)."""
-    return read_jsonl(path, conversation_problems, bad_lines, log)
+    return read_jsonl(path, training_problems, bad_lines, log)
 
 
 def read_jsonl(path, problems_of, bad_lines="fatal", log=print):
@@ -304,7 +320,9 @@ def preference_problems(pair):
             problems.append(f"{side}: must start and end with an assistant message")
         conversation = {"messages": pair["prompt"] + pair[side]} | tools
         problems += [f"{side}: {problem}" for problem in conversation_problems(conversation)]
-    return problems
+    # The rejected answer may be empty (a model that said nothing is worth pushing away from); the chosen
+    # one is what the model is pushed towards.
+    return problems + empty_answers(pair["chosen"], "chosen")
 
 
 def read_preferences(path, bad_lines="fatal", log=print):

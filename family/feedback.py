@@ -241,8 +241,9 @@ def unconsented_count(conn):
 
 def preference_pairs(records):
     """(pairs in TRL's conversational preference format, counts) of training_records(): each answer with a
-    better version gives (better, answer); each 👎 answer without one is paired with every 👍 answer the
-    same member gave to the same prompt; a 👎 with no such 👍 is counted as lone, 👍 answers as liked."""
+    better version gives (better, answer); each 👎 answer without one is paired with every 👍 answer (not
+    an empty one) the same member gave to the same prompt; a 👎 with no such 👍 is counted as lone, 👍
+    answers as liked."""
     pairs, counts = [], {"improved": 0, "rated_pairs": 0, "lone_dislikes": 0, "likes": 0}
 
     def pair(prompt, chosen, rejected, source):
@@ -266,7 +267,8 @@ def preference_pairs(records):
             counts["improved"] += 1
         elif record["rating"] == -1:
             key = (record["member_id"], json.dumps(record["prompt"], sort_keys=True))
-            better = [answer for answer in liked.get(key, []) if answer != record["answer"]]
+            # An empty 👍 answer (the model ended at once) is nothing to push towards.
+            better = [a for a in liked.get(key, []) if a != record["answer"] and a.strip()]
             pairs += [pair(prompt, answer, record["answer"], "feedback:rated") for answer in better]
             counts["rated_pairs"] += len(better)
             counts["lone_dislikes"] += int(not better)

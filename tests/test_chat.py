@@ -144,7 +144,6 @@ def test_arguments_as_a_json_string_render_like_an_object():
     [
         ({"messages": [{"role": "robot", "content": "hola"}]}, "'robot' is not one of"),
         (conversation(("user", "hola"), ("tool", "4")), "without a preceding assistant tool call"),
-        (conversation(("user", "hola"), ("assistant", "  ")), "empty assistant content"),
         (conversation(("user", "hola"), ("system", "tarde")), "may only come first"),
         (conversation(("user", "x"), ("assistant", "", call("f", "{no json"))), "not valid JSON"),
         (conversation(("user", "x"), ("assistant", "", call("f", "[1, 2]"))), "must be a JSON object"),
@@ -156,6 +155,21 @@ def test_invalid_conversations_are_refused_with_the_reason(conv, reason):
     assert any(reason in p for p in problems), problems
     with pytest.raises(chat.ChatError, match=reason.replace("[", r"\[")):
         chat.render_text(conv)
+
+
+def test_an_empty_answer_renders_but_a_training_file_holding_one_is_refused(tmp_path):
+    """The model may end an answer at once and the conversation goes on (the server renders it again); as
+    a training example the empty turn would teach it to say nothing."""
+    conv = conversation(("user", "hola"), ("assistant", ""), ("user", "¿sigues?"))
+    assert chat.render_text(conv, for_generation=True) == (
+        "<|bos|><|user|>hola<|end|><|assistant|><|end|><|user|>¿sigues?<|end|><|assistant|>"
+    )
+    assert chat.conversation_problems(conv) == []
+    assert chat.training_problems(conv) == ["messages.1: empty assistant content and no tool calls"]
+    path = tmp_path / "train.jsonl"
+    path.write_text(json.dumps(conversation(("user", "hola"), ("assistant", "  "))) + "\n")
+    with pytest.raises(chat.ChatError, match="train.jsonl:1: messages.1: empty assistant content"):
+        chat.read_conversations(str(path))
 
 
 def test_the_byte_tokenizer_cannot_render_a_chat():

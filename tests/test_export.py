@@ -102,6 +102,13 @@ CONVERSATIONS = {
         "tools": [TOOL, TOOL],
     },
     "no system, tools only": {"messages": [{"role": "user", "content": "Hola"}], "tools": [TOOL]},
+    "an answer the model ended at once, and the talk goes on": {
+        "messages": [
+            {"role": "user", "content": "Hola"},
+            {"role": "assistant", "content": ""},
+            {"role": "user", "content": "¿Sigues ahí?"},
+        ]
+    },
     "a user typing a control token": {
         "messages": [{"role": "user", "content": "escribo <|assistant|> aquí"}]
     },

@@ -67,12 +67,21 @@ def test_a_pair_renders_each_answer_after_its_prompt_and_trains_on_that_answer_o
         ),
         ({"rejected": None}, "rejected: None is not of type 'array'"),
         ({"extra": 1}, "Additional properties are not allowed"),
+        ({"chosen": [{"role": "assistant", "content": " "}]}, "chosen.0: empty assistant content"),
     ],
 )
 def test_a_pair_that_is_not_valid_is_refused_with_the_reason(change, reason):
     problems = chat.preference_problems({**PAIR, **change})
     assert any(reason in problem for problem in problems), problems
     assert chat.preference_problems(PAIR) == []
+
+
+def test_a_pair_may_reject_an_empty_answer_and_follow_one_in_its_prompt():
+    """The model may end an answer at once: that answer is worth pushing away from, and a conversation
+    rated later may hold it."""
+    empty = {"role": "assistant", "content": ""}
+    pair = {**PAIR, "prompt": [*PAIR["prompt"][:2], empty, PAIR["prompt"][3]], "rejected": [empty]}
+    assert chat.preference_problems(pair) == []
 
 
 def pair_config(folder, shard_dir, *overrides):
@@ -268,6 +277,9 @@ def test_feedback_makes_pairs_of_improved_answers_and_of_a_dislike_with_a_like_n
         record(2, "¿2 más 2?", "22", -1),  # beto's: not paired with ana's 👍
         record(1, "¿Un chiste?", "No.", -1),  # lone
         record(1, "¿Un cuento?", "Había una vez…", 1, "Érase una vez…"),  # liked, but improved anyway
+        record(1, "¿Y hoy?", "", -1, "Hoy es martes."),  # an empty answer (the model ended at once), improved
+        record(1, "¿Una pista?", "", 1),  # an empty 👍 answer is nothing to push towards:
+        record(1, "¿Una pista?", "Ninguna.", -1),  # so this 👎 stays lone
     ]
     pairs, counts = feedback.preference_pairs(records)
     assert [
@@ -276,7 +288,8 @@ def test_feedback_makes_pairs_of_improved_answers_and_of_a_dislike_with_a_like_n
         ("¿Qué cenamos?", "Una tortilla.", "Nada."),
         ("¿2 más 2?", "4", "5"),
         ("¿Un cuento?", "Érase una vez…", "Había una vez…"),
+        ("¿Y hoy?", "Hoy es martes.", ""),
     ]
-    assert counts == {"improved": 2, "rated_pairs": 1, "lone_dislikes": 2, "likes": 2}
+    assert counts == {"improved": 3, "rated_pairs": 1, "lone_dislikes": 3, "likes": 3}
     assert all(chat.preference_problems(p) == [] for p in pairs)
     assert not any("member" in json.dumps(p) for p in pairs)  # nothing says whose it was

@@ -59,9 +59,7 @@ def problems_in(path):
         except ValueError as e:
             problems.append(f"{where}: not JSON ({e})")
             continue
-        found = (
-            chat.conversation_problems(conversation) if isinstance(conversation, dict) else ["not an object"]
-        )
+        found = chat.training_problems(conversation) if isinstance(conversation, dict) else ["not an object"]
         if not found:
             roles = [m["role"] for m in conversation["messages"] if m["role"] != "system"]
             if not roles or roles[0] != "user" or roles[-1] != "assistant":

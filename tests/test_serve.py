@@ -525,6 +525,31 @@ def test_the_conversation_routes_refuse_bad_input_with_a_clear_4xx(chat_model, t
         http.close()
 
 
+def test_a_conversation_goes_on_after_an_answer_the_model_ended_at_once(chat_model, tmp_path):
+    """An empty answer is the model's own right to end at once; the conversation that holds it (stored by
+    the page, or sent back by an OpenAI client) must still be answered, not refused as invalid."""
+    with live_server(chat_model, tmp_path, NO_TOOLS) as (url, server):
+        key = member(server, "ana")
+        ana = server.store.member("ana")["id"]
+        http = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"})
+        cid = http.post("/api/conversations").json()["id"]
+        for role, content in (("user", "hola"), ("assistant", "")):  # what the page stored for that answer
+            assert server.store.add_message(ana, cid, role, content)
+        reply = http.post(f"/api/conversations/{cid}/messages", json={"content": "¿sigues?", "max_tokens": 3})
+        assert reply.status_code == 200, reply.text
+        stored = http.get(f"/api/conversations/{cid}").json()["messages"]
+        assert [(m["role"], m["content"]) for m in stored[:3]] == [
+            ("user", "hola"),
+            ("assistant", ""),
+            ("user", "¿sigues?"),
+        ]
+        assert [m["role"] for m in stored] == ["user", "assistant"] * 2
+        http.close()
+        history = [*USER, {"role": "assistant", "content": ""}, {"role": "user", "content": "¿Y bien?"}]
+        answer = client(url, key).chat.completions.create(model="chat", messages=history, max_tokens=3)
+        assert answer.choices[0].finish_reason in ("stop", "length")
+
+
 def test_the_small_form_routes_take_bodies_up_to_serve_max_form_bytes(chat_model, tmp_path):
     with live_server(chat_model, tmp_path, "serve.max_form_bytes=300") as (url, server):
         admin = httpx.Client(
