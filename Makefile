@@ -62,6 +62,7 @@ bench: $(STAMP)
 # The training recipes side by side at a fixed token budget (bench/recipe.py, docs/entrenamiento.md):
 # make recipe                                      (smoke-cpu: adamw, muon, muon+zero_init, 3 seeds)
 # make recipe ARGS="--config configs/smoke-corpus-cpu.yaml --recipes adamw muon muon+bos"
+# make recipe ARGS="--config configs/recipe-6l-cpu.yaml --steps 100 --batch 8 --evals 5 --recipes adamw muon"  (a larger shape)
 recipe: data-smoke
 	$(PY) -m bench.recipe $(ARGS)
 
