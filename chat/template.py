@@ -103,13 +103,12 @@ def conversation_problems(conversation):
 
 
 def empty_answers(messages, where="messages"):
-    """'PATH: empty assistant content and no tool calls' for each assistant turn that says nothing."""
+    """'PATH: empty assistant content and no tool calls' for each assistant turn that says nothing (of
+    messages that conversation_problems already found valid)."""
     return [
         f"{where}.{index}: empty assistant content and no tool calls"
         for index, message in enumerate(messages)
-        if message.get("role") == "assistant"
-        and not str(message.get("content") or "").strip()
-        and not message.get("tool_calls")
+        if message["role"] == "assistant" and not message["content"].strip() and not message.get("tool_calls")
     ]
 
 
@@ -322,7 +321,7 @@ def preference_problems(pair):
         problems += [f"{side}: {problem}" for problem in conversation_problems(conversation)]
     # The rejected answer may be empty (a model that said nothing is worth pushing away from); the chosen
     # one is what the model is pushed towards.
-    return problems + empty_answers(pair["chosen"], "chosen")
+    return problems or empty_answers(pair["chosen"], "chosen")
 
 
 def read_preferences(path, bad_lines="fatal", log=print):
