@@ -84,6 +84,9 @@ class Attention(nn.Module):
         # attention logits, which otherwise grow until softmax overflows in half precision.
         self.q_norm = RMSNorm(self.head_dim, cfg["norm_eps"])
         self.k_norm = RMSNorm(self.head_dim, cfg["norm_eps"])
+        # A decode step's attention in one operator (q, keys, values, ends) -> y, where serve puts its CPU
+        # kernel (serve/weights.with_kernels); None: the torch code below.
+        self.decode_kernel = None
 
     def project(self, x, cos, sin):
         """q, k, v of x (B, T, d_model), shaped (B, heads, T, head_dim), q and k normed and rotated."""
@@ -133,6 +136,12 @@ class Attention(nn.Module):
         keys, values = cache.store_step(layer_index, k[:, :, 0], v[:, :, 0], step)
         # Query heads grouped by the key/value head they read: head h reads kv head h // group.
         q = q.reshape(slots, self.n_kv_heads, -1, self.head_dim) * self.head_dim**-0.5
+        if self.decode_kernel is not None:  # each row over its own filled keys; zeros for unused slots
+            ends = [0] * slots
+            for row, end in zip(step.rows, step.ends, strict=True):
+                ends[row] = end
+            y = self.decode_kernel(q, keys, values, torch.tensor(ends, device=q.device))
+            return self.o_proj(y.reshape(slots, 1, -1))
         outputs = []
         for row, end in zip(step.rows, step.ends, strict=True):
             scores = q[row] @ keys[row, :, :end].transpose(1, 2)  # (kv_heads, group, end)
@@ -154,6 +163,8 @@ class Attention(nn.Module):
         keys[rows, :, positions] = k[:, :, 0]
         values[rows, :, positions] = v[:, :, 0]
         q = q.reshape(slots, self.n_kv_heads, -1, self.head_dim) * self.head_dim**-0.5
+        if self.decode_kernel is not None:  # the filled keys only, not the whole cache
+            return self.o_proj(self.decode_kernel(q, keys, values, positions + 1).reshape(slots, 1, -1))
         scores = (q @ keys.transpose(2, 3)).masked_fill(~visible[:, None, None, :], float("-inf"))
         y = scores.softmax(-1) @ values  # (slots, kv_heads, group, head_dim)
         return self.o_proj(y.reshape(slots, 1, -1))

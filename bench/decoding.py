@@ -4,6 +4,7 @@ configuration against the limit it sets, the time to first token with the prefix
 per byte of int8 weights; and the run the serve benches load.
 """
 
+import contextlib
 import os
 import statistics
 import tempfile
@@ -17,7 +18,8 @@ import model
 import train
 from bench.common import ROOT, layer, timed
 from corpus import pipeline as corpus
-from serve.weights import SplitLinear, int8_weights, split_matvec
+from serve.kernel import KernelUnavailable
+from serve.weights import KernelLinear, SplitLinear, int8_weights, split_matvec, with_kernels
 
 
 def serve_bench_run(folder, shipped=True):
@@ -64,6 +66,8 @@ def step_bytes(net, slots, length):
     for module in net.modules():
         if isinstance(module, (torch.nn.Linear, SplitLinear)):
             weights += module.weight.nbytes
+        elif isinstance(module, KernelLinear):  # float32, or int8 with a float32 scale per row
+            weights += module.weight.nbytes + (0 if module.scale is None else module.scale.nbytes)
         elif isinstance(module, torch.ao.nn.quantized.dynamic.Linear):  # int8 weights, a scale per row
             weight = module.weight()
             weights += weight.numel() + 4 * weight.shape[0]
@@ -109,6 +113,15 @@ def bandwidth_table(label, net, bandwidth, new_tokens, repeats):
     configurations = {"float32 eager": (net, {}), "float32 compiled (inductor)": (net, compiled),
                       "float32 split products": (split, {}), "float32 split, compiled": (split, compiled),
                       "int8 weights eager": (int8_weights(net), {})}  # fmt: skip
+    try:  # serve.matvec_kernel, as the server runs a CPU by default
+        for dtype in ("float32", "int8"):
+            served = with_kernels(net, dtype, 8)
+            configurations |= {
+                f"{dtype} kernel": (served, {}),
+                f"{dtype} kernel, compiled": (served, compiled),
+            }
+    except KernelUnavailable as e:
+        print(f"serve: no kernel rows: {e}", flush=True)
     started = time.perf_counter()
     for weights, options in configurations.values():
         decode_rate(weights, 1, 2, **options)  # warm-up, and the compile (timed once, here)
@@ -205,9 +218,14 @@ def bench_decoding(new_tokens=64, repeats=3):
             print(f"serve: time to first token, {length}-token prompt (system prompt + date + tools + question, "
                   f"{os.path.basename(run)}'s tokenizer), tiny-50m: {1e3 * without:.0f} ms without the prefix cache, "
                   f"{1e3 * with_cache:.0f} ms with it -> {with_cache / without:.2f} (target <= 0.3)")  # fmt: skip
-            f32, int8 = (held_out_bpb(net, cfg, tokenizer, 20_000) for net in (smoke, int8_weights(smoke)))
-        print(f"serve: held-out bpb (val, first 20,000 tokens), {os.path.basename(run)}: float32 {f32:.4f}, int8 "
-              f"weights {int8:.4f} -> {100 * (int8 / f32 - 1):+.2f}% (target within 1%)")  # fmt: skip
+            f32 = held_out_bpb(smoke, cfg, tokenizer, 20_000)
+            int8 = {"torch's dynamic quantization": int8_weights(smoke)}
+            with contextlib.suppress(KernelUnavailable):
+                int8["the kernel's"] = with_kernels(smoke, "int8", 8)
+            for name, net in int8.items():
+                bpb = held_out_bpb(net, cfg, tokenizer, 20_000)
+                print(f"serve: held-out bpb (val, first 20,000 tokens), {os.path.basename(run)}: float32 {f32:.4f}, "
+                      f"int8 weights ({name}) {bpb:.4f} -> {100 * (bpb / f32 - 1):+.2f}% (target within 1%)")  # fmt: skip
     print("serve: llama.cpp f32/q8_0 side by side on the same weights: make bench ARGS=llama (needs "
           "llama-cpp-python: make gguf-check)")  # fmt: skip
     print(f"serve: load average {os.getloadavg()[0]:.1f} at the end", flush=True)

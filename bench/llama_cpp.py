@@ -1,12 +1,14 @@
 """
 `make bench ARGS=llama` (also part of ARGS=serve): ENLACE's decoding against llama.cpp on the same weights,
 at 1 and 8 streams, each configuration in a fresh process. ENLACE float32 (eager; with its products split
-over the threads, as the server runs it on a CPU; compiled; both) and int8 weights; llama.cpp
+over the threads; compiled; both; through ENLACE's own kernel, as the server runs it on a CPU, eager and
+compiled) and int8 weights (torch's dynamic quantization; the kernel, eager and compiled); llama.cpp
 (llama-cpp-python, its own batched llama_decode, as many threads) on the same weights exported to GGUF f32
 and q8_0. Rounds take turns, so that no configuration always runs first on a cool
 machine; ratios are taken round by round.
 
     python -m bench.llama_cpp table --rounds 3            # the table
+    python -m bench.llama_cpp table --only "ENLACE int8 kernel compiled" --only "llama.cpp q8_0"   # some rows
     python -m bench.llama_cpp rate FOLDER smoke "llama.cpp q8_0"   # one configuration: a JSON line
 """
 
@@ -26,23 +28,25 @@ import model
 from bench.common import ROOT, in_turns, layer, run_fresh, spread
 from bench.decoding import greedy_answers, memory_bandwidth, random_prompts, step_bytes
 from corpus import pipeline as corpus
-from serve.weights import int8_weights, split_matvec
+from serve.weights import int8_weights, split_matvec, with_kernels
 
 CONFIGURATIONS = (
     "ENLACE float32",
     "ENLACE float32 split",
     "ENLACE float32 compiled",
     "ENLACE float32 split compiled",
+    "ENLACE float32 kernel",
+    "ENLACE float32 kernel compiled",
     "ENLACE int8",
+    "ENLACE int8 kernel",
+    "ENLACE int8 kernel compiled",
     "llama.cpp f32",
     "llama.cpp q8_0",
 )
 PEER = {
-    "ENLACE float32": "llama.cpp f32",
-    "ENLACE float32 split": "llama.cpp f32",
-    "ENLACE float32 compiled": "llama.cpp f32",
-    "ENLACE float32 split compiled": "llama.cpp f32",
-    "ENLACE int8": "llama.cpp q8_0",
+    name: "llama.cpp f32" if "float32" in name else "llama.cpp q8_0"
+    for name in CONFIGURATIONS
+    if "ENLACE" in name
 }
 SHAPES = ("smoke", "tiny-50m")
 STREAMS = (1, 8)
@@ -109,9 +113,12 @@ def enlace_rates(folder, shape, configuration, profile=False):
     saved = torch.load(os.path.join(folder, f"{shape}.pt"), weights_only=True)
     net = model.Transformer(saved["model"]).eval()
     net.load_state_dict(saved["weights"])
-    if configuration == "ENLACE int8":
+    words = configuration.split()
+    if "kernel" in words:  # serve.matvec_kernel
+        net = with_kernels(net, words[1], max(STREAMS))
+    elif words[1] == "int8":
         net = int8_weights(net)
-    if "split" in configuration:  # serve.matvec_parts: one block per thread
+    if "split" in words:  # serve.matvec_parts: one block per thread
         net = split_matvec(net, torch.get_num_threads(), max(STREAMS))
     compile_mode = "default" if configuration.endswith("compiled") else None
     result = {"compile_s": 0.0}
@@ -248,11 +255,11 @@ def run_child(folder, shape, configuration, profile=False):
     )
 
 
-def rounds_of(folder, shape, rounds):
+def rounds_of(folder, shape, rounds, names=CONFIGURATIONS):
     """{configuration: [one fresh process's rates per round]}, the configurations taking turns."""
-    rows = {name: [] for name in CONFIGURATIONS}
+    rows = {name: [] for name in names}
     for index in range(rounds):
-        for name in in_turns(CONFIGURATIONS, index):
+        for name in in_turns(names, index):
             rows[name].append(run_child(folder, shape, name, profile=index == 0))  # one op profile is enough
             print(f"llama: {shape} round {index + 1}: {name} done", file=sys.stderr, flush=True)
     return rows
@@ -264,7 +271,7 @@ def print_table(shape, rows, bandwidth):
     round. (Both sides decode the same greedy tokens: tests/test_export.py checks it on trained weights;
     these random weights repeat one token.)"""
     cfg = layer("model", shape)
-    rounds = len(rows[CONFIGURATIONS[0]])
+    rounds = len(next(iter(rows.values())))
     print(f"llama: {shape} shape (L{cfg['n_layers']} d{cfg['d_model']}, random weights), {NEW_TOKENS} greedy tokens "
           f"per stream after {PROMPT_TOKENS}-token prompts; tok/s: median (min-max) of {rounds} rounds, each a "
           f"fresh process taking the median of {REPEATS} answers")  # fmt: skip
@@ -277,7 +284,7 @@ def print_table(shape, rows, bandwidth):
             per_step = runs[0][f"bytes{streams}"]
             share = 100 * statistics.median(rates) * per_step / (bandwidth * streams)
             peer, versus = PEER.get(name), ""
-            if peer:
+            if peer in rows:
                 ratios = [mine / theirs[str(streams)] for mine, theirs in zip(rates, rows[peer], strict=True)]
                 versus = spread(ratios, ".2f") + "x"
             print(f"llama:   {name:29s} | {streams:7d} | {per_step / 1e6:7.1f} | {spread(rates):19s} | "
@@ -285,14 +292,14 @@ def print_table(shape, rows, bandwidth):
     for name, runs in rows.items():
         if "profile" in runs[0]:
             print(f"llama:   where a step of {name} goes, 1 stream: {runs[0]['profile']}")
-    for name in ("ENLACE float32 compiled", "ENLACE float32 split compiled"):
+    for name in (name for name in rows if name.endswith("compiled")):
         compiles = [run["compile_s"] for run in rows[name]]
         print(
             f"llama:   compiling the step of {name} for 1 and 8 slots took {spread(compiles)} s per process"
         )
 
 
-def bench_llama(rounds=3, shapes=SHAPES):
+def bench_llama(rounds=3, shapes=SHAPES, names=CONFIGURATIONS):
     try:
         import llama_cpp  # noqa: F401
     except ImportError:
@@ -312,7 +319,7 @@ def bench_llama(rounds=3, shapes=SHAPES):
             flush=True,
         )
         for shape in shapes:
-            print_table(shape, rounds_of(folder, shape, rounds), bandwidth)
+            print_table(shape, rounds_of(folder, shape, rounds, names), bandwidth)
 
 
 def main(argv):
@@ -323,6 +330,7 @@ def main(argv):
     table = commands.add_parser("table", help="the whole comparison, in rounds of fresh processes")
     table.add_argument("--rounds", type=int, default=3, help="fresh processes per configuration (>= 2)")
     table.add_argument("--shape", action="append", choices=SHAPES, help="repeatable; default both")
+    table.add_argument("--only", action="append", choices=CONFIGURATIONS, help="repeatable; default all")
     rate = commands.add_parser("rate", help="one configuration in this process: a JSON line")
     rate.add_argument("folder", help="where `table` wrote SHAPE.pt and the GGUF files")
     rate.add_argument("shape", choices=SHAPES)
@@ -335,7 +343,7 @@ def main(argv):
         return 0
     if args.rounds < 2:
         table.error(f"--rounds {args.rounds}: a spread needs at least 2 rounds")
-    bench_llama(args.rounds, tuple(args.shape or SHAPES))
+    bench_llama(args.rounds, tuple(args.shape or SHAPES), tuple(args.only or CONFIGURATIONS))
     return 0
 
 

@@ -745,13 +745,26 @@ COMPILE_MODES = {"off": None, "inductor": "default", "cuda-graphs": "reduce-over
 
 
 def prepare_weights(model, settings, device):
-    """The model in serve.weights' format for this device (float32 with serve.matvec_parts > 1: its
-    products split for the decode step); a ServeError for a combination that cannot run."""
-    from serve import weights
+    """The model in serve.weights' format for this device: through ENLACE's kernel with serve.matvec_kernel
+    (where it cannot run, the server says why and goes on without it), else float32 with serve.matvec_parts
+    > 1 split for the decode step, or torch's int8; a ServeError for a combination that cannot run."""
+    from serve import kernel, weights
 
     kind = "cuda" if device.startswith("cuda") else "cpu"
-    parts = settings["matvec_parts"][kind]
-    if settings["weights"][kind] == "float32":
+    dtype, parts = settings["weights"][kind], settings["matvec_parts"][kind]
+    if settings["matvec_kernel"][kind]:
+        try:
+            served = weights.with_kernels(model, dtype, settings["max_batch"])
+        except kernel.KernelUnavailable as e:
+            print(
+                f"serve: serve.matvec_kernel.{kind} is on but {e}; decoding with torch's products",
+                file=sys.stderr,
+            )
+        else:
+            print(f"serve: decode products through serve/matvec.cpp, {dtype} weights (serve.matvec_kernel)",
+                  file=sys.stderr)  # fmt: skip
+            return served
+    if dtype == "float32":
         if parts == 1:
             return model
         split = weights.split_matvec(model, parts, settings["max_batch"])
@@ -759,7 +772,8 @@ def prepare_weights(model, settings, device):
         return split
     if settings["compile"][kind] != "off":
         raise ServeError(
-            f"serve.weights.{kind}=int8 runs eager: set serve.compile.{kind}=off (or weights float32)"
+            f"serve.weights.{kind}=int8 without serve.matvec_kernel runs eager: set serve.compile.{kind}=off "
+            "(or weights float32)"
         )
     quantized = weights.int8_weights(model)
     quantized.checkpoint_path = model.checkpoint_path

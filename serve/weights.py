@@ -1,6 +1,7 @@
 """
 The formats the server can hold a model's weights in besides plain float32 (serve.weights,
-serve.matvec_parts): what serve/app.prepare_weights applies at start and `make bench ARGS=serve` measures.
+serve.matvec_kernel, serve.matvec_parts): what serve/app.prepare_weights applies at start and
+`make bench ARGS=serve` measures.
 """
 
 import copy
@@ -9,6 +10,9 @@ import itertools
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from model import Attention
+from serve import kernel
 
 
 def int8_weights(model):
@@ -47,14 +51,60 @@ class SplitLinear(nn.Module):
         return y.permute(2, 0, 1).reshape(*x.shape[:-1], out_features)
 
 
+class KernelLinear(nn.Module):
+    """nn.Linear without bias whose product with a decode step's rows (at most max_rows) runs through ENLACE's
+    own AVX2 kernel (serve/matvec.cpp, enlace::matvec), which reads the weights at close to the machine's
+    bandwidth on every core. float32 holds the same Parameter as the layer it replaces; int8 holds the
+    weights rounded per output row (absmax / 127) and those scales: a quarter of the bytes per token. More
+    float32 rows (a prefill) go through F.linear; int8 rows always go through the kernel, which on 2 cores
+    multiplies a prefill's rows about as fast as F.linear does and needs no float32 copy of the weights."""
+
+    def __init__(self, linear, dtype, max_rows):
+        super().__init__()
+        kernel.load()
+        self.max_rows = max_rows
+        if dtype == "float32":
+            self.weight, self.scale = linear.weight, None
+        else:
+            weight = linear.weight.detach().float()
+            scale = weight.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny) / 127
+            self.register_buffer("weight", torch.round(weight / scale[:, None]).to(torch.int8))
+            self.register_buffer("scale", scale)
+
+    def forward(self, x):
+        if self.scale is None and x.numel() // x.shape[-1] > self.max_rows:
+            return F.linear(x, self.weight)
+        return torch.ops.enlace.matvec(x, self.weight, self.scale)
+
+
+def with_linears(model, replace):
+    """A copy of the model, sharing its parameters and buffers, where replace(layer) stands in for each
+    nn.Linear without bias (the LM head included) for which it returns a module (None: the layer stays)."""
+    shared = {id(tensor): tensor for tensor in itertools.chain(model.parameters(), model.buffers())}
+    copied = copy.deepcopy(model, memo=shared)
+    for parent in list(copied.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear and child.bias is None and (new := replace(child)) is not None:
+                setattr(parent, name, new)
+    return copied
+
+
 def split_matvec(model, parts, max_rows):
     """A copy of the model, sharing its weights, whose linear layers (the LM head included) are SplitLinear
     layers of `parts` blocks for products of up to max_rows rows; a layer whose output width `parts` does
     not divide stays as it is."""
-    shared = {id(tensor): tensor for tensor in itertools.chain(model.parameters(), model.buffers())}
-    split = copy.deepcopy(model, memo=shared)
-    for parent in list(split.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear and child.bias is None and child.out_features % parts == 0:
-                setattr(parent, name, SplitLinear(child, parts, max_rows))
-    return split
+    return with_linears(
+        model, lambda layer: SplitLinear(layer, parts, max_rows) if layer.out_features % parts == 0 else None
+    )
+
+
+def with_kernels(model, dtype, max_rows):
+    """A copy of the model that decodes through ENLACE's CPU kernels: its linear layers (the LM head included)
+    KernelLinear layers in dtype (float32: sharing the weights; int8), and each attention layer's decode step
+    over its filled keys only (serve/attention.cpp); kernel.KernelUnavailable when they cannot run here."""
+    kernel.load()
+    served = with_linears(model, lambda layer: KernelLinear(layer, dtype, max_rows))
+    for module in served.modules():
+        if isinstance(module, Attention):
+            module.decode_kernel = torch.ops.enlace.decode_attention
+    return served

@@ -43,3 +43,14 @@ def test_a_table_refuses_a_single_round(capsys):
         bench_llama.main(["table", "--rounds", "1"])
     assert stop.value.code == 2
     assert "a spread needs at least 2 rounds" in capsys.readouterr().err
+
+
+def test_a_table_of_some_configurations_pairs_each_with_its_peer_where_the_peer_ran(capsys):
+    names = ("ENLACE int8 kernel compiled", "llama.cpp q8_0", "ENLACE float32 kernel")
+    bench_llama.print_table("smoke", {name: [run_of(100), run_of(300)] for name in names}, bandwidth=1e9)
+    out = capsys.readouterr().out
+    lines = [line for line in out.splitlines() if "|       1 |" in line]
+    assert [line.split("|")[0].removeprefix("llama:").strip() for line in lines] == list(names)
+    assert lines[0].endswith("1.00 (1.00-1.00)x")  # int8 beside q8_0
+    assert lines[2].rstrip().endswith("|")  # llama.cpp f32 did not run: no ratio
+    assert "compiling the step of ENLACE int8 kernel compiled" in out

@@ -668,13 +668,27 @@ def seeded(temperature, seed):
 
 
 @pytest.mark.parametrize(
-    "compile_mode, parts", [(None, 1), ("default", 1), (None, 2)], ids=["eager", "compiled", "split products"]
+    "compile_mode, products",
+    [
+        (None, "torch"),
+        ("default", "torch"),
+        (None, "split"),
+        (None, "kernel float32"),
+        ("default", "kernel int8"),
+    ],
+    ids=["eager", "compiled", "split products", "kernel", "kernel int8 compiled"],
 )
-def test_a_rows_tokens_and_logits_are_bit_for_bit_its_own_whatever_the_other_rows_do(compile_mode, parts):
-    from serve.weights import split_matvec
+def test_a_rows_tokens_and_logits_are_bit_for_bit_its_own_whatever_the_other_rows_do(compile_mode, products):
+    from serve import kernel
+    from serve.weights import split_matvec, with_kernels
 
     net = build(tiny(seq_len=32))
-    net = split_matvec(net, parts, max_rows=4) if parts > 1 else net
+    if products == "split":
+        net = split_matvec(net, 2, max_rows=4)
+    elif products.startswith("kernel"):
+        if torch.backends.cpu.get_cpu_capability() not in kernel.CAPABILITIES:
+            pytest.skip("the kernel needs AVX2 (make test-other-cpu runs torch as a CPU without it)")
+        net = with_kernels(net, products.split()[1], max_rows=4)
     target = (forced_tokens(7, seed=1), 3, 40, {"temperature": 0})
     others = [(forced_tokens(n, seed=n), first, last, seeded(0.8, n))
               for n, first, last in [(12, 0, 9), (2, 1, 30), (25, 5, 12), (4, 20, 45)]]  # fmt: skip
@@ -808,10 +822,16 @@ def test_split_matvec_shares_the_weights_and_decodes_the_plain_models_tokens_wit
     x = tokens(1, 12)
     with torch.no_grad():  # 12 rows > max_rows: a prefill goes through F.linear, bit for bit
         assert torch.equal(split(x)[0], net(x)[0])
+    assert_decodes_the_plain_models_tokens(net, split)
+
+
+def assert_decodes_the_plain_models_tokens(net, served):
+    """served (net with its products done another way) decodes net's greedy tokens, eager and compiled,
+    with logits within 1e-5, among rows coming and going."""
     plans = [(forced_tokens(n, seed=n), first, last, {"temperature": 0})
              for n, first, last in [(7, 0, 20), (12, 0, 9), (2, 1, 16), (25, 5, 12)]]  # fmt: skip
-    plain, eager = run_rows(net, 4, plans, 21), run_rows(split, 4, plans, 21)
-    compiled = run_rows(split, 4, plans, 21, "default")
+    plain, eager = run_rows(net, 4, plans, 21), run_rows(served, 4, plans, 21)
+    compiled = run_rows(served, 4, plans, 21, "default")
     for got in (eager, compiled):
         assert [tokens for tokens, _ in got] == [tokens for tokens, _ in plain]
         for (_, logits), (_, want) in zip(got, plain, strict=True):

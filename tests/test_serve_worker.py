@@ -182,35 +182,66 @@ def test_the_prefix_cache_shares_the_servers_prompt_between_members_and_nothing_
     assert {scope for scope, ids in blocks if len(ids) > shared} == {("member", ana), ("member", ben)}
 
 
-def test_int8_weights_answer_requests_and_refuse_a_compiled_step_on_the_same_device(chat_model, tmp_path):
+def test_int8_weights_without_the_kernel_answer_requests_and_refuse_a_compiled_step_on_the_same_device(
+    chat_model, tmp_path
+):
     model = chat_model[0]
-    settings = serve.load_settings(serve.DEFAULT_CONFIG, ["serve.weights.cpu=int8"])
+    settings = serve.load_settings(
+        serve.DEFAULT_CONFIG, ["serve.weights.cpu=int8", "serve.matvec_kernel.cpu=false"]
+    )
     quantized = serve.prepare_weights(model, settings, "cpu")
     assert quantized is not model and quantized.checkpoint_path == model.checkpoint_path
     with live_server(chat_model, tmp_path, NO_TOOLS, model=quantized) as (url, server):
         key = server.store.add_member("ana", "adult")
         answer = post(url, key, request(1, 6, 0.0, 1))
     assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] >= 1
-    both = serve.load_settings(serve.DEFAULT_CONFIG, ["serve.weights.cpu=int8", "serve.compile.cpu=inductor"])
+    both = serve.load_settings(
+        serve.DEFAULT_CONFIG,
+        ["serve.weights.cpu=int8", "serve.matvec_kernel.cpu=false", "serve.compile.cpu=inductor"],
+    )
     with pytest.raises(
-        serve.ServeError, match=r"serve.weights.cpu=int8 runs eager: set serve.compile.cpu=off"
+        serve.ServeError,
+        match=r"serve.weights.cpu=int8 without serve.matvec_kernel runs eager: set serve.compile.cpu=off",
     ):
         serve.prepare_weights(model, both, "cpu")
 
 
-def test_float32_weights_split_the_decode_products_in_matvec_parts_blocks_and_one_block_is_the_model(
+def test_without_the_kernel_float32_products_split_in_matvec_parts_blocks_and_one_block_is_the_model(
     chat_model,
 ):
     from serve.weights import SplitLinear
 
     model = chat_model[0]
-    plain = serve.load_settings(serve.DEFAULT_CONFIG, ["serve.matvec_parts.cpu=1"])
+    plain = serve.load_settings(
+        serve.DEFAULT_CONFIG, ["serve.matvec_kernel.cpu=false", "serve.matvec_parts.cpu=1"]
+    )
     assert serve.prepare_weights(model, plain, "cpu") is model
-    defaults = serve.load_settings(serve.DEFAULT_CONFIG, [])
-    split = serve.prepare_weights(model, defaults, "cpu")  # serve.matvec_parts.cpu: 2
+    settings = serve.load_settings(serve.DEFAULT_CONFIG, ["serve.matvec_kernel.cpu=false"])
+    split = serve.prepare_weights(model, settings, "cpu")  # serve.matvec_parts.cpu: 2
     blocks = {m.parts for m in split.modules() if isinstance(m, SplitLinear)}
     assert blocks == {2} and split.checkpoint_path == model.checkpoint_path
     assert split.lm_head.weight is model.lm_head.weight  # the same weights, not a copy
+
+
+@pytest.mark.skipif(
+    torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"), reason="the kernel needs AVX2"
+)
+@pytest.mark.parametrize("dtype", ["float32", "int8"])
+def test_by_default_a_cpu_decodes_through_the_kernel_compiled_or_not_and_answers_requests(
+    chat_model, tmp_path, dtype
+):
+    from serve.weights import KernelLinear
+
+    model = chat_model[0]
+    settings = serve.load_settings(serve.DEFAULT_CONFIG, [f"serve.weights.cpu={dtype}"])
+    served = serve.prepare_weights(model, settings, "cpu")
+    layers = [m for m in served.modules() if isinstance(m, KernelLinear)]
+    assert layers and {str(layer.weight.dtype) for layer in layers} == {f"torch.{dtype}"}
+    assert served.checkpoint_path == model.checkpoint_path
+    with live_server(chat_model, tmp_path, NO_TOOLS, model=served) as (url, server):
+        key = server.store.add_member("ana", "adult")
+        answer = post(url, key, request(1, 6, 0.0, 1))
+    assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] >= 1
 
 
 # -----------------------------------------------------------------------------
