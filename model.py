@@ -672,9 +672,11 @@ class Decoder:
         if compile_mode:
             for tensor in self.cache.keys + self.cache.values:  # CUDA graphs write into them in place
                 torch._dynamo.mark_static_address(tensor)
-            self.compiled_step = torch.compile(
-                model.decode_all, mode=compile_mode, fullgraph=True, dynamic=False
-            )
+            # On a CPU, inductor's default mode with the wrapper that calls each kernel in C++ rather than
+            # Python: a decode step is ~100 small calls (make bench ARGS=llama: +16% for int8 at tiny-50m).
+            on_cpu = compile_mode == "default" and self.device.type == "cpu"
+            how = {"options": {"cpp_wrapper": True}} if on_cpu else {"mode": compile_mode}
+            self.compiled_step = torch.compile(model.decode_all, fullgraph=True, dynamic=False, **how)
         self.prefix_cache = (
             PrefixCache(prefix_block, prefix_cache_bytes) if prefix_block and prefix_cache_bytes else None
         )
