@@ -137,11 +137,7 @@ class Attention(nn.Module):
         # Query heads grouped by the key/value head they read: head h reads kv head h // group.
         q = q.reshape(slots, self.n_kv_heads, -1, self.head_dim) * self.head_dim**-0.5
         if self.decode_kernel is not None:  # each row over its own filled keys; zeros for unused slots
-            ends = [0] * slots
-            for row, end in zip(step.rows, step.ends, strict=True):
-                ends[row] = end
-            y = self.decode_kernel(q, keys, values, torch.tensor(ends, device=q.device))
-            return self.o_proj(y.reshape(slots, 1, -1))
+            return self.o_proj(self.decode_kernel(q, keys, values, step.slot_ends).reshape(slots, 1, -1))
         outputs = []
         for row, end in zip(step.rows, step.ends, strict=True):
             scores = q[row] @ keys[row, :, :end].transpose(1, 2)  # (kv_heads, group, end)
@@ -252,13 +248,16 @@ class KVCache:
 
 class DecodeStep:
     """The slots in use in one decode_step: rows (ints, ascending) and as a tensor (index), their
-    positions (a tensor: the slots' lengths before the step) and the lengths after it (ends)."""
+    positions (a tensor: the slots' lengths before the step) and the lengths after it (ends; and as a
+    tensor over every slot, 0 for a slot not in use: slot_ends, what a decode kernel reads)."""
 
     def __init__(self, rows, lengths, device):
         self.rows = sorted(rows)
         self.ends = [lengths[row] + 1 for row in self.rows]
         self.index = torch.tensor(self.rows, device=device)
         self.positions = torch.tensor([end - 1 for end in self.ends], device=device)
+        ends = dict(zip(self.rows, self.ends, strict=True))
+        self.slot_ends = torch.tensor([ends.get(slot, 0) for slot in range(len(lengths))], device=device)
 
 
 PUBLIC = ("public",)  # the PrefixCache scope of the blocks every request may share
