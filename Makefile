@@ -19,7 +19,7 @@ TRAIN := $(if $(filter 1,$(NPROC)),$(PY),$(VENV)/bin/torchrun --standalone --npr
 
 .PHONY: setup lint check-configs test test-other-cpu clean smoke smoke-2060 pretrain resume-check data-smoke \
 	corpus-download corpus tokenizer encode corpus-smoke corpus-report smoke-corpus sample sample-chat bpb chat eval \
-	serve bench search agent-data agent-eval sft-agent agent-ladder agent-ladder-c agent-ladder-table sync \
+	serve bench search agent-data agent-data-16k agent-eval sft-agent agent-ladder agent-ladder-16k agent-ladder-c agent-ladder-table sync \
 	remote-setup remote-smoke-2060 remote-pretrain logs fetch status chat-prepare sft sft-smoke \
 	plot export gguf-check snapshot restore install-service fuzz gpu-check eval-bench report preferences dpo dpo-smoke recipe
 
@@ -295,8 +295,21 @@ agent-ladder-c: corpus-smoke agent-data
 	$(PY) -m chat prepare configs/sft-agent-cpu.yaml
 	$(PY) -m evaluation.ladder $(LADDER_AB) $(LADDER_C) --seeds $(LADDER_SEEDS) --generated $(AGENT_DATA)/eval.jsonl
 
+# Rung a16k: rung a's model on four times the tool data (configs/agent/ladder-16k.yaml), ~21 min a seed.
+AGENT_DATA_16K ?= data/agent-16k
+LADDER_A16K := --rung a16k configs/sft-agent-tiny-16k-cpu.yaml
+
+agent-data-16k: $(AGENT_DATA_16K)/eval.jsonl
+
+$(AGENT_DATA_16K)/eval.jsonl: $(STAMP) agent/tools.py agent/dataset.py agent/phrases.py family/memories.py configs/agent/default.yaml configs/agent/ladder-16k.yaml
+	$(PY) -m agent.dataset generate $(AGENT_DATA_16K) --settings configs/agent/ladder-16k.yaml
+
+agent-ladder-16k: corpus-smoke agent-data agent-data-16k
+	$(PY) -m chat prepare configs/sft-agent-tiny-16k-cpu.yaml
+	$(PY) -m evaluation.ladder $(LADDER_A16K) --seeds $(LADDER_SEEDS) --generated $(AGENT_DATA)/eval.jsonl
+
 agent-ladder-table: $(STAMP)
-	$(PY) -m evaluation.ladder $(LADDER_AB) $(LADDER_C) --seeds $(LADDER_SEEDS) --table
+	$(PY) -m evaluation.ladder $(LADDER_AB) $(LADDER_A16K) $(LADDER_C) --seeds $(LADDER_SEEDS) --table
 
 # --- the family's database ------------------------------------------------------------------------
 
