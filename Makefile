@@ -262,9 +262,11 @@ serve: $(STAMP)
 
 AGENT_DATA ?= data/agent
 
+AGENT_DATA_SOURCES := $(STAMP) agent/tools.py agent/dataset.py agent/phrases.py family/memories.py configs/agent/default.yaml
+
 agent-data: $(AGENT_DATA)/eval.jsonl
 
-$(AGENT_DATA)/eval.jsonl: $(STAMP) agent/tools.py agent/dataset.py agent/phrases.py family/memories.py configs/agent/default.yaml
+$(AGENT_DATA)/eval.jsonl: $(AGENT_DATA_SOURCES)
 	$(PY) -m agent.dataset generate $(AGENT_DATA)
 
 agent-eval: agent-data
@@ -301,7 +303,7 @@ LADDER_A16K := --rung a16k configs/sft-agent-tiny-16k-cpu.yaml
 
 agent-data-16k: $(AGENT_DATA_16K)/eval.jsonl
 
-$(AGENT_DATA_16K)/eval.jsonl: $(STAMP) agent/tools.py agent/dataset.py agent/phrases.py family/memories.py configs/agent/default.yaml configs/agent/ladder-16k.yaml
+$(AGENT_DATA_16K)/eval.jsonl: $(AGENT_DATA_SOURCES) configs/agent/ladder-16k.yaml
 	$(PY) -m agent.dataset generate $(AGENT_DATA_16K) --settings configs/agent/ladder-16k.yaml
 
 agent-ladder-16k: corpus-smoke agent-data agent-data-16k

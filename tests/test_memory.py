@@ -168,15 +168,19 @@ def test_thousands_of_forgets_and_edits_keep_the_index_readable(conn, cfg):
     assert memory.search(conn, "ana", "adult", "fontanero fontanera", 5, cfg) == []
 
 
+def break_index_as_sqlite_3_40_did(conn):
+    """The index's structure record as SQLite 3.40 left it after ~1,200 forgets: 2,002 levels."""
+    with conn:
+        conn.execute("UPDATE memories_fts_data SET block = x'000000008f52000000' WHERE id = 10")
+
+
 def test_a_broken_keyword_index_is_rebuilt_at_open_and_no_memory_is_lost(db, conn, cfg):
     texts = ["El cumpleaños de Lucía es el 14 de marzo", "La llave del garaje está en el cajón azul"]
     for text in texts:
         memory.add(conn, "ana", "adult", text, cfg)
     conn.close()
-    # the index's structure record as SQLite 3.40 left it after ~1,500 forgets: 2,002 levels
     broken = sqlite3.connect(db)
-    with broken:
-        broken.execute("UPDATE memories_fts_data SET block = x'000000008f52000000' WHERE id = 10")
+    break_index_as_sqlite_3_40_did(broken)
     with pytest.raises(sqlite3.DatabaseError, match="vtable constructor failed"):
         broken.execute("SELECT count(*) FROM memories_fts WHERE memories_fts MATCH 'garaje'").fetchone()
     broken.close()
@@ -192,8 +196,7 @@ def test_a_broken_keyword_index_is_rebuilt_at_open_and_no_memory_is_lost(db, con
 
 def test_the_repair_says_what_it_did(db, conn, cfg):
     memory.add(conn, "ana", "adult", "La llave del garaje está en el cajón azul", cfg)
-    with conn:
-        conn.execute("UPDATE memories_fts_data SET block = x'000000008f52000000' WHERE id = 10")
+    break_index_as_sqlite_3_40_did(conn)
     conn.close()
     lines = []
     other = sqlite3.connect(db, isolation_level=None)
