@@ -84,16 +84,22 @@ class Attention(nn.Module):
         # attention logits, which otherwise grow until softmax overflows in half precision.
         self.q_norm = RMSNorm(self.head_dim, cfg["norm_eps"])
         self.k_norm = RMSNorm(self.head_dim, cfg["norm_eps"])
-        # A decode step's attention in one operator (q, keys, values, ends) -> y, where serve puts its CPU
-        # kernel (serve/weights.with_kernels); None: the torch code below.
+        # A decode step's attention in one operator (q, keys, values, ends) -> y, and the three projections
+        # in one x -> (q, k, v), where serve puts its CPU kernels (serve/weights.with_kernels); None: the
+        # torch code below.
         self.decode_kernel = None
+        self.qkv_kernel = None
 
     def project(self, x, cos, sin):
         """q, k, v of x (B, T, d_model), shaped (B, heads, T, head_dim), q and k normed and rotated."""
         B, T, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(B, T, self.n_heads, self.head_dim))
-        k = self.k_norm(self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim))
-        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
+        if self.qkv_kernel is None:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        else:
+            q, k, v = self.qkv_kernel(x)
+        q = self.q_norm(q.view(B, T, self.n_heads, self.head_dim))
+        k = self.k_norm(k.view(B, T, self.n_kv_heads, self.head_dim))
+        v = v.view(B, T, self.n_kv_heads, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
@@ -172,9 +178,14 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg["d_model"], cfg["ffn_hidden"], bias=False)
         self.up_proj = nn.Linear(cfg["d_model"], cfg["ffn_hidden"], bias=False)
         self.down_proj = nn.Linear(cfg["ffn_hidden"], cfg["d_model"], bias=False)
+        self.gate_up_kernel = None  # x -> (gate, up) in one operator: see Attention.qkv_kernel
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_kernel is None:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        else:
+            gate, up = self.gate_up_kernel(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):

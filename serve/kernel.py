@@ -1,9 +1,10 @@
 """
-ENLACE's own decode-step kernels on a CPU: the products (serve/matvec.cpp, the torch operator enlace::matvec)
-and the attention (serve/attention.cpp, enlace::decode_attention), built once with the machine's C++ compiler
-($CXX, else g++) into a cache folder, one library per sources, torch and compiler, then loaded into the
-process. serve/weights.with_kernels puts them in a model; serve.matvec_kernel switches them on;
-`make bench ARGS=llama` measures them against llama.cpp.
+ENLACE's own decode-step kernels on a CPU: the products (serve/matvec.cpp, the torch operators enlace::matvec
+and enlace::matvecs, several weights at once) and the attention (serve/attention.cpp,
+enlace::decode_attention), built once with the machine's C++ compiler ($CXX, else g++) into a cache folder,
+one library per sources, torch and compiler, then loaded into the process. serve/weights.with_kernels puts
+them in a model; serve.matvec_kernel switches them on; `make bench ARGS=llama` measures them against
+llama.cpp.
 """
 
 import hashlib
@@ -94,6 +95,10 @@ def load():
         @torch.library.register_fake("enlace::matvec")
         def _(x, weight, scale):  # the output's shape and dtype, for torch.compile's tracing
             return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+        @torch.library.register_fake("enlace::matvecs")
+        def _(x, weights, scales):
+            return x.new_empty((*x.shape[:-1], sum(weight.shape[0] for weight in weights)))
 
         @torch.library.register_fake("enlace::decode_attention")
         def _(q, keys, values, ends):

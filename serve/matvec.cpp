@@ -119,17 +119,18 @@ void block_int8(const int8_t* w, const float* w_scale, const int16_t* x, const f
 
 // Every input row against weight rows [begin, end): float32 kWeightRows at a time (the last few one by
 // one), int8 kInt8Block at a time; each block of weight rows meets all the input rows while in cache.
+// y's rows are ldy apart (several weights' products side by side).
 void all_rows(const at::Tensor& w, const float* w_scale, const float* x, const int16_t* x16, const float* x_scale,
-              float* y, int64_t m, int64_t k, int64_t n, int64_t begin, int64_t end) {
+              float* y, int64_t m, int64_t k, int64_t ldy, int64_t begin, int64_t end) {
   if (w.scalar_type() == at::kFloat) {
     const float* wp = w.data_ptr<float>();
     int64_t j = begin;
-    for (; j + kWeightRows <= end; j += kWeightRows) rows_f32<kWeightRows>(wp, x, y, m, k, n, j);
-    for (; j < end; ++j) rows_f32<1>(wp, x, y, m, k, n, j);
+    for (; j + kWeightRows <= end; j += kWeightRows) rows_f32<kWeightRows>(wp, x, y, m, k, ldy, j);
+    for (; j < end; ++j) rows_f32<1>(wp, x, y, m, k, ldy, j);
   } else {
     const int8_t* wp = w.data_ptr<int8_t>();
     for (int64_t j = begin; j < end; j += kInt8Block)
-      block_int8(wp, w_scale, x16, x_scale, y, m, k, n, j, std::min(end, j + kInt8Block));
+      block_int8(wp, w_scale, x16, x_scale, y, m, k, ldy, j, std::min(end, j + kInt8Block));
   }
 }
 
@@ -146,45 +147,76 @@ void round_rows(const float* x, int64_t m, int64_t k, int16_t* x16, float* scale
   }
 }
 
-at::Tensor matvec(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& scale) {
-  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "enlace::matvec runs on the CPU");
+// The products of x with several weights of the same width and dtype (a layer's q, k and v; gate and
+// up), side by side in one output: one call and one pass of the threads instead of one per weight, and x
+// rounded once. Each product is the one matvec gives alone.
+at::Tensor matvecs(const at::Tensor& x, at::TensorList weights, at::TensorList scales) {
+  TORCH_CHECK(!weights.empty(), "enlace::matvecs: no weights");
+  TORCH_CHECK(x.device().is_cpu(), "enlace::matvec runs on the CPU");
   TORCH_CHECK(x.scalar_type() == at::kFloat, "enlace::matvec: x must be float32, got ", x.scalar_type());
-  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "enlace::matvec: weight must be a contiguous matrix");
-  const bool int8 = weight.scalar_type() == at::kChar;
-  TORCH_CHECK(int8 || weight.scalar_type() == at::kFloat, "enlace::matvec: weight must be float32 or int8");
-  TORCH_CHECK(int8 == scale.has_value(), "enlace::matvec: int8 weights need their row scales, float32 none");
-  const int64_t n = weight.size(0), k = weight.size(1);
-  TORCH_CHECK(x.size(-1) == k, "enlace::matvec: x has ", x.size(-1), " columns, weight ", k);
-  const at::Tensor rows = x.reshape({-1, k}).contiguous();
-  const int64_t m = rows.size(0);
-  const float* w_scale = nullptr;
-  at::Tensor scale_f;
-  if (int8) {
-    scale_f = scale->contiguous();
-    TORCH_CHECK(scale_f.scalar_type() == at::kFloat && scale_f.numel() == n,
-                "enlace::matvec: scale must be float32 with one value per weight row");
-    w_scale = scale_f.data_ptr<float>();
+  const bool int8 = weights[0].scalar_type() == at::kChar;
+  const int64_t k = weights[0].dim() == 2 ? weights[0].size(1) : -1;
+  TORCH_CHECK(int8 ? scales.size() == weights.size() : scales.empty(),
+              "enlace::matvec: int8 weights need their row scales, float32 none");
+  std::vector<int64_t> offsets{0};  // where each weight's products start in a row of y
+  std::vector<int64_t> first_block{0};  // the blocks of weight rows the threads share, weight by weight
+  const int64_t block = int8 ? kInt8Block : kWeightRows;
+  for (size_t i = 0; i < weights.size(); ++i) {
+    const at::Tensor& w = weights[i];
+    TORCH_CHECK(w.device().is_cpu(), "enlace::matvec runs on the CPU");
+    TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "enlace::matvec: weight must be a contiguous matrix");
+    TORCH_CHECK(w.scalar_type() == (int8 ? at::kChar : at::kFloat),
+                "enlace::matvec: weight must be float32 or int8, all the weights of a call alike");
+    TORCH_CHECK(w.size(1) == k, "enlace::matvec: x has ", x.size(-1), " columns, weight ", w.size(1));
+    if (int8)
+      TORCH_CHECK(scales[i].scalar_type() == at::kFloat && scales[i].is_contiguous() && scales[i].numel() == w.size(0),
+                  "enlace::matvec: scale must be float32 with one value per weight row");
+    offsets.push_back(offsets.back() + w.size(0));
+    first_block.push_back(first_block.back() + (w.size(0) + block - 1) / block);
   }
+  TORCH_CHECK(x.size(-1) == k, "enlace::matvec: x has ", x.size(-1), " columns, weight ", k);
+  const at::Tensor rows = x.is_contiguous() ? x : x.contiguous();
+  const int64_t m = rows.numel() / k, ldy = offsets.back();
+  const float* xp = rows.data_ptr<float>();
   std::vector<int16_t> x16(int8 ? m * k : 0);
   std::vector<float> x_scale(int8 ? m : 0);
-  if (int8) round_rows(rows.data_ptr<float>(), m, k, x16.data(), x_scale.data());
+  if (int8) round_rows(xp, m, k, x16.data(), x_scale.data());
   std::vector<int64_t> shape = x.sizes().vec();
-  shape.back() = n;
-  at::Tensor y = at::empty({m, n}, x.options());
-  const float* xp = rows.data_ptr<float>();
+  shape.back() = ldy;
+  at::Tensor y = at::empty(shape, x.options());
   float* yp = y.data_ptr<float>();
-  // One contiguous share of the weight rows per thread, cut at whole blocks (at least kMinBlocks each).
-  const int64_t blocks = (n + kWeightRows - 1) / kWeightRows, threads = at::get_num_threads();
+  // One contiguous share of the blocks per thread (at least kMinBlocks each).
+  const int64_t blocks = first_block.back(), threads = at::get_num_threads();
   const int64_t grain = std::max(kMinBlocks, (blocks + threads - 1) / threads);
   at::parallel_for(0, blocks, grain, [&](int64_t first, int64_t last) {
-    all_rows(weight, w_scale, xp, x16.data(), x_scale.data(), yp, m, k, n, first * kWeightRows,
-             std::min(n, last * kWeightRows));
+    size_t i = 0;
+    for (int64_t b = first; b < last; ++b) {
+      while (b >= first_block[i + 1]) ++i;
+      const int64_t n = weights[i].size(0), begin = (b - first_block[i]) * block;
+      all_rows(weights[i], int8 ? scales[i].data_ptr<float>() : nullptr, xp, x16.data(), x_scale.data(),
+               yp + offsets[i], m, k, ldy, begin, std::min(n, begin + block));
+    }
   });
-  return y.view(shape);
+  return y;
+}
+
+at::Tensor matvec(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& scale) {
+  TORCH_CHECK(weight.scalar_type() == at::kChar || weight.scalar_type() == at::kFloat,
+              "enlace::matvec: weight must be float32 or int8");
+  TORCH_CHECK((weight.scalar_type() == at::kChar) == scale.has_value(),
+              "enlace::matvec: int8 weights need their row scales, float32 none");
+  if (scale.has_value()) return matvecs(x, {weight}, {*scale});
+  return matvecs(x, {weight}, {});
 }
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(enlace, lib) { lib.def("matvec(Tensor x, Tensor weight, Tensor? scale) -> Tensor"); }
+TORCH_LIBRARY_FRAGMENT(enlace, lib) {
+  lib.def("matvec(Tensor x, Tensor weight, Tensor? scale) -> Tensor");
+  lib.def("matvecs(Tensor x, Tensor[] weights, Tensor[] scales) -> Tensor");
+}
 
-TORCH_LIBRARY_IMPL(enlace, CPU, lib) { lib.impl("matvec", &matvec); }
+TORCH_LIBRARY_IMPL(enlace, CPU, lib) {
+  lib.impl("matvec", &matvec);
+  lib.impl("matvecs", &matvecs);
+}

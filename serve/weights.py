@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model import Attention
+from model import MLP, Attention
 from serve import kernel
 
 
@@ -77,6 +77,26 @@ class KernelLinear(nn.Module):
         return torch.ops.enlace.matvec(x, self.weight, self.scale)
 
 
+class KernelProjections(nn.Module):
+    """KernelLinear layers that read the same input (a layer's q, k and v; gate and up) as one call of the
+    kernel (enlace::matvecs): one pass of the threads instead of one per layer, and int8's input rounded
+    once; each output is the one its layer gives alone. The layers stay where they are (not submodules
+    here): the same weights, read once."""
+
+    def __init__(self, layers):
+        super().__init__()
+        self.layers = tuple(layers)
+        self.widths = [layer.weight.shape[0] for layer in layers]
+
+    def forward(self, x):
+        first = self.layers[0]
+        if first.scale is None and x.numel() // x.shape[-1] > first.max_rows:
+            return tuple(layer(x) for layer in self.layers)  # a prefill: F.linear, threaded already
+        weights = [layer.weight for layer in self.layers]
+        scales = [] if first.scale is None else [layer.scale for layer in self.layers]
+        return torch.ops.enlace.matvecs(x, weights, scales).split(self.widths, dim=-1)
+
+
 def with_linears(model, replace):
     """A copy of the model, sharing its parameters and buffers, where replace(layer) stands in for each
     nn.Linear without bias (the LM head included) for which it returns a module (None: the layer stays)."""
@@ -100,11 +120,15 @@ def split_matvec(model, parts, max_rows):
 
 def with_kernels(model, dtype, max_rows):
     """A copy of the model that decodes through ENLACE's CPU kernels: its linear layers (the LM head included)
-    KernelLinear layers in dtype (float32: sharing the weights; int8), and each attention layer's decode step
-    over its filled keys only (serve/attention.cpp); kernel.KernelUnavailable when they cannot run here."""
+    KernelLinear layers in dtype (float32: sharing the weights; int8), q, k and v (and gate and up) in one
+    call each, and each attention layer's decode step over its filled keys only (serve/attention.cpp);
+    kernel.KernelUnavailable when they cannot run here."""
     kernel.load()
     served = with_linears(model, lambda layer: KernelLinear(layer, dtype, max_rows))
-    for module in served.modules():
+    for module in list(served.modules()):
         if isinstance(module, Attention):
             module.decode_kernel = torch.ops.enlace.decode_attention
+            module.qkv_kernel = KernelProjections((module.q_proj, module.k_proj, module.v_proj))
+        elif isinstance(module, MLP):
+            module.gate_up_kernel = KernelProjections((module.gate_proj, module.up_proj))
     return served

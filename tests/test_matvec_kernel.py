@@ -92,6 +92,27 @@ def test_a_rows_product_is_bit_for_bit_the_same_alone_among_other_rows_and_on_on
 
 
 @needs_avx2
+@pytest.mark.parametrize("dtype", ["float32", "int8"])
+def test_several_weights_in_one_call_give_each_weights_own_product_bit_for_bit(dtype):
+    kernel.load()
+    generator = torch.Generator().manual_seed(4)
+    weights = [torch.randn(rows, 520, generator=generator) for rows in (96, 44, 44)]  # q, k, v; a block tail
+    scales = []
+    if dtype == "int8":
+        weights, scales = (
+            list(parts) for parts in zip(*(rounded(weight) for weight in weights), strict=True)
+        )
+    for rows in (1, 3, 8):
+        x = torch.randn(rows, 1, 520, generator=generator)
+        together = torch.ops.enlace.matvecs(x, weights, scales)
+        assert together.shape == (rows, 1, 184)
+        alone = [torch.ops.enlace.matvec(x, w, s) for w, s in zip(weights, scales or [None] * 3, strict=True)]
+        assert torch.equal(together, torch.cat(alone, dim=-1))
+    with pytest.raises(RuntimeError, match="weight must be float32 or int8, all the weights of a call alike"):
+        torch.ops.enlace.matvecs(x, [torch.randn(8, 520), torch.randn(8, 520).to(torch.int8)], [])
+
+
+@needs_avx2
 def test_decode_attention_reads_each_slots_filled_keys_only_and_gives_torchs_softmax_within_1e_6():
     kernel.load()
     attention = torch.ops.enlace.decode_attention
@@ -136,7 +157,16 @@ def test_with_kernels_share_float32_weights_and_decode_the_plain_models_tokens_w
     served = with_kernels(net, "float32", max_rows=4)
     assert len([m for m in served.modules() if isinstance(m, KernelLinear)]) == 7 * net.cfg["n_layers"] + 1
     assert all(layer.self_attn.decode_kernel is not None for layer in served.layers)
-    assert all(layer.self_attn.decode_kernel is None for layer in net.layers)  # the plain model: as it was
+    assert all(
+        layer.self_attn.qkv_kernel.layers
+        == (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj)
+        for layer in served.layers
+    )
+    assert all(
+        layer.mlp.gate_up_kernel.layers == (layer.mlp.gate_proj, layer.mlp.up_proj) for layer in served.layers
+    )
+    for layer in net.layers:  # the plain model: as it was
+        assert layer.self_attn.decode_kernel is layer.self_attn.qkv_kernel is layer.mlp.gate_up_kernel is None
     assert served.lm_head.weight is served.embed_tokens.weight is net.embed_tokens.weight  # shared, tied
     assert step_bytes(served, 4, 16) == step_bytes(net, 4, 16)
     x = tokens(1, 12)
