@@ -175,6 +175,39 @@ def test_with_kernels_share_float32_weights_and_decode_the_plain_models_tokens_w
     assert_decodes_the_plain_models_tokens(net, served)
 
 
+def huge_page_eligible(address):
+    """Whether Linux may back the mapping holding `address` with huge pages (smaps' THPeligible)."""
+    with open("/proc/self/smaps", encoding="ascii") as f:
+        for line in f:
+            if "-" in line.split(" ")[0] and len(line.split()) >= 5:
+                low, high = (int(part, 16) for part in line.split(" ")[0].split("-"))
+                inside = low <= address < high
+            elif inside and line.startswith("THPeligible:"):
+                return line.split()[1] == "1"
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@needs_avx2
+def test_the_kernels_float32_weights_move_into_one_block_on_huge_pages_with_the_same_values_and_tensors():
+    from serve.weights import KernelLinear, huge_page_bytes, with_kernels
+
+    net = build(tiny(d_model=256, ffn_hidden=768, seq_len=32))  # weights past one 2 MiB page
+    before = {name: tensor.clone() for name, tensor in net.state_dict().items()}
+    served = with_kernels(net, "float32", max_rows=4)
+    weights = [layer.weight for layer in served.modules() if isinstance(layer, KernelLinear)]
+    page = huge_page_bytes()
+    if page is None or "[never]" in open("/sys/kernel/mm/transparent_hugepage/enabled").read():
+        pytest.skip("this machine has no transparent huge pages")
+    assert len({weight.untyped_storage().data_ptr() for weight in weights}) == 1  # one block
+    assert weights[0].data_ptr() % page == 0
+    assert huge_page_eligible(weights[0].data_ptr())
+    for name, tensor in net.state_dict().items():  # the plain model: the same values, in the block too
+        assert torch.equal(tensor, before[name])
+    shared = net.layers[0].mlp.up_proj.weight
+    assert served.layers[0].mlp.up_proj.weight is shared
+    assert shared.untyped_storage().data_ptr() == weights[0].untyped_storage().data_ptr()
+
+
 @needs_avx2
 def test_int8_with_kernels_hold_a_quarter_of_the_bytes_move_the_logits_by_about_a_percent_and_compile():
     from bench.decoding import step_bytes
