@@ -97,7 +97,7 @@ def load():
             return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
         @torch.library.register_fake("enlace::matvecs")
-        def _(x, weights, scales):
+        def _(x, weights, scale):
             return x.new_empty((*x.shape[:-1], sum(weight.shape[0] for weight in weights)))
 
         @torch.library.register_fake("enlace::decode_attention")

@@ -149,15 +149,15 @@ void round_rows(const float* x, int64_t m, int64_t k, int16_t* x16, float* scale
 
 // The products of x with several weights of the same width and dtype (a layer's q, k and v; gate and
 // up), side by side in one output: one call and one pass of the threads instead of one per weight, and x
-// rounded once. Each product is the one matvec gives alone.
-at::Tensor matvecs(const at::Tensor& x, at::TensorList weights, at::TensorList scales) {
+// rounded once. Each product is the one matvec gives alone. int8 weights take their row scales in one
+// tensor, weight after weight.
+at::Tensor matvecs(const at::Tensor& x, at::TensorList weights, const c10::optional<at::Tensor>& scale) {
   TORCH_CHECK(!weights.empty(), "enlace::matvecs: no weights");
   TORCH_CHECK(x.device().is_cpu(), "enlace::matvec runs on the CPU");
   TORCH_CHECK(x.scalar_type() == at::kFloat, "enlace::matvec: x must be float32, got ", x.scalar_type());
   const bool int8 = weights[0].scalar_type() == at::kChar;
   const int64_t k = weights[0].dim() == 2 ? weights[0].size(1) : -1;
-  TORCH_CHECK(int8 ? scales.size() == weights.size() : scales.empty(),
-              "enlace::matvec: int8 weights need their row scales, float32 none");
+  TORCH_CHECK(int8 == scale.has_value(), "enlace::matvec: int8 weights need their row scales, float32 none");
   std::vector<int64_t> offsets{0};  // where each weight's products start in a row of y
   std::vector<int64_t> first_block{0};  // the blocks of weight rows the threads share, weight by weight
   const int64_t block = int8 ? kInt8Block : kWeightRows;
@@ -168,13 +168,14 @@ at::Tensor matvecs(const at::Tensor& x, at::TensorList weights, at::TensorList s
     TORCH_CHECK(w.scalar_type() == (int8 ? at::kChar : at::kFloat),
                 "enlace::matvec: weight must be float32 or int8, all the weights of a call alike");
     TORCH_CHECK(w.size(1) == k, "enlace::matvec: x has ", x.size(-1), " columns, weight ", w.size(1));
-    if (int8)
-      TORCH_CHECK(scales[i].scalar_type() == at::kFloat && scales[i].is_contiguous() && scales[i].numel() == w.size(0),
-                  "enlace::matvec: scale must be float32 with one value per weight row");
     offsets.push_back(offsets.back() + w.size(0));
     first_block.push_back(first_block.back() + (w.size(0) + block - 1) / block);
   }
   TORCH_CHECK(x.size(-1) == k, "enlace::matvec: x has ", x.size(-1), " columns, weight ", k);
+  if (int8)
+    TORCH_CHECK(scale->scalar_type() == at::kFloat && scale->is_contiguous() && scale->numel() == offsets.back(),
+                "enlace::matvec: scale must be float32 with one value per weight row");
+  const float* w_scale = int8 ? scale->data_ptr<float>() : nullptr;
   const at::Tensor rows = x.is_contiguous() ? x : x.contiguous();
   const int64_t m = rows.numel() / k, ldy = offsets.back();
   const float* xp = rows.data_ptr<float>();
@@ -193,7 +194,7 @@ at::Tensor matvecs(const at::Tensor& x, at::TensorList weights, at::TensorList s
     for (int64_t b = first; b < last; ++b) {
       while (b >= first_block[i + 1]) ++i;
       const int64_t n = weights[i].size(0), begin = (b - first_block[i]) * block;
-      all_rows(weights[i], int8 ? scales[i].data_ptr<float>() : nullptr, xp, x16.data(), x_scale.data(),
+      all_rows(weights[i], int8 ? w_scale + offsets[i] : nullptr, xp, x16.data(), x_scale.data(),
                yp + offsets[i], m, k, ldy, begin, std::min(n, begin + block));
     }
   });
@@ -205,15 +206,14 @@ at::Tensor matvec(const at::Tensor& x, const at::Tensor& weight, const c10::opti
               "enlace::matvec: weight must be float32 or int8");
   TORCH_CHECK((weight.scalar_type() == at::kChar) == scale.has_value(),
               "enlace::matvec: int8 weights need their row scales, float32 none");
-  if (scale.has_value()) return matvecs(x, {weight}, {*scale});
-  return matvecs(x, {weight}, {});
+  return matvecs(x, {weight}, scale);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(enlace, lib) {
   lib.def("matvec(Tensor x, Tensor weight, Tensor? scale) -> Tensor");
-  lib.def("matvecs(Tensor x, Tensor[] weights, Tensor[] scales) -> Tensor");
+  lib.def("matvecs(Tensor x, Tensor[] weights, Tensor? scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(enlace, CPU, lib) {

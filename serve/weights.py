@@ -88,14 +88,15 @@ class KernelProjections(nn.Module):
         super().__init__()
         self.layers = tuple(layers)
         self.widths = [layer.weight.shape[0] for layer in layers]
+        int8 = layers[0].scale is not None  # int8: the layers' row scales one after another (a small copy)
+        self.register_buffer("scale", torch.cat([layer.scale for layer in layers]) if int8 else None)
 
     def forward(self, x):
         first = self.layers[0]
         if first.scale is None and x.numel() // x.shape[-1] > first.max_rows:
             return tuple(layer(x) for layer in self.layers)  # a prefill: F.linear, threaded already
         weights = [layer.weight for layer in self.layers]
-        scales = [] if first.scale is None else [layer.scale for layer in self.layers]
-        return torch.ops.enlace.matvecs(x, weights, scales).split(self.widths, dim=-1)
+        return torch.ops.enlace.matvecs(x, weights, self.scale).split(self.widths, dim=-1)
 
 
 def with_linears(model, replace):

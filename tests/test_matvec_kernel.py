@@ -104,12 +104,12 @@ def test_several_weights_in_one_call_give_each_weights_own_product_bit_for_bit(d
         )
     for rows in (1, 3, 8):
         x = torch.randn(rows, 1, 520, generator=generator)
-        together = torch.ops.enlace.matvecs(x, weights, scales)
+        together = torch.ops.enlace.matvecs(x, weights, torch.cat(scales) if scales else None)
         assert together.shape == (rows, 1, 184)
         alone = [torch.ops.enlace.matvec(x, w, s) for w, s in zip(weights, scales or [None] * 3, strict=True)]
         assert torch.equal(together, torch.cat(alone, dim=-1))
     with pytest.raises(RuntimeError, match="weight must be float32 or int8, all the weights of a call alike"):
-        torch.ops.enlace.matvecs(x, [torch.randn(8, 520), torch.randn(8, 520).to(torch.int8)], [])
+        torch.ops.enlace.matvecs(x, [torch.randn(8, 520), torch.randn(8, 520).to(torch.int8)], None)
 
 
 @needs_avx2
