@@ -593,10 +593,12 @@ class Transformer(nn.Module):
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.lm_head(self.norm(x))[:, 0]
 
-    def decoder(self, slots, allocate=False, compile_mode=None, prefix_block=None, prefix_cache_bytes=0):
+    def decoder(self, slots, allocate=False, compile_mode=None, prefix_block=None, prefix_cache_bytes=0,
+                compile_with=None):  # fmt: skip
         """A Decoder over this model with `slots` slots (allocate: its KV cache now, in the weights'
-        dtype, rather than on the first prefill; compile_mode and the prefix cache: see Decoder)."""
-        return Decoder(self, slots, allocate, compile_mode, prefix_block, prefix_cache_bytes)
+        dtype, rather than on the first prefill; compile_mode, compile_with and the prefix cache: see
+        Decoder)."""
+        return Decoder(self, slots, allocate, compile_mode, prefix_block, prefix_cache_bytes, compile_with)
 
     @torch.no_grad()
     def generate(
@@ -663,23 +665,25 @@ class Decoder:
     Transformer.decode_all under torch.compile: static shapes (every slot, the whole preallocated cache),
     so compile() builds the one graph before any row arrives and no later step compiles again. Its logits
     are the eager step's up to float32 rounding; a row's tokens still do not depend on the other rows.
+    compile_with(model, cache) builds such a step elsewhere instead (serve/aot.py: ahead of time).
 
     With prefix_block (and prefix_cache_bytes > 0) prompts are prefilled in chunks of prefix_block tokens
     and their whole blocks kept in a PrefixCache of at most prefix_cache_bytes, which later prompts
     starting with the same blocks copy instead of computing (see PrefixCache for who may reuse what)."""
 
-    def __init__(
-        self, model, slots, allocate=False, compile_mode=None, prefix_block=None, prefix_cache_bytes=0
-    ):
+    def __init__(self, model, slots, allocate=False, compile_mode=None, prefix_block=None, prefix_cache_bytes=0,
+                 compile_with=None):  # fmt: skip
         self.model, self.slots = model, slots
         self.cache = model.new_kv_cache(slots)
         weight = model.embed_tokens.weight
         self.device = weight.device
-        if allocate or compile_mode:
+        if allocate or compile_mode or compile_with:
             attn = model.layers[0].self_attn
             self.cache.allocate(attn.n_kv_heads, attn.head_dim, weight.dtype, weight.device)
         self.compiled_step = None
-        if compile_mode:
+        if compile_with is not None:  # built elsewhere (serve/aot.py), with decode_all's contract
+            self.compiled_step = compile_with(model, self.cache)
+        elif compile_mode:
             for tensor in self.cache.keys + self.cache.values:  # CUDA graphs write into them in place
                 torch._dynamo.mark_static_address(tensor)
             # On a CPU, inductor's default mode with the wrapper that calls each kernel in C++ rather than

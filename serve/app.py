@@ -782,11 +782,19 @@ def prepare_weights(model, settings, device):
 
 
 def decoding_options(settings, device):
-    """The worker's model.Decoder options for this device: serve.compile as a torch.compile mode, and
-    serve.prefix_cache."""
-    mode = COMPILE_MODES[settings["compile"]["cuda" if device.startswith("cuda") else "cpu"]]
-    prefix = settings["prefix_cache"]
-    return ({"compile_mode": mode} if mode else {}) | (
+    """The worker's model.Decoder options for this device: serve.compile as a torch.compile mode (aot: the
+    step built ahead of time, serve/aot.py), and serve.prefix_cache."""
+    setting, prefix = (
+        settings["compile"]["cuda" if device.startswith("cuda") else "cpu"],
+        settings["prefix_cache"],
+    )
+    if setting == "aot":
+        from serve.aot import AotStep
+
+        compiled = {"compile_with": AotStep}
+    else:
+        compiled = {"compile_mode": COMPILE_MODES[setting]} if COMPILE_MODES[setting] else {}
+    return compiled | (
         {"prefix_block": prefix["block_tokens"], "prefix_cache_bytes": prefix["mib"] * 2**20}
         if prefix["mib"]
         else {}
@@ -865,8 +873,8 @@ def serve_main(argv):
     except serve_worker.CompileFailed as e:
         raise ServeError(compile_failure(e.__cause__, settings, args.device)) from None
     if "compile_s" in model_worker.stats:
-        print(f"serve: decode step compiled ({decoding['compile_mode']}) in {model_worker.stats['compile_s']} s",
-              file=sys.stderr)  # fmt: skip
+        how = settings["compile"]["cuda" if args.device.startswith("cuda") else "cpu"]
+        print(f"serve: decode step compiled ({how}) in {model_worker.stats['compile_s']} s", file=sys.stderr)
     server = Server(settings, store, model_worker, model_id, context, memory_cfg=memory_cfg)
     # family/memories.py: the database's lock, held until this process ends (restore refuses to run meanwhile, and
     # so does a second server on the same file), and the snapshot schedule on a daemon thread.

@@ -88,7 +88,8 @@ class CompileFailed(Exception):
 
 class Worker:
     """decoding: model.Decoder's options beyond the slots (compile_mode, serve.compile's torch.compile
-    mode); a compiled step is built on the decode thread before the constructor returns."""
+    mode, or compile_with); a compiled step is built on the decode thread before the constructor
+    returns."""
 
     def __init__(self, model, tokenizer, queue_size, max_batch=1, **decoding):
         self.model, self.tokenizer = model, tokenizer

@@ -91,9 +91,11 @@ def leave_midway(url, key, body):
 BROKEN_SEED = 666
 
 
-# Eager with one-pass prefills, and the compiled step with the prefix cache (the shipped default) on. CPU
-# inductor's first compile at the tiny run's shape takes a minute or more on a shared 2-core CPU.
-DECODING = {"eager": ("serve.prefix_cache.mib=0",), "compiled+prefix_cache": ("serve.compile.cpu=inductor",)}
+# Eager with one-pass prefills, and the compiled step (torch.compile; ahead of time) with the prefix cache
+# (the shipped default) on. CPU inductor's first compile at the tiny run's shape takes a minute or more on a
+# shared 2-core CPU.
+DECODING = {"eager": ("serve.prefix_cache.mib=0",), "compiled+prefix_cache": ("serve.compile.cpu=inductor",),
+            "aot+prefix_cache": ("serve.compile.cpu=aot",)}  # fmt: skip
 
 
 @pytest.mark.parametrize("decoding", DECODING.values(), ids=DECODING.keys())
@@ -114,6 +116,7 @@ def test_answers_decoded_together_are_token_for_token_their_solo_answers(
     settings = (NO_TOOLS, "serve.max_batch=8", "serve.max_pending_per_member=16", *decoding)
     with live_server(chat_model, tmp_path, *settings) as (url, server):
         graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]  # compiled at start, if at all
+        builds = getattr(server.worker.decoder.compiled_step, "builds", None)  # serve/aot.py's
         key = server.store.add_member("ana", "adult")
         tokens = record_tokens(server.worker)
         alone = [post(url, key, body).json() for body in bodies]
@@ -138,6 +141,7 @@ def test_answers_decoded_together_are_token_for_token_their_solo_answers(
         admin = {"Authorization": f"Bearer {server.store.add_member('root', 'admin')}"}
         status = httpx.get(url + "/api/server", headers=admin).json()
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs  # no request compiled anything
+    assert getattr(server.worker.decoder.compiled_step, "builds", None) == builds
     assert [together[i] | {"id": None, "created": None} for i in range(8)] == [
         answer | {"id": None, "created": None} for answer in alone
     ]

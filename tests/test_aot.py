@@ -1,0 +1,96 @@
+"""The decode step compiled ahead of time (serve/aot.py, serve.compile.cpu: aot): the eager step's tokens
+with logits within float32 rounding, rows coming and going; built once per shape and then loaded from the
+disk cache; the KV cache and the weights bound in place, not copied."""
+
+import os
+
+import pytest
+import torch
+
+from serve import aot, kernel
+from tests.test_model import build, forced_tokens, tiny
+
+PLANS = [(forced_tokens(n, seed=n), first, last, {"temperature": 0})
+         for n, first, last in [(7, 0, 20), (12, 0, 9), (2, 1, 16), (25, 5, 12)]]  # fmt: skip
+
+
+def run_rows(net, compile_with=None, steps=21, slots=4):
+    """Each plan's (tokens, logits per step) decoding with `slots` slots, rows joining and leaving."""
+    decoder = net.decoder(slots, compile_with=compile_with)
+    if compile_with is not None:
+        decoder.compile()
+    rows, results = {}, [([], []) for _ in PLANS]
+    for step in range(steps):
+        for i, (prompt, first, _, sampling) in enumerate(PLANS):
+            if step == first:
+                rows[i] = decoder.add(prompt, **sampling)
+        chosen = {}
+        for i, row in list(rows.items()):
+            chosen[row] = decoder.sample(row)
+            results[i][0].append(chosen[row])
+            results[i][1].append(row.logits.clone())
+            if step == PLANS[i][2]:
+                decoder.remove(rows.pop(i))
+                del chosen[row]
+        decoder.advance(chosen)
+    return results, decoder
+
+
+def served_models():
+    """The plain model, and through ENLACE's kernels (float32 and int8) where this CPU runs them."""
+    models = {"plain": build(tiny(seq_len=32))}
+    if torch.backends.cpu.get_cpu_capability() in kernel.CAPABILITIES:
+        from serve.weights import with_kernels
+
+        models |= {dtype: with_kernels(build(tiny(seq_len=32)), dtype, 4) for dtype in ("float32", "int8")}
+    return models
+
+
+@pytest.mark.parametrize("name", ["plain", "float32", "int8"])
+def test_the_step_built_ahead_of_time_decodes_the_eager_tokens_with_logits_within_float32_rounding(
+    name, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    models = served_models()
+    if name not in models:
+        pytest.skip("the kernel needs AVX2")
+    net = models[name]
+    with torch.no_grad():
+        eager, _ = run_rows(net)
+        ahead, decoder = run_rows(net, aot.AotStep)
+    assert [tokens for tokens, _ in ahead] == [tokens for tokens, _ in eager]
+    tolerance = 1e-4 if name == "int8" else 1e-5  # as torch.compile's int8 step (test_matvec_kernel.py)
+    for (_, got), (_, want) in zip(ahead, eager, strict=True):
+        torch.testing.assert_close(torch.stack(got), torch.stack(want), rtol=0, atol=tolerance)
+    assert decoder.compiled_step.builds == 1  # built at compile(), never again for a row
+
+
+def test_a_second_decoder_of_the_same_shapes_loads_the_cached_package_and_writes_its_own_cache(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    net = build(tiny(seq_len=32))
+    with torch.no_grad():
+        first = net.decoder(2, compile_with=aot.AotStep)
+        first.compile()
+        second = net.decoder(2, compile_with=aot.AotStep)
+        second.compile()
+        assert (first.compiled_step.loaded_from_cache, second.compiled_step.loaded_from_cache) == (
+            False,
+            True,
+        )
+        assert len(os.listdir(tmp_path / "enlace" / "aot")) == 1  # no temp file left
+        other = net.decoder(1, compile_with=aot.AotStep)  # another shape: another package
+        other.compile()
+        assert not other.compiled_step.loaded_from_cache
+        row = second.add(
+            forced_tokens(5, seed=5), temperature=0
+        )  # in place: the step writes `second`'s cache
+        before = second.cache.keys[0][row.slot, :, 5].clone()
+        second.advance({row: second.sample(row)})
+        assert not torch.equal(second.cache.keys[0][row.slot, :, 5], before)
+        assert first.cache.keys[0].data_ptr() != second.cache.keys[0].data_ptr()
+        with pytest.raises(ValueError, match="bound to another decoder's KV cache"):
+            second.compiled_step(
+                torch.zeros(2, dtype=torch.long), torch.zeros(2, dtype=torch.long), first.cache
+            )
