@@ -747,7 +747,8 @@ COMPILE_MODES = {"off": None, "inductor": "default", "cuda-graphs": "reduce-over
 def prepare_weights(model, settings, device):
     """The model in serve.weights' format for this device: through ENLACE's kernel with serve.matvec_kernel
     (where it cannot run, the server says why and goes on without it), else float32 with serve.matvec_parts
-    > 1 split for the decode step, or torch's int8; a ServeError for a combination that cannot run."""
+    > 1 split for the decode step, or torch's int8 (eager: serve.compile's default aot turned off in
+    `settings`); a ServeError for a combination that cannot run."""
     from serve import kernel, weights
 
     kind = "cuda" if device.startswith("cuda") else "cpu"
@@ -770,7 +771,11 @@ def prepare_weights(model, settings, device):
         split = weights.split_matvec(model, parts, settings["max_batch"])
         print(f"serve: decode products in {parts} blocks (serve.matvec_parts)", file=sys.stderr)
         return split
-    if settings["compile"][kind] != "off":
+    if settings["compile"][kind] == "aot":  # the CPU's default: torch's int8 decodes eager
+        print(f"serve: serve.weights.{kind}=int8 without the kernel runs eager (serve.compile.{kind}=aot does not "
+              "apply)", file=sys.stderr)  # fmt: skip
+        settings["compile"][kind] = "off"
+    elif settings["compile"][kind] != "off":
         raise ServeError(
             f"serve.weights.{kind}=int8 without serve.matvec_kernel runs eager: set serve.compile.{kind}=off "
             "(or weights float32)"
@@ -871,7 +876,16 @@ def serve_main(argv):
             model, tokenizer, settings["queue_size"], settings["max_batch"], **decoding
         )
     except serve_worker.CompileFailed as e:
-        raise ServeError(compile_failure(e.__cause__, settings, args.device)) from None
+        if "compile_with" not in decoding:
+            raise ServeError(compile_failure(e.__cause__, settings, args.device)) from None
+        # aot, the CPU's default: a machine that cannot build it (no C++ compiler) still serves, eager.
+        print(
+            f"serve: {compile_failure(e.__cause__, settings, args.device)}; decoding eager", file=sys.stderr
+        )
+        decoding = {key: value for key, value in decoding.items() if key != "compile_with"}
+        model_worker = serve_worker.Worker(
+            model, tokenizer, settings["queue_size"], settings["max_batch"], **decoding
+        )
     if "compile_s" in model_worker.stats:
         how = settings["compile"]["cuda" if args.device.startswith("cuda") else "cpu"]
         print(f"serve: decode step compiled ({how}) in {model_worker.stats['compile_s']} s", file=sys.stderr)

@@ -1012,6 +1012,25 @@ def test_sigkill_mid_answer_loses_no_acknowledged_turn(chat_run, tmp_path):
     assert all(m["content"] for m in stored[2:]) and stored[2:3] in ([], [stored[2] | {"content": "segunda"}])
 
 
+def test_the_default_ahead_of_time_step_on_a_machine_without_a_compiler_says_why_and_serves_eager(
+    chat_run, tmp_path
+):
+    # serve.compile.cpu=aot is the CPU's default: a machine that cannot build it must still serve.
+    env = os.environ | {"CXX": str(tmp_path / "no-such-g++"), "XDG_CACHE_HOME": str(tmp_path / "cache"),
+                        "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}  # fmt: skip
+    server = subprocess.Popen([sys.executable, "-m", "serve", chat_run, "--port", "0",
+                               f"serve.database={tmp_path / 'x.sqlite'}"], cwd=ROOT, env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    try:
+        line = server.stdout.readline()  # the "model ... at http://" line once it listens
+    finally:
+        server.terminate()
+        _, errors = server.communicate(timeout=60)
+    assert " at http://127.0.0.1:" in line, errors
+    assert "serve.compile.cpu=aot: the decode step did not compile" in errors and "decoding eager" in errors
+    assert "Traceback" not in errors
+
+
 def test_a_compiled_step_that_cannot_compile_stops_the_server_with_the_reason_and_the_way_out(
     chat_run, tmp_path
 ):
