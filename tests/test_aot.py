@@ -8,32 +8,10 @@ import pytest
 import torch
 
 from serve import aot, kernel
-from tests.test_model import build, forced_tokens, tiny
+from tests.test_model import build, forced_tokens, run_rows, tiny
 
 PLANS = [(forced_tokens(n, seed=n), first, last, {"temperature": 0})
          for n, first, last in [(7, 0, 20), (12, 0, 9), (2, 1, 16), (25, 5, 12)]]  # fmt: skip
-
-
-def run_rows(net, compile_with=None, steps=21, slots=4):
-    """Each plan's (tokens, logits per step) decoding with `slots` slots, rows joining and leaving."""
-    decoder = net.decoder(slots, compile_with=compile_with)
-    if compile_with is not None:
-        decoder.compile()
-    rows, results = {}, [([], []) for _ in PLANS]
-    for step in range(steps):
-        for i, (prompt, first, _, sampling) in enumerate(PLANS):
-            if step == first:
-                rows[i] = decoder.add(prompt, **sampling)
-        chosen = {}
-        for i, row in list(rows.items()):
-            chosen[row] = decoder.sample(row)
-            results[i][0].append(chosen[row])
-            results[i][1].append(row.logits.clone())
-            if step == PLANS[i][2]:
-                decoder.remove(rows.pop(i))
-                del chosen[row]
-        decoder.advance(chosen)
-    return results, decoder
 
 
 def served_models():
@@ -54,15 +32,20 @@ def test_the_step_built_ahead_of_time_decodes_the_eager_tokens_with_logits_withi
     models = served_models()
     if name not in models:
         pytest.skip("the kernel needs AVX2")
-    net = models[name]
+    net, steps = models[name], []
+
+    def built(model, cache):  # the decoder's AotStep, kept to count its builds
+        steps.append(aot.AotStep(model, cache))
+        return steps[-1]
+
     with torch.no_grad():
-        eager, _ = run_rows(net)
-        ahead, decoder = run_rows(net, aot.AotStep)
+        eager = run_rows(net, 4, PLANS, 21)
+        ahead = run_rows(net, 4, PLANS, 21, compile_with=built)
     assert [tokens for tokens, _ in ahead] == [tokens for tokens, _ in eager]
     tolerance = 1e-4 if name == "int8" else 1e-5  # as torch.compile's int8 step (test_matvec_kernel.py)
     for (_, got), (_, want) in zip(ahead, eager, strict=True):
         torch.testing.assert_close(torch.stack(got), torch.stack(want), rtol=0, atol=tolerance)
-    assert decoder.compiled_step.builds == 1  # built at compile(), never again for a row
+    assert [step.builds for step in steps] == [1]  # built at compile(), never again for a row
 
 
 def test_a_second_decoder_of_the_same_shapes_loads_the_cached_package_and_writes_its_own_cache(
