@@ -42,9 +42,11 @@ class BoundStep(nn.Module):
 
 
 def package_key(program, bound):
-    """A digest of what shapes the package: torch's version, the exported graph and its signature, and every
-    constant's name, shape and dtype (the values are bound at load, so they are not part of it)."""
-    digest = hashlib.sha256(torch.__version__.encode())
+    """A digest of what shapes the package: torch's version, the instruction set inductor compiled for (a
+    cache folder shared with another CPU must not hand it this one's code), the exported graph and its
+    signature, and every constant's name, shape and dtype (the values are bound at load, so they are not
+    part of it)."""
+    digest = hashlib.sha256(f"{torch.__version__} {torch.backends.cpu.get_cpu_capability()}".encode())
     digest.update(program.graph_module.code.encode())
     digest.update(str(program.graph_signature).encode())
     for name, tensor in constants(bound).items():
