@@ -16,10 +16,7 @@ import torch
 import torch.nn as nn
 
 import fileio
-
-
-def cache_dir():
-    return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "enlace", "aot")
+from serve import kernel
 
 
 class BoundStep(nn.Module):
@@ -65,7 +62,11 @@ class AotStep:
     Decoder.compile makes at start. Called with the decoder's own cache, the one it was bound to."""
 
     def __init__(self, model, cache, folder=None):
-        self.bound, self.cache, self.folder = BoundStep(model, cache), cache, folder or cache_dir()
+        self.bound, self.cache, self.folder = (
+            BoundStep(model, cache),
+            cache,
+            folder or kernel.cache_dir("aot"),
+        )
         self.runner, self.loaded_from_cache, self.builds = None, False, 0
 
     @torch.no_grad()

@@ -25,10 +25,9 @@ class KernelUnavailable(Exception):
     """The kernel cannot run on this machine; the message says why."""
 
 
-def cache_dir():
-    return os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "enlace", "kernels"
-    )
+def cache_dir(kind="kernels"):
+    """ENLACE's folder of built things of one kind (kernels; aot: serve/aot.py's packages)."""
+    return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "enlace", kind)
 
 
 def compile_command(cxx, output):
