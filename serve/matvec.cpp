@@ -18,6 +18,8 @@
 namespace {
 
 constexpr int kWeightRows = 8;     // float32: weight rows read side by side, one memory stream each
+constexpr int kTileRows = 4;       // float32, several input rows: weight rows x input rows per tile,
+constexpr int kTileInputs = 3;     // 12 accumulators, 3 inputs and a weight: AVX2's 16 registers
 constexpr int kInt8InputRows = 4;  // int8: input rows sharing one weight row's loads
 constexpr int64_t kInt8Block = 16;  // int8: weight rows (8-22 KB) that meet every input row in cache
 constexpr int kChains = 2;         // int8: independent accumulators per row (an add waits on its latency)
@@ -53,11 +55,54 @@ void block_f32(const float* w, const float* x, float* y, int64_t k, int64_t j) {
   }
 }
 
+// The same sums for R weight rows against M input rows at once: each weight load serves M input rows and
+// each input load R weight rows, where one input row at a time makes one load per multiply-add (several
+// input rows are bound by the loads, not by memory: measured). R x M accumulators, each (weight row, input
+// row) sum in block_f32's order: bit for bit the sums one input row at a time.
+template <int R, int M>
+void tile_f32(const float* w, const float* x, float* y, int64_t k, int64_t n, int64_t j) {
+  const int64_t body = k - k % 8;
+  const float* wj = w + j * k;
+  __m256 acc[R][M];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < M; ++c) acc[r][c] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < body; i += 8) {
+    __m256 xv[M];
+    for (int c = 0; c < M; ++c) xv[c] = _mm256_loadu_ps(x + c * k + i);
+    for (int r = 0; r < R; ++r) {
+      const __m256 wv = _mm256_loadu_ps(wj + r * k + i);
+      for (int c = 0; c < M; ++c) acc[r][c] = _mm256_fmadd_ps(wv, xv[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < M; ++c) {
+      float s = hsum(acc[r][c]);
+      for (int64_t i = body; i < k; ++i) s += wj[r * k + i] * x[c * k + i];
+      y[c * n + j + r] = s;
+    }
+}
+
 // Weight rows [j, j + R) against each of the m input rows: the block is read from memory once and from
-// cache for the next input rows.
+// cache for the next input rows. One input row reads R rows side by side (memory streams); more take
+// kTileRows weight rows against up to kTileInputs input rows at a time.
 template <int R>
 void rows_f32(const float* w, const float* x, float* y, int64_t m, int64_t k, int64_t n, int64_t j) {
-  for (int64_t r = 0; r < m; ++r) block_f32<R>(w, x + r * k, y + r * n, k, j);
+  if (m == 1 || R % kTileRows != 0) {
+    for (int64_t r = 0; r < m; ++r) block_f32<R>(w, x + r * k, y + r * n, k, j);
+    return;
+  }
+  for (int64_t h = j; h < j + R; h += kTileRows)
+    for (int64_t r = 0; r < m;) {
+      const int64_t take = std::min<int64_t>(kTileInputs, m - r);
+      const float* xr = x + r * k;
+      float* yr = y + r * n;
+      switch (take) {
+        case 1: tile_f32<kTileRows, 1>(w, xr, yr, k, n, h); break;
+        case 2: tile_f32<kTileRows, 2>(w, xr, yr, k, n, h); break;
+        default: tile_f32<kTileRows, kTileInputs>(w, xr, yr, k, n, h); break;
+      }
+      r += take;
+    }
 }
 
 // The same over int8 weights (one scale per weight row) and x rounded to int16 (one scale per input row):

@@ -89,6 +89,8 @@ def test_a_rows_product_is_bit_for_bit_the_same_alone_among_other_rows_and_on_on
     assert torch.equal(one_thread, together)
     for row in range(9):
         assert torch.equal(matvec(x[row : row + 1], weight, scale)[0], together[row])
+    for count in (2, 4, 5):  # the input rows in tiles of 3, 2 and 1
+        assert torch.equal(matvec(x[:count], weight, scale), together[:count])
 
 
 @needs_avx2
