@@ -89,9 +89,12 @@ class CompileFailed(Exception):
 class Worker:
     """decoding: model.Decoder's options beyond the slots (compile_mode, serve.compile's torch.compile
     mode, or compile_with); a compiled step is built on the decode thread before the constructor
-    returns."""
+    returns. threads: torch's threads on the decode thread (None: as many as the calling thread's)."""
 
-    def __init__(self, model, tokenizer, queue_size, max_batch=1, **decoding):
+    def __init__(self, model, tokenizer, queue_size, max_batch=1, threads=None, **decoding):
+        import torch
+
+        self.threads = threads or torch.get_num_threads()
         self.model, self.tokenizer = model, tokenizer
         self.queue_size, self.max_batch, self.decoding = queue_size, max_batch, decoding
         self.stop_ids = {tokenizer.special_ids["<|end|>"], tokenizer.eos_id}
@@ -154,6 +157,10 @@ class Worker:
     # --- the decode thread
 
     def loop(self):
+        import torch
+
+        torch.set_num_threads(self.threads)  # this thread's team (see serve/app.py one_thread_here)
+        self.stats["threads"] = torch.get_num_threads()
         try:
             if getattr(self.decoder, "compiled_step", None) is not None:
                 started = time.perf_counter()

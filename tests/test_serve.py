@@ -16,6 +16,7 @@ import time
 import httpx
 import openai
 import pytest
+import torch
 from conftest import ROOT, ScriptedModel, live_server, serve_member, start_server, tiny_config
 
 import config
@@ -979,6 +980,38 @@ def test_twenty_clients_get_their_own_answers_and_the_server_memory_stays_flat(c
             assert [m["content"] for m in stored[1::2]] == answers
     growth = rounds[1][1] - rounds[0][1]
     assert growth < 20 * 1024, f"server RSS grew {growth} KiB over a second round of 200 requests"
+
+
+@pytest.mark.skipif(torch.get_num_threads() < 2, reason="one core: there is no team of threads to keep apart")
+def test_the_servers_decode_thread_runs_torch_on_every_thread_while_the_event_loop_keeps_one(
+    chat_run, tmp_path
+):
+    # serve/app.py one_thread_here: the event loop's thread loads the model on one thread, so that the
+    # decode thread's team is the process's only one; the decode thread still gets the machine's count.
+    database = str(tmp_path / "threads.sqlite")
+    key = serve_accounts.Store(database).add_member("papa", "admin")
+    proc, url = start_server(chat_run, database, log_path=tmp_path / "server.log")
+    try:
+        status = httpx.get(url + "/api/server", headers={"Authorization": f"Bearer {key}"}).json()
+    finally:
+        proc.kill()
+        proc.wait()
+    assert status["threads"] == torch.get_num_threads()
+
+
+def test_the_server_thread_keeps_one_torch_thread_and_hands_the_machines_count_to_the_decode_thread():
+    seen = {}
+
+    def server_thread():  # a fresh thread, as the server's own: the test process keeps its threads
+        before = torch.get_num_threads()
+        seen["handed"], seen["kept"] = serve.one_thread_here(), torch.get_num_threads()
+        torch.set_num_threads(before)
+        seen["before"] = before
+
+    thread = threading.Thread(target=server_thread)
+    thread.start()
+    thread.join()
+    assert seen["handed"] == seen["before"] and seen["kept"] == 1
 
 
 def test_sigkill_mid_answer_loses_no_acknowledged_turn(chat_run, tmp_path):
