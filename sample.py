@@ -70,13 +70,15 @@ def stream_text(model, tokenizer, prompt_ids, args, generator, write, stop_token
     write(decoder.flush())
 
 
-def generate_batch(model, prompts, max_new_tokens, slots, sampling, stop_tokens=()):
+def generate_batch(model, prompts, max_new_tokens, slots, sampling, stop_tokens=(), decoder=None):
     """Continuous batching over a list of prompts (lists of token ids): up to `slots` rows decode together
     in a model.Decoder, a row leaving at a stop token (kept) or after max_new_tokens, the next prompt taking
     its slot. sampling(i) gives prompt i's Decoder.add settings (temperature, top_k, top_p, generator).
     Returns each prompt's new token ids, in order. The tokens are those each prompt gets alone in a
-    decoder of as many slots; against --batch 1 they can differ only where float32 rounding flips a tie."""
-    decoder = model.decoder(slots)
+    decoder of as many slots; against --batch 1 they can differ only where float32 rounding flips a tie.
+    `decoder`: an empty Decoder of the model to use (a compiled one, built once for many calls) instead
+    of a plain one of `slots` slots."""
+    decoder = decoder or model.decoder(slots)
     waiting, rows, generated = list(enumerate(prompts)), {}, [[] for _ in prompts]
     with torch.no_grad():
         while waiting or rows:

@@ -120,7 +120,7 @@ def bench_serve(clients=20, requests_per_client=10, max_tokens=8, new_tokens=64,
         tiny = model.Transformer(tiny_cfg).eval()  # random weights: the rates do not depend on them
         name = os.path.basename(run)
         for label, net in ((name, smoke), ("tiny-50m (random weights)", tiny)):
-            scaling_table(label, net, batch, new_tokens, repeats)
+            scaling_table(label, net, served_decoders(net, (1, batch)), new_tokens, repeats)
         # The load test of before batching (short answers: each request's own prefill weighs), then the same
         # with answers of new_tokens, where the rows have more decoding to share.
         for answer_tokens in (max_tokens, new_tokens):
@@ -139,13 +139,29 @@ def bench_serve(clients=20, requests_per_client=10, max_tokens=8, new_tokens=64,
     bench_llama()
 
 
-def stream_rate(net, streams, slots, new_tokens):
+def served_decoders(net, slot_counts):
+    """{slots: an empty, compiled model.Decoder} of net as the server decodes it on this CPU: the weights
+    (serve/app.py prepare_weights) and decode step (decoding_options) of configs/serve/default.yaml."""
+    from serve import app as serve_app
+
+    settings = config.load_layer("serve", os.path.join(ROOT, "configs", "serve", "default.yaml"))
+    served = serve_app.prepare_weights(net, settings, "cpu")
+    decoding = serve_app.decoding_options(settings, "cpu")
+    decoders = {}
+    for slots in slot_counts:
+        decoders[slots] = served.decoder(slots, allocate=True, **decoding)
+        if decoders[slots].compiled_step is not None:
+            decoders[slots].compile()
+    return decoders
+
+
+def stream_rate(decoder, streams, new_tokens):
     """Generated tokens per second of `streams` answers of new_tokens each (after 32-token prompts,
-    prefills included, sampled at 0.8 with their own seeds, no stop token) decoded by a model.Decoder of
-    `slots` slots: what the server's worker does, without HTTP."""
+    prefills included, sampled at 0.8 with their own seeds, no stop token) decoded by `decoder` (an empty
+    model.Decoder): what the server's worker does, without HTTP."""
     import sample
 
-    vocab = net.cfg["vocab_size"]
+    vocab = decoder.model.cfg["vocab_size"]
     prompts = [torch.randint(0, vocab, (32,), generator=torch.Generator().manual_seed(i)).tolist()
                for i in range(streams)]  # fmt: skip
 
@@ -153,22 +169,26 @@ def stream_rate(net, streams, slots, new_tokens):
         return {"temperature": 0.8, "top_k": 50, "generator": torch.Generator().manual_seed(index)}
 
     start = time.perf_counter()
-    answers = sample.generate_batch(net, prompts, new_tokens, slots, seeded)
+    answers = sample.generate_batch(
+        decoder.model, prompts, new_tokens, decoder.slots, seeded, decoder=decoder
+    )
     return sum(map(len, answers)) / (time.perf_counter() - start)
 
 
-def scaling_table(label, net, batch, new_tokens, repeats):
-    """The aggregate rate at 1, 2, 4 and 8 streams with max_batch slots, against one stream with one slot
-    (model.generate, and the server at max_batch 1); the configurations interleave, medians of repeats."""
+def scaling_table(label, net, decoders, new_tokens, repeats):
+    """The aggregate rate at 1, 2, 4 and 8 streams with the largest of `decoders` ({slots: Decoder}, as
+    served_decoders), against one stream with one slot (the server at max_batch 1); the configurations
+    interleave, medians of repeats."""
+    batch = max(decoders)
     cases = [(1, 1)] + [(streams, batch) for streams in (1, 2, 4, 8) if streams <= batch]
-    stream_rate(net, 2, 2, 4)  # warm-up
+    stream_rate(decoders[batch], 2, 4)  # warm-up
     rates = {case: [] for case in cases}
     for _ in range(repeats):
         for streams, slots in cases:
-            rates[(streams, slots)].append(stream_rate(net, streams, slots, new_tokens))
+            rates[(streams, slots)].append(stream_rate(decoders[slots], streams, new_tokens))
     rates = {case: statistics.median(values) for case, values in rates.items()}
-    print(f"serve: decode scaling, {label} ({net.num_params() / 1e6:.1f}M parameters), answers of {new_tokens} "
-          f"tokens, median of {repeats}:")  # fmt: skip
+    print(f"serve: decode scaling, {label} ({net.num_params() / 1e6:.1f}M parameters) as served "
+          f"(configs/serve/default.yaml), answers of {new_tokens} tokens, median of {repeats}:")  # fmt: skip
     print("serve:   streams | max_batch | tokens/s | x one stream at max_batch=1")
     for (streams, slots), rate in rates.items():
         print(f"serve:   {streams:7d} | {slots:9d} | {rate:8.1f} | {rate / rates[(1, 1)]:.2f}")
