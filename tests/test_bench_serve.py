@@ -8,10 +8,7 @@ from serve import aot, kernel, weights
 from tests.test_model import build, tiny
 
 
-def test_the_scaling_table_decodes_through_the_servers_weights_and_ahead_of_time_step(tmp_path, monkeypatch):
-    monkeypatch.setenv(
-        "XDG_CACHE_HOME", str(tmp_path)
-    )  # the aot packages built here, not in the user's cache
+def test_the_scaling_table_decodes_through_the_servers_weights_and_ahead_of_time_step():
     net = build(tiny(seq_len=32))
     decoders = bench_serve.served_decoders(net, (1, 2))
     assert sorted(decoders) == [1, 2] and all(d.slots == slots for slots, d in decoders.items())
