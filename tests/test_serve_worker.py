@@ -22,16 +22,27 @@ from serve import worker as serve_worker
 NO_TOOLS = "serve.tools=false"
 
 
-def paced(worker, seconds):
-    """Each decoding step of the worker's batch takes at least `seconds`: with the tiny model's
-    sub-millisecond steps, requests started a few milliseconds apart would otherwise rarely overlap."""
-    advance = worker.decoder.advance
+def paced(worker, expected, per_step=2, wait=30):
+    """The worker's batch steps only as fast as requests arrive: its k-th step waits until `per_step` * k of
+    the `expected` requests have been submitted. With the tiny model's sub-millisecond steps, requests
+    started a few milliseconds apart would otherwise overlap or not as the machine's speed decides (8 rows
+    at once on one CPU, 7 on another); paced, rows still join a step or so apart, on any CPU."""
+    advance, submit = worker.decoder.advance, worker.submit
+    arrived, steps = threading.Condition(), [0, 0]  # submitted, stepped
 
-    def slow_advance(tokens):
-        time.sleep(seconds)
+    def counting_submit(job):
+        submit(job)
+        with arrived:
+            steps[0] += 1
+            arrived.notify_all()
+
+    def paced_advance(tokens):
+        steps[1] += 1
+        with arrived:
+            arrived.wait_for(lambda: steps[0] >= min(expected, per_step * steps[1]), timeout=wait)
         advance(tokens)
 
-    worker.decoder.advance = slow_advance
+    worker.submit, worker.decoder.advance = counting_submit, paced_advance
 
 
 def record_tokens(worker):
@@ -121,7 +132,7 @@ def test_answers_decoded_together_are_token_for_token_their_solo_answers(
         tokens = record_tokens(server.worker)
         alone = [post(url, key, body).json() for body in bodies]
         tokens_alone = dict(tokens)
-        paced(server.worker, 0.004)
+        paced(server.worker, expected=len(bodies) + 2)
         together, failed = [None] * len(bodies), {}
 
         def ask(i):
