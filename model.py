@@ -171,6 +171,24 @@ class Attention(nn.Module):
         y = scores.softmax(-1) @ values  # (slots, kv_heads, group, head_dim)
         return self.o_proj(y.reshape(slots, 1, -1))
 
+    def prefill_block(self, x, cos, sin, keys, values, slot, positions, visible):
+        """A block of T tokens of one slot with static shapes, for a compiled prefill: x (1, T, d_model) at
+        `positions` (T,) of slot `slot` (a 0-d tensor) writes its keys and values there and attends over the
+        slot's whole preallocated cache, each query seeing the keys up to its own position (visible: (T,
+        max_len) bool). Positions past the prompt (the block's padding) write keys nothing sees: the next
+        step or prefill at that position writes again."""
+        T = x.shape[1]
+        q, k, v = self.project(x, cos, sin)  # (1, heads, T, head_dim)
+        rows = slot.expand(T)
+        keys[rows, :, positions] = k[0].transpose(0, 1)
+        values[rows, :, positions] = v[0].transpose(0, 1)
+        slot_keys, slot_values = keys.index_select(0, slot[None])[0], values.index_select(0, slot[None])[0]
+        # Query heads grouped by the key/value head they read, as in decode: (kv_heads, group, T, head_dim).
+        q = q.reshape(self.n_kv_heads, -1, T, self.head_dim) * self.head_dim**-0.5
+        scores = (q @ slot_keys[:, None].transpose(2, 3)).masked_fill(~visible, float("-inf"))
+        y = scores.softmax(-1) @ slot_values[:, None]  # (kv_heads, group, T, head_dim)
+        return self.o_proj(y.reshape(1, -1, T, self.head_dim).transpose(1, 2).reshape(1, T, -1))
+
 
 class MLP(nn.Module):
     def __init__(self, cfg):
@@ -593,6 +611,25 @@ class Transformer(nn.Module):
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.lm_head(self.norm(x))[:, 0]
 
+    def prefill_block(self, tokens, slot, start, last, cache):
+        """A block of one slot's prompt with static shapes (what a Decoder's compiled prefill runs): tokens
+        (1, T) at positions start..start+T-1 of slot `slot` (0-d tensors, start + T <= max_len), the
+        prompt's tokens first and any padding after; writes their keys and values and returns the logits
+        (vocab_size,) of the block's position `last` (0-d), the prompt's last. The caller sets the slot's
+        length. A token's keys, values and logits do not depend on the padding after it (causal)."""
+        T = tokens.shape[1]
+        positions = start + torch.arange(T, device=tokens.device)
+        x = self.embed_tokens(tokens)
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        visible = torch.arange(cache.max_len, device=tokens.device)[None, :] <= positions[:, None]
+        for layer_index, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            x = x + attn.prefill_block(h, cos, sin, cache.keys[layer_index], cache.values[layer_index], slot,
+                                       positions, visible)  # fmt: skip
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.lm_head(self.norm(x[:, last]))[0]
+
     def decoder(self, slots, allocate=False, compile_mode=None, prefix_block=None, prefix_cache_bytes=0,
                 compile_with=None):  # fmt: skip
         """A Decoder over this model with `slots` slots (allocate: its KV cache now, in the weights'
@@ -665,7 +702,9 @@ class Decoder:
     Transformer.decode_all under torch.compile: static shapes (every slot, the whole preallocated cache),
     so compile() builds the one graph before any row arrives and no later step compiles again. Its logits
     are the eager step's up to float32 rounding; a row's tokens still do not depend on the other rows.
-    compile_with(model, cache) builds such a step elsewhere instead (serve/aot.py: ahead of time).
+    compile_with(model, cache, block=...) builds such a step elsewhere instead (serve/aot.py: ahead of
+    time), given the prefix cache's block when there is one: a step that also has prefill_block (a block of
+    a prompt at static shapes) prefills the prompts' chunks with it.
 
     With prefix_block (and prefix_cache_bytes > 0) prompts are prefilled in chunks of prefix_block tokens
     and their whole blocks kept in a PrefixCache of at most prefix_cache_bytes, which later prompts
@@ -680,9 +719,13 @@ class Decoder:
         if allocate or compile_mode or compile_with:
             attn = model.layers[0].self_attn
             self.cache.allocate(attn.n_kv_heads, attn.head_dim, weight.dtype, weight.device)
+        self.prefix_cache = (
+            PrefixCache(prefix_block, prefix_cache_bytes) if prefix_block and prefix_cache_bytes else None
+        )
         self.compiled_step = None
         if compile_with is not None:  # built elsewhere (serve/aot.py), with decode_all's contract
-            self.compiled_step = compile_with(model, self.cache)
+            block = self.prefix_cache.block if self.prefix_cache else None
+            self.compiled_step = compile_with(model, self.cache, block=block)
         elif compile_mode:
             for tensor in self.cache.keys + self.cache.values:  # CUDA graphs write into them in place
                 torch._dynamo.mark_static_address(tensor)
@@ -691,9 +734,6 @@ class Decoder:
             on_cpu = compile_mode == "default" and self.device.type == "cpu"
             how = {"options": {"cpp_wrapper": True}} if on_cpu else {"mode": compile_mode}
             self.compiled_step = torch.compile(model.decode_all, fullgraph=True, dynamic=False, **how)
-        self.prefix_cache = (
-            PrefixCache(prefix_block, prefix_cache_bytes) if prefix_block and prefix_cache_bytes else None
-        )
         self.free = list(range(slots))
         self.rows = {}  # slot -> Row
 
@@ -704,6 +744,9 @@ class Decoder:
         for _ in range(3):
             tokens, positions = (torch.zeros(self.slots, dtype=torch.long, device=self.device) for _ in "tp")
             float(self.compiled_step(tokens, positions, self.cache)[0, 0])  # waits for the device
+        if self.compiled_prefill():
+            self.prefill_chunk(0, 0, [0])
+            self.cache.lengths[0] = 0
 
     @torch.no_grad()
     def add(self, prompt, temperature=1.0, top_k=None, top_p=None, generator=None, constraint=None, scope=None,
@@ -734,13 +777,32 @@ class Decoder:
         cache, block, window = self.prefix_cache, self.prefix_cache.block, row.window
         start, used = cache.restore(self.cache, row.slot, window, row.scope, row.shared)
         for begin in range(start, len(window), block):
-            chunk = torch.tensor([window[begin : begin + block]], device=self.device)
-            logits = self.model.forward_with_cache(chunk, self.cache, row.slot)
+            logits = self.prefill_chunk(row.slot, begin, window[begin : begin + block])
             if begin + block <= len(window):
                 used.append(cache.store(self.cache, row.slot, window, begin + block, row.scope, row.shared))
         cache.touch(used)
         cache.stats["prefilled_tokens"] += len(window) - start
-        row.logits = logits[0, -1]
+        row.logits = logits
+
+    def compiled_prefill(self):
+        """Whether the compiled step prefills blocks too (serve/aot.py's AotStep given the prefix block)."""
+        return getattr(self.compiled_step, "prefill", None) is not None
+
+    def prefill_chunk(self, slot, start, chunk):
+        """Write the chunk's keys and values at positions start.. of the slot and return its last token's
+        logits: through the compiled prefill_block where there is one and a whole block fits the cache from
+        start (the chunk padded to the block: a fixed shape, one program for every prompt), else eager. Every
+        chunk at a given start takes the same path, so a block the prefix cache restores holds what its
+        prefill would compute."""
+        block = self.prefix_cache.block
+        if not self.compiled_prefill() or start + block > self.cache.max_len:
+            ids = torch.tensor([chunk], device=self.device)
+            return self.model.forward_with_cache(ids, self.cache, slot)[0, -1]
+        padded = torch.tensor([chunk + [0] * (block - len(chunk))], device=self.device)
+        where = [torch.tensor(value, device=self.device) for value in (slot, start, len(chunk) - 1)]
+        logits = self.compiled_step.prefill_block(padded, *where, self.cache).clone()
+        self.cache.lengths[slot] = start + len(chunk)
+        return logits
 
     def sample(self, row):
         """The row's next token: its logits, masked by its constraint (constraint.mask(logits) returns the

@@ -1,11 +1,13 @@
 """
-The decode step compiled ahead of time on a CPU (serve.compile.cpu: aot): Transformer.decode_all exported
-with torch.export and built by AOTInductor into a package, cached on disk under a digest of the exported
-graph (a later start with the same shapes loads it in a second instead of compiling for ~30-90 s), then run
-from C++ with the model's weights and the decoder's KV cache bound in place (user-managed constants: no
-copies; the step writes its keys and values into the cache the prefills fill). torch.compile's step pays a
-Python entry on every step (dynamo's guards and the wrappers handing ~250 tensors to the graph): measured
-~0.4 ms of a 12-layer step whatever its width, which the package does not pay.
+The decode step compiled ahead of time on a CPU (serve.compile.cpu: aot): Transformer.decode_all (and, with
+the prefix cache on, Transformer.prefill_block for one block of a prompt) exported with torch.export and
+built by AOTInductor into a package, cached on disk under a digest of the exported graph (a later start with
+the same shapes loads it in a second instead of compiling for ~30-90 s), then run from C++ with the model's
+weights and the decoder's KV cache bound in place (user-managed constants: no copies; the step writes its
+keys and values into the cache the prefills fill). torch.compile's step pays a Python entry on every step
+(dynamo's guards and the wrappers handing ~250 tensors to the graph): measured ~0.4 ms of a 12-layer step
+whatever its width, which the package does not pay; an eager prefill pays torch's per-operator overhead,
+about half of a 21-token block of the smoke model (docs/rendimiento.md).
 """
 
 import hashlib
@@ -19,23 +21,24 @@ import fileio
 from serve import kernel
 
 
-class BoundStep(nn.Module):
-    """decode_all over one decoder's KV cache, its tensors held as buffers: (tokens, positions) -> logits."""
+class Bound(nn.Module):
+    """One of the model's static-shape functions over one decoder's KV cache (decode_all: (tokens, positions)
+    -> logits; prefill_block: (tokens, slot, start, last) -> logits), the cache's tensors held as buffers."""
 
-    def __init__(self, model, cache):
+    def __init__(self, model, cache, method):
         super().__init__()
-        self.model, self.max_len, self.layers = model, cache.max_len, len(cache.keys)
+        self.model, self.method, self.max_len, self.layers = model, method, cache.max_len, len(cache.keys)
         for index, (keys, values) in enumerate(zip(cache.keys, cache.values, strict=True)):
             self.register_buffer(f"keys{index}", keys, persistent=False)
             self.register_buffer(f"values{index}", values, persistent=False)
 
-    def forward(self, tokens, positions):
+    def forward(self, *inputs):
         cache = types.SimpleNamespace(
             keys=[getattr(self, f"keys{index}") for index in range(self.layers)],
             values=[getattr(self, f"values{index}") for index in range(self.layers)],
             max_len=self.max_len,
         )
-        return self.model.decode_all(tokens, positions, cache)
+        return getattr(self.model, self.method)(*inputs, cache)
 
 
 def package_key(program, bound):
@@ -57,28 +60,22 @@ def constants(bound):
     )
 
 
-class AotStep:
-    """A Decoder's compiled step (model.Decoder's compile_with): built or loaded on its first call, which
-    Decoder.compile makes at start. Called with the decoder's own cache, the one it was bound to."""
+class AotProgram:
+    """One Bound function exported at `example`'s shapes, built into a package (or loaded from the cache
+    folder) on its first call."""
 
-    def __init__(self, model, cache, folder=None):
-        self.bound, self.cache, self.folder = (
-            BoundStep(model, cache),
-            cache,
-            folder or kernel.cache_dir("aot"),
-        )
+    def __init__(self, bound, example, folder, name, what):
+        self.bound, self.example, self.folder, self.name, self.what = bound, example, folder, name, what
         self.runner, self.loaded_from_cache, self.builds = None, False, 0
 
     @torch.no_grad()
     def build(self):
-        slots = self.cache.keys[0].shape[0]
-        example = tuple(torch.zeros(slots, dtype=torch.long) for _ in "tp")
-        program = torch.export.export(self.bound, example, strict=False)
-        path = os.path.join(self.folder, f"step-{package_key(program, self.bound)}.pt2")
+        program = torch.export.export(self.bound, self.example, strict=False)
+        path = os.path.join(self.folder, f"{self.name}-{package_key(program, self.bound)}.pt2")
         self.loaded_from_cache = os.path.exists(path)
         if not self.loaded_from_cache:
             temp = f"{path}.{os.getpid()}.tmp.pt2"
-            with fileio.reporting_storage(path, what="the compiled decode step"):
+            with fileio.reporting_storage(path, what=self.what):
                 os.makedirs(self.folder, exist_ok=True)
                 try:
                     torch._inductor.aoti_compile_and_package(
@@ -96,9 +93,54 @@ class AotStep:
                               check_full_update=True, user_managed=True)  # fmt: skip
         return runner
 
-    def __call__(self, tokens, positions, cache):
-        if cache is not self.cache:
-            raise ValueError("this compiled step is bound to another decoder's KV cache")
+    def __call__(self, *inputs):
         if self.runner is None:
             self.runner = self.build()
-        return self.runner(tokens, positions)
+        return self.runner(*inputs)
+
+
+class AotStep:
+    """A Decoder's compiled step (model.Decoder's compile_with): decode_all and, given a block (the prefix
+    cache's), prefill_block for a block of that many tokens. Each is built or loaded on its first call,
+    which Decoder.compile makes at start. Called with the decoder's own cache, the one it was bound to."""
+
+    def __init__(self, model, cache, folder=None, block=None):
+        self.cache, folder = cache, folder or kernel.cache_dir("aot")
+        slots = cache.keys[0].shape[0]
+        self.step = AotProgram(Bound(model, cache, "decode_all"), tuple(torch.zeros(slots, dtype=torch.long)
+                               for _ in "tp"), folder, "step", "the compiled decode step")  # fmt: skip
+        self.prefill = None
+        if block is not None:
+            # Three tensors, not one three times: export would take them for one input.
+            example = (torch.zeros(1, block, dtype=torch.long), *(torch.tensor(0) for _ in "ssl"))
+            self.prefill = AotProgram(Bound(model, cache, "prefill_block"), example, folder, "prefill",
+                                      "the compiled prefill")  # fmt: skip
+        self.block = block
+
+    @property
+    def programs(self):
+        return [program for program in (self.step, self.prefill) if program is not None]
+
+    @property
+    def builds(self):
+        return sum(program.builds for program in self.programs)
+
+    @property
+    def loaded_from_cache(self):
+        return all(program.loaded_from_cache for program in self.programs)
+
+    @property
+    def runner(self):
+        return self.step.runner
+
+    def check(self, cache):
+        if cache is not self.cache:
+            raise ValueError("this compiled step is bound to another decoder's KV cache")
+
+    def __call__(self, tokens, positions, cache):
+        self.check(cache)
+        return self.step(tokens, positions)
+
+    def prefill_block(self, tokens, slot, start, last, cache):
+        self.check(cache)
+        return self.prefill(tokens, slot, start, last)

@@ -34,8 +34,8 @@ def test_the_step_built_ahead_of_time_decodes_the_eager_tokens_with_logits_withi
         pytest.skip("the kernel needs AVX2")
     net, steps = models[name], []
 
-    def built(model, cache):  # the decoder's AotStep, kept to count its builds
-        steps.append(aot.AotStep(model, cache))
+    def built(model, cache, **options):  # the decoder's AotStep, kept to count its builds
+        steps.append(aot.AotStep(model, cache, **options))
         return steps[-1]
 
     with torch.no_grad():
@@ -46,6 +46,36 @@ def test_the_step_built_ahead_of_time_decodes_the_eager_tokens_with_logits_withi
     for (_, got), (_, want) in zip(ahead, eager, strict=True):
         torch.testing.assert_close(torch.stack(got), torch.stack(want), rtol=0, atol=tolerance)
     assert [step.builds for step in steps] == [1]  # built at compile(), never again for a row
+
+
+@pytest.mark.parametrize("name", ["plain", "float32"])
+def test_prompts_prefilled_ahead_of_time_in_blocks_give_the_eager_tokens_with_the_prefix_cache_on(
+    name, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    models = served_models()
+    if name not in models:
+        pytest.skip("the kernel needs AVX2")
+    net, steps = models[name], []
+
+    def built(model, cache, **options):
+        steps.append(aot.AotStep(model, cache, **options))
+        return steps[-1]
+
+    # Blocks of 12 in a 32-token cache: blocks from 0 and 12 run the compiled prefill (whole or padded),
+    # one from 24 does not fit and runs eager; the last two prompts share their first two blocks, which
+    # the second restores from the prefix cache; windows past 32 tokens restart and prefill again.
+    shared = forced_tokens(24, seed=24)
+    plans = PLANS + [(shared + forced_tokens(3, seed=3), 2, 14, {"temperature": 0}),
+                     (shared + forced_tokens(5, seed=4), 6, 20, {"temperature": 0})]  # fmt: skip
+    cached = {"prefix_block": 12, "prefix_cache_bytes": 2**20}
+    with torch.no_grad():
+        eager = run_rows(net, 6, plans, 21, **cached)
+        ahead = run_rows(net, 6, plans, 21, compile_with=built, **cached)
+    assert [tokens for tokens, _ in ahead] == [tokens for tokens, _ in eager]
+    for (_, got), (_, want) in zip(ahead, eager, strict=True):
+        torch.testing.assert_close(torch.stack(got), torch.stack(want), rtol=0, atol=1e-5)
+    assert steps[0].block == 12 and steps[0].prefill.builds == 1 and steps[0].builds == 2  # both at start
 
 
 def test_a_second_decoder_of_the_same_shapes_loads_the_cached_package_and_writes_its_own_cache(

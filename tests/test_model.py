@@ -639,10 +639,11 @@ def test_a_decode_step_over_several_rows_gives_each_row_its_single_row_logits():
             decoder.advance({solo_rows[i]: fed[i][step]})
 
 
-def run_rows(net, slots, plans, steps, compile_mode=None, compile_with=None):
-    """Decode with `slots` slots. plans: (prompt, first step, last step, sampling kwargs) per row; a row
-    joins at its first step and leaves after its last. Returns each row's (tokens, logits per step)."""
-    decoder = net.decoder(slots, compile_mode=compile_mode, compile_with=compile_with)
+def run_rows(net, slots, plans, steps, compile_mode=None, compile_with=None, **options):
+    """Decode with `slots` slots (options: more of net.decoder's). plans: (prompt, first step, last step,
+    sampling kwargs) per row; a row joins at its first step and leaves after its last. Returns each row's
+    (tokens, logits per step)."""
+    decoder = net.decoder(slots, compile_mode=compile_mode, compile_with=compile_with, **options)
     if decoder.compiled_step is not None:
         decoder.compile()
     rows, results = {}, [([], []) for _ in plans]
