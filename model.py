@@ -741,9 +741,10 @@ class Decoder:
     def compile(self):
         """Run the compiled step until it is built (CUDA graphs record on the third call), before any row
         is added: the garbage it writes at position 0 of every slot is overwritten by each prefill."""
-        for _ in range(3):
-            tokens, positions = (torch.zeros(self.slots, dtype=torch.long, device=self.device) for _ in "tp")
-            float(self.compiled_step(tokens, positions, self.cache)[0, 0])  # waits for the device
+        for width in self.step_widths():
+            for _ in range(3):
+                tokens, positions = (torch.zeros(width, dtype=torch.long, device=self.device) for _ in "tp")
+                float(self.compiled_step(tokens, positions, self.cache)[0, 0])  # waits for the device
         if self.compiled_prefill():
             self.prefill_chunk(0, 0, [0])
             self.cache.lengths[0] = 0
@@ -842,13 +843,23 @@ class Decoder:
             for row in batched:
                 row.logits = logits[row.slot]
 
+    def step_widths(self):
+        """The numbers of first slots the compiled step runs over (serve/aot.py's AotStep builds narrower
+        steps where each row's logits do not depend on the width); every slot otherwise."""
+        return getattr(self.compiled_step, "widths", [self.slots])
+
     def step_compiled(self, ids, batched):
-        """The compiled decode_all for the rows in `batched`; the other slots write at their length (at
+        """The compiled decode_all for the rows in `batched`, over the narrowest width that holds their slots
+        (add() takes the lowest free slot); the other slots of that width write at their length (at
         most max_len - 1), past what they have filled. The logits are copied out of the graph's buffer,
         which the next step overwrites."""
+        highest = max(row.slot for row in batched) + 1
+        width = next(width for width in self.step_widths() if width >= highest)
         last = self.cache.max_len - 1
-        positions = torch.tensor([min(length, last) for length in self.cache.lengths])
-        logits = self.compiled_step(ids.to(self.device), positions.to(self.device), self.cache).clone()
+        positions = torch.tensor([min(length, last) for length in self.cache.lengths[:width]])
+        logits = self.compiled_step(
+            ids[:width].to(self.device), positions.to(self.device), self.cache
+        ).clone()
         for row in batched:
             self.cache.lengths[row.slot] += 1
         return logits

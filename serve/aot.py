@@ -19,6 +19,7 @@ import torch.nn as nn
 
 import fileio
 from serve import kernel
+from serve.weights import rows_independent
 
 
 class Bound(nn.Module):
@@ -99,27 +100,50 @@ class AotProgram:
         return self.runner(*inputs)
 
 
+def narrowed(cache, width):
+    """The decoder's KV cache seen as its first `width` slots (views: a step bound to them writes in place)."""
+    return types.SimpleNamespace(keys=[keys[:width] for keys in cache.keys],
+                                 values=[values[:width] for values in cache.values], max_len=cache.max_len)  # fmt: skip
+
+
+def step_widths(model, slots):
+    """The widths to build decode steps for: every slot, and where each row is computed on its own (ENLACE's
+    kernels: serve/weights.rows_independent) also 1, 2, 4, ... below it, run over the first slots, so a
+    step with few rows in use costs their width and not every slot's (smoke, 2 cores: 0.52 ms at width 1,
+    0.96 ms at 8) with each row's logits the same bit for bit."""
+    narrower = [2**power for power in range(slots.bit_length()) if 2**power < slots]
+    return (narrower if rows_independent(model, slots) else []) + [slots]
+
+
 class AotStep:
-    """A Decoder's compiled step (model.Decoder's compile_with): decode_all and, given a block (the prefix
-    cache's), prefill_block for a block of that many tokens. Each is built or loaded on its first call,
-    which Decoder.compile makes at start. Called with the decoder's own cache, the one it was bound to."""
+    """A Decoder's compiled step (model.Decoder's compile_with): decode_all at each of `widths` (the first
+    slots; step_widths) and, given a block (the prefix cache's), prefill_block for a block of that many
+    tokens. Each is built or loaded on its first call, which Decoder.compile makes at start. Called with the
+    decoder's own cache, the one it was bound to."""
 
     def __init__(self, model, cache, folder=None, block=None):
-        self.cache, folder = cache, folder or kernel.cache_dir("aot")
-        slots = cache.keys[0].shape[0]
-        self.step = AotProgram(Bound(model, cache, "decode_all"), tuple(torch.zeros(slots, dtype=torch.long)
-                               for _ in "tp"), folder, "step", "the compiled decode step")  # fmt: skip
+        self.cache, self.block, folder = cache, block, folder or kernel.cache_dir("aot")
+        self.widths = step_widths(model, cache.keys[0].shape[0])
+        self.steps = {
+            width: AotProgram(
+                Bound(model, narrowed(cache, width), "decode_all"),
+                tuple(torch.zeros(width, dtype=torch.long) for _ in "tp"),
+                folder,
+                "step",
+                "the compiled decode step",
+            )  # fmt: skip
+            for width in self.widths
+        }
         self.prefill = None
         if block is not None:
             # Three tensors, not one three times: export would take them for one input.
             example = (torch.zeros(1, block, dtype=torch.long), *(torch.tensor(0) for _ in "ssl"))
             self.prefill = AotProgram(Bound(model, cache, "prefill_block"), example, folder, "prefill",
                                       "the compiled prefill")  # fmt: skip
-        self.block = block
 
     @property
     def programs(self):
-        return [program for program in (self.step, self.prefill) if program is not None]
+        return [*self.steps.values(), *([self.prefill] if self.prefill is not None else [])]
 
     @property
     def builds(self):
@@ -131,15 +155,16 @@ class AotStep:
 
     @property
     def runner(self):
-        return self.step.runner
+        return self.steps[self.widths[-1]].runner
 
     def check(self, cache):
         if cache is not self.cache:
             raise ValueError("this compiled step is bound to another decoder's KV cache")
 
     def __call__(self, tokens, positions, cache):
+        """decode_all over the first len(tokens) slots (one of self.widths)."""
         self.check(cache)
-        return self.step(tokens, positions)
+        return self.steps[len(tokens)](tokens, positions)
 
     def prefill_block(self, tokens, slot, start, last, cache):
         self.check(cache)

@@ -99,6 +99,21 @@ class KernelProjections(nn.Module):
         return torch.ops.enlace.matvecs(x, weights, self.scale).split(self.widths, dim=-1)
 
 
+def rows_independent(model, rows):
+    """Whether every row of a decode step of up to `rows` rows is computed on its own, bit for bit whatever
+    the other rows: each linear layer a KernelLinear that takes that many rows (the kernel sums each row in
+    a fixed order, whatever the number of rows) and each attention layer's step the decode kernel (each row
+    over its own keys). torch's products may round a row differently when the number of rows changes
+    (model.Transformer.decode_step)."""
+    modules = list(model.modules())
+    products = [m for m in modules if isinstance(m, (nn.Linear, SplitLinear, KernelLinear))]
+    attention = [m for m in modules if isinstance(m, Attention)]
+    kernel_only = all(
+        isinstance(m, KernelLinear) and (m.scale is not None or m.max_rows >= rows) for m in products
+    )
+    return kernel_only and all(m.decode_kernel for m in attention)
+
+
 def with_linears(model, replace):
     """A copy of the model, sharing its parameters and buffers, where replace(layer) stands in for each
     nn.Linear without bias (the LM head included) for which it returns a module (None: the layer stays)."""

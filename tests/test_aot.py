@@ -45,7 +45,48 @@ def test_the_step_built_ahead_of_time_decodes_the_eager_tokens_with_logits_withi
     tolerance = 1e-4 if name == "int8" else 1e-5  # as torch.compile's int8 step (test_matvec_kernel.py)
     for (_, got), (_, want) in zip(ahead, eager, strict=True):
         torch.testing.assert_close(torch.stack(got), torch.stack(want), rtol=0, atol=tolerance)
-    assert [step.builds for step in steps] == [1]  # built at compile(), never again for a row
+    assert [step.builds for step in steps] == [len(steps[0].widths)]  # built at compile(), never again
+    assert steps[0].widths == ([4] if name == "plain" else [1, 2, 4])
+
+
+@pytest.mark.parametrize("name", ["float32", "int8"])
+def test_through_the_kernels_a_narrower_step_gives_each_row_the_full_steps_logits_bit_for_bit(
+    name, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    models = served_models()
+    if name not in models:
+        pytest.skip("the kernel needs AVX2")
+    net = models[name]
+    # These float32 products take up to 4 rows through the kernel (8 go through torch); int8 any number.
+    assert aot.step_widths(net, 8) == ([8] if name == "float32" else [1, 2, 4, 8])
+    decoder = net.decoder(4, compile_with=aot.AotStep)
+    decoder.compile()
+    assert decoder.step_widths() == [1, 2, 4]
+    generator = torch.Generator().manual_seed(0)
+    for keys in decoder.cache.keys + decoder.cache.values:
+        keys.normal_(generator=generator)
+    tokens = torch.randint(0, net.cfg["vocab_size"], (4,), generator=generator)
+    positions = torch.tensor([5, 17, 30, 2])
+    with torch.no_grad():
+        logits = {width: decoder.compiled_step(tokens[:width], positions[:width], decoder.cache).clone()
+                  for width in (4, 2, 1)}  # fmt: skip
+    for width in (2, 1):
+        assert torch.equal(logits[width], logits[4][:width])
+    # Each step runs at the narrowest width that holds the slots of the rows it feeds (the lowest free first).
+    calls, steps = [], decoder.compiled_step.steps
+    for width, program in list(steps.items()):
+        steps[width] = lambda *inputs, width=width, program=program: calls.append(width) or program(*inputs)
+    with torch.no_grad():
+        first, second, third = (decoder.add(forced_tokens(3, seed=i), temperature=0) for i in range(3))
+        decoder.advance({first: 1, second: 1, third: 1})  # slots 0-2
+        decoder.remove(second)
+        decoder.advance({first: 1, third: 1})  # slots 0 and 2
+        decoder.remove(third)
+        decoder.advance({first: 1})  # slot 0
+        fourth = decoder.add(forced_tokens(4, seed=4), temperature=0)
+        decoder.advance({first: 1, fourth: 1})  # slots 0 and 1
+    assert calls == [4, 4, 1, 2] and fourth.slot == 1
 
 
 @pytest.mark.parametrize("name", ["plain", "float32"])
@@ -75,7 +116,8 @@ def test_prompts_prefilled_ahead_of_time_in_blocks_give_the_eager_tokens_with_th
     assert [tokens for tokens, _ in ahead] == [tokens for tokens, _ in eager]
     for (_, got), (_, want) in zip(ahead, eager, strict=True):
         torch.testing.assert_close(torch.stack(got), torch.stack(want), rtol=0, atol=1e-5)
-    assert steps[0].block == 12 and steps[0].prefill.builds == 1 and steps[0].builds == 2  # both at start
+    assert steps[0].block == 12 and steps[0].prefill.builds == 1  # at start, with the steps
+    assert steps[0].builds == len(steps[0].widths) + 1
 
 
 def test_a_second_decoder_of_the_same_shapes_loads_the_cached_package_and_writes_its_own_cache(
