@@ -24,20 +24,31 @@ def served_models():
     return models
 
 
-@pytest.mark.parametrize("name", ["plain", "float32", "int8"])
-def test_the_step_built_ahead_of_time_decodes_the_eager_tokens_with_logits_within_float32_rounding(
-    name, tmp_path, monkeypatch
-):
+def served_model(name, tmp_path, monkeypatch):
+    """served_models()[name] with the package cache in tmp_path; skipped where the kernel cannot run."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     models = served_models()
     if name not in models:
         pytest.skip("the kernel needs AVX2")
-    net, steps = models[name], []
+    return models[name]
 
-    def built(model, cache, **options):  # the decoder's AotStep, kept to count its builds
+
+def recording(steps):
+    """A Decoder's compile_with that keeps each AotStep it builds in `steps` (to count their builds)."""
+
+    def built(model, cache, **options):
         steps.append(aot.AotStep(model, cache, **options))
         return steps[-1]
 
+    return built
+
+
+@pytest.mark.parametrize("name", ["plain", "float32", "int8"])
+def test_the_step_built_ahead_of_time_decodes_the_eager_tokens_with_logits_within_float32_rounding(
+    name, tmp_path, monkeypatch
+):
+    net, steps = served_model(name, tmp_path, monkeypatch), []
+    built = recording(steps)
     with torch.no_grad():
         eager = run_rows(net, 4, PLANS, 21)
         ahead = run_rows(net, 4, PLANS, 21, compile_with=built)
@@ -53,11 +64,7 @@ def test_the_step_built_ahead_of_time_decodes_the_eager_tokens_with_logits_withi
 def test_through_the_kernels_a_narrower_step_gives_each_row_the_full_steps_logits_bit_for_bit(
     name, tmp_path, monkeypatch
 ):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    models = served_models()
-    if name not in models:
-        pytest.skip("the kernel needs AVX2")
-    net = models[name]
+    net = served_model(name, tmp_path, monkeypatch)
     # These float32 products take up to 4 rows through the kernel (8 go through torch); int8 any number.
     assert aot.step_widths(net, 8) == ([8] if name == "float32" else [1, 2, 4, 8])
     decoder = net.decoder(4, compile_with=aot.AotStep)
@@ -93,16 +100,8 @@ def test_through_the_kernels_a_narrower_step_gives_each_row_the_full_steps_logit
 def test_prompts_prefilled_ahead_of_time_in_blocks_give_the_eager_tokens_with_the_prefix_cache_on(
     name, tmp_path, monkeypatch
 ):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    models = served_models()
-    if name not in models:
-        pytest.skip("the kernel needs AVX2")
-    net, steps = models[name], []
-
-    def built(model, cache, **options):
-        steps.append(aot.AotStep(model, cache, **options))
-        return steps[-1]
-
+    net, steps = served_model(name, tmp_path, monkeypatch), []
+    built = recording(steps)
     # Blocks of 12 in a 32-token cache: blocks from 0 and 12 run the compiled prefill (whole or padded),
     # one from 24 does not fit and runs eager; the last two prompts share their first two blocks, which
     # the second restores from the prefix cache; windows past 32 tokens restart and prefill again.
