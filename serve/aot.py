@@ -131,7 +131,7 @@ class AotStep:
                 folder,
                 "step",
                 "the compiled decode step",
-            )  # fmt: skip
+            )
             for width in self.widths
         }
         self.prefill = None

@@ -72,8 +72,12 @@ class KernelLinear(nn.Module):
             self.register_buffer("weight", torch.round(weight / scale[:, None]).to(torch.int8))
             self.register_buffer("scale", scale)
 
+    def takes(self, rows):
+        """Whether a product with this many rows goes through the kernel (float32 up to max_rows; int8 any)."""
+        return self.scale is not None or rows <= self.max_rows
+
     def forward(self, x):
-        if self.scale is None and x.numel() // x.shape[-1] > self.max_rows:
+        if not self.takes(x.numel() // x.shape[-1]):
             return F.linear(x, self.weight)
         return torch.ops.enlace.matvec(x, self.weight, self.scale)
 
@@ -93,7 +97,7 @@ class KernelProjections(nn.Module):
 
     def forward(self, x):
         first = self.layers[0]
-        if first.scale is None and x.numel() // x.shape[-1] > first.max_rows:
+        if not first.takes(x.numel() // x.shape[-1]):
             return tuple(layer(x) for layer in self.layers)  # a prefill: F.linear, threaded already
         weights = [layer.weight for layer in self.layers]
         return torch.ops.enlace.matvecs(x, weights, self.scale).split(self.widths, dim=-1)
@@ -108,9 +112,7 @@ def rows_independent(model, rows):
     modules = list(model.modules())
     products = [m for m in modules if isinstance(m, (nn.Linear, SplitLinear, KernelLinear))]
     attention = [m for m in modules if isinstance(m, Attention)]
-    kernel_only = all(
-        isinstance(m, KernelLinear) and (m.scale is not None or m.max_rows >= rows) for m in products
-    )
+    kernel_only = all(isinstance(m, KernelLinear) and m.takes(rows) for m in products)
     return kernel_only and all(m.decode_kernel for m in attention)
 
 
