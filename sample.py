@@ -86,8 +86,9 @@ def generate_batch(model, prompts, max_new_tokens, slots, sampling, stop_tokens=
                 index, prompt = waiting.pop(0)
                 rows[decoder.add(prompt, **sampling(index))] = index
             going_on = {}
+            chosen = decoder.sample_rows(list(rows))
             for row, index in list(rows.items()):
-                token = decoder.sample(row)
+                token = chosen[row]
                 generated[index].append(token)
                 if token in stop_tokens or len(generated[index]) == max_new_tokens:
                     decoder.remove(row)

@@ -87,7 +87,7 @@ def greedy_answers(decoder, prompts, new_tokens):
     tokens = [[] for _ in rows]
     start = time.perf_counter()
     for _ in range(new_tokens):
-        chosen = {row: decoder.sample(row) for row in rows}
+        chosen = decoder.sample_rows(rows)
         for index, row in enumerate(rows):
             tokens[index].append(chosen[row])
         decoder.advance(chosen)

@@ -12,6 +12,7 @@ against no cache.
 import argparse
 import json
 import math
+import os
 import resource
 import statistics
 import sys
@@ -22,10 +23,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
+import config
 import hardware
 import model
 import train
-from bench.common import in_turns, layer, run_fresh, spread
+from bench.common import ROOT, in_turns, layer, run_fresh, spread
 
 # -----------------------------------------------------------------------------
 # model: training throughput and memory against nanoGPT and transformers' Qwen3, a fresh process each
@@ -375,6 +377,29 @@ def bench_decode():
         f"{cached:,.0f} tok/s | a full window per token (what each step past seq_len cost before) "
         f"{uncached:,.0f} tok/s"
     )
+    sampling_line(smoke.cfg["vocab_size"])
+
+
+def sampling_line(vocab, rounds=7, draws=3000):
+    """One token drawn from vocab logits with the server's settings (configs/serve/default.yaml) and
+    without candidates: median and range of rounds of draws (model.sample_token, one row)."""
+    settings = config.load_layer("serve", os.path.join(ROOT, "configs", "serve", "default.yaml"))
+    logits = torch.randn(vocab, generator=torch.Generator().manual_seed(0)) * 3
+    generator = torch.Generator().manual_seed(0)
+    cases = {
+        "server (temperature {temperature}, top_k {top_k}, top_p {top_p})".format(**settings): (
+            settings["temperature"], settings["top_k"], settings["top_p"]),
+        "temperature 1, every token": (1.0, None, None),
+    }  # fmt: skip
+    for label, (temperature, top_k, top_p) in cases.items():
+        rates = []
+        for _ in range(rounds):
+            start = time.perf_counter()
+            for _ in range(draws):
+                model.sample_token(logits, temperature, top_k, top_p, generator)
+            rates.append((time.perf_counter() - start) / draws * 1e6)
+        print(f"decode: sampling one token of {vocab:,}, {label}: {statistics.median(rates):.1f} us "
+              f"(range {min(rates):.1f}-{max(rates):.1f} over {rounds} rounds of {draws:,})")  # fmt: skip
 
 
 def main(argv):

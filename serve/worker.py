@@ -261,16 +261,14 @@ class Worker:
 
     def step(self):
         """Each row's next token, then one forward pass for the rows that go on."""
-        going_on = {}
+        live = []
         for generation in list(self.active):
             if generation.job.cancelled.is_set():
                 self.end(generation, None)
-                continue
-            try:
-                token = self.decoder.sample(generation.row)
-            except Exception as e:
-                self.fail([generation], e)
-                continue
+            else:
+                live.append(generation)
+        going_on = {}
+        for generation, token in self.sample(live):
             generation.count += 1
             self.stats["generated_tokens"] += 1
             if token in self.stop_ids:
@@ -289,6 +287,26 @@ class Worker:
             except Exception as e:  # one forward pass for them all: every row in it failed
                 self.fail([g for g in self.active if g.row in going_on], e)
             self.stats["steps"] += 1
+
+    def sample(self, generations):
+        """(generation, token) for each generation that drew its token: the unconstrained rows in one
+        Decoder.sample_rows call (if it fails, they all fail), a constrained row on its own (its
+        constraint can reject the model's text: that row alone fails)."""
+        plain = [g for g in generations if g.constraint is None]
+        drawn = []
+        if plain:
+            try:
+                tokens = self.decoder.sample_rows([g.row for g in plain])
+                drawn += [(g, tokens[g.row]) for g in plain]
+            except Exception as e:
+                self.fail(plain, e)
+        for generation in generations:
+            if generation.constraint is not None:
+                try:
+                    drawn.append((generation, self.decoder.sample(generation.row)))
+                except Exception as e:
+                    self.fail([generation], e)
+        return drawn
 
     def leave(self, generation):
         if generation.row is not None:

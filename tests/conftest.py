@@ -331,6 +331,9 @@ class ScriptedDecoder:
     def sample(self, row):
         return row.script[min(row.step, len(row.script) - 1)]
 
+    def sample_rows(self, rows):
+        return {row: self.sample(row) for row in rows}
+
     def advance(self, tokens):
         time.sleep(self.model.delay)
         for row in tokens:

@@ -1,5 +1,6 @@
 """The decoder in model.py: attention, RoPE, tying, losses, parameter count, KV cache, generation."""
 
+import copy
 import json
 import math
 import os
@@ -616,6 +617,57 @@ def test_top_k_and_top_p_only_draw_from_the_kept_tokens():
         sample_token(logits, 1.0, top_p=1.5)
 
 
+def test_draws_follow_the_softmax_of_the_logits_over_temperature():
+    logits = torch.tensor([2.0, 1.0, 0.0, -30.0])
+    generator = torch.Generator().manual_seed(0)
+    for temperature, top_k in ((1.0, None), (0.5, 3)):
+        expected = torch.softmax(logits / temperature, dim=0)
+        counts = torch.zeros(4)
+        for _ in range(4000):
+            counts[sample_token(logits, temperature, top_k=top_k, generator=generator)] += 1
+        # 4,000 draws: a share's standard error is at most 0.008, so 0.03 is ~4 of them
+        assert (counts / 4000 - expected).abs().max() < 0.03, (temperature, counts)
+        assert counts[3] == 0  # e^-30 of the mass is never drawn in 4,000 tries
+
+
+@pytest.mark.parametrize(
+    "temperature, top_k, top_p",
+    [
+        (0, None, None),
+        (1.0, None, None),
+        (0.8, 50, None),
+        (0.8, 50, 0.95),
+        (1.3, None, 0.9),
+        (0.7, 1000, 0.5),
+    ],
+)
+def test_rows_drawn_together_get_the_tokens_each_draws_alone(temperature, top_k, top_p):
+    from model import sample_tokens
+
+    logits = torch.randn(6, 700, generator=torch.Generator().manual_seed(1)) * 4
+    logits[2, 10] = logits[2, 20] = logits[2].max() + 1  # a tie: both ways keep the first
+    together = [torch.Generator().manual_seed(row) for row in range(6)]
+    alone = [torch.Generator().manual_seed(row) for row in range(6)]
+    for _ in range(20):  # each generator goes on from where its last draw left it
+        drawn = sample_tokens(logits, temperature, top_k, top_p, together)
+        assert drawn == [sample_token(logits[row], temperature, top_k, top_p, alone[row]) for row in range(6)]
+    if temperature == 0:
+        assert drawn == logits.argmax(dim=-1).tolist()
+
+
+def test_a_decoder_draws_rows_of_different_settings_each_with_its_own():
+    net = build(tiny(seq_len=32))
+    settings = [seeded(0.9, 1), seeded(0, 2), {**seeded(0.9, 3), "top_k": 5}, seeded(0.9, 4)]
+    decoder = net.decoder(len(settings))
+    rows = [decoder.add(forced_tokens(4, seed=i), **sampling) for i, sampling in enumerate(settings)]
+    for _ in range(10):
+        expected = {row: sample_token(row.logits, row.temperature, row.top_k, row.top_p,
+                                      copy.deepcopy(row.generator)) for row in rows}  # fmt: skip
+        drawn = decoder.sample_rows(rows)
+        assert drawn == expected
+        decoder.advance(drawn)
+
+
 # ---- batched decoding (model.Decoder): rows at their own positions, joining and leaving between steps
 
 
@@ -651,9 +703,9 @@ def run_rows(net, slots, plans, steps, compile_mode=None, compile_with=None, **o
         for i, (prompt, first, _, sampling) in enumerate(plans):
             if step == first:
                 rows[i] = decoder.add(prompt, **sampling)
-        chosen = {}
+        chosen, drawn = {}, decoder.sample_rows(list(rows.values()))  # drawn together, as the server does
         for i, row in list(rows.items()):
-            token = decoder.sample(row)
+            token = drawn[row]
             results[i][0].append(token)
             results[i][1].append(row.logits.clone())
             if step == plans[i][2]:

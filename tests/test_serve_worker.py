@@ -48,7 +48,7 @@ def paced(worker, expected, per_step=2, wait=30):
 def record_tokens(worker):
     """{prompt ids: the token ids sampled for the latest row with that prompt}, as the worker's decoder
     samples them."""
-    tokens, add, sample = {}, worker.decoder.add, worker.decoder.sample
+    tokens, add, sample_rows = {}, worker.decoder.add, worker.decoder.sample_rows
 
     def recording_add(prompt, *args, **kwargs):
         row = add(prompt, *args, **kwargs)
@@ -56,12 +56,13 @@ def record_tokens(worker):
         tokens[row.prompt] = []
         return row
 
-    def recording_sample(row):
-        token = sample(row)
-        tokens[row.prompt].append(token)
-        return token
+    def recording_sample_rows(rows):  # Decoder.sample draws through it too
+        drawn = sample_rows(rows)
+        for row, token in drawn.items():
+            tokens[row.prompt].append(token)
+        return drawn
 
-    worker.decoder.add, worker.decoder.sample = recording_add, recording_sample
+    worker.decoder.add, worker.decoder.sample_rows = recording_add, recording_sample_rows
     return tokens
 
 
