@@ -19,7 +19,7 @@ TRAIN := $(if $(filter 1,$(NPROC)),$(PY),$(VENV)/bin/torchrun --standalone --npr
 
 .PHONY: setup lint check-configs test test-other-cpu clean smoke smoke-2060 pretrain resume-check data-smoke \
 	corpus-download corpus tokenizer encode corpus-smoke corpus-report smoke-corpus sample sample-chat bpb chat eval \
-	serve bench search agent-data agent-data-16k agent-eval sft-agent agent-ladder agent-ladder-16k agent-ladder-c agent-ladder-table sync \
+	serve bench search agent-data agent-data-16k agent-eval sft-agent agent-ladder agent-ladder-16k agent-ladder-c agent-ladder-digits agent-ladder-table sync \
 	remote-setup remote-smoke-2060 remote-pretrain logs fetch status chat-prepare sft sft-smoke \
 	plot export gguf-check snapshot restore install-service fuzz gpu-check eval-bench report preferences dpo dpo-smoke recipe
 
@@ -309,6 +309,19 @@ $(AGENT_DATA_16K)/eval.jsonl: $(AGENT_DATA_SOURCES) configs/agent/ladder-16k.yam
 agent-ladder-16k: corpus-smoke agent-data agent-data-16k
 	$(PY) -m chat prepare configs/sft-agent-tiny-16k-cpu.yaml
 	$(PY) -m evaluation.ladder $(LADDER_A16K) --seeds $(LADDER_SEEDS) --generated $(AGENT_DATA)/eval.jsonl
+
+# The tokenizer question (issue 35): rungs a and b on the same conversations packed with a BPE that merges
+# digits into pieces (configs/data/corpus-smoke-whole-digits.yaml) instead of a token per digit. Its
+# packing gives 2,888 rows: one epoch is 1,444 steps of 2 rows (rung a's 1,456 with a token per digit).
+LADDER_DIGITS := --rung a-whole-digits configs/sft-agent-tiny-cpu.yaml \
+	--rung b-whole-digits configs/sft-agent-cpu.yaml configs/smoke-corpus-whole-digits-cpu.yaml \
+	--override data.dir=data/sft-agent-whole-digits train.max_steps=1444
+
+agent-ladder-digits: agent-data
+	$(PY) -m corpus all configs/smoke-corpus-whole-digits-cpu.yaml
+	$(PY) -m chat prepare configs/sft-agent-cpu.yaml data.dir=data/sft-agent-whole-digits \
+		data.chat.tokenizer=data/corpus-smoke-whole-digits/tokenizer.model
+	$(PY) -m evaluation.ladder $(LADDER_DIGITS) --seeds $(LADDER_SEEDS) --generated $(AGENT_DATA)/eval.jsonl
 
 agent-ladder-table: $(STAMP)
 	$(PY) -m evaluation.ladder $(LADDER_AB) $(LADDER_A16K) $(LADDER_C) --seeds $(LADDER_SEEDS) --table
