@@ -179,12 +179,13 @@ def cell(values, digits=1):
 def table(rungs, seeds, overrides=()):
     figures = {name: rung_figures(name, sft, pretrain, seeds, overrides) for name, sft, pretrain in rungs}
     labels = list(dict.fromkeys(label for rows, _ in figures.values() for label in rows))
-    header = f"{'':48s}" + "".join(f"{f'{name} ({n} seeds)':>24s}" for name, (_, n) in figures.items())
-    lines = [header]
+    titles = [f"{name} ({n} seeds)" for name, (_, n) in figures.items()]
+    width = max(24, *(len(title) + 2 for title in titles))  # a long rung name keeps its columns apart
+    lines = [f"{'':48s}" + "".join(f"{title:>{width}s}" for title in titles)]
     for label in labels:
         digits = 2 if label.endswith("(M)") else 1  # a model's millions of parameters and tokens
         cells = (cell(rows.get(label, []), digits) for rows, _ in figures.values())
-        lines.append(f"{label:48s}" + "".join(f"{text:>24s}" for text in cells))
+        lines.append(f"{label:48s}" + "".join(f"{text:>{width}s}" for text in cells))
     return "\n".join(lines)
 
 

@@ -61,6 +61,14 @@ def test_a_seed_already_evaluated_is_not_trained_again(reports, tmp_path, monkey
     assert "+ " not in capsys.readouterr().out
 
 
+def test_a_long_rung_name_keeps_its_column_apart_from_the_next(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    rungs = [("a-whole-digits", TINY, None), ("b-whole-digits", TINY, None)]
+    header = ladder.table(rungs, [1]).splitlines()[0]
+    assert header.split() == ["a-whole-digits", "(0", "seeds)", "b-whole-digits", "(0", "seeds)"]
+    assert "seeds)  b-whole-digits" in header
+
+
 def test_a_cell_is_the_mean_and_the_range_or_one_value_or_a_dash():
     assert ladder.cell([40.0, 50.0, 60.0]) == "50.0 (40.0–60.0)"
     assert ladder.cell([46.4]) == "46.4" and ladder.cell([7.0, 7.0]) == "7.0" and ladder.cell([]) == "-"
