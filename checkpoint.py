@@ -27,7 +27,7 @@ import torch
 import config
 import data
 import fileio
-from chat import template as chat
+from chat import template
 from model import Transformer
 
 # 1: "format" recorded (release 2026-12-02 and before: no key, format 0; the same contents otherwise).
@@ -153,7 +153,7 @@ def read_run(path, log=print):
 
 def tokenizer_record(tokenizer):
     """What a checkpoint stores about its tokenizer: the model file's bytes for sentencepiece."""
-    record = {"name": tokenizer.name, "chat_template_version": chat.CHAT_TEMPLATE_VERSION}
+    record = {"name": tokenizer.name, "chat_template_version": template.CHAT_TEMPLATE_VERSION}
     if tokenizer.name == "sentencepiece":
         with open(tokenizer.path, "rb") as f:
             model_bytes = f.read()
@@ -176,7 +176,7 @@ def check_chat_template_version(checkpoint, ckpt_path, log=print):
     out as it learned them. Checkpoints written before the version was recorded load with a warning."""
     record = checkpoint.get("tokenizer")
     trained_with = record.get("chat_template_version") if isinstance(record, dict) else None
-    ours = chat.CHAT_TEMPLATE_VERSION
+    ours = template.CHAT_TEMPLATE_VERSION
     if trained_with is None:
         log(
             f"warning: {ckpt_path} does not record the chat template version it was trained with; "

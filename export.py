@@ -36,7 +36,7 @@ import torch
 
 import data
 import fileio
-from chat import template as chat
+from chat import template
 from checkpoint import CheckpointError, load_run
 
 FORMATS = {"hf": ("f32", "f16", "bf16"), "gguf": ("f32", "f16", "q8_0"), "ollama": ("f32", "f16", "q8_0")}
@@ -60,7 +60,7 @@ class ExportError(Exception):
 
 CHAT_TEMPLATE = (
     "{%- macro plain(text) -%}{{- text"
-    + "".join(f" | replace('{tag}', '&lt;{tag[1:-1]}&gt;')" for tag in chat.PROTOCOL_TAGS)
+    + "".join(f" | replace('{tag}', '&lt;{tag[1:-1]}&gt;')" for tag in template.PROTOCOL_TAGS)
     + " -}}{%- endmacro -%}"
     "{{- '<|bos|>' -}}"
     "{%- if messages and messages[0]['role'] == 'system' -%}"
@@ -266,7 +266,7 @@ def hf_tokenizer_config(cfg):
         "clean_up_tokenization_spaces": False,
         "model_max_length": cfg["model"]["seq_len"],
         "chat_template": CHAT_TEMPLATE,
-        "enlace_chat_template_version": chat.CHAT_TEMPLATE_VERSION,
+        "enlace_chat_template_version": template.CHAT_TEMPLATE_VERSION,
     }
 
 

@@ -25,9 +25,8 @@ import torch.nn.functional as F
 import checkpoint
 import config
 import data
-from agent import grammar as agent_grammar
-from agent import tools as agent
-from chat import template as chat
+from agent import grammar, tools
+from chat import template
 from checkpoint import CheckpointError
 
 
@@ -50,7 +49,7 @@ def load_run(path, device="cpu"):
 def stream_text(model, tokenizer, prompt_ids, args, generator, write, stop_token=None, constraint=None):
     """Generate from prompt_ids, handing decoded text to write(piece) as it comes; write returns True to
     end the reply early. Stops at stop_token or the end-of-text token (neither is written). A constraint
-    (agent_grammar) masks each step's logits: the tool calls of a chat reply."""
+    (agent/grammar.py) masks each step's logits: the tool calls of a chat reply."""
     device = model.embed_tokens.weight.device
     stop_tokens = {stop_token, tokenizer.eos_id} - {None}
     decoder = data.StreamDecoder(tokenizer)
@@ -171,7 +170,7 @@ def fit_history(system, history, tokenizer, budget):
     tokens. Returns (prompt ids, whether anything was dropped)."""
     dropped = False
     while True:
-        prompt, _ = chat.render({"messages": system + history}, tokenizer, for_generation=True)
+        prompt, _ = template.render({"messages": system + history}, tokenizer, for_generation=True)
         if len(prompt) <= budget:
             return prompt, dropped
         dropped = True
@@ -198,17 +197,17 @@ def run_chat(model, tokenizer, cfg, args, stdin=sys.stdin, out=sys.stdout, polic
     history = []  # the conversation's messages after the system one
     told_about_trimming = False
     generator = torch.Generator().manual_seed(args.seed)
-    tools = None
+    specs = None
     if not args.no_tools:
-        settings = agent.load_settings(cfg.get("agent"))
+        settings = tools.load_settings(cfg.get("agent"))
         count = lambda text: len(tokenizer.encode(text))
-        tools = agent.Agent(settings, count_tokens=count, on_event=show_tool_event(out))
-        needed = len(chat.render(tools.conversation([{"role": "user", "content": "hola"}]), tokenizer)[0])
+        specs = tools.Agent(settings, count_tokens=count, on_event=show_tool_event(out))
+        needed = len(template.render(specs.conversation([{"role": "user", "content": "hola"}]), tokenizer)[0])
         if needed > budget:
             out.write(
                 f"(tools off: their schemas need {needed} of the {budget} tokens this context leaves)\n"
             )
-            tools = None
+            specs = None
         elif policy is not None:
             policy = shown_reply(policy, out)
         else:
@@ -235,10 +234,10 @@ def run_chat(model, tokenizer, cfg, args, stdin=sys.stdin, out=sys.stdout, polic
         if not line:
             continue
         history.append({"role": "user", "content": line})
-        if tools is not None:
+        if specs is not None:
             while (
                 len(history) > 1
-                and len(chat.render(tools.conversation(system + history), tokenizer)[0]) > budget
+                and len(template.render(specs.conversation(system + history), tokenizer)[0]) > budget
             ):
                 history.pop(0)  # the oldest exchange goes, up to the next user message
                 while history[0]["role"] != "user":
@@ -246,7 +245,7 @@ def run_chat(model, tokenizer, cfg, args, stdin=sys.stdin, out=sys.stdout, polic
                 if not told_about_trimming:
                     out.write("(oldest turns dropped to fit the context window)\n")
                     told_about_trimming = True
-            history += tools.run_turn(system + history, policy)
+            history += specs.run_turn(system + history, policy)
             continue
         prompt, dropped = fit_history(system, history, tokenizer, budget)
         if dropped and not told_about_trimming:
@@ -267,11 +266,11 @@ def run_chat(model, tokenizer, cfg, args, stdin=sys.stdin, out=sys.stdout, polic
 
 
 def streamed_reply(model, tokenizer, args, generator, end_id, budget, out, settings):
-    """agent.run_turn's generate: the model's next reply, streamed to out without its tool calls; its calls
-    constrained to the tools on offer (agent_grammar) unless agent.constrained is off."""
+    """tools.run_turn's generate: the model's next reply, streamed to out without its tool calls; its calls
+    constrained to the tools on offer (agent/grammar.py) unless agent.constrained is off."""
 
     def reply(conversation):
-        ids, _ = chat.render(conversation, tokenizer, for_generation=True)
+        ids, _ = template.render(conversation, tokenizer, for_generation=True)
         if len(ids) > budget:
             out.write(f"(the conversation is {len(ids)} tokens, over the {budget}-token budget; /reset)\n")
             return ""
@@ -279,14 +278,14 @@ def streamed_reply(model, tokenizer, args, generator, end_id, budget, out, setti
 
         def write(piece):
             pieces.append(piece)
-            visible = agent.visible_text("".join(pieces))
+            visible = tools.visible_text("".join(pieces))
             out.write(visible[shown[0] :])
             out.flush()
             shown[0] = max(shown[0], len(visible))
             return False
 
-        tools = conversation.get("tools")
-        constraint = agent_grammar.constraint_for(tokenizer, tools, settings, args.max_new_tokens)
+        specs = conversation.get("tools")
+        constraint = grammar.constraint_for(tokenizer, specs, settings, args.max_new_tokens)
         try:
             stream_text(model, tokenizer, ids, args, generator, write, end_id, constraint)
         except KeyboardInterrupt:  # Ctrl-C ends this reply, not the session
@@ -302,7 +301,7 @@ def shown_reply(policy, out):
 
     def reply(conversation):
         text = policy(conversation)
-        out.write(agent.visible_text(text) + "\n")
+        out.write(tools.visible_text(text) + "\n")
         return text
 
     return reply
@@ -322,10 +321,10 @@ def show_tool_event(out):
             out.write(f"  [{label}] " + text.replace("\n", "\n    ") + "\n")
         elif kind == "dropped":
             out.write(f"  [tool calls dropped: {info['reason']}]\n")
-        elif kind == "answer" and info["text"] == agent.NO_ANSWER:
+        elif kind == "answer" and info["text"] == tools.NO_ANSWER:
             out.write(info["text"] + "\n")
-        elif kind == "answer" and f"\n{agent.SOURCES_HEADER}\n" in info["text"]:
-            out.write(info["text"][info["text"].index(agent.SOURCES_HEADER) :] + "\n")
+        elif kind == "answer" and f"\n{tools.SOURCES_HEADER}\n" in info["text"]:
+            out.write(info["text"][info["text"].index(tools.SOURCES_HEADER) :] + "\n")
         out.flush()
 
     return show
@@ -343,17 +342,17 @@ def run_chat_eval(model, cfg, tokenizer, args, out=sys.stdout):
     if args.chat_eval == "val":
         if cfg["data"]["format"] != "chat":
             raise SampleError(f"{args.run}: --chat-eval val needs a run fine-tuned on data.format: chat")
-        paths = chat.expand_paths(cfg["data"]["chat"]["val"], "data.chat.val")
+        paths = template.expand_paths(cfg["data"]["chat"]["val"], "data.chat.val")
     else:
         paths = [args.chat_eval]
-    conversations = [c for path in paths for c in chat.read_conversations(path)[0]][: args.limit or None]
+    conversations = [c for path in paths for c in template.read_conversations(path)[0]][: args.limit or None]
     if not conversations:
         raise SampleError(f"{', '.join(paths)}: no conversations")
     nats, count, num_bytes, ended, examples = 0.0, 0, 0, 0, []
     end_turns, end_guessed = 0, 0
     answers = greedy_answers(model, tokenizer, [c for _, c in conversations], args, end_id)
     for (where, conversation), answer in zip(conversations, answers, strict=True):
-        ids, mask = chat.render(conversation, tokenizer)
+        ids, mask = template.render(conversation, tokenizer)
         n, c, b = evaluate_tokens(
             model,
             torch.tensor(ids),
@@ -401,7 +400,9 @@ def greedy_answers(model, tokenizer, conversations, args, end_id):
     for conversation in conversations:
         messages = conversation["messages"]
         first_answer = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
-        prompts.append(chat.render({"messages": messages[:first_answer]}, tokenizer, for_generation=True)[0])
+        prompts.append(
+            template.render({"messages": messages[:first_answer]}, tokenizer, for_generation=True)[0]
+        )
     if (args.batch or 1) > 1:
         return generate_batch(model, prompts, args.max_new_tokens, args.batch, lambda _: {"temperature": 0.0},
                               {end_id})  # fmt: skip
@@ -548,7 +549,7 @@ def main(argv):
             run_chat(model, tokenizer, cfg, args)
         else:
             run_generation(model, tokenizer, args)
-    except (SampleError, CheckpointError, chat.ChatError, data.DataError, ValueError) as e:
+    except (SampleError, CheckpointError, template.ChatError, data.DataError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

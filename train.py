@@ -30,20 +30,20 @@ import torch
 import torch.distributed as dist
 from torch.optim._muon import _adjust_lr
 
-import checkpoint as ckpt
+import checkpoint
 import config
 import data
 import fileio
-import microbatch as train_memory
+import microbatch
 import train_dpo
-from chat import template as chat
+from chat import template
 from checkpoint import (
     list_checkpoints,
     load_checkpoint,
     load_newest_checkpoint,
     save_checkpoint,
 )
-from corpus import budget as corpus_budget
+from corpus import budget
 from hardware import Dist, Hardware, HardwareError, all_ranks_true, init_distributed, setup_hardware
 from model import Transformer
 
@@ -323,7 +323,7 @@ def init_checkpoint(cfg, log):
     if os.path.isdir(source):
         try:
             path, state = load_newest_checkpoint(source, log)
-        except ckpt.CheckpointError as e:
+        except checkpoint.CheckpointError as e:
             raise TrainError(f"train.init_from: {e}") from None
     elif os.path.isfile(source):
         path = source
@@ -340,7 +340,7 @@ def init_checkpoint(cfg, log):
         if key not in INIT_FREE_MODEL_KEYS and saved["model"].get(key) != model_cfg.get(key)
     ]
     ours = tokenizer_sha256(data.load_tokenizer(cfg["data"]))
-    theirs = ckpt.stored_tokenizer_sha256(state)
+    theirs = checkpoint.stored_tokenizer_sha256(state)
     if theirs is None:  # an older checkpoint: its tokenizer is the one its data config names
         try:
             theirs = tokenizer_sha256(data.load_tokenizer(saved["data"]))
@@ -404,8 +404,8 @@ class StopRequest:
 def memory_line(model_cfg, batch, dtype, chunk, memory_gib):
     """The step's estimated peak memory (microbatch.py) for the profile's dtype and loss chunks against
     its memory_gib, and what to change when it does not fit."""
-    peak = train_memory.step_peak_bytes(model_cfg, batch, dtype, chunk) / train_memory.GIB
-    fits = train_memory.largest_micro_batch(model_cfg, dtype, chunk, memory_gib * train_memory.GIB)
+    peak = microbatch.step_peak_bytes(model_cfg, batch, dtype, chunk) / microbatch.GIB
+    fits = microbatch.largest_micro_batch(model_cfg, dtype, chunk, memory_gib * microbatch.GIB)
     line = (
         f"memory: ~{peak:.1f} GiB estimated for a step of {batch} sequences ({fits} fit in {memory_gib} GiB)"
     )
@@ -462,19 +462,19 @@ def evaluate(model, cfg, hardware, ctx, token_bytes):
 
 
 def training_eval(cfg, ctx, tokenizer, hardware, log):
-    """train.eval's benchmark (eval_harness.TrainingEval) on rank 0, its tasks loaded before the first
+    """train.eval's benchmark (harness.TrainingEval) on rank 0, its tasks loaded before the first
     step so that a dataset it cannot read stops the run now; None without train.eval."""
     if not cfg["train"].get("eval"):
         return None
     benchmark, problem = None, None
     if ctx.is_main:
         from evaluation import (
-            harness as eval_harness,  # lm-evaluation-harness is imported only by the runs that use it
+            harness,  # lm-evaluation-harness is imported only by the runs that use it
         )
 
         try:
-            benchmark = eval_harness.TrainingEval(cfg, tokenizer, hardware.autocast, log)
-        except eval_harness.EvalError as e:
+            benchmark = harness.TrainingEval(cfg, tokenizer, hardware.autocast, log)
+        except harness.EvalError as e:
             problem = str(e)
     if not all_ranks_true(problem is None, ctx, hardware.device):
         raise TrainError(f"train.eval: {problem or 'rank 0 could not load its tasks'}")
@@ -507,20 +507,20 @@ def previous_run(cfg, ctx, run_dir, resume, log):
     are continued (--resume), removed (train.replace_run) or refused."""
     if resume:
         try:
-            ckpt_path, checkpoint = load_newest_checkpoint(run_dir, log)
-        except ckpt.CheckpointError as e:
+            ckpt_path, state = load_newest_checkpoint(run_dir, log)
+        except checkpoint.CheckpointError as e:
             raise TrainError(f"--resume: {e}") from None
-        differences = shape_differences(checkpoint["config"], cfg)
-        if checkpoint.get("world_size", 1) != ctx.world_size:
+        differences = shape_differences(state["config"], cfg)
+        if state.get("world_size", 1) != ctx.world_size:
             differences.append(
-                f"world size: checkpoint was written by {checkpoint['world_size']} processes, this run has "
+                f"world size: checkpoint was written by {state['world_size']} processes, this run has "
                 f"{ctx.world_size} (loader and RNG states are per rank; resume with the same count)"
             )
         if differences:
             raise TrainError(
                 f"cannot resume {ckpt_path}: shape-defining settings changed:\n  " + "\n  ".join(differences)
             )
-        return ckpt_path, checkpoint
+        return ckpt_path, state
     if cfg["train"]["replace_run"]:
         if ctx.is_main and list_checkpoints(run_dir):
             log(f"replacing the previous run in {run_dir}/ (train.replace_run: true): {replace_run(run_dir)}")
@@ -534,7 +534,7 @@ def previous_run(cfg, ctx, run_dir, resume, log):
     return None, None
 
 
-def run_tokenizer(cfg, ckpt_path, checkpoint):
+def run_tokenizer(cfg, ckpt_path, state):
     """(tokenizer, its checkpoint record) of the data, checked against model.vocab_size and against the
     tokenizer a resumed run was trained with."""
     tokenizer = data.load_tokenizer(cfg["data"])
@@ -544,9 +544,9 @@ def run_tokenizer(cfg, ckpt_path, checkpoint):
             f"model.vocab_size is {vocab_size} but the {tokenizer.name} tokenizer has "
             f"{tokenizer.vocab_size} tokens; set model.vocab_size={tokenizer.vocab_size}"
         )
-    record = ckpt.tokenizer_record(tokenizer)
+    record = checkpoint.tokenizer_record(tokenizer)
     ours = record.get("sha256")
-    trained_with = ckpt.stored_tokenizer_sha256(checkpoint) if checkpoint is not None else None
+    trained_with = checkpoint.stored_tokenizer_sha256(state) if state is not None else None
     if trained_with and trained_with != ours:
         raise TrainError(
             f"cannot resume {ckpt_path}: it was trained with the tokenizer of sha256 {trained_with}, but "
@@ -612,7 +612,7 @@ def check_token_budget(cfg, ctx, log):
         return
     batch, accum = train_cfg["micro_batch_size"], train_cfg["grad_accum_steps"]
     run_tokens = train_cfg["max_steps"] * batch * accum * cfg["model"]["seq_len"] * ctx.world_size
-    corpus_budget.check_token_budget(cfg["data"], run_tokens, log)
+    budget.check_token_budget(cfg["data"], run_tokens, log)
 
 
 def setup(cfg, ctx, hardware, resume, log):
@@ -621,8 +621,8 @@ def setup(cfg, ctx, hardware, resume, log):
     check_token_budget(cfg, ctx, log)
     model_cfg, train_cfg = cfg["model"], cfg["train"]
     run_dir = run_dir_of(cfg)
-    ckpt_path, checkpoint = previous_run(cfg, ctx, run_dir, resume, log)
-    init = init_checkpoint(cfg, log) if checkpoint is None and train_cfg["init_from"] else None
+    ckpt_path, state = previous_run(cfg, ctx, run_dir, resume, log)
+    init = init_checkpoint(cfg, log) if state is None and train_cfg["init_from"] else None
     os.makedirs(run_dir, exist_ok=True)
 
     # Seed everything, then build: identical initial weights on every rank.
@@ -630,7 +630,7 @@ def setup(cfg, ctx, hardware, resume, log):
     np.random.seed(train_cfg["seed"])
     torch.manual_seed(train_cfg["seed"])
 
-    tokenizer, tokenizer_record = run_tokenizer(cfg, ckpt_path, checkpoint)
+    tokenizer, tokenizer_record = run_tokenizer(cfg, ckpt_path, state)
     benchmark = training_eval(cfg, ctx, tokenizer, hardware, log)
     model = Transformer(
         model_cfg, attention_backend=hardware.attention_backend, loss_chunk_size=hardware.loss_chunk_size
@@ -643,19 +643,21 @@ def setup(cfg, ctx, hardware, resume, log):
     run = Run(
         cfg, ctx, hardware, log, run_dir, tokenizer, tokenizer_record, model, optimizer, loader, benchmark
     )
-    if checkpoint is not None:
-        restore(run, ckpt_path, checkpoint)
+    if state is not None:
+        restore(run, ckpt_path, state)
     elif init is not None:  # fine-tuning: the weights only; optimizer, schedule and step start afresh
         init_path, init_state = init
         model.load_state_dict(init_state["model"])
         log(f"initialized from {init_path} (step {init_state['step']}); fresh optimizer and schedule")
-    if run.dpo and checkpoint is not None:
-        run.reference = checkpoint["reference"]
+    if run.dpo and state is not None:
+        run.reference = state["reference"]
     elif run.dpo:  # the weights just loaded from init_from, before any step
         run.reference = train_dpo.reference_log_probs(model, cfg, hardware, ctx, log)
     # Room on runs_dir's disk for keep_last + 1 checkpoints, before the first step (train.space_check).
-    per_checkpoint = ckpt.estimate_checkpoint_bytes(model, optimizer, len(tokenizer_record.get("model", b"")))
-    ckpt.check_room_for_checkpoints(
+    per_checkpoint = checkpoint.estimate_checkpoint_bytes(
+        model, optimizer, len(tokenizer_record.get("model", b""))
+    )
+    checkpoint.check_room_for_checkpoints(
         run_dir, per_checkpoint, train_cfg["keep_last"], train_cfg["space_check"], log
     )
 
@@ -952,7 +954,7 @@ def sample_text(model, tokenizer, train_cfg, hardware, chat_run=False):
     stop_token = tokenizer.eos_id
     if chat_run:  # a fine-tuned run answers sample_prompt as a user message
         conversation = {"messages": [{"role": "user", "content": train_cfg["sample_prompt"]}]}
-        prompt_ids, _ = chat.render(conversation, tokenizer, for_generation=True)
+        prompt_ids, _ = template.render(conversation, tokenizer, for_generation=True)
         stop_token = tokenizer.special_ids["<|end|>"]
     else:
         prompt_ids = tokenizer.encode(train_cfg["sample_prompt"])

@@ -39,10 +39,9 @@ import unicodedata
 import config
 import fileio
 import search
-from agent import phrases
-from agent import tools as agent
-from chat import template as chat
-from family import memories as memory
+from agent import phrases, tools
+from chat import template
+from family import memories
 
 DATE_PATTERN = re.compile(r"\d{1,2} de [a-z]+ de \d{4}")
 TIME_PATTERN = re.compile(r"\d{2}:\d{2}")
@@ -90,8 +89,8 @@ class Family:
     conversation gets a new member, adult or (child_share) child, with a few memories of their own."""
 
     def __init__(self, folder, synthetic):
-        self.cfg = memory.load_config()
-        self.conn = memory.connect(os.path.join(folder, "family.sqlite"), self.cfg)
+        self.cfg = memories.load_config()
+        self.conn = memories.connect(os.path.join(folder, "family.sqlite"), self.cfg)
         self.conn.execute("PRAGMA synchronous = OFF")  # a scratch database: no fsync per memory
         self.lock, self.synthetic, self.members = threading.Lock(), synthetic, 0
 
@@ -99,19 +98,21 @@ class Family:
         """A new memory.Caller holding the facts (memory_fact dicts) and 0-5 others, a few pinned."""
         self.members += 1
         role = "child" if rng.random() < self.synthetic["child_share"] else "adult"
-        caller = memory.Caller(f"miembro{self.members}", role, self.conn, self.lock, self.cfg)
+        caller = memories.Caller(f"miembro{self.members}", role, self.conn, self.lock, self.cfg)
         held = [phrases.memory_fact(rng) for _ in range(rng.randint(0, 5))] + list(facts)
         rng.shuffle(held)
         for fact in held:
             scope = "family" if role == "adult" and rng.random() < 0.2 else "private"
-            fact["id"] = memory.add(
+            fact["id"] = memories.add(
                 self.conn, caller.name, role, fact["text"], self.cfg, scope, pinned=rng.random() < 0.15
             )
         return caller
 
     def block(self, caller, question):
         """The memories the server would put in the system turn for this question."""
-        return memory.context_for_turn(self.conn, caller.name, caller.role, question, self.cfg, rough_tokens)
+        return memories.context_for_turn(
+            self.conn, caller.name, caller.role, question, self.cfg, rough_tokens
+        )
 
 
 # -----------------------------------------------------------------------------
@@ -263,7 +264,7 @@ def one_conversation(rng, kind, settings, family):
         question, arguments = question.replace("{n}", number), {"id": held[0]["id"]}
     block = family.block(caller, question) if caller else ""
     base = "\n\n".join((settings["system_prompt"], block)) if block else None
-    helper = agent.Agent(settings, clock=lambda: now, searcher=searcher, member=caller)
+    helper = tools.Agent(settings, clock=lambda: now, searcher=searcher, member=caller)
     messages = ([{"role": "system", "content": base}] if base else []) + [
         {"role": "user", "content": question}
     ]
@@ -271,8 +272,8 @@ def one_conversation(rng, kind, settings, family):
         reply = answer(None)
     else:
         context = helper.new_context()
-        result = helper.call(agent.Call(name, arguments), context)
-        reply = agent.cite_sources(answer(result), context.sources)
+        result = helper.call(tools.Call(name, arguments), context)
+        reply = tools.cite_sources(answer(result), context.sources)
         call = {"id": "call_0_0", "type": "function", "function": {"name": name, "arguments": arguments}}
         messages += [
             {"role": "assistant", "content": "", "tool_calls": [call]},
@@ -295,7 +296,7 @@ def generate(settings):
         family = Family(folder, synthetic)
         for _ in range(synthetic["conversations"]):
             conversation = one_conversation(rng, rng.choices(kinds, weights)[0], settings, family)
-            chat.check_conversation(conversation, training=True)
+            template.check_conversation(conversation, training=True)
             question = user_question(conversation)
             bucket = int(hashlib.sha256(question.encode("utf-8")).hexdigest()[:8], 16) / 16**8
             if bucket >= synthetic["eval_fraction"]:
@@ -315,7 +316,7 @@ def call_arguments(conversation):
     """The arguments of the conversation's call as one canonical string, or None without a call."""
     for message in conversation["messages"]:
         for call in message.get("tool_calls", []):
-            return json.dumps(chat.arguments_of(call), ensure_ascii=False, sort_keys=True)
+            return json.dumps(template.arguments_of(call), ensure_ascii=False, sort_keys=True)
     return None
 
 
@@ -354,7 +355,7 @@ def copy_shares(conversations):
         for message in messages:
             for call in message.get("tool_calls", [])[:1]:
                 name = call["function"]["name"]
-                for value in chat.arguments_of(call).values():
+                for value in template.arguments_of(call).values():
                     for key in (name, "all"):
                         count, hits = tally.get(key, (0, 0))
                         tally[key] = (count + 1, hits + copied(value, prompt))
@@ -376,10 +377,10 @@ def main(argv):
     commands = parser.add_subparsers(dest="command", required=True)
     make = commands.add_parser("generate", help="write OUT/train.jsonl and OUT/eval.jsonl")
     make.add_argument("out")
-    make.add_argument("--settings", default=agent.DEFAULT_SETTINGS, help="an agent layer file")
+    make.add_argument("--settings", default=tools.DEFAULT_SETTINGS, help="an agent layer file")
     args = parser.parse_args(argv)
     try:
-        settings = agent.load_settings(path=args.settings)
+        settings = tools.load_settings(path=args.settings)
     except config.ConfigError as exc:
         print(f"agent/dataset.py: {exc}", file=sys.stderr)
         return 2

@@ -3,7 +3,7 @@ Constrained tool calls: once the model opens a call, the tokens up to </tool_cal
 {"name": <a tool on offer>, "arguments": <an object valid for that tool's JSON Schema>}, so every call a
 model writes parses and passes agent.argument_problem, whatever its logits say.
 
-    constraint = agent_grammar.constraint_for(tokenizer, conversation.get("tools"), settings)
+    constraint = grammar.constraint_for(tokenizer, conversation.get("tools"), settings)
     model.generate(ids, max_new_tokens, ..., constraint=constraint)     # None: agent.constrained is off
 
 A constraint follows one reply token by token (the contract every generation path shares):
@@ -50,7 +50,7 @@ import torch
 
 import config
 import data
-from agent import tools as agent
+from agent import tools
 
 TAGS = (b"<tool_call>", b"</tool_call>")
 LONGEST_TAG = max(map(len, TAGS))
@@ -162,7 +162,7 @@ def grammar_parameters(spec, settings):
     it), tightened for our own tools to what the tools accept."""
     function = spec["function"]
     parameters = copy.deepcopy(function.get("parameters") or {"type": "object"})
-    own = agent.TOOLS.get(function["name"])
+    own = tools.TOOLS.get(function["name"])
     if own is not None and spec == own.spec(settings):
         properties = parameters["properties"]
         for schema in properties.values():
@@ -390,15 +390,15 @@ def main(argv):
     parser.add_argument(
         "--member", action="store_true", help="the tools a family member gets (with memories)"
     )
-    parser.add_argument("--settings", default=agent.DEFAULT_SETTINGS, help="an agent layer file")
+    parser.add_argument("--settings", default=tools.DEFAULT_SETTINGS, help="an agent layer file")
     args = parser.parse_args(argv)
     try:
-        settings = agent.load_settings(path=args.settings)
+        settings = tools.load_settings(path=args.settings)
     except config.ConfigError as exc:
         print(f"agent/grammar.py: {exc}", file=sys.stderr)
         return 2
-    tools = agent.tool_specs(settings, agent.default_tools(member="member" if args.member else None))
-    print(json.dumps(structural_tag(tools, settings), ensure_ascii=False, indent=1))
+    specs = tools.tool_specs(settings, tools.default_tools(member="member" if args.member else None))
+    print(json.dumps(structural_tag(specs, settings), ensure_ascii=False, indent=1))
     return 0
 
 

@@ -51,7 +51,7 @@ import jsonschema
 
 import config
 import search
-from family import memories as memory
+from family import memories
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_SETTINGS = os.path.join(ROOT, "configs", "agent", "default.yaml")
@@ -538,11 +538,11 @@ def run_with_timeout(function, seconds):
 
 
 def memory_call(context, tool_function, arguments):
-    if not isinstance(context.member, memory.Caller):
+    if not isinstance(context.member, memories.Caller):
         raise ToolFailure("los recuerdos solo están disponibles en el servidor de la familia")
     try:
         return context.member.run(tool_function, **arguments)
-    except memory.Refusal as exc:
+    except memories.Refusal as exc:
         raise ToolFailure(str(exc)) from None
 
 
@@ -555,7 +555,7 @@ def memory_call(context, tool_function, arguments):
     member_only=True,
 )
 def recordar(arguments, context):
-    return memory_call(context, memory.recordar, arguments)
+    return memory_call(context, memories.recordar, arguments)
 
 
 @tool(
@@ -566,7 +566,7 @@ def recordar(arguments, context):
     member_only=True,
 )
 def buscar_recuerdos(arguments, context):
-    return memory_call(context, memory.buscar_recuerdos, arguments)
+    return memory_call(context, memories.buscar_recuerdos, arguments)
 
 
 @tool(
@@ -577,7 +577,7 @@ def buscar_recuerdos(arguments, context):
     member_only=True,
 )
 def olvidar(arguments, context):
-    return memory_call(context, memory.olvidar, arguments)
+    return memory_call(context, memories.olvidar, arguments)
 
 
 # -----------------------------------------------------------------------------

@@ -8,9 +8,9 @@ import sys
 
 from bench import agent as bench_agent
 from bench import data as bench_data
-from bench import decoding as bench_decoding
-from bench import evaluation as bench_eval
-from bench import llama_cpp as bench_llama
+from bench import decoding
+from bench import evaluation as bench_evaluation
+from bench import llama_cpp as bench_llama_cpp
 from bench import model as bench_model
 from bench import serve as bench_serve
 
@@ -21,10 +21,10 @@ SECTIONS = {
     "corpus": bench_data.bench_corpus,
     "search": bench_serve.bench_search,
     "serve": bench_serve.bench_serve,
-    "bandwidth": bench_decoding.bench_decoding,
-    "llama": bench_llama.bench_llama,
+    "bandwidth": decoding.bench_decoding,
+    "llama": bench_llama_cpp.bench_llama,
     "memory": bench_serve.bench_memory,
-    "eval": bench_eval.bench_eval,
+    "eval": bench_evaluation.bench_eval,
     "agent": bench_agent.bench_agent,
 }
 

@@ -20,19 +20,17 @@ import torch
 import config
 import data
 import model
-from agent import dataset as agent_data
-from agent import grammar as agent_grammar
-from agent import tools as agent
+from agent import dataset, grammar, tools
 from bench.common import ROOT, layer
-from corpus import encode as corpus_encode
-from evaluation import tool_use as agent_eval
+from corpus import encode
+from evaluation import tool_use
 
 ROUNDS = 5  # alternate rounds over the calls; the median is kept
 
 
 def train_32k_tokenizer(folder):
     data_cfg = config.load_layer("data", os.path.join(ROOT, "configs", "data", "corpus.yaml"))
-    settings = corpus_encode.trainer_settings(data_cfg)
+    settings = encode.trainer_settings(data_cfg)
     lines = []
     for name in ("rv1909.txt.gz", "fortunes-es.txt.gz"):
         with gzip.open(os.path.join(ROOT, "corpus", name), "rt", encoding="utf-8") as f:
@@ -48,7 +46,7 @@ def call_sequences(tokenizer):
     """The token ids after <tool_call> of the hand-written set's reference calls, </tool_call> included."""
     close = data.TOKEN_TABLE["</tool_call>"]
     sequences = []
-    for entry in agent_data.read_jsonl(agent_eval.HANDWRITTEN):
+    for entry in dataset.read_jsonl(tool_use.HANDWRITTEN):
         if entry["tool"]:
             body = json.dumps({"name": entry["tool"], "arguments": entry["call"]}, ensure_ascii=False)
             sequences.append(tokenizer.encode("\n" + body + "\n") + [close])
@@ -58,13 +56,13 @@ def call_sequences(tokenizer):
 def xgrammar_passes(tokenizer, tools, settings, sequences, vocab_size):
     """(vocabulary s, grammar s, engine pass, constraint pass): a pass runs the calls once and returns its
     seconds. The engine pass is xgrammar's matcher alone (fill the bitmask, accept the token); the
-    constraint pass is all agent_grammar does per token (the engine, the bitmask applied to the logits,
+    constraint pass is all agent/grammar.py does per token (the engine, the bitmask applied to the logits,
     the spelled-tag guard, the budget)."""
     start = time.perf_counter()
-    agent_grammar.vocabulary.cache_clear()
-    agent_grammar.vocabulary(tokenizer)
+    grammar.vocabulary.cache_clear()
+    grammar.vocabulary(tokenizer)
     vocabulary_s = time.perf_counter() - start
-    grammar = agent_grammar.tool_grammar(tokenizer, tools, settings)
+    compiled = grammar.tool_grammar(tokenizer, tools, settings)
     grammar_s = time.perf_counter() - start - vocabulary_s
     logits = torch.randn(vocab_size)
     bitmask = torch.zeros(1, (vocab_size + 31) // 32, dtype=torch.int32)
@@ -72,7 +70,7 @@ def xgrammar_passes(tokenizer, tools, settings, sequences, vocab_size):
     def engine():
         start = time.perf_counter()
         for sequence in sequences:
-            matcher = grammar.matcher()
+            matcher = compiled.matcher()
             for token in sequence:
                 matcher.fill_next_token_bitmask(bitmask)
                 matcher.accept_token(token)
@@ -81,9 +79,7 @@ def xgrammar_passes(tokenizer, tools, settings, sequences, vocab_size):
     def constraint():
         start = time.perf_counter()
         for sequence in sequences:
-            constraint = agent_grammar.constraint_for(
-                tokenizer, tools, settings, max_tokens=len(sequence) + 99
-            )
+            constraint = grammar.constraint_for(tokenizer, tools, settings, max_tokens=len(sequence) + 99)
             constraint.accept(data.TOKEN_TABLE["<tool_call>"])
             for token in sequence:
                 constraint.mask(logits)
@@ -98,7 +94,7 @@ def llguidance_passes(tokenizer, tools, settings, sequences, vocab_size):
     import llguidance
     import llguidance.torch
 
-    vocab = agent_grammar.vocabulary(tokenizer)
+    vocab = grammar.vocabulary(tokenizer)
     close = vocab.close_id
     protocol = set(data.TOKEN_TABLE.values()) - {vocab.newline_id}
 
@@ -115,12 +111,12 @@ def llguidance_passes(tokenizer, tools, settings, sequences, vocab_size):
 
     start = time.perf_counter()
     lltokenizer = llguidance.LLTokenizer(llguidance.TokenizerWrapper(Tokens()), eos_token=close)
-    schema = agent_grammar.call_schema(tools, settings)
+    schema = grammar.call_schema(tools, settings)
     schema["x-guidance"] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-    grammar = llguidance.LLMatcher.grammar_from_lark(
+    compiled = llguidance.LLMatcher.grammar_from_lark(
         'start: "\\n" body "\\n"\nbody: %json ' + json.dumps(schema)
     )
-    first = llguidance.LLMatcher(lltokenizer, grammar, log_level=0)
+    first = llguidance.LLMatcher(lltokenizer, compiled, log_level=0)
     if first.is_error():
         raise RuntimeError(f"llguidance: {first.get_error()}")
     setup = time.perf_counter() - start
@@ -140,8 +136,8 @@ def llguidance_passes(tokenizer, tools, settings, sequences, vocab_size):
 
 
 def application_pass(tokenizer, tokens, vocab_size):
-    """A pass that applies a bitmask to the logits `tokens` times, as agent_grammar does for either engine."""
-    vocab = agent_grammar.vocabulary(tokenizer)
+    """A pass that applies a bitmask to the logits `tokens` times, as agent/grammar.py does for either engine."""
+    vocab = grammar.vocabulary(tokenizer)
     logits, bitmask = (
         torch.randn(vocab_size),
         torch.full((1, (vocab_size + 31) // 32), 0x0F0F0F0F, dtype=torch.int32),
@@ -162,7 +158,7 @@ def free_text_seconds(tokenizer, tools, settings, vocab_size):
         tokenizer.encode("Claro, te lo miro ahora mismo: son unos minutos y enseguida te digo qué sale.") * 8
     )
     logits = torch.randn(vocab_size)
-    constraint = agent_grammar.constraint_for(tokenizer, tools, settings)
+    constraint = grammar.constraint_for(tokenizer, tools, settings)
     start = time.perf_counter()
     for token in text:
         constraint.mask(logits)
@@ -186,8 +182,8 @@ def decode_step_seconds(context=512, steps=24):
 def bench_agent():
     import importlib.metadata
 
-    settings = agent.load_settings()
-    tools = agent.tool_specs(settings, agent.default_tools(member="bench"))
+    settings = tools.load_settings()
+    specs = tools.tool_specs(settings, tools.default_tools(member="bench"))
     with tempfile.TemporaryDirectory(prefix="bench-agent-") as folder:
         tokenizer = train_32k_tokenizer(folder)
         sequences = call_sequences(tokenizer)
@@ -195,22 +191,22 @@ def bench_agent():
         vocab_size = layer("model", "tiny-50m")["vocab_size"]
         step = decode_step_seconds()
         vocabulary_s, grammar_s, xgr_engine, xgr_constraint = xgrammar_passes(
-            tokenizer, tools, settings, sequences, vocab_size
+            tokenizer, specs, settings, sequences, vocab_size
         )
-        llg_setup, llg_engine = llguidance_passes(tokenizer, tools, settings, sequences, vocab_size)
+        llg_setup, llg_engine = llguidance_passes(tokenizer, specs, settings, sequences, vocab_size)
         passes = {"xgrammar": xgr_engine, "llguidance": llg_engine, "applying the bitmask": application_pass(
-            tokenizer, tokens, vocab_size), "agent_grammar's constraint": xgr_constraint}  # fmt: skip
+            tokenizer, tokens, vocab_size), "the grammar's constraint": xgr_constraint}  # fmt: skip
         times = {name: [] for name in passes}
         for _ in range(ROUNDS):  # alternate rounds: a busy moment of the machine hits every pass
             for name, run_pass in passes.items():
                 times[name].append(run_pass() / tokens)
         per_token = {name: statistics.median(values) for name, values in times.items()}
         free = statistics.median(
-            free_text_seconds(tokenizer, tools, settings, vocab_size) for _ in range(ROUNDS)
+            free_text_seconds(tokenizer, specs, settings, vocab_size) for _ in range(ROUNDS)
         )
     versions = {name: importlib.metadata.version(name) for name in ("xgrammar", "llguidance")}
     print(
-        f"agent: {tokenizer.vocab_size:,}-token BPE, the server's {len(tools)} tools, {len(sequences)} reference "
+        f"agent: {tokenizer.vocab_size:,}-token BPE, the server's {len(specs)} tools, {len(sequences)} reference "
         f"calls ({tokens} tokens), median of {ROUNDS} alternate rounds; load average {os.getloadavg()[0]:.1f} "
         f"on {os.cpu_count()} CPUs ({platform.processor() or platform.machine()}), {torch.get_num_threads()} threads"
     )
@@ -226,9 +222,9 @@ def bench_agent():
             f"agent: {name:<10s} per token inside a call: engine {1e6 * per_token[name]:6.1f} µs + bitmask applied "
             f"{1e6 * applying:6.1f} µs = {100 * total / step:.3f}% of a decode step"
         )
-    used = per_token["agent_grammar's constraint"]
+    used = per_token["the grammar's constraint"]
     print(
-        f"agent: agent_grammar's constraint (xgrammar) inside a call {1e6 * used:.1f} µs per token = "
+        f"agent: the grammar's constraint (xgrammar) inside a call {1e6 * used:.1f} µs per token = "
         f"{100 * used / step:.3f}% of a decode step (target < 10%); in free text {1e6 * free:.1f} µs "
         f"({100 * free / step:.3f}%); llguidance's engine / xgrammar's: {per_token['llguidance'] / per_token['xgrammar']:.0f}x"
     )

@@ -17,8 +17,7 @@ import config
 import data
 import fileio
 from bench.common import ROOT, timed
-from corpus import docs as corpus_docs
-from corpus import pipeline as corpus
+from corpus import docs, pipeline
 
 # -----------------------------------------------------------------------------
 # data: corpus pipeline throughput against raw sentencepiece, tokenizer quality
@@ -46,7 +45,7 @@ def bench_data():
         # One process: datatrove's pool workers are children of its forkserver, so getrusage never sees
         # their CPU time, and the per-CPU-second rates would flatter the corpus step.
         data_cfg["processes"] = 1
-        processes = corpus_docs.processes_of(data_cfg)
+        processes = docs.processes_of(data_cfg)
 
         # Three runs of the corpus and encode steps (and of raw sentencepiece), the median of each kept:
         # one run on a shared machine can be off by a third. The tokenizer is trained once.
@@ -57,17 +56,15 @@ def bench_data():
                 manifest = data.read_manifest(data_cfg)
                 manifest.pop("corpus"), manifest.pop("encode")
                 fileio.write_json(data.manifest_path(data_cfg), manifest)
-            stats, corpus_wall, corpus_cpu = timed(corpus.build_corpus, data_cfg, log=quiet)
+            stats, corpus_wall, corpus_cpu = timed(pipeline.build_corpus, data_cfg, log=quiet)
             if not attempt:
-                _, tokenizer_wall, _ = timed(corpus.train_tokenizer, data_cfg, log=quiet)
+                _, tokenizer_wall, _ = timed(pipeline.train_tokenizer, data_cfg, log=quiet)
                 tokenizer = data.load_tokenizer(data_cfg)
                 texts = [
-                    t
-                    for split in data.SPLITS
-                    for t in corpus_docs.iter_documents(corpus_docs.docs_path(data_cfg, split))
+                    t for split in data.SPLITS for t in docs.iter_documents(docs.docs_path(data_cfg, split))
                 ]
                 lines = [line for text in texts for line in text.split("\n")]
-            _, encode_wall, encode_cpu = timed(corpus.encode, data_cfg, log=quiet)
+            _, encode_wall, encode_cpu = timed(pipeline.encode, data_cfg, log=quiet)
             _, raw_wall, raw_cpu = timed(tokenizer.processor.encode, lines, num_threads=1)
             runs.append((corpus_wall, corpus_cpu, encode_wall, encode_cpu, raw_wall, raw_cpu))
         corpus_wall, corpus_cpu, encode_wall, encode_cpu, raw_wall, raw_cpu = map(
@@ -75,7 +72,7 @@ def bench_data():
         )
         megabytes = stats["bytes_out"] / 1e6  # UTF-8 text of the kept documents, both splits
 
-        val = list(corpus_docs.iter_documents(corpus_docs.docs_path(data_cfg, "val")))
+        val = list(docs.iter_documents(docs.docs_path(data_cfg, "val")))
         val_tokens = [tokenizer.encode(text) for text in val]
         chars_per_token = sum(map(len, val)) / sum(map(len, val_tokens))
         bytes_per_token = sum(len(t.encode("utf-8")) for t in val) / sum(map(len, val_tokens))
@@ -168,13 +165,13 @@ def translated_texts(language, chars=400, limit=300):
 def bench_language_id():
     """Precision and recall of 'Spanish at py3langid probability >= t' on Spanish against Portuguese,
     Catalan, Galician and Italian documents from the machine's translations."""
-    from corpus import filters as corpus_filters
+    from corpus import filters
 
     texts = {language: translated_texts(language) for language in LOCALE_LANGUAGES}
     if not texts["es"]:
         print("corpus: no Debian translations under /usr/share/locale; language-ID calibration skipped")
         return
-    stage = corpus_filters.LanguageStage({"languages": ["es"], "min_score": 0, "max_chars": 10_000})
+    stage = filters.LanguageStage({"languages": ["es"], "min_score": 0, "max_chars": 10_000})
     scored = [(language, *stage.score(text)) for language, items in texts.items() for text in items]
     print(
         "corpus: language-ID calibration documents: " + ", ".join(f"{k} {len(v)}" for k, v in texts.items())
@@ -218,12 +215,12 @@ def fineweb2_reference(path=FINEWEB2_REFERENCE):
     import yaml
     from datatrove.pipeline.filters import FineWebQualityFilter, GopherQualityFilter, GopherRepetitionFilter
 
-    from corpus import filters as corpus_filters
+    from corpus import filters
 
     with open(path, encoding="utf-8") as f:
         reference = yaml.safe_load(f)
     language, c, fixed = reference["language"], reference["config"], reference["pipeline"]
-    filters = [
+    reference_filters = [
         GopherRepetitionFilter(language=language, dup_line_frac=c["dup_line_frac"], top_n_grams=c["top_n_grams"],
                                dup_n_grams=c["dup_n_grams"], **fixed["gopher_repetition"]),
         FineWebQualityFilter(language=language, line_punct_thr=c["line_punct_thr"],
@@ -232,14 +229,14 @@ def fineweb2_reference(path=FINEWEB2_REFERENCE):
                             min_avg_word_length=c["min_avg_word_length"], stop_words=c["stopwords"],
                             max_non_alpha_words_ratio=c["max_non_alpha_words_ratio"], **fixed["gopher_quality"]),
     ]  # fmt: skip
-    return [corpus_filters.DatatroveStage(f"fineweb2:{f.name}", f) for f in filters]
+    return [filters.DatatroveStage(f"fineweb2:{f.name}", f) for f in reference_filters]
 
 
 def keeps(stages, text):
-    """Whether a document passes every stage (corpus_filters stages: (keep, reason) of a Document)."""
-    from corpus import filters as corpus_filters
+    """Whether a document passes every stage (corpus/filters.py stages: (keep, reason) of a Document)."""
+    from corpus import filters
 
-    return all(stage(corpus_filters.document(text))[0] for stage in stages)
+    return all(stage(filters.document(text))[0] for stage in stages)
 
 
 def pages(text, count, first=0):
@@ -280,7 +277,7 @@ def fidelity_sample(per_source, min_chars, sources=SAMPLE_SOURCES):
                 documents = [r[text_field] for r in records if r.get("kind", name) == name]
         if name == "fortunes-es":
             documents = ["\n".join(documents)]
-        documents = [text for text in map(corpus.clean_text, documents) if len(text) >= min_chars]
+        documents = [text for text in map(pipeline.clean_text, documents) if len(text) >= min_chars]
         chosen = documents[:: max(1, len(documents) // per_source)]
         each = max(1, per_source // len(chosen))
         texts = [
@@ -316,7 +313,7 @@ def bench_fidelity(cfg):
     """The keep/drop agreement of the quality filters with each word split (data.corpus.filters.
     word_tokenizer) against FineWeb-2's own filters, per source of the mixed sample, and the CPU cost per
     MB of each split (the three filters, then MinHash)."""
-    from corpus import filters as corpus_filters
+    from corpus import filters
 
     per_source = int(os.environ.get("BENCH_FIDELITY_DOCS", "120"))
     sample = fidelity_sample(per_source, cfg["min_chars"])
@@ -328,10 +325,10 @@ def bench_fidelity(cfg):
     for name in ("spacy", "regex"):
         filters_cfg = cfg["filters"] | {"word_tokenizer": name}
         by_source, kept, kept_reference, seconds = filter_agreement(
-            sample, corpus_filters.quality_stages(filters_cfg), reference
+            sample, filters.quality_stages(filters_cfg), reference
         )
         same = sum(a for a, _ in by_source.values())
-        hasher = corpus_filters.MinHasher(cfg["near_dedup"], corpus_filters.word_splitter(name))
+        hasher = filters.MinHasher(cfg["near_dedup"], filters.word_splitter(name))
         hasher.bucket_keys(sample[0][1])  # builds the signer, untimed
         start = time.process_time()
         for _, text in sample:
@@ -351,9 +348,7 @@ def bench_fidelity(cfg):
 def bench_corpus():
     """CPU seconds per stage on the same novelas text, single-threaded, as MB per CPU-second; the ratio of
     filters + near-dedup to encoding with a 32k BPE (trained here on the same text)."""
-    from corpus import encode as corpus_encode
-    from corpus import filters as corpus_filters
-    from corpus import pipeline as corpus
+    from corpus import encode, filters, pipeline
 
     bench_language_id()
     cfg = data_layer("corpus")["corpus"]
@@ -365,16 +360,16 @@ def bench_corpus():
     limit = int(os.environ.get("BENCH_CORPUS_DOCS", "20"))  # novels timed (83 in all)
     with gzip.open(novelas, "rt", encoding="utf-8") as f:
         texts = [
-            corpus.clean_text(json.loads(line)["text"]) for _, line in zip(range(limit), f, strict=False)
+            pipeline.clean_text(json.loads(line)["text"]) for _, line in zip(range(limit), f, strict=False)
         ]
     megabytes = sum(len(t.encode("utf-8")) for t in texts) / 1e6
-    documents = [corpus_filters.document(t) for t in texts]
-    stages = {"language": corpus_filters.LanguageStage(cfg["filters"]["language"])}
-    stages |= {stage.name: stage for stage in corpus_filters.quality_stages(cfg["filters"])}
-    words = corpus_filters.word_splitter(cfg["filters"]["word_tokenizer"])
-    hasher = corpus_filters.MinHasher(cfg["near_dedup"], words)
-    scrub = corpus_filters.PiiScrubber(cfg["pii"])
-    guard = corpus_filters.Decontaminator(
+    documents = [filters.document(t) for t in texts]
+    stages = {"language": filters.LanguageStage(cfg["filters"]["language"])}
+    stages |= {stage.name: stage for stage in filters.quality_stages(cfg["filters"])}
+    words = filters.word_splitter(cfg["filters"]["word_tokenizer"])
+    hasher = filters.MinHasher(cfg["near_dedup"], words)
+    scrub = filters.PiiScrubber(cfg["pii"])
+    guard = filters.Decontaminator(
         cfg["decontamination"]["ngram"], None, cfg["decontamination"]["val_max_overlap"]
     )
     seconds = {}
@@ -385,7 +380,7 @@ def bench_corpus():
             function(item)
         seconds[name] = time.process_time() - start
 
-    timed_cpu("clean", lambda d: corpus.clean_text(d.text))
+    timed_cpu("clean", lambda d: pipeline.clean_text(d.text))
     for name, stage in stages.items():
         # each filter alone: datatrove caches the word split of the last texts, which would flatter
         # whichever filter runs second
@@ -400,7 +395,7 @@ def bench_corpus():
         import sentencepiece as spm
 
         data_cfg = data_layer("corpus")
-        settings = corpus_encode.trainer_settings(data_cfg)
+        settings = encode.trainer_settings(data_cfg)
         model = os.path.join(folder, "bpe.model")
         lines = (line for text in texts for line in text.split("\n") if line.strip())
         spm.SentencePieceTrainer.train(
@@ -408,12 +403,12 @@ def bench_corpus():
         )
         tokenizer = data.SentencePieceTokenizer(model)
         timed_cpu("encode (32k BPE)", lambda d: tokenizer.encode(d.text))
-    filters = sum(seconds[name] for name in ("clean", *stages, "pii", "minhash", "decontamination"))
+    filters_s = sum(seconds[name] for name in ("clean", *stages, "pii", "minhash", "decontamination"))
     print(f"corpus: {len(texts)} novels of novelas-cligs, {megabytes:.1f} MB, one core (CPU time)")
     for name, spent in seconds.items():
         print(f"corpus:   {name:<20s} {megabytes / spent:7.2f} MB per CPU-s")
-    encode = seconds["encode (32k BPE)"]
+    encode_s = seconds["encode (32k BPE)"]
     print(
-        f"corpus: clean + filters + PII + MinHash + decontamination {megabytes / filters:.2f} MB per CPU-s; "
-        f"encode {megabytes / encode:.2f} MB per CPU-s: the stages cost {filters / encode:.1f}x the encode step"
+        f"corpus: clean + filters + PII + MinHash + decontamination {megabytes / filters_s:.2f} MB per CPU-s; "
+        f"encode {megabytes / encode_s:.2f} MB per CPU-s: the stages cost {filters_s / encode_s:.1f}x the encode step"
     )

@@ -17,7 +17,7 @@ import data
 import model
 import train
 from bench.common import ROOT, layer, timed
-from corpus import pipeline as corpus
+from corpus import pipeline
 from serve.kernel import KernelUnavailable
 from serve.weights import KernelLinear, SplitLinear, int8_weights, split_matvec, with_kernels
 
@@ -42,9 +42,9 @@ def serve_bench_run(folder, shipped=True):
                  "train.eval_interval=0", "train.sample_tokens=0"]  # fmt: skip
     cfg = config.load(os.path.join(ROOT, "configs", "smoke-corpus-cpu.yaml"), overrides)
     quiet = lambda *args, **kwargs: None  # noqa: E731
-    corpus.build_corpus(cfg["data"], log=quiet)
-    corpus.train_tokenizer(cfg["data"], log=quiet)
-    corpus.encode(cfg["data"], log=quiet)
+    pipeline.build_corpus(cfg["data"], log=quiet)
+    pipeline.train_tokenizer(cfg["data"], log=quiet)
+    pipeline.encode(cfg["data"], log=quiet)
     train.train(cfg, log=quiet)
     return os.path.join(folder, "runs", cfg["run_name"])
 
@@ -151,19 +151,19 @@ def first_token_seconds(net, tokenizer, repeats):
     agent tools), with and without the prefix cache (its blocks cached by an earlier request of another
     member), medians of `repeats` different user messages; `net` needs a context that holds the prompt
     (a longer one restarts its window and shares nothing). Returns (prompt tokens, without, with)."""
-    from agent import tools as agent
-    from chat import template as chat
+    from agent import tools
+    from chat import template
 
     settings = config.load_layer("serve", os.path.join(ROOT, "configs", "serve", "default.yaml"))
-    helper = agent.Agent(agent.load_settings())
+    helper = tools.Agent(tools.load_settings())
     head = [{"role": "system", "content": settings["system_prompt"]}]
-    public = chat.render(helper.conversation(head), tokenizer)[0]
+    public = template.render(helper.conversation(head), tokenizer)[0]
     cache = settings["prefix_cache"]
     options = {"prefix_block": cache["block_tokens"], "prefix_cache_bytes": cache["mib"] * 2**20}
 
     def prompt(index):
         turn = [{"role": "user", "content": f"Pregunta número {index}: ¿qué tiempo hará mañana en Sevilla?"}]
-        return chat.render(helper.conversation(head + turn), tokenizer, for_generation=True)[0]
+        return template.render(helper.conversation(head + turn), tokenizer, for_generation=True)[0]
 
     def first_token(decoder, ids, **scoping):
         start = time.perf_counter()

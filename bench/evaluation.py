@@ -1,6 +1,6 @@
 """
 `make bench ARGS=eval`: log-likelihood requests per second of ENLACE inside lm-evaluation-harness
-(eval_harness.EnlaceLM on the checkpoint) against lm-eval's own `hf` backend on the export of the same run:
+(harness.EnlaceLM on the checkpoint) against lm-eval's own `hf` backend on the export of the same run:
 the same requests, batch 1 and 16, timed side by side in interleaved rounds.
 """
 
@@ -15,7 +15,7 @@ import checkpoint
 import export
 from bench.common import ROOT
 from bench.serve import serve_bench_run
-from evaluation import harness as eval_harness
+from evaluation import harness
 
 FIXTURES = os.path.join(ROOT, "tests", "fixtures", "eval")
 
@@ -24,12 +24,12 @@ def choice_requests(shots=(0, 1, 2, 3)):
     """The multiple-choice fixture's loglikelihood requests at several few-shot counts: 45 questions'
     choices each time, contexts of about 15 to 120 tokens, no two requests alike (lm-eval's `hf` would
     score a repeated one once)."""
-    eval_harness.prepare_hub_access(eval_harness.load_settings(), offline=True)
-    plan = eval_harness.plan_of("enlace_fixture_choice", eval_harness.load_settings(), False, FIXTURES)
-    manager = eval_harness.task_manager_for(plan)
+    harness.prepare_hub_access(harness.load_settings(), offline=True)
+    plan = harness.plan_of("enlace_fixture_choice", harness.load_settings(), False, FIXTURES)
+    manager = harness.task_manager_for(plan)
     requests = []
     for k in shots:
-        [task] = eval_harness.load_tasks(manager, plan)
+        [task] = harness.load_tasks(manager, plan)
         task.set_config(key="num_fewshot", value=k)
         task.set_fewshot_seed(seed=1234)
         task.build_all_requests()
@@ -48,12 +48,10 @@ def bench_eval(batch_sizes=(1, 16), rounds=5):
         run = serve_bench_run(folder)
         hf_dir = os.path.join(folder, "hf")
         export.export(run, "hf", hf_dir, log=lambda *a: None)
-        backend = eval_harness.load_settings()["attention_backend"][
-            "cpu"
-        ]  # as evaluation/runs.py runs on the CPU
+        backend = harness.load_settings()["attention_backend"]["cpu"]  # as evaluation/runs.py runs on the CPU
         model, cfg, tokenizer, path = checkpoint.load_run(run, log=lambda *a: None, attention_backend=backend)
         requests = choice_requests()
-        enlace = eval_harness.EnlaceLM.from_model(model, tokenizer, 1, 256, 1234, path)
+        enlace = harness.EnlaceLM.from_model(model, tokenizer, 1, 256, 1234, path)
         hf = HFLM(pretrained=hf_dir, device="cpu", batch_size=1, dtype="float32", add_bos_token=True)
         contenders = {"enlace": enlace, "hf": hf}
         print(f"eval: {len(requests)} loglikelihood requests of {os.path.basename(run)} ({model.num_params() / 1e6:.1f}M "

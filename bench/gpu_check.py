@@ -231,7 +231,7 @@ def step_board(check):
 
 def step_data(check):
     """The data layer tiny-50m trains on, built if missing (the corpus steps skip what is up to date)."""
-    from corpus import pipeline as corpus
+    from corpus import pipeline
 
     args = check.args
     if args.device == "cpu":
@@ -246,7 +246,7 @@ def step_data(check):
             what = "the smoke corpus (data/corpus-smoke; the stage-1 shards are not built here)"
     # Its training runs stop by the clock (max_steps 10**9), not by their steps: no token budget to check.
     layer = layer | {"warn_epochs": None, "max_epochs": None}
-    for step in (corpus.build_corpus, corpus.train_tokenizer, corpus.encode):
+    for step in (pipeline.build_corpus, pipeline.train_tokenizer, pipeline.encode):
         step(layer, log=check.say)
     tokenizer = data.load_tokenizer(layer)
     tokens = sum(data.read_shard_header(path)[0] for path in data.shard_paths(layer, "train"))

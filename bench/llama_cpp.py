@@ -28,7 +28,7 @@ import export
 import model
 from bench.common import ROOT, in_turns, layer, run_fresh, spread
 from bench.decoding import greedy_answers, memory_bandwidth, random_prompts, step_bytes
-from corpus import pipeline as corpus
+from corpus import pipeline
 from serve.aot import AotStep
 from serve.weights import int8_weights, split_matvec, with_kernels
 
@@ -77,8 +77,8 @@ def smoke_corpus_tokenizer(folder):
         return data.load_tokenizer(shipped)
     cfg = config.load(path, [f"data.dir={folder}/data"])
     quiet = lambda *args, **kwargs: None  # noqa: E731
-    corpus.build_corpus(cfg["data"], log=quiet)
-    corpus.train_tokenizer(cfg["data"], log=quiet)
+    pipeline.build_corpus(cfg["data"], log=quiet)
+    pipeline.train_tokenizer(cfg["data"], log=quiet)
     return data.load_tokenizer(cfg["data"])
 
 

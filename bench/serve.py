@@ -142,11 +142,11 @@ def bench_serve(clients=20, requests_per_client=10, max_tokens=8, new_tokens=64,
 def served_decoders(net, slot_counts):
     """{slots: an empty, compiled model.Decoder} of net as the server decodes it on this CPU: the weights
     (serve/app.py prepare_weights) and decode step (decoding_options) of configs/serve/default.yaml."""
-    from serve import app as serve_app
+    from serve import app
 
     settings = config.load_layer("serve", os.path.join(ROOT, "configs", "serve", "default.yaml"))
-    served = serve_app.prepare_weights(net, settings, "cpu")
-    decoding = serve_app.decoding_options(settings, "cpu")
+    served = app.prepare_weights(net, settings, "cpu")
+    decoding = app.decoding_options(settings, "cpu")
     decoders = {}
     for slots in slot_counts:
         decoders[slots] = served.decoder(slots, allocate=True, **decoding)
@@ -210,10 +210,10 @@ def http_streams(run, folder, members=8, answer_tokens=48, rounds=3):
     server reports), medians of `rounds`; and whether each answer at once is its answer alone."""
     import httpx
 
-    from family import accounts as serve_accounts
+    from family import accounts
 
     database = os.path.join(folder, f"bench-http-{members}.sqlite")
-    store = serve_accounts.Store(database)
+    store = accounts.Store(database)
     keys = [store.add_member(f"m{i}", "adult") for i in range(members)]
     proc, url = start_server(run, database, members, members)
     model_id = httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {keys[0]}"}).json()["data"][
@@ -262,10 +262,10 @@ def load_test(run, folder, clients, requests_per_client, max_tokens, max_batch):
     over the seconds its worker spent generating (the same answers without HTTP, queue or JSON)."""
     import httpx
 
-    from family import accounts as serve_accounts
+    from family import accounts
 
     database = os.path.join(folder, f"bench-{max_batch}-{max_tokens}.sqlite")
-    store = serve_accounts.Store(database)
+    store = accounts.Store(database)
     admin = store.add_member("admin", "admin")
     keys = [store.add_member(f"c{i}", "adult") for i in range(clients)]
     proc, url = start_server(run, database, clients, max_batch)
@@ -335,17 +335,17 @@ def bench_memory(count=100_000, members=6, queries=300, new_tokens=64):
     prompt filling the window but `new_tokens`, then `new_tokens` generated with the KV cache."""
     import random
 
-    from family import memories as memory
+    from family import memories
 
     with gzip.open(os.path.join(ROOT, "corpus", "fortunes-es.txt.gz"), "rt", encoding="utf-8") as f:
         sentences = [s.strip() for s in f.read().replace("\n", " ").split(".") if 20 < len(s.strip()) < 300]
     rng = random.Random(0)
     names = [f"miembro{i}" for i in range(members)]
-    cfg = memory.load_config()
+    cfg = memories.load_config()
     count_tokens = lambda text: len(data.ByteTokenizer().encode(text))  # noqa: E731 - >= a BPE's count
     with tempfile.TemporaryDirectory(prefix="bench-memory-") as folder:
-        conn = memory.connect(os.path.join(folder, "familia.db"), cfg)
-        stamp = memory.now_text()
+        conn = memories.connect(os.path.join(folder, "familia.db"), cfg)
+        stamp = memories.now_text()
         rows = [
             (
                 rng.choice(names),
@@ -368,7 +368,7 @@ def bench_memory(count=100_000, members=6, queries=300, new_tokens=64):
         for _ in range(queries):
             question = rng.choice(sentences)
             start = time.perf_counter()
-            context = memory.context_for_turn(conn, rng.choice(names), "adult", question, cfg, count_tokens)
+            context = memories.context_for_turn(conn, rng.choice(names), "adult", question, cfg, count_tokens)
             times.append(time.perf_counter() - start)
             lengths.append(context.count("\n- ["))
         conn.close()

@@ -22,7 +22,7 @@ import numpy as np
 
 import config
 import fileio
-from chat import convert as chat_convert
+from chat import convert
 from chat.template import (
     ChatError,
     decode_utf8,
@@ -320,14 +320,14 @@ def import_file(kind, path, out_path, skip_bad=False, lang=None, log=print):
 
     source = f"{kind}:{os.path.basename(path)}"
     records = read_records(path)
-    converter = chat_convert.IMPORTERS[kind]
+    converter = convert.IMPORTERS[kind]
     converted = converter(records, source, lang) if kind == "oasst" else converter(records, source)
     problems_of = preference_problems if kind == "preference" else training_problems
     lines, skipped = [], 0
     for where, conversation in converted:
         problems = (
             [str(conversation)]
-            if isinstance(conversation, chat_convert.RecordError)
+            if isinstance(conversation, convert.RecordError)
             else problems_of(conversation)
         )
         if problems:
@@ -396,9 +396,9 @@ def export_preferences(db_path, out_path, val_path=None, val_share=None, log=pri
 
 
 def write_seed_pairs(paths, out_path, seed, log=print):
-    """The pairs chat_convert.seed_pairs makes from the conversations of paths, as preference JSONL."""
+    """The pairs convert.seed_pairs makes from the conversations of paths, as preference JSONL."""
     conversations = [found for path in paths for found in read_conversations(path)[0]]
-    pairs = chat_convert.seed_pairs(conversations, seed)
+    pairs = convert.seed_pairs(conversations, seed)
     write_pairs(out_path, pairs)
     kinds = collections.Counter(pair["source"].split(":")[1] for pair in pairs)
     log(
@@ -486,7 +486,7 @@ def main(argv):
             prepare(cfg)
         elif command == "import":
             parser = argparse.ArgumentParser(prog="python -m chat import")
-            parser.add_argument("--from", dest="kind", required=True, choices=sorted(chat_convert.IMPORTERS))
+            parser.add_argument("--from", dest="kind", required=True, choices=sorted(convert.IMPORTERS))
             parser.add_argument("file")
             parser.add_argument("out")
             parser.add_argument("--skip-bad", action="store_true", help="leave out bad records (counted)")

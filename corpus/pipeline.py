@@ -46,7 +46,7 @@ import unicodedata
 import numpy as np
 from tqdm import tqdm
 
-from corpus import filters as corpus_filters
+from corpus import filters
 from corpus.docs import LENGTH_BINS, SCORE_BINS, docs_path, outputs_intact, processes_of
 from corpus.sources import expand_sources, raw_documents
 from data import NEWLINE, PIPELINE_VERSION, SPLITS, DataError, manifest_path, read_manifest
@@ -193,17 +193,15 @@ class FilterTask:
         cfg = self.corpus_cfg
         filters_cfg = cfg["filters"]
         language = (
-            corpus_filters.LanguageStage(filters_cfg["language"])
-            if filters_cfg["language"]["enabled"]
-            else None
+            filters.LanguageStage(filters_cfg["language"]) if filters_cfg["language"]["enabled"] else None
         )
-        quality = corpus_filters.quality_stages(filters_cfg)
-        scrub = corpus_filters.PiiScrubber(cfg["pii"]) if cfg["pii"]["enabled"] else None
+        quality = filters.quality_stages(filters_cfg)
+        scrub = filters.PiiScrubber(cfg["pii"]) if cfg["pii"]["enabled"] else None
         dedup_cfg = cfg["near_dedup"]
         hasher = None
         if dedup_cfg["enabled"]:
-            words = corpus_filters.word_splitter(filters_cfg["word_tokenizer"])
-            hasher = corpus_filters.MinHasher(dedup_cfg, words)
+            words = filters.word_splitter(filters_cfg["word_tokenizer"])
+            hasher = filters.MinHasher(dedup_cfg, words)
         width = dedup_cfg["buckets"] if hasher else 0
         names = [source["name"] for source in cfg["sources"]]
         stats = {name: new_source_stats() for name in names}
@@ -240,7 +238,7 @@ class FilterTask:
                 if not ok:
                     drop(s, name, "empty" if not text else "too_short", text)
                     continue
-                doc = corpus_filters.document(text, name)
+                doc = filters.document(text, name)
                 stages = [
                     stage for stage in ([language] if language else []) + quality if runs(source, stage.name)
                 ]
@@ -611,7 +609,7 @@ def near_dedup(task, tasks, order, dedup_cfg, stats):
     if dedup_cfg["enabled"] and order:
         keys = [np.load(task.paths(rank)["keys"]) for rank in range(tasks)]
         matrix = np.stack([keys[rank][row] for rank, row in order])
-        clusters = corpus_filters.near_duplicate_clusters(matrix)
+        clusters = filters.near_duplicate_clusters(matrix)
     else:
         clusters = np.arange(len(order))
     sizes = np.bincount(clusters, minlength=len(order))
@@ -626,9 +624,7 @@ def decontaminator(corpus_cfg, workdir, tasks, rows, clusters, stats):
     """Pass 2: the n-grams no train document may share, from the evaluation files and the val documents
     (one per cluster); n-grams common in the language are left out."""
     decon_cfg = corpus_cfg["decontamination"]
-    guard = corpus_filters.Decontaminator(
-        decon_cfg["ngram"], decon_cfg["common_in"], decon_cfg["val_max_overlap"]
-    )
+    guard = filters.Decontaminator(decon_cfg["ngram"], decon_cfg["common_in"], decon_cfg["val_max_overlap"])
     for path in eval_files(corpus_cfg):
         with open(path, encoding="utf-8", errors="replace") as f:
             guard.protect(path, f.read())
@@ -772,21 +768,21 @@ def download(data_cfg, log=print):
 
 
 def report(data_cfg, log=print):
-    from corpus import report as corpus_report  # matplotlib only when a report is asked for
+    import corpus.report  # matplotlib only when a report is asked for
 
-    return corpus_report.write_report(data_cfg, log)
+    return corpus.report.write_report(data_cfg, log)
 
 
 def train_tokenizer(data_cfg, log=print):
-    from corpus import encode as corpus_encode
+    import corpus.encode
 
-    return corpus_encode.train_tokenizer(data_cfg, log)
+    return corpus.encode.train_tokenizer(data_cfg, log)
 
 
 def encode(data_cfg, log=print):
-    from corpus import encode as corpus_encode
+    import corpus.encode
 
-    return corpus_encode.encode(data_cfg, log)
+    return corpus.encode.encode(data_cfg, log)
 
 
 STEPS = {
@@ -807,14 +803,14 @@ def main(argv):
     if argv[:1] == ["chars-per-token"]:  # a tokenizer file and text files, no config
         import argparse
 
-        from corpus import encode as corpus_encode
+        import corpus.encode
 
         parser = argparse.ArgumentParser(prog="python -m corpus chars-per-token")
         parser.add_argument("model", help="a tokenizer.model, e.g. data/corpus-2060/tokenizer.model")
         parser.add_argument("files", nargs="+", help="UTF-8 text files (FLORES-200: one sentence a line)")
         args = parser.parse_args(argv[1:])
         try:
-            corpus_encode.chars_per_token(args.model, args.files)
+            corpus.encode.chars_per_token(args.model, args.files)
         except DataError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2

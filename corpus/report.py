@@ -16,8 +16,10 @@ matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from corpus import docs as corpus_docs  # noqa: E402
-from corpus import hub as corpus_hub  # noqa: E402
+from corpus import (
+    docs,  # noqa: E402
+    hub,  # noqa: E402
+)
 from data import DataError, load_tokenizer, read_manifest  # noqa: E402
 from fileio import write_atomic  # noqa: E402
 
@@ -75,7 +77,7 @@ def plot_drops(sources, path):
 
 
 def plot_lengths(sources, path):
-    edges = corpus_docs.LENGTH_BINS
+    edges = docs.LENGTH_BINS
     centers = np.concatenate([[edges[0] / 1.5], np.sqrt(edges[:-1] * edges[1:]), [edges[-1] * 1.5]])
     figure, axes = plt.subplots(1, 2, figsize=(12, 4), sharey=True)
     for axis, key, title in zip(
@@ -104,7 +106,7 @@ def plot_clusters(cluster_sizes, path):
 
 def plot_language(sources, path):
     figure, axis = plt.subplots(figsize=(7, 3.5))
-    bins = corpus_docs.SCORE_BINS
+    bins = docs.SCORE_BINS
     for name, s in sources.items():
         if sum(s["language_score"]):
             axis.step(bins, s["language_score"], where="post", label=name)
@@ -138,7 +140,7 @@ def chars_per_token(data_cfg):
     """{source: (characters, tokens)} of the val split (held out from tokenizer training), and 'all'."""
     tokenizer = load_tokenizer(data_cfg)
     counts = {}
-    with open(corpus_docs.docs_path(data_cfg, "val"), "rb") as f:
+    with open(docs.docs_path(data_cfg, "val"), "rb") as f:
         for line in f:
             record = json.loads(line)
             chars, tokens = counts.get(record["source"], (0, 0))
@@ -198,7 +200,7 @@ def write_report(data_cfg, log=print):
     out += [
         table(["source", "kind", "licence", "docs in", "docs kept", "chars in", "chars kept", "kept"], rows)
     ]
-    out += ["", *corpus_hub.report_lines(data_cfg["corpus"])]
+    out += ["", *hub.report_lines(data_cfg["corpus"])]
     out += ["## What each stage kept", "", "![funnel](report/funnel.png)", ""]
     rows = []
     for name, s in sources.items():

@@ -56,7 +56,7 @@ import checkpoint
 import config
 import data
 import fileio
-from chat import template as chat
+from chat import template
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_SETTINGS = os.path.join(ROOT, "configs", "eval", "default.yaml")
@@ -172,7 +172,7 @@ class EnlaceLM(TemplateLM):
         return f"enlace-{self.tokenizer.name}-{os.path.basename(str(self.name))}"
 
     def chat_template(self, chat_template=False):
-        return f"chat.render (ENLACE chat template version {chat.CHAT_TEMPLATE_VERSION})"
+        return f"chat.render (ENLACE chat template version {template.CHAT_TEMPLATE_VERSION})"
 
     def apply_chat_template(self, chat_history, add_generation_prompt=True):
         """lm-eval's chat turns as chat.render lays them out. lm-eval wants text; the text returned is
@@ -186,8 +186,8 @@ class EnlaceLM(TemplateLM):
         if not add_generation_prompt and messages and messages[-1]["role"] == "assistant":
             prefill = messages.pop()["content"]
         conversation = {"messages": messages}
-        ids, _ = chat.render(conversation, self.tokenizer, for_generation=True)
-        text = chat.render_text(conversation, for_generation=True)
+        ids, _ = template.render(conversation, self.tokenizer, for_generation=True)
+        text = template.render_text(conversation, for_generation=True)
         if prefill:
             ids, text = ids + self.tokenizer.encode(prefill), text + prefill
         self.rendered[text] = ids

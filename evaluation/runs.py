@@ -13,7 +13,7 @@ An evaluation writes RUN/eval/<step>-<suite>[-limitN][-Kshot][-chat].json (lm-ev
 CLI writes it, plus an "enlace" entry: checkpoint, step, sha256, the request) and a Markdown table beside
 it (.md), printed too; --log-samples adds every request's scores, one JSONL per task. The same checkpoint
 (by sha256) and request again reuse the stored result unless --force. Nothing is written before the
-evaluation has finished. The model is eval_harness.EnlaceLM: the checkpoint itself, no export.
+evaluation has finished. The model is harness.EnlaceLM: the checkpoint itself, no export.
 
 The report card (RUN/report.md) puts on one page what a person needs to judge a run: config, hardware,
 wall time, tokens seen, the tokenizer's characters per token, val loss and bits per byte, every stored
@@ -36,10 +36,9 @@ import checkpoint
 import config
 import data
 import fileio
-from chat import template as chat
+from chat import template
 from checkpoint import CheckpointError
-from evaluation import harness as eval_harness
-from evaluation import plot
+from evaluation import harness, plot
 from evaluation.harness import EvalError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -101,7 +100,7 @@ def stored_result(path, sha256, request):
 def evaluate_run(args, out=None, log=lambda m: print(m, file=sys.stderr)):
     """The evaluation command; returns the results path."""
     out = out or sys.stdout
-    settings = eval_harness.load_settings(path=args.config)
+    settings = harness.load_settings(path=args.config)
     ckpt_path, step = newest_checkpoint(args.run)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise EvalError("--device cuda: no CUDA device found")
@@ -112,7 +111,7 @@ def evaluate_run(args, out=None, log=lambda m: print(m, file=sys.stderr)):
         raise EvalError(
             f"{ckpt_path}: a {tokenizer.name} run has no chat template; evaluate it without --chat"
         )
-    plan = eval_harness.plan_of(args.tasks, settings, chat_mode, args.include_path, args.num_fewshot)
+    plan = harness.plan_of(args.tasks, settings, chat_mode, args.include_path, args.num_fewshot)
     eval_dir = os.path.join(run_dir_of(args.run), "eval")
     stem = result_stem(step, plan, args, chat_mode)
     results_path = os.path.join(eval_dir, stem + ".json")
@@ -125,28 +124,28 @@ def evaluate_run(args, out=None, log=lambda m: print(m, file=sys.stderr)):
         log(f"reused {results_path} (same checkpoint and request; --force evaluates again)")
         return results_path
 
-    eval_harness.prepare_hub_access(settings, args.offline, log)
-    manager = eval_harness.task_manager_for(plan)
-    tasks = eval_harness.load_tasks(manager, plan, settings["suites"])
-    lm = eval_harness.EnlaceLM.from_model(
+    harness.prepare_hub_access(settings, args.offline, log)
+    manager = harness.task_manager_for(plan)
+    tasks = harness.load_tasks(manager, plan, settings["suites"])
+    lm = harness.EnlaceLM.from_model(
         model, tokenizer, args.batch_size or settings["batch_size"],
         settings["max_gen_toks"], settings["seed"], ckpt_path,
     )  # fmt: skip
     log(f"evaluating {ckpt_path} (step {step}) on {', '.join(s.name for s in plan.tasks)}"
         + (" through chat.render" if chat_mode else ""))  # fmt: skip
-    results = eval_harness.run(lm, manager, tasks, settings, args.limit, chat_mode, args.system)
+    results = harness.run(lm, manager, tasks, settings, args.limit, chat_mode, args.system)
     if lm.truncated:
         log(f"{lm.truncated} requests did not fit the {model.seq_len}-token context: cut from the left")
-    rows = eval_harness.score_rows(results, plan)
+    rows = harness.score_rows(results, plan)
     title = f"{os.path.basename(os.path.normpath(run_dir_of(args.run)))} · step {step} · {plan.label}"
     title += f" · limit {args.limit}" if args.limit else ""
     title += " · prompts through chat.render" if chat_mode else ""
-    table = eval_harness.markdown_table(rows, plan, title)
+    table = harness.markdown_table(rows, plan, title)
     samples = results.pop("samples", {})
     results["enlace"] = {
         "run": run_dir_of(args.run), "checkpoint": ckpt_path, "step": step, "sha256": sha256,
-        "request": request, "suite": plan.suite, "score_name": eval_harness.score_name(plan),
-        "score": eval_harness.score(rows), "rows": rows, "code_version": fileio.code_version(),
+        "request": request, "suite": plan.suite, "score_name": harness.score_name(plan),
+        "score": harness.score(rows), "rows": rows, "code_version": fileio.code_version(),
     }  # fmt: skip
     if args.log_samples:
         for task, task_samples in samples.items():
@@ -167,11 +166,11 @@ def evaluate_run(args, out=None, log=lambda m: print(m, file=sys.stderr)):
 
 def download(args, log=lambda m: print(m, file=sys.stderr)):
     """Load every task of a suite or list once: lm-eval downloads their datasets into the cache."""
-    settings = eval_harness.load_settings(path=args.config)
-    plan = eval_harness.plan_of(args.tasks, settings, True, args.include_path)
-    manager = eval_harness.task_manager_for(plan)
-    eval_harness.load_tasks(manager, plan, settings["suites"])
-    log(f"{len(plan.tasks)} tasks' datasets are in {eval_harness.cache_folder()}; copy that folder to a "
+    settings = harness.load_settings(path=args.config)
+    plan = harness.plan_of(args.tasks, settings, True, args.include_path)
+    manager = harness.task_manager_for(plan)
+    harness.load_tasks(manager, plan, settings["suites"])
+    log(f"{len(plan.tasks)} tasks' datasets are in {harness.cache_folder()}; copy that folder to a "
         "machine without internet and set HF_DATASETS_OFFLINE=1 there")  # fmt: skip
 
 
@@ -262,7 +261,7 @@ def agent_rates(run):
     rule = "|---:|" + "---:|" * len(rates)
     values = (
         f"| {report.get('conversations', '–')} | "
-        + " | ".join(eval_harness.fmt(v, 3) for v in rates.values())
+        + " | ".join(harness.fmt(v, 3) for v in rates.values())
         + " |"
     )
     return (
@@ -280,7 +279,7 @@ def samples(model, tokenizer, chat_run, settings):
     out = []
     for prompt in (report["chat_prompts"] if chat_run else report["prompts"])[:3]:
         if chat_run:
-            ids, _ = chat.render(
+            ids, _ = template.render(
                 {"messages": [{"role": "user", "content": prompt}]}, tokenizer, for_generation=True
             )
         else:
@@ -344,7 +343,7 @@ def report_card(run, settings, log=lambda m: print(m, file=sys.stderr)):
     during = [r for r in records if "eval_score" in r]
     if during:
         lines += ["During training (train.eval): " + ", ".join(
-            f"step {r['step']} {eval_harness.fmt(r['eval_score'], 3)}" for r in during) + "", ""]  # fmt: skip
+            f"step {r['step']} {harness.fmt(r['eval_score'], 3)}" for r in during) + "", ""]  # fmt: skip
 
     rates_table = agent_rates(run)
     if rates_table:
@@ -370,7 +369,7 @@ def write_report(run, config_path=None, out=None):
     out = out or sys.stdout
     if not os.path.isdir(run):
         raise CheckpointError(f"{run}: not a run directory")
-    text = report_card(run, eval_harness.load_settings(path=config_path))
+    text = report_card(run, harness.load_settings(path=config_path))
     path = os.path.join(run, "report.md")
     fileio.write_atomic(path, lambda f: f.write(text.encode()))
     out.write(text)
@@ -385,7 +384,7 @@ def parse_args(argv):
     if argv[:1] == ["report"]:
         parser = argparse.ArgumentParser(prog="evaluation/runs.py report", description="Write RUN/report.md.")
         parser.add_argument("run", help="run directory")
-        parser.add_argument("--config", default=eval_harness.DEFAULT_SETTINGS, help="eval layer file")
+        parser.add_argument("--config", default=harness.DEFAULT_SETTINGS, help="eval layer file")
         return "report", parser.parse_args(argv[1:])
     if argv[:1] == ["download"]:
         parser = argparse.ArgumentParser(
@@ -393,7 +392,7 @@ def parse_args(argv):
         )
         parser.add_argument("tasks", help="a suite of the eval layer or task names separated by commas")
         parser.add_argument("--include-path", help="folder of local task YAMLs")
-        parser.add_argument("--config", default=eval_harness.DEFAULT_SETTINGS, help="eval layer file")
+        parser.add_argument("--config", default=harness.DEFAULT_SETTINGS, help="eval layer file")
         return "download", parser.parse_args(argv[1:])
     parser = argparse.ArgumentParser(description="Evaluate an ENLACE run with lm-evaluation-harness.")
     parser.add_argument("run", help="run directory (newest checkpoint) or checkpoint file")
@@ -420,7 +419,7 @@ def parse_args(argv):
     )
     parser.add_argument("--force", action="store_true", help="evaluate again even when a stored result fits")
     parser.add_argument("--offline", action="store_true", help="only cached datasets (HF_DATASETS_OFFLINE)")
-    parser.add_argument("--config", default=eval_harness.DEFAULT_SETTINGS, help="eval layer file")
+    parser.add_argument("--config", default=harness.DEFAULT_SETTINGS, help="eval layer file")
     args = parser.parse_args(argv)
     for name in ("limit", "batch_size"):
         value = getattr(args, name)
@@ -440,7 +439,7 @@ def main(argv):
             download(args)
         else:
             evaluate_run(args)
-    except (EvalError, CheckpointError, config.ConfigError, data.DataError, chat.ChatError) as e:
+    except (EvalError, CheckpointError, config.ConfigError, data.DataError, template.ChatError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except fileio.StorageError as e:

@@ -12,7 +12,7 @@ set (conversations/agent/handwritten.jsonl, README in that folder) is 84 prompts
 generated conversation repeats one of them. Both are asked as the server asks a family member's turn:
 the six tools on offer (the generated conversations keep the three or six they were made with), the date,
 and the member's memories in the system turn (memory.context_for_turn over a real memory database holding
-the prompt's memories), each reply generated greedily with the calls constrained (agent_grammar) unless
+the prompt's memories), each reply generated greedily with the calls constrained (agent/grammar.py) unless
 the run's agent.constrained is off.
 
 On each prompt:
@@ -39,10 +39,9 @@ import unicodedata
 
 import fileio
 import search
-from agent import dataset as agent_data
-from agent import tools as agent
-from chat import template as chat
-from family import memories as memory
+from agent import dataset, tools
+from chat import template
+from family import memories
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HANDWRITTEN = os.path.join(ROOT, "conversations", "agent", "handwritten.jsonl")
@@ -74,9 +73,7 @@ def result_fact(name, result, answer=None):
     if name == "olvidar":
         return "borrado"
     if name == "fecha_hora":
-        facts = agent_data.DATE_PATTERN.findall(result.split(": ")[-1]) + agent_data.TIME_PATTERN.findall(
-            result
-        )
+        facts = dataset.DATE_PATTERN.findall(result.split(": ")[-1]) + dataset.TIME_PATTERN.findall(result)
         stated = [fact for fact in facts if answer is None or fact in answer]
         return stated or None
     return result.lower()
@@ -99,7 +96,7 @@ def generated_cases(conversations):
                 "prompt": {"messages": messages[:2], "tools": tools}, "tool": None, "reference": first}  # fmt: skip
         if "tool_calls" in first:
             call = first["tool_calls"][0]["function"]
-            expected = chat.arguments_of(first["tool_calls"][0])
+            expected = template.arguments_of(first["tool_calls"][0])
             result, answer = messages[3]["content"], messages[4]["content"].lower()
             case.update(tool=call["name"], check=lambda arguments, expected=expected: arguments == expected)
             fact = result_fact(call["name"], result, answer)
@@ -125,20 +122,20 @@ def key_values_hold(arguments, keys):
 
 def handwritten_cases(entries, settings, count_tokens, context_len):
     """Each entry as the server would ask it of an adult member whose memories are the entry's."""
-    cfg = memory.load_config()
+    cfg = memories.load_config()
     with tempfile.TemporaryDirectory(prefix="agent-eval-") as folder:
         for number, entry in enumerate(entries):
-            conn = memory.connect(os.path.join(folder, f"{number}.sqlite"), cfg)
+            conn = memories.connect(os.path.join(folder, f"{number}.sqlite"), cfg)
             for held in entry.get("memories", []):
                 held = held if isinstance(held, dict) else {"text": held, "scope": "private"}
-                memory.add(conn, MEMBER, "adult", held["text"], cfg, held["scope"])
-            caller = memory.Caller(MEMBER, "adult", conn, threading.Lock(), cfg)
-            block = memory.context_for_turn(
+                memories.add(conn, MEMBER, "adult", held["text"], cfg, held["scope"])
+            caller = memories.Caller(MEMBER, "adult", conn, threading.Lock(), cfg)
+            block = memories.context_for_turn(
                 conn, MEMBER, "adult", entry["prompt"], cfg, count_tokens, context_len
             )
             results = [search.SearchResult(**entry["result"], rank=1)] if "result" in entry else []
-            helper = agent.Agent(settings, clock=lambda: CLOCK, member=caller, count_tokens=count_tokens,
-                                 searcher=agent_data.CannedSearch(results))  # fmt: skip
+            helper = tools.Agent(settings, clock=lambda: CLOCK, member=caller, count_tokens=count_tokens,
+                                 searcher=dataset.CannedSearch(results))  # fmt: skip
             system = (
                 [{"role": "system", "content": "\n\n".join((settings["system_prompt"], block))}]
                 if block
@@ -150,7 +147,7 @@ def handwritten_cases(entries, settings, count_tokens, context_len):
                     "tool": entry["tool"]}  # fmt: skip
             if entry["tool"]:
                 context = helper.new_context()
-                result = helper.call(agent.Call(entry["tool"], entry["call"]), context)
+                result = helper.call(tools.Call(entry["tool"], entry["call"]), context)
                 call = {"type": "function", "function": {"name": entry["tool"], "arguments": entry["call"]}}
                 case["reference"] = {"role": "assistant", "content": "", "tool_calls": [call]}
                 with_result = messages + [
@@ -167,14 +164,14 @@ def handwritten_cases(entries, settings, count_tokens, context_len):
 # Scoring
 
 
-def valid_calls(calls, tools, settings):
+def valid_calls(calls, specs, settings):
     """Whether every call is well formed, names a tool on offer and has arguments its schema accepts."""
-    offered = {spec["function"]["name"]: spec for spec in tools or []}
+    offered = {spec["function"]["name"]: spec for spec in specs or []}
     for call in calls:
         if call.error or call.name not in offered:
             return False
-        entry = agent.TOOLS.get(call.name)
-        if entry is not None and agent.argument_problem(entry, call.arguments, settings):
+        entry = tools.TOOLS.get(call.name)
+        if entry is not None and tools.argument_problem(entry, call.arguments, settings):
             return False
     return bool(calls)
 
@@ -190,7 +187,7 @@ def evaluate(cases, reply, settings, log=print, examples=5):
         text, cut = reply(case["prompt"])
         if len(shown) < examples:
             shown.append({"question": case["question"], "reply": text})
-        calls = agent.parse_reply(text).calls
+        calls = tools.parse_reply(text).calls
         tool = case["tool"]
         row = by_tool.setdefault(tool or "ninguna", dict.fromkeys(("prompts", "right", "arguments"), 0))
         right = (calls[0].name == tool) if (calls and tool) else (not calls and tool is None)
@@ -210,7 +207,7 @@ def evaluate(cases, reply, settings, log=print, examples=5):
         if "answer_prompt" in case:
             counts["answered"] += 1
             answer, _ = reply(case["answer_prompt"])
-            counts["uses"] += states(agent.parse_reply(answer).content, case["fact"])
+            counts["uses"] += states(tools.parse_reply(answer).content, case["fact"])
         if (index + 1) % 25 == 0:
             log(f"  {index + 1} prompts")
     report = {"counts": counts, "by_tool": by_tool, "examples": shown}
@@ -221,20 +218,20 @@ def evaluate(cases, reply, settings, log=print, examples=5):
 
 def model_reply(model, tokenizer, max_new_tokens, settings):
     """Greedy generation of the next assistant turn, up to <|end|>, its tool calls constrained to the
-    conversation's tools (agent_grammar) unless agent.constrained is off: the model as a policy, returning
+    conversation's tools (agent/grammar.py) unless agent.constrained is off: the model as a policy, returning
     (text, whether the budget ended it inside a call). The KV cache of the previous prompt is kept and
     rewound to the prefix the next prompt shares with it (an answer's prompt extends its question's);
     the logits are those of a full forward pass either way. Prompts longer than the context are cut from
     the left, as model.generate does."""
     import torch
 
-    from agent import grammar as agent_grammar
+    from agent import grammar
 
     end = tokenizer.special_ids["<|end|>"]
     state = {"ids": [], "cache": model.new_kv_cache()}
 
     def reply(conversation):
-        ids, _ = chat.render(conversation, tokenizer, for_generation=True)
+        ids, _ = template.render(conversation, tokenizer, for_generation=True)
         ids = ids[-(model.seq_len - max_new_tokens) :]
         cached, cache = state["ids"], state["cache"]
         shared = 0
@@ -242,9 +239,7 @@ def model_reply(model, tokenizer, max_new_tokens, settings):
             shared += 1
         cache.length = shared  # later positions are overwritten
         out = []
-        constraint = agent_grammar.constraint_for(
-            tokenizer, conversation.get("tools"), settings, max_new_tokens
-        )
+        constraint = grammar.constraint_for(tokenizer, conversation.get("tools"), settings, max_new_tokens)
         with torch.no_grad():
             logits = model.forward_with_cache(torch.tensor([ids[shared:]]), cache)
             for _ in range(max_new_tokens):
@@ -307,12 +302,12 @@ def main(argv):
 
     try:
         model, cfg, tokenizer, ckpt_path = load_run(args.run)
-        generated = agent_data.read_jsonl(args.generated)[: args.limit or None]
-        entries = agent_data.read_jsonl(args.handwritten)[: args.limit or None]
+        generated = dataset.read_jsonl(args.generated)[: args.limit or None]
+        entries = dataset.read_jsonl(args.handwritten)[: args.limit or None]
     except (SampleError, OSError) as exc:
         print(f"evaluation/tool_use.py: {exc}", file=sys.stderr)
         return 2
-    settings = agent.load_settings(cfg.get("agent"))
+    settings = tools.load_settings(cfg.get("agent"))
     reply = model_reply(model, tokenizer, args.max_new_tokens, settings)
     count_tokens = lambda text: len(tokenizer.encode(text))  # noqa: E731
     reports = {}

@@ -22,8 +22,7 @@ import time
 import uuid
 
 import fileio
-from family import feedback
-from family import memories as memory
+from family import feedback, memories
 
 ROLES = ("admin", "adult", "child")
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9ÁÉÍÓÚÜÑáéíóúüñ][A-Za-z0-9ÁÉÍÓÚÜÑáéíóúüñ._-]{0,39}$")
@@ -90,7 +89,7 @@ class Store:
         self.db.execute("PRAGMA foreign_keys=ON")
         self.db.execute("PRAGMA secure_delete=ON")  # a deleted account or conversation leaves no text behind
         self.migrate()
-        memory.ensure_schema(self.db)
+        memories.ensure_schema(self.db)
         feedback.ensure_schema(self.db)
 
     # --- the schema's versions: PRAGMA user_version counts the steps a file has taken
@@ -210,7 +209,7 @@ class Store:
         removed = self.write(("DELETE FROM members WHERE name = ?", (name,))) > 0
         if removed:
             with self.lock:
-                memory.member_removed(self.db, name)  # their memories go with the account
+                memories.member_removed(self.db, name)  # their memories go with the account
         return removed
 
     def new_key(self, name):

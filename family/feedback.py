@@ -1,7 +1,7 @@
 """
 The family's ratings of the assistant's answers, and each member's consent to train on them.
 
-Two tables in the server's SQLite database, beside the conversations (serve_accounts.Store creates them):
+Two tables in the server's SQLite database, beside the conversations (accounts.Store creates them):
 
     feedback(id, member_id, conversation_id, message_index, prompt, answer, rating, better, created, updated)
         one row per rated answer: 1 (👍) or -1 (👎), and optionally the answer the member wanted instead

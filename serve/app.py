@@ -72,14 +72,10 @@ from starlette.staticfiles import StaticFiles
 
 import config
 import fileio
-from agent import grammar as agent_grammar
-from agent import tools as agent
-from chat import template as chat
-from family import accounts as serve_accounts
-from family import member_command
-from family import memories as memory
-from serve import web as serve_web
-from serve import worker as serve_worker
+from agent import grammar, tools
+from chat import template
+from family import accounts, member_command, memories
+from serve import web, worker
 from serve.openai_api import ApiError, Reply, check_tools, conversation_of, expect, sampling_of
 from serve.web import SESSION_COOKIE, owned, read_json
 
@@ -107,13 +103,13 @@ class Server:
 
     def __init__(self, settings, store, worker, model_id, context, agent_settings=None, memory_cfg=None):
         self.settings, self.store, self.worker = settings, store, worker
-        self.agent_settings = agent_settings or agent.load_settings()
+        self.agent_settings = agent_settings or tools.load_settings()
         self.model_id, self.context = model_id, context
         self.created = int(time.time())
-        self.dummy_hash = serve_accounts.hash_password(secrets.token_hex(8), settings["scrypt"])
+        self.dummy_hash = accounts.hash_password(secrets.token_hex(8), settings["scrypt"])
         self.pending = {}  # member id -> requests queued or running
         self.failures = {}  # lowercased name -> (failed logins, locked until)
-        self.memory_cfg = memory_cfg or memory.load_config()
+        self.memory_cfg = memory_cfg or memories.load_config()
         self.storage_logged = None  # the storage problem already in the log (one line per episode)
 
     # --- who is asking
@@ -170,9 +166,7 @@ class Server:
     async def password_checks(self, name, password, stored):
         """Whether the password matches the stored hash (None: no password; an equal amount of work on a
         dummy hash, so unknown names and members without a password answer in the same time)."""
-        matches = await asyncio.to_thread(
-            serve_accounts.password_matches, password, stored or self.dummy_hash
-        )
+        matches = await asyncio.to_thread(accounts.password_matches, password, stored or self.dummy_hash)
         if not (stored and matches):
             self.password_failed(name)
             return False
@@ -197,7 +191,7 @@ class Server:
         if client_tools or tool_choice == "none" or not self.settings["tools"]:
             return None
         count_tokens = lambda text: len(self.worker.tokenizer.encode(text))  # noqa: E731
-        return agent.Agent(
+        return tools.Agent(
             self.agent_settings,
             count_tokens=count_tokens,
             member=self.memory_caller(member) if member["role"] != "admin" else None,
@@ -220,8 +214,8 @@ class Server:
             else:
                 conversation = {"messages": head + turns} | ({"tools": tools} if tools else {})
             try:
-                ids, _ = chat.render(conversation, self.worker.tokenizer, for_generation=True)
-            except chat.ChatError as e:
+                ids, _ = template.render(conversation, self.worker.tokenizer, for_generation=True)
+            except template.ChatError as e:
                 raise ApiError(400, f"messages: {e}", param="messages", code="invalid_conversation") from None
             room = self.context - len(ids)
             if helper and room < min(max_tokens, 16):
@@ -238,14 +232,14 @@ class Server:
         return ids, min(max_tokens, room), head + turns, helper
 
     async def client_tools_constraint(self, tools, max_tokens):
-        """agent_grammar's constraint for a client's own tools (None when agent.constrained is off); a schema
+        """agent/grammar.py's constraint for a client's own tools (None when agent.constrained is off); a schema
         it cannot enforce is a 400 naming the tool. The grammar compiles off the event loop, once per tool
         set."""
         try:
             return await asyncio.to_thread(
-                agent_grammar.constraint_for, self.worker.tokenizer, tools, self.agent_settings, max_tokens
+                grammar.constraint_for, self.worker.tokenizer, tools, self.agent_settings, max_tokens
             )
-        except agent_grammar.GrammarError as e:
+        except grammar.GrammarError as e:
             raise ApiError(400, f"tools: {e}", param="tools", code="invalid_value") from None
 
     # --- a full or read-only disk
@@ -285,12 +279,14 @@ class Server:
         last = next((turn["content"] for turn in reversed(turns) if turn["role"] == "user"), "")
         count_tokens = lambda text: len(self.worker.tokenizer.encode(text))  # noqa: E731
         return self.memories(
-            member, memory.context_for_turn, last, self.memory_cfg, count_tokens, self.context
+            member, memories.context_for_turn, last, self.memory_cfg, count_tokens, self.context
         )
 
     def memory_caller(self, member):
         """The member as agent/tools.py's memory tools take them: agent.Agent(..., member=this)."""
-        return memory.Caller(member["name"], member["role"], self.store.db, self.store.lock, self.memory_cfg)
+        return memories.Caller(
+            member["name"], member["role"], self.store.db, self.store.lock, self.memory_cfg
+        )
 
     # --- generation
     def start(
@@ -301,13 +297,13 @@ class Server:
             raise ApiError(429, f"{count} requests of yours are already waiting; wait for them to finish",
                            code="too_many_requests", retry_after=self.settings["retry_after_s"])  # fmt: skip
         loop = asyncio.get_running_loop()
-        job = serve_worker.Job(
+        job = worker.Job(
             loop, prompt_ids, max_tokens, temperature, top_p, self.settings["top_k"], seed, turn, constraint
         )
         job.scope, job.public_ids = member["id"], self.public_prefix(member, turn)
         try:
             self.worker.submit(job)
-        except serve_worker.Busy:
+        except worker.Busy:
             raise ApiError(503, "the model is busy with other requests; retry shortly", code="server_busy",
                            retry_after=self.settings["retry_after_s"]) from None  # fmt: skip
         self.pending[member["id"]] = count + 1
@@ -320,7 +316,7 @@ class Server:
         parts = [self.settings["child"]["system_prompt"]] if member["role"] == "child" else []
         head = [{"role": "system", "content": "\n\n".join([*parts, self.settings["system_prompt"]])}]
         conversation = turn[0].conversation(head) if turn else {"messages": head}
-        return chat.render(conversation, self.worker.tokenizer)[0]
+        return template.render(conversation, self.worker.tokenizer)[0]
 
     def finished(self, member, job):
         job.cancel()
@@ -625,37 +621,35 @@ def routes():
         Route("/", index),
         Route("/v1/models", list_models),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-        Route("/api/login", serve_web.login, methods=["POST"]),
-        Route("/api/logout", serve_web.logout, methods=["POST"]),
-        Route("/api/me", serve_web.whoami),
-        Route("/api/me/password", serve_web.change_password, methods=["POST"]),
-        Route("/api/conversations", serve_web.list_conversations),
-        Route("/api/conversations", serve_web.new_conversation, methods=["POST"]),
-        Route("/api/conversations/{id}", serve_web.get_conversation),
-        Route("/api/conversations/{id}", serve_web.delete_conversation, methods=["DELETE"]),
+        Route("/api/login", web.login, methods=["POST"]),
+        Route("/api/logout", web.logout, methods=["POST"]),
+        Route("/api/me", web.whoami),
+        Route("/api/me/password", web.change_password, methods=["POST"]),
+        Route("/api/conversations", web.list_conversations),
+        Route("/api/conversations", web.new_conversation, methods=["POST"]),
+        Route("/api/conversations/{id}", web.get_conversation),
+        Route("/api/conversations/{id}", web.delete_conversation, methods=["DELETE"]),
         Route("/api/conversations/{id}/messages", post_message, methods=["POST"]),
-        Route("/api/members", serve_web.list_members),
-        Route("/api/members", serve_web.add_member, methods=["POST"]),
-        Route("/api/members/{name}", serve_web.remove_member, methods=["DELETE"]),
-        Route("/api/members/{name}/key", serve_web.new_member_key, methods=["POST"]),
-        Route("/api/server", serve_web.server_status),
-        Route("/api/memories", serve_web.list_memories),
-        Route("/api/memories", serve_web.add_memory, methods=["POST"]),
-        Route("/api/memories", serve_web.delete_all_memories, methods=["DELETE"]),
-        Route("/api/memories/export", serve_web.export_memories),
-        Route("/api/memories/{id:int}", serve_web.edit_memory, methods=["PATCH"]),
-        Route("/api/memories/{id:int}", serve_web.delete_memory, methods=["DELETE"]),
-        Route("/api/conversations/{id}/messages/{n:int}/feedback", serve_web.rate_answer, methods=["POST"]),
-        Route(
-            "/api/conversations/{id}/messages/{n:int}/feedback", serve_web.unrate_answer, methods=["DELETE"]
-        ),
-        Route("/api/feedback", serve_web.list_feedback),
-        Route("/api/feedback", serve_web.delete_all_feedback, methods=["DELETE"]),
-        Route("/api/feedback/export", serve_web.export_feedback),
-        Route("/api/feedback/{id:int}", serve_web.delete_feedback, methods=["DELETE"]),
-        Route("/api/consent", serve_web.get_consent),
-        Route("/api/consent", serve_web.set_own_consent, methods=["PUT"]),
-        Route("/api/members/{name}/consent", serve_web.set_member_consent, methods=["PUT"]),
+        Route("/api/members", web.list_members),
+        Route("/api/members", web.add_member, methods=["POST"]),
+        Route("/api/members/{name}", web.remove_member, methods=["DELETE"]),
+        Route("/api/members/{name}/key", web.new_member_key, methods=["POST"]),
+        Route("/api/server", web.server_status),
+        Route("/api/memories", web.list_memories),
+        Route("/api/memories", web.add_memory, methods=["POST"]),
+        Route("/api/memories", web.delete_all_memories, methods=["DELETE"]),
+        Route("/api/memories/export", web.export_memories),
+        Route("/api/memories/{id:int}", web.edit_memory, methods=["PATCH"]),
+        Route("/api/memories/{id:int}", web.delete_memory, methods=["DELETE"]),
+        Route("/api/conversations/{id}/messages/{n:int}/feedback", web.rate_answer, methods=["POST"]),
+        Route("/api/conversations/{id}/messages/{n:int}/feedback", web.unrate_answer, methods=["DELETE"]),
+        Route("/api/feedback", web.list_feedback),
+        Route("/api/feedback", web.delete_all_feedback, methods=["DELETE"]),
+        Route("/api/feedback/export", web.export_feedback),
+        Route("/api/feedback/{id:int}", web.delete_feedback, methods=["DELETE"]),
+        Route("/api/consent", web.get_consent),
+        Route("/api/consent", web.set_own_consent, methods=["PUT"]),
+        Route("/api/members/{name}/consent", web.set_member_consent, methods=["PUT"]),
         Mount("/web", StaticFiles(directory=WEB_DIR)),
     ]
 
@@ -875,22 +869,24 @@ def serve_main(argv):
     args = parser.parse_args([a for a in argv if a not in overrides and a not in memory_overrides])
     settings = load_settings(args.config, overrides)
     try:
-        memory_cfg = memory.load_config(overrides=memory_overrides)
+        memory_cfg = memories.load_config(overrides=memory_overrides)
     except config.ConfigError as e:
-        raise ServeError(f"{memory.DEFAULT_CONFIG}: config problems:\n  " + "\n  ".join(e.problems)) from None
+        raise ServeError(
+            f"{memories.DEFAULT_CONFIG}: config problems:\n  " + "\n  ".join(e.problems)
+        ) from None
     host = args.host or settings["host"]
     port = settings["port"] if args.port is None else args.port
-    store = serve_accounts.Store(settings["database"], settings["busy_timeout_ms"])
+    store = accounts.Store(settings["database"], settings["busy_timeout_ms"])
     threads = one_thread_here()
     model, tokenizer, model_id, context = load_model(args.run, args.device)
     model = prepare_weights(model, settings, args.device)
     check_kv_cache(model, settings, args.device)
     decoding = decoding_options(settings, args.device)
     try:
-        model_worker = serve_worker.Worker(
+        model_worker = worker.Worker(
             model, tokenizer, settings["queue_size"], settings["max_batch"], threads, **decoding
         )
-    except serve_worker.CompileFailed as e:
+    except worker.CompileFailed as e:
         if "compile_with" not in decoding:
             raise ServeError(compile_failure(e.__cause__, settings, args.device)) from None
         # aot, the CPU's default: a machine that cannot build it (no C++ compiler) still serves, eager.
@@ -898,7 +894,7 @@ def serve_main(argv):
             f"serve: {compile_failure(e.__cause__, settings, args.device)}; decoding eager", file=sys.stderr
         )
         decoding = {key: value for key, value in decoding.items() if key != "compile_with"}
-        model_worker = serve_worker.Worker(
+        model_worker = worker.Worker(
             model, tokenizer, settings["queue_size"], settings["max_batch"], threads, **decoding
         )
     if "compile_s" in model_worker.stats:
@@ -908,13 +904,13 @@ def serve_main(argv):
     # family/memories.py: the database's lock, held until this process ends (restore refuses to run meanwhile, and
     # so does a second server on the same file), and the snapshot schedule on a daemon thread.
     try:
-        memory.hold_lock(
+        memories.hold_lock(
             settings["database"], serving_info(args.run, model, tokenizer, settings, server.memory_cfg)
         )
-    except memory.SnapshotError as e:
+    except memories.SnapshotError as e:
         raise ServeError(str(e)) from None
     log = lambda message: print(f"serve: {message}", file=sys.stderr)  # noqa: E731
-    memory.snapshot_every(settings["database"], server.memory_cfg, threading.Event(), log)
+    memories.snapshot_every(settings["database"], server.memory_cfg, threading.Event(), log)
     app = build_app(server)
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -944,7 +940,7 @@ def main(argv):
         if argv and argv[0] == "member":
             return member_command.main(argv[1:], load_settings, DEFAULT_CONFIG)
         return serve_main(argv)
-    except (ServeError, serve_accounts.AccountError) as e:
+    except (ServeError, accounts.AccountError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except fileio.StorageError as e:

@@ -9,7 +9,7 @@ import json
 import secrets
 
 import config
-from agent import tools as agent
+from agent import tools
 
 MESSAGE_ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -47,7 +47,7 @@ def expect(value, kinds, param, what):
 
 
 def check_text(value, max_depth):
-    """The one check of a request's text (serve_web.read_json runs it on every JSON body): every string and
+    """The one check of a request's text (web.read_json runs it on every JSON body): every string and
     key must be Unicode text (JSON's "\\ud800" escape gives a lone surrogate, which SQLite, the tokenizer and
     the JSON answer all refuse) and the nesting at most max_depth deep; else a 400 naming the field."""
     problem = config.text_problem(value, max_depth)
@@ -176,11 +176,11 @@ def check_tools(body):
     return tools or None
 
 
-def tool_calls_of(text, tools):
+def tool_calls_of(text, specs):
     """OpenAI tool_calls of a reply (agent/tools.py's strict parser), or None unless every call is well formed
     and names a tool the client offered."""
-    names = {tool["function"]["name"] for tool in tools}
-    calls = agent.parse_reply(text).calls
+    names = {tool["function"]["name"] for tool in specs}
+    calls = tools.parse_reply(text).calls
     if not calls or any(call.error or call.name not in names for call in calls):
         return None
     try:

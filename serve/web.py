@@ -12,9 +12,7 @@ import sys
 
 from starlette.responses import JSONResponse
 
-from family import accounts as serve_accounts
-from family import feedback
-from family import memories as memory
+from family import accounts, feedback, memories
 from serve.openai_api import ApiError, check_text, expect, text_error
 
 SESSION_COOKIE = "enlace_session"
@@ -46,7 +44,7 @@ async def read_json(request, limit):
 
 
 def check_password(password, settings, param="password"):
-    problem = serve_accounts.password_problem(password, settings)
+    problem = accounts.password_problem(password, settings)
     if problem:
         raise ApiError(400, problem.replace("password:", f"{param}:", 1), param=param, code="weak_password")
 
@@ -111,7 +109,7 @@ async def change_password(request):
     if new == current:
         raise ApiError(400, "the new password must differ from the current one", param="new",
                        code="same_password")  # fmt: skip
-    password_hash = await asyncio.to_thread(serve_accounts.hash_password, new, server.settings["scrypt"])
+    password_hash = await asyncio.to_thread(accounts.hash_password, new, server.settings["scrypt"])
     by_cookie = request.headers.get("authorization") is None
     key = server.store.change_password(
         member["id"], password_hash, request.cookies.get(SESSION_COOKIE) if by_cookie else None
@@ -181,10 +179,10 @@ async def add_member(request):
     role = expect(body.get("role"), str, "role", "admin, adult or child")
     password = expect(body.get("password"), str, "password", "the member's first password or PIN")
     check_password(password, server.settings)
-    password_hash = await asyncio.to_thread(serve_accounts.hash_password, password, server.settings["scrypt"])
+    password_hash = await asyncio.to_thread(accounts.hash_password, password, server.settings["scrypt"])
     try:
         key = server.store.add_member(name, role, password_hash, provisional=True)
-    except serve_accounts.AccountError as e:
+    except accounts.AccountError as e:
         raise ApiError(400, str(e), code="invalid_member") from None
     return JSONResponse(
         me({"name": name, "role": role, "provisional": 1}) | {"api_key": key}, status_code=201
@@ -239,11 +237,11 @@ def memory_call(server, member, function, *args, **kwargs):
     """family/memories.py's errors as 4xx; a database locked by another program is database_error's 503."""
     try:
         return server.memories(member, function, *args, **kwargs)
-    except memory.MemoryNotFound as e:  # not there or not theirs: the same answer
+    except memories.MemoryNotFound as e:  # not there or not theirs: the same answer
         raise ApiError(404, str(e), code="memory_not_found") from None
-    except memory.MemoryPermissionError as e:
+    except memories.MemoryPermissionError as e:
         raise ApiError(403, str(e), code="memory_forbidden") from None
-    except memory.MemoryStoreError as e:
+    except memories.MemoryStoreError as e:
         raise ApiError(400, str(e), code="invalid_memory") from None
 
 
@@ -262,7 +260,7 @@ async def memory_changes(request, server):
 async def list_memories(request):
     server = request.app.state.server
     member = memory_member(server, request)
-    return JSONResponse({"data": memory_call(server, member, memory.list_memories)})
+    return JSONResponse({"data": memory_call(server, member, memories.list_memories)})
 
 
 async def add_memory(request):
@@ -272,15 +270,17 @@ async def add_memory(request):
     if "text" not in changes:
         raise ApiError(400, "text: required", param="text", code="invalid_memory")
     text = changes.pop("text")
-    memory_id = memory_call(server, member, memory.add, text, server.memory_cfg, **changes)
-    return JSONResponse(memory_call(server, member, memory.get, memory_id), status_code=201)
+    memory_id = memory_call(server, member, memories.add, text, server.memory_cfg, **changes)
+    return JSONResponse(memory_call(server, member, memories.get, memory_id), status_code=201)
 
 
 async def edit_memory(request):
     server = request.app.state.server
     member = memory_member(server, request)
     changes = await memory_changes(request, server)
-    edited = memory_call(server, member, memory.edit, request.path_params["id"], server.memory_cfg, **changes)
+    edited = memory_call(
+        server, member, memories.edit, request.path_params["id"], server.memory_cfg, **changes
+    )
     return JSONResponse(edited)
 
 
@@ -288,21 +288,21 @@ async def delete_memory(request):
     server = request.app.state.server
     member = memory_member(server, request)
     return JSONResponse(
-        {"deleted": memory_call(server, member, memory.forget, request.path_params["id"])["id"]}
+        {"deleted": memory_call(server, member, memories.forget, request.path_params["id"])["id"]}
     )
 
 
 async def delete_all_memories(request):
     server = request.app.state.server
     member = memory_member(server, request)
-    return JSONResponse({"deleted": memory_call(server, member, memory.forget_all)})
+    return JSONResponse({"deleted": memory_call(server, member, memories.forget_all)})
 
 
 async def export_memories(request):
     server = request.app.state.server
     member = memory_member(server, request)
     disposition = {"Content-Disposition": 'attachment; filename="recuerdos.json"'}
-    return JSONResponse(memory_call(server, member, memory.export), headers=disposition)
+    return JSONResponse(memory_call(server, member, memories.export), headers=disposition)
 
 
 # --- ratings of answers and consent to train on them (family/feedback.py): each member's own, the admin's too

@@ -22,9 +22,8 @@ import threading
 import time
 
 import data
-from agent import grammar as agent_grammar
-from agent import tools as agent
-from chat import template as chat
+from agent import grammar, tools
+from chat import template
 
 
 class Job:
@@ -35,7 +34,7 @@ class Job:
     prompt, already checked against the context). `constraint` (None, or an object with mask(logits) ->
     logits and accept(token), see model.Decoder.sample) steers every token of the job's generations, in
     order: serve/app.py gives one to a plain answer offered client tools. An agent turn without one gets
-    agent_grammar's for the tools each of its generations offers."""
+    agent/grammar.py's for the tools each of its generations offers."""
 
     def __init__(
         self, loop, prompt_ids, max_tokens, temperature, top_p, top_k, seed, turn=None, constraint=None
@@ -386,18 +385,18 @@ class Worker:
             totals["any"] = True
 
         def generate(conversation):
-            ids, _ = chat.render(conversation, self.tokenizer, for_generation=True)
+            ids, _ = template.render(conversation, self.tokenizer, for_generation=True)
             pieces, shown = [], ""
 
             def write(piece):
                 nonlocal shown
                 pieces.append(piece)
-                visible = "".join(pieces).split(agent.CALL_OPEN)[0].removesuffix("\n")
+                visible = "".join(pieces).split(tools.CALL_OPEN)[0].removesuffix("\n")
                 if len(visible) > len(shown):
                     show(visible[len(shown) :], shown)
                     shown = visible
 
-            constraint = job.constraint or agent_grammar.constraint_for(
+            constraint = job.constraint or grammar.constraint_for(
                 self.tokenizer, conversation.get("tools"), agent_of_turn.settings, job.max_tokens
             )
             finish, count = self.generate(job, ids, write, constraint)
@@ -406,11 +405,11 @@ class Worker:
             if finish is None:
                 raise Cancelled
             text = "".join(pieces)
-            if agent.CALL_OPEN not in text and len(text) > len(shown):
+            if tools.CALL_OPEN not in text and len(text) > len(shown):
                 show(text[len(shown) :], shown)
                 shown = text
             else:
-                self.stats["tool_calls"] += text.count(agent.CALL_OPEN)
+                self.stats["tool_calls"] += text.count(tools.CALL_OPEN)
             totals["finish"], totals["shown"] = finish, shown
             return text
 

@@ -15,10 +15,10 @@ import jsonschema
 import pytest
 
 import config
+import corpus.pipeline
 import data
 import fileio
-from corpus import docs as corpus_docs
-from corpus import pipeline as corpus
+from corpus import docs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -74,9 +74,9 @@ def shard_data_dir(tmp_path_factory):
     folder = tmp_path_factory.mktemp("shards")
     cfg = config.load(os.path.join(ROOT, "configs", "smoke-corpus-cpu.yaml"), shard_overrides(str(folder)))
     data_cfg = cfg["data"]
-    corpus.build_corpus(data_cfg, log=lambda *a: None)
-    corpus.train_tokenizer(data_cfg, log=lambda *a: None)
-    corpus.encode(data_cfg, log=lambda *a: None)
+    corpus.pipeline.build_corpus(data_cfg, log=lambda *a: None)
+    corpus.pipeline.train_tokenizer(data_cfg, log=lambda *a: None)
+    corpus.pipeline.encode(data_cfg, log=lambda *a: None)
     return str(folder)
 
 
@@ -127,14 +127,14 @@ def pipeline(tmp_path_factory):
         tokenizer={"vocab_size": 512},
         encode={"tokens_per_shard": 5_000},
     )
-    corpus.build_corpus(cfg, log=quiet)
-    corpus.train_tokenizer(cfg, log=quiet)
-    corpus.encode(cfg, log=quiet)
+    corpus.pipeline.build_corpus(cfg, log=quiet)
+    corpus.pipeline.train_tokenizer(cfg, log=quiet)
+    corpus.pipeline.encode(cfg, log=quiet)
     return cfg
 
 
 def read_docs(cfg, split):
-    return list(corpus_docs.iter_documents(corpus_docs.docs_path(cfg, split)))
+    return list(docs.iter_documents(docs.docs_path(cfg, split)))
 
 
 def shard_hashes(cfg, split):
@@ -196,14 +196,14 @@ def chat_overrides(folder, shard_dir):
 @pytest.fixture(scope="session")
 def chat_data_dir(tmp_path_factory, shard_data_dir):
     """Test conversations packed by chat/prepare.py (rows of CHAT_SEQ_LEN + 1) with the shard tokenizer."""
-    from chat import prepare as chat_prepare
+    from chat import prepare
 
     folder = tmp_path_factory.mktemp("chat")
     write_jsonl(folder / "train.jsonl", example_conversations(60))
     write_jsonl(folder / "val.jsonl", example_conversations(12, start=100))
     overrides = [*TINY, *chat_overrides(str(folder), shard_data_dir)]
     (folder / "shard_dir.txt").write_text(shard_data_dir, encoding="utf-8")
-    chat_prepare.prepare(
+    prepare.prepare(
         config.load(os.path.join(ROOT, "configs", "sft-smoke-cpu.yaml"), overrides), log=lambda *a: None
     )
     return str(folder)
@@ -291,9 +291,9 @@ FAST_SCRYPT = "serve.scrypt.n=1024"  # the test passwords need no production cos
 @pytest.fixture(scope="session")
 def chat_model(chat_run):
     """serve.load_model of chat_run: (model, tokenizer, model id, context), shared by in-process servers."""
-    from serve import app as serve
+    from serve import app
 
-    return serve.load_model(chat_run, "cpu")
+    return app.load_model(chat_run, "cpu")
 
 
 class ScriptedModel:
@@ -349,26 +349,21 @@ def live_server(chat_model, tmp_path, *overrides, model=None, context=None):
     model may claim a longer context than the tiny run's."""
     import uvicorn
 
-    from family import accounts as serve_accounts
-    from serve import app as serve
-    from serve import worker as serve_worker
+    from family import accounts
+    from serve import app, worker
 
     database = str(tmp_path / f"serve-{time.monotonic_ns()}.sqlite")
-    settings = serve.load_settings(
-        serve.DEFAULT_CONFIG, [f"serve.database={database}", FAST_SCRYPT, *overrides]
-    )
+    settings = app.load_settings(app.DEFAULT_CONFIG, [f"serve.database={database}", FAST_SCRYPT, *overrides])
     real_model, tokenizer, model_id, run_context = chat_model
     context = context or run_context
-    decoding = serve.decoding_options(settings, "cpu") if model is None else {}
-    model = model or serve.prepare_weights(real_model, settings, "cpu")  # as serve_main prepares it
-    model_worker = serve_worker.Worker(
-        model, tokenizer, settings["queue_size"], settings["max_batch"], **decoding
-    )
-    store = serve_accounts.Store(database, settings["busy_timeout_ms"])
-    server = serve.Server(settings, store, model_worker, model_id, context)
+    decoding = app.decoding_options(settings, "cpu") if model is None else {}
+    model = model or app.prepare_weights(real_model, settings, "cpu")  # as serve_main prepares it
+    model_worker = worker.Worker(model, tokenizer, settings["queue_size"], settings["max_batch"], **decoding)
+    store = accounts.Store(database, settings["busy_timeout_ms"])
+    server = app.Server(settings, store, model_worker, model_id, context)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    uv = uvicorn.Server(uvicorn.Config(serve.build_app(server), log_level="warning"))
+    uv = uvicorn.Server(uvicorn.Config(app.build_app(server), log_level="warning"))
     thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     while not uv.started:

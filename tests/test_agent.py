@@ -16,8 +16,8 @@ from test_search import BRAVE_PATH, DDG_PATH, FAST, JSON, TEN_TITLES, TEN_URLS, 
 
 import config
 import search
-from agent import tools as agent
-from chat import template as chat
+from agent import tools
+from chat import template
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MONDAY = datetime.datetime(2026, 11, 30, 11, 0, tzinfo=datetime.UTC)  # 12:00 in Madrid
@@ -25,7 +25,7 @@ MONDAY = datetime.datetime(2026, 11, 30, 11, 0, tzinfo=datetime.UTC)  # 12:00 in
 
 @pytest.fixture
 def settings():
-    return agent.load_settings()
+    return tools.load_settings()
 
 
 @pytest.fixture
@@ -47,22 +47,22 @@ class Script:
         self.seen = []
 
     def __call__(self, conversation):
-        chat.check_conversation(conversation)  # every prompt the loop builds is a valid conversation
+        template.check_conversation(conversation)  # every prompt the loop builds is a valid conversation
         self.seen.append(copy.deepcopy(conversation))
         reply = self.replies.pop(0)
         return reply(conversation) if callable(reply) else reply
 
 
 def call_text(name, arguments):
-    return chat.tool_call_text({"function": {"name": name, "arguments": arguments}})
+    return template.tool_call_text({"function": {"name": name, "arguments": arguments}})
 
 
 def run(settings, script, question="Hola", **options):
     events = []
     options.setdefault("clock", lambda: MONDAY)
-    helper = agent.Agent(settings, on_event=lambda kind, data: events.append((kind, data)), **options)
+    helper = tools.Agent(settings, on_event=lambda kind, data: events.append((kind, data)), **options)
     new = helper.run_turn([{"role": "user", "content": question}], script)
-    chat.check_conversation({"messages": [{"role": "user", "content": question}, *new]})
+    template.check_conversation({"messages": [{"role": "user", "content": question}, *new]})
     return new, events
 
 
@@ -132,7 +132,7 @@ def test_every_provider_failing_is_an_error_result_naming_them(settings, server)
     assert result.startswith(
         "Error: la búsqueda ha fallado en todos los proveedores (ddg: Blocked; brave: RateLimited)."
     )
-    assert agent.RETRY_HINT in result
+    assert tools.RETRY_HINT in result
     assert events[1][1]["ok"] is False
 
 
@@ -186,11 +186,11 @@ def test_malformed_json_goes_back_as_an_error_and_the_model_can_retry(settings):
     new, events = run(settings, script)
     first, second = tool_texts(new)
     assert first.startswith("Error: llamada mal formada: no es JSON válido (Expecting ',' delimiter")
-    assert agent.RETRY_HINT in first
+    assert tools.RETRY_HINT in first
     assert second == "4"
     assert new[-1]["content"] == "Son 4."
     assert events[0][1]["raw"].strip() == bad.split("\n", 1)[1].rsplit("\n", 1)[0]
-    assert "<tool_response>\nError: llamada mal formada" in chat.render_text(script.seen[1])
+    assert "<tool_response>\nError: llamada mal formada" in template.render_text(script.seen[1])
 
 
 def test_an_unknown_tool_is_an_error_naming_the_tools_there_are(settings):
@@ -198,7 +198,7 @@ def test_an_unknown_tool_is_an_error_naming_the_tools_there_are(settings):
     new, _ = run(settings, script)
     assert tool_texts(new) == [
         "Error: no existe la herramienta 'tiempo'; hay buscar_web, calculadora, fecha_hora. "
-        + agent.RETRY_HINT
+        + tools.RETRY_HINT
     ]
 
 
@@ -215,7 +215,7 @@ def deep_call(levels):
 def test_a_call_nested_deeper_than_max_call_depth_is_an_error_result_not_a_recursion_error(settings, levels):
     new, events = run(settings, Script(deep_call(levels), "Vaya."))
     (result,) = tool_texts(new)
-    assert result.startswith("Error: llamada mal formada: ") and agent.RETRY_HINT in result
+    assert result.startswith("Error: llamada mal formada: ") and tools.RETRY_HINT in result
     assert "16 niveles" in result or "demasiados niveles" in result
     assert new[0]["tool_calls"][0]["function"]["arguments"] == {}  # never rendered back at that depth
     assert events[0][1]["arguments"] == {}
@@ -225,7 +225,7 @@ def test_an_integer_past_pythons_digit_limit_is_an_error_result_not_an_attribute
     huge = '<tool_call>\n{"name": "fecha_hora", "arguments": {"dias": ' + "9" * 5000 + "}}\n</tool_call>"
     new, _ = run(settings, Script(huge, "Vaya."))
     assert tool_texts(new) == [
-        "Error: llamada mal formada: un número del JSON tiene demasiadas cifras. " + agent.RETRY_HINT
+        "Error: llamada mal formada: un número del JSON tiene demasiadas cifras. " + tools.RETRY_HINT
     ]
 
 
@@ -256,7 +256,7 @@ def test_after_the_maximum_of_calls_the_model_answers_once_with_tools_left_out(s
     assert tool_texts(new) == ["2", "2", "2"]
     assert ["tools" in c for c in script.seen] == [True, True, True, False]
     assert len(script.replies) == 1  # no fifth generation
-    assert new[-1]["content"] == agent.NO_ANSWER  # the final reply was only a call: dropped
+    assert new[-1]["content"] == tools.NO_ANSWER  # the final reply was only a call: dropped
     assert ("dropped", {"text": again + "\nY más.", "reason": "tools are off for the final answer"}) in events
 
 
@@ -277,23 +277,23 @@ def test_a_tool_that_runs_past_its_timeout_is_an_error_result(settings, server):
     settings["timeouts_s"]["buscar_web"] = 0.2
     script = Script(call_text("buscar_web", {"consulta": "tiempo"}), "No responde.")
     new, _ = run(settings, script, searcher=searcher(server))
-    assert tool_texts(new) == ["Error: la herramienta no respondió en 0.2 s. " + agent.RETRY_HINT]
+    assert tool_texts(new) == ["Error: la herramienta no respondió en 0.2 s. " + tools.RETRY_HINT]
 
 
 def test_a_tool_that_crashes_is_an_error_result_not_a_crash(settings):
-    @agent.tool("rompe", "Siempre falla.", {})
+    @tools.tool("rompe", "Siempre falla.", {})
     def rompe(arguments, context):
         raise RuntimeError("boom")
 
     try:
         new, _ = run(settings, Script(call_text("rompe", {}), "Vaya."))
     finally:
-        del agent.TOOLS["rompe"]
-    assert tool_texts(new) == ["Error: fallo interno de la herramienta (RuntimeError). " + agent.RETRY_HINT]
+        del tools.TOOLS["rompe"]
+    assert tool_texts(new) == ["Error: fallo interno de la herramienta (RuntimeError). " + tools.RETRY_HINT]
 
 
 def test_adding_a_tool_is_one_entry_and_it_is_offered_checked_and_run(settings):
-    @agent.tool("eco", "Repite un texto.", {"texto": {"type": "string"}}, required=("texto",))
+    @tools.tool("eco", "Repite un texto.", {"texto": {"type": "string"}}, required=("texto",))
     def eco(arguments, context):
         return arguments["texto"].upper()
 
@@ -301,7 +301,7 @@ def test_adding_a_tool_is_one_entry_and_it_is_offered_checked_and_run(settings):
         script = Script(call_text("eco", {"texto": "hola"}), call_text("eco", {}), "HOLA")
         new, _ = run(settings, script)
     finally:
-        del agent.TOOLS["eco"]
+        del tools.TOOLS["eco"]
     assert tool_texts(new)[0] == "HOLA"
     assert tool_texts(new)[1].startswith("Error: falta el argumento obligatorio 'texto'.")
     names = [spec["function"]["name"] for spec in script.seen[0]["tools"]]
@@ -312,20 +312,20 @@ def test_no_tools_means_no_schemas_in_the_prompt_and_no_calls_run(settings):
     script = Script(call_text("calculadora", {"expresion": "2+2"}))
     new, events = run(settings, script, tools_enabled=False)
     assert "tools" not in script.seen[0]
-    assert new == [{"role": "assistant", "content": agent.NO_ANSWER}]
+    assert new == [{"role": "assistant", "content": tools.NO_ANSWER}]
     assert [kind for kind, _ in events] == ["dropped", "answer"]
 
 
 def test_the_system_turn_states_the_date_and_lists_the_tools(settings):
     script = Script("Hola.")
     run(settings, script)
-    text = chat.render_text(script.seen[0])
-    expected_tools = "\n".join(json.dumps(spec, ensure_ascii=False) for spec in agent.tool_specs(settings))
+    text = template.render_text(script.seen[0])
+    expected_tools = "\n".join(json.dumps(spec, ensure_ascii=False) for spec in tools.tool_specs(settings))
     assert text.startswith(
         f"<|bos|><|system|>{settings['system_prompt']}\nHoy es lunes, 30 de noviembre de 2026.\n\n"
         f"<tools>\n{expected_tools}\n</tools><|end|><|user|>Hola<|end|>"
     )
-    kept = agent.Agent(settings, clock=lambda: MONDAY).conversation(
+    kept = tools.Agent(settings, clock=lambda: MONDAY).conversation(
         [{"role": "system", "content": "Sé breve."}]
     )
     assert kept["messages"] == [
@@ -345,13 +345,13 @@ def test_the_parser_reads_text_and_calls_laid_out_as_chat_renders_them():
             {"function": {"name": "fecha_hora", "arguments": {}}},
         ],
     }
-    reply = agent.parse_reply(chat.assistant_text(message))
+    reply = tools.parse_reply(template.assistant_text(message))
     assert reply.content == "Miro dos cosas."
     assert [(c.name, c.arguments, c.error) for c in reply.calls] == [
         ("calculadora", {"expresion": "3*4"}, None),
         ("fecha_hora", {}, None),
     ]
-    assert agent.parse_reply("Solo texto.") == agent.Reply("Solo texto.", [])
+    assert tools.parse_reply("Solo texto.") == tools.Reply("Solo texto.", [])
 
 
 @pytest.mark.parametrize(
@@ -375,7 +375,7 @@ def test_the_parser_reads_text_and_calls_laid_out_as_chat_renders_them():
     ],
 )
 def test_the_parser_turns_every_broken_call_into_an_error(text, error):
-    reply = agent.parse_reply(text)
+    reply = tools.parse_reply(text)
     assert any(call.error and error in call.error for call in reply.calls), reply
 
 
@@ -399,7 +399,7 @@ def test_the_parser_turns_every_broken_call_into_an_error(text, error):
     ],
 )
 def test_the_calculator_computes_arithmetic(settings, expression, value):
-    result = agent.Agent(settings).call(agent.Call("calculadora", {"expresion": expression}))
+    result = tools.Agent(settings).call(tools.Call("calculadora", {"expresion": expression}))
     assert (result.ok, result.text) == (True, value)
 
 
@@ -429,7 +429,7 @@ def test_the_calculator_computes_arithmetic(settings, expression, value):
     ],
 )
 def test_the_calculator_refuses_hostile_input_with_a_clear_error(settings, expression, error):
-    result = agent.Agent(settings).call(agent.Call("calculadora", {"expresion": expression}))
+    result = tools.Agent(settings).call(tools.Call("calculadora", {"expresion": expression}))
     assert not result.ok
     assert result.text.startswith("Error: ") and error in result.text, result.text
 
@@ -453,22 +453,22 @@ def test_the_calculator_refuses_hostile_input_with_a_clear_error(settings, expre
     ],
 )
 def test_the_date_tool_gives_the_family_zone_by_default_and_does_date_arithmetic(settings, arguments, text):
-    result = agent.Agent(settings, clock=lambda: MONDAY).call(agent.Call("fecha_hora", arguments))
+    result = tools.Agent(settings, clock=lambda: MONDAY).call(tools.Call("fecha_hora", arguments))
     assert (result.ok, result.text) == (True, text)
 
 
 def test_the_date_tool_refuses_an_unknown_zone_and_huge_offsets(settings):
-    helper = agent.Agent(settings, clock=lambda: MONDAY)
+    helper = tools.Agent(settings, clock=lambda: MONDAY)
     assert (
         "no conozco la zona horaria 'Marte/Olimpo'"
-        in helper.call(agent.Call("fecha_hora", {"zona": "Marte/Olimpo"})).text
+        in helper.call(tools.Call("fecha_hora", {"zona": "Marte/Olimpo"})).text
     )
-    assert "supera el máximo de 36500 días" in helper.call(agent.Call("fecha_hora", {"dias": 10**9})).text
+    assert "supera el máximo de 36500 días" in helper.call(tools.Call("fecha_hora", {"dias": 10**9})).text
 
 
 @pytest.mark.parametrize("zone", ["Europe", "America/Argentina", "../../etc/passwd", "/etc/localtime", ""])
 def test_a_folder_of_tzdata_or_a_path_is_an_unknown_zone_not_an_internal_failure(settings, zone):
-    result = agent.Agent(settings, clock=lambda: MONDAY).call(agent.Call("fecha_hora", {"zona": zone}))
+    result = tools.Agent(settings, clock=lambda: MONDAY).call(tools.Call("fecha_hora", {"zona": zone}))
     assert not result.ok and result.text.startswith(f"Error: no conozco la zona horaria {zone!r}")
 
 
@@ -480,7 +480,7 @@ def test_the_agent_layer_file_is_checked_by_its_schema(tmp_path):
     folder.mkdir()
     bad = folder / "bad.yaml"
     bad.write_text("include: agent/default.yaml\nagent:\n  max_calls_per_turns: 2\n")
-    (folder / "default.yaml").write_text(open(agent.DEFAULT_SETTINGS, encoding="utf-8").read())
+    (folder / "default.yaml").write_text(open(tools.DEFAULT_SETTINGS, encoding="utf-8").read())
     with pytest.raises(config.ConfigError) as raised:
         config.load_layer("agent", str(bad))
     assert (
@@ -499,7 +499,7 @@ def test_a_run_file_may_include_the_agent_layer(tmp_path):
     run_file.write_text(text + "agent:\n  timezone: America/Bogota\n")
     resolved = config.load(str(run_file))
     assert resolved["agent"]["timezone"] == "America/Bogota"
-    assert agent.load_settings(resolved["agent"])["max_calls_per_turn"] == 4
+    assert tools.load_settings(resolved["agent"])["max_calls_per_turn"] == 4
     assert "agent" not in plain  # optional: other runs do not name it
 
 
@@ -514,7 +514,7 @@ def test_a_run_file_may_include_the_agent_layer(tmp_path):
     ],
 )
 def test_a_reply_being_streamed_never_shows_its_calls(partial, shown):
-    assert agent.visible_text(partial) == shown
+    assert tools.visible_text(partial) == shown
 
 
 # --- sample.py --chat ----------------------------------------------------------------------------------
@@ -532,7 +532,7 @@ def chat_session(shard_data_dir, lines, policy, seq_len=2048, **agent_overrides)
     model_cfg = config.load_layer("model", os.path.join(ROOT, "configs", "model", "smoke.yaml"))
     model_cfg.update(vocab_size=tokenizer.vocab_size, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2)
     model_cfg.update(ffn_hidden=64, seq_len=seq_len)
-    settings = agent.load_settings()
+    settings = tools.load_settings()
     for key, value in agent_overrides.items():
         settings[key].update(value)
     args = SimpleNamespace(
@@ -567,7 +567,7 @@ def test_the_chat_repl_lists_the_sources_of_a_search(shard_data_dir, server, mon
     server.route(DDG_PATH, 200, fixture("ddg_lite_results.html"))
     monkeypatch.setenv("ENLACE_DDG_URL", server.url(DDG_PATH))
     monkeypatch.setenv("ENLACE_ENV_FILE", os.devnull)
-    monkeypatch.setattr(agent, "_chains", {})
+    monkeypatch.setattr(tools, "_chains", {})
     script = Script(call_text("buscar_web", {"consulta": "tiempo"}), "Según [1], hace sol.")
     shown = chat_session(shard_data_dir, "¿Qué tiempo hace?\n/exit\n", script, search={"provider": "ddg"})
     assert f"  [tool result] [1] {TEN_TITLES[0]} — {TEN_URLS[0]}\n    " in shown
@@ -586,7 +586,7 @@ def test_the_chat_repl_turns_tools_off_when_their_schemas_do_not_fit_the_context
 def test_a_calculation_with_a_number_nobody_said_gets_a_hint_once_and_is_counted(settings):
     # the model copies a memorised expression instead of the question's numbers, then does it again
     events = []
-    helper = agent.Agent(
+    helper = tools.Agent(
         settings, clock=lambda: MONDAY, on_event=lambda kind, data: events.append((kind, data))
     )
     script = Script(
@@ -615,7 +615,7 @@ def test_numbers_said_anywhere_in_the_conversation_or_known_get_no_hint(settings
         {"role": "user", "content": "¿Cuánto pago en 2 años si subo el alquiler 3,5 por ciento?"},
     ]
     script = Script(call_text("calculadora", {"expresion": "1250.5*(1+3.50/100)*12*2"}), "Unos 31.000 euros.")
-    helper = agent.Agent(settings, clock=lambda: MONDAY)
+    helper = tools.Agent(settings, clock=lambda: MONDAY)
     new = helper.run_turn(conversation, script)
     assert tool_texts(new) == ["31062,42"] and helper.ungrounded == 0
 

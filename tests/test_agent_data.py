@@ -8,17 +8,15 @@ import re
 
 import pytest
 
-from agent import dataset as agent_data
-from agent import phrases
-from agent import tools as agent
-from chat import template as chat
-from evaluation import tool_use as agent_eval
-from family import memories as memory
+from agent import dataset, phrases, tools
+from chat import template
+from evaluation import tool_use
+from family import memories
 
 
 @pytest.fixture(scope="module")
 def small():
-    settings = agent.load_settings()
+    settings = tools.load_settings()
     settings["synthetic"]["conversations"] = 900
     settings["synthetic"]["eval_fraction"] = 0.2
     return settings
@@ -26,13 +24,13 @@ def small():
 
 @pytest.fixture(scope="module")
 def generated(small):
-    return agent_data.generate(small)
+    return dataset.generate(small)
 
 
 @pytest.fixture(scope="module")
 def shipped_training_data():
     """The training conversations of the shipped agent layer: what make sft-agent trains on."""
-    return agent_data.generate(agent.load_settings())[0]
+    return dataset.generate(tools.load_settings())[0]
 
 
 def kind_of(conversation):
@@ -44,33 +42,33 @@ def the_call(conversation):
 
 
 def test_the_same_seed_writes_the_same_conversations_and_another_seed_others(small, generated):
-    assert agent_data.generate(small) == generated
+    assert dataset.generate(small) == generated
     other = json.loads(json.dumps(small))
     other["synthetic"]["seed"] += 1
-    assert agent_data.generate(other)[0] != generated[0]
+    assert dataset.generate(other)[0] != generated[0]
 
 
 def test_every_kind_of_the_mix_is_there_and_every_conversation_renders(generated, small):
     train, held_out = generated
     kinds = collections.Counter(kind_of(c) for c in train + held_out)
     assert set(kinds) == set(small["synthetic"]["mix"])
-    member_tools = agent.tool_specs(small, agent.default_tools(member="someone"))
+    member_tools = tools.tool_specs(small, tools.default_tools(member="someone"))
     offered = collections.Counter()
     for conversation in train + held_out:
-        chat.check_conversation(conversation)
-        assert conversation["tools"] in (agent.tool_specs(small), member_tools)
+        template.check_conversation(conversation)
+        assert conversation["tools"] in (tools.tool_specs(small), member_tools)
         assert conversation["messages"][0]["content"].startswith(small["system_prompt"])
         offered[len(conversation["tools"])] += 1
-        if kind_of(conversation) in agent_data.MEMORY_KINDS:
+        if kind_of(conversation) in dataset.MEMORY_KINDS:
             assert conversation["tools"] == member_tools
     assert offered[3] > 50 and offered[6] > 300  # both the REPL's tools and the server's member tools
 
 
 def test_no_question_is_both_trained_on_and_held_out(generated):
     train, held_out = generated
-    asked = [agent_data.user_question(c) for c in held_out]
+    asked = [dataset.user_question(c) for c in held_out]
     assert len(asked) == len(set(asked)) > 10
-    assert not set(asked) & {agent_data.user_question(c) for c in train}
+    assert not set(asked) & {dataset.user_question(c) for c in train}
 
 
 def test_tool_results_are_the_real_tools_and_answers_state_them(generated, small):
@@ -89,8 +87,8 @@ def test_tool_results_are_the_real_tools_and_answers_state_them(generated, small
         )
         kind = kind_of(conversation)
         if call["name"] == "calculadora":
-            value = agent.calculate(call["arguments"]["expresion"], small["calculator"])
-            assert result == agent.format_number(value)
+            value = tools.calculate(call["arguments"]["expresion"], small["calculator"])
+            assert result == tools.format_number(value)
         if kind == "sin_resultados":
             assert result == "Sin resultados"
         if kind == "error_busqueda":
@@ -109,15 +107,15 @@ def test_tool_results_are_the_real_tools_and_answers_state_them(generated, small
             assert str(number) in messages[-4]["content"] or f"[{number}]" in messages[0]["content"]
         if kind == "buscar_recuerdos":
             assert result == "Sin recuerdos que coincidan." or result.startswith("- [")
-        fact = agent_eval.result_fact(call["name"], result, answer.lower())
-        assert fact and agent_eval.states(answer, fact), (result, answer)
+        fact = tool_use.result_fact(call["name"], result, answer.lower())
+        assert fact and tool_use.states(answer, fact), (result, answer)
         seen[kind] += 1
     assert min(seen.values()) > 0 and len(seen) == 8
 
 
 def test_memory_conversations_list_the_members_memories_as_the_server_does(generated):
     train, _ = generated
-    header = memory.load_config()["header"]
+    header = memories.load_config()["header"]
     listed = [c for c in train if header in c["messages"][0]["content"]]
     assert len(listed) > 100
     for conversation in listed:
@@ -129,7 +127,7 @@ def test_memory_conversations_list_the_members_memories_as_the_server_does(gener
 def copyable(conversation):
     """Whether the call's values can be copied from what the model reads (question or system turn)."""
     call, kind = the_call(conversation), kind_of(conversation)
-    question = agent_data.user_question(conversation)
+    question = dataset.user_question(conversation)
     arguments = call["arguments"]
     if kind == "calculadora":
         numbers = re.findall(r"\d+(?:[.,]\d+)?", arguments["expresion"])
@@ -140,7 +138,7 @@ def copyable(conversation):
             return str(abs(arguments["dias"])) in question
         return True
     if kind == "recordar":
-        return agent_eval.plain(arguments["texto"][1:]) in agent_eval.plain(question)
+        return tool_use.plain(arguments["texto"][1:]) in tool_use.plain(question)
     if kind == "olvidar":
         number = str(arguments["id"])
         return number in question or f"[{number}]" in conversation["messages"][0]["content"]
@@ -150,9 +148,7 @@ def copyable(conversation):
 def test_a_calls_values_come_from_the_question_or_the_listed_memories(generated):
     train, held_out = generated
     calls = [c for c in train + held_out if kind_of(c) != "sin_herramienta"]
-    assert all(copyable(c) for c in calls), [agent_data.user_question(c) for c in calls if not copyable(c)][
-        :5
-    ]
+    assert all(copyable(c) for c in calls), [dataset.user_question(c) for c in calls if not copyable(c)][:5]
 
 
 def test_a_search_is_the_questions_own_words_as_typed(generated):
@@ -164,16 +160,16 @@ def test_a_search_is_the_questions_own_words_as_typed(generated):
     for conversation in searches:
         query, question = (
             the_call(conversation)["arguments"]["consulta"],
-            agent_data.user_question(conversation),
+            dataset.user_question(conversation),
         )
         assert query and all(word in question for word in query.split()), (question, query)
 
 
 def test_a_percentage_is_written_as_the_question_writes_it():
     # "el 15% de 2400" -> 2400*15%: the calculator reads %, so no constant the question lacks is needed
-    settings = agent.load_settings()
-    assert agent.calculate("2400*15%", settings["calculator"]) == 360
-    assert agent.calculate("64-64*30%", settings["calculator"]) == pytest.approx(44.8)
+    settings = tools.load_settings()
+    assert tools.calculate("2400*15%", settings["calculator"]) == 360
+    assert tools.calculate("64-64*30%", settings["calculator"]) == pytest.approx(44.8)
     assert not any("/100" in case["expression"] for case in phrases.CALCULATIONS)
 
 
@@ -196,48 +192,48 @@ def test_every_tool_is_taught_a_case_whose_value_sits_far_from_the_request(gener
     train, _ = generated
     far = collections.Counter()
     for conversation in (c for c in train if kind_of(c) != "sin_herramienta"):
-        value, question = far_value(conversation), agent_data.user_question(conversation)
+        value, question = far_value(conversation), dataset.user_question(conversation)
         if value and value in question:  # then at least 6 words before the request ends the question
             far[the_call(conversation)["name"]] += len(question.split(value, 1)[1].split()) >= 6
-    assert set(far) == set(agent.TOOLS) and min(far.values()) >= 3, far
+    assert set(far) == set(tools.TOOLS) and min(far.values()) >= 3, far
 
 
 def test_the_copy_share_counts_numbers_and_words_of_the_prompt_in_the_tools_form():
-    assert agent_data.copied("3*2.35", "Si compro 3 kilos a 2,35 €")
-    assert agent_data.copied(-12, "¿Qué día fue hace 12 días?")
-    assert agent_data.copied("Cumpleanos de Lucia", "recuerda el cumpleaños de Lucía")
-    assert not agent_data.copied("110*30/100", "¿Cuánto es el 10 % de 870?")
-    assert not agent_data.copied("America/Bogota", "¿Qué hora es en Bogotá?")
+    assert dataset.copied("3*2.35", "Si compro 3 kilos a 2,35 €")
+    assert dataset.copied(-12, "¿Qué día fue hace 12 días?")
+    assert dataset.copied("Cumpleanos de Lucia", "recuerda el cumpleaños de Lucía")
+    assert not dataset.copied("110*30/100", "¿Cuánto es el 10 % de 870?")
+    assert not dataset.copied("America/Bogota", "¿Qué hora es en Bogotá?")
 
 
 def test_arguments_are_drawn_wide_enough_that_few_repeat(generated):
     train, held_out = generated
-    arguments = collections.Counter(agent_data.call_arguments(c) for c in train) - collections.Counter(
+    arguments = collections.Counter(dataset.call_arguments(c) for c in train) - collections.Counter(
         {None: 10**9}
     )
     per_kind = collections.defaultdict(set)
     for conversation in train:
         if kind_of(conversation) in ("calculadora", "recordar", "olvidar", "buscar_web"):
-            per_kind[kind_of(conversation)].add(agent_data.call_arguments(conversation))
+            per_kind[kind_of(conversation)].add(dataset.call_arguments(conversation))
     counts = collections.Counter(kind_of(c) for c in train)
     for kind, distinct in per_kind.items():  # nearly every calculation, memory and search is new
         assert len(distinct) > 0.8 * counts[kind], kind
     (most, times), *_ = arguments.most_common(1)
     assert most == "{}" and times < 0.1 * sum(arguments.values())  # "what day is it?" repeats, rightly
-    calls, unseen = agent_data.unseen_share(train, held_out)
+    calls, unseen = dataset.unseen_share(train, held_out)
     assert calls > 80 and unseen > 0.5
-    questions = [agent_data.user_question(c) for c in train]
+    questions = [dataset.user_question(c) for c in train]
     assert len(set(questions)) > 0.9 * len(questions)
 
 
 def test_generate_writes_both_files_and_reports_the_unseen_share(tmp_path, capsys):
     settings_file = tmp_path / "agent" / "tiny.yaml"
     settings_file.parent.mkdir()
-    (tmp_path / "agent" / "default.yaml").write_text(open(agent.DEFAULT_SETTINGS, encoding="utf-8").read())
+    (tmp_path / "agent" / "default.yaml").write_text(open(tools.DEFAULT_SETTINGS, encoding="utf-8").read())
     settings_file.write_text("include: agent/default.yaml\nagent:\n  synthetic:\n    conversations: 60\n")
-    assert agent_data.main(["generate", str(tmp_path / "out"), "--settings", str(settings_file)]) == 0
-    train = agent_data.read_jsonl(tmp_path / "out" / "train.jsonl")
-    held_out = agent_data.read_jsonl(tmp_path / "out" / "eval.jsonl")
+    assert dataset.main(["generate", str(tmp_path / "out"), "--settings", str(settings_file)]) == 0
+    train = dataset.read_jsonl(tmp_path / "out" / "train.jsonl")
+    held_out = dataset.read_jsonl(tmp_path / "out" / "eval.jsonl")
     assert 0 < len(held_out) < len(train) and len(train) + len(held_out) <= 60
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["eval.jsonl", "train.jsonl"]
     out = capsys.readouterr().out
@@ -248,13 +244,13 @@ def test_generate_writes_both_files_and_reports_the_unseen_share(tmp_path, capsy
 
 
 def handwritten():
-    return agent_data.read_jsonl(agent_eval.HANDWRITTEN)
+    return dataset.read_jsonl(tool_use.HANDWRITTEN)
 
 
 def test_the_handwritten_set_has_every_tool_and_no_tool_in_equal_shares():
     entries = handwritten()
     shares = collections.Counter(entry["tool"] for entry in entries)
-    assert len(entries) >= 80 and set(shares) == {*agent.TOOLS, None}
+    assert len(entries) >= 80 and set(shares) == {*tools.TOOLS, None}
     assert len(set(shares.values())) == 1
     assert (
         len({entry["id"] for entry in entries}) == len({entry["prompt"] for entry in entries}) == len(entries)
@@ -262,23 +258,21 @@ def test_the_handwritten_set_has_every_tool_and_no_tool_in_equal_shares():
 
 
 def test_every_handwritten_reference_call_is_valid_and_holds_its_key_values():
-    settings = agent.load_settings()
+    settings = tools.load_settings()
     for entry in handwritten():
         if entry["tool"] is None:
             assert set(entry) == {"id", "prompt", "tool"}
             continue
-        assert agent.argument_problem(agent.TOOLS[entry["tool"]], entry["call"], settings) is None, entry[
+        assert tools.argument_problem(tools.TOOLS[entry["tool"]], entry["call"], settings) is None, entry[
             "id"
         ]
-        assert agent_eval.key_values_hold(entry["call"], entry["keys"]), entry["id"]
+        assert tool_use.key_values_hold(entry["call"], entry["keys"]), entry["id"]
         for wanted in entry["keys"].values():  # a listed key value is in the question
             if isinstance(wanted, list):
-                assert all(agent_eval.plain(w) in agent_eval.plain(entry["prompt"]) for w in wanted), entry[
-                    "id"
-                ]
+                assert all(tool_use.plain(w) in tool_use.plain(entry["prompt"]) for w in wanted), entry["id"]
 
 
 def test_no_handwritten_prompt_is_in_the_training_data(shipped_training_data):
-    trained = {agent_eval.plain(agent_data.user_question(c)).strip(" ?¿!¡.") for c in shipped_training_data}
+    trained = {tool_use.plain(dataset.user_question(c)).strip(" ?¿!¡.") for c in shipped_training_data}
     for entry in handwritten():
-        assert agent_eval.plain(entry["prompt"]).strip(" ?¿!¡.") not in trained, entry["id"]
+        assert tool_use.plain(entry["prompt"]).strip(" ?¿!¡.") not in trained, entry["id"]

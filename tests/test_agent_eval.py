@@ -5,29 +5,27 @@ import json
 import pytest
 
 import config
-from agent import dataset as agent_data
-from agent import grammar as agent_grammar
-from agent import tools as agent
-from chat import template as chat
-from evaluation import tool_use as agent_eval
+from agent import dataset, grammar, tools
+from chat import template
+from evaluation import tool_use
 
 
 @pytest.fixture(scope="module")
 def settings():
-    return agent.load_settings()
+    return tools.load_settings()
 
 
 @pytest.fixture(scope="module")
 def held_out(settings):
     small = json.loads(json.dumps(settings))
     small["synthetic"].update(conversations=300, eval_fraction=0.2)
-    return agent_data.generate(small)[1]
+    return dataset.generate(small)[1]
 
 
 @pytest.fixture(scope="module")
 def handwritten_cases(settings):
-    entries = agent_data.read_jsonl(agent_eval.HANDWRITTEN)
-    return list(agent_eval.handwritten_cases(entries, settings, agent.Agent(settings).count_tokens, 4096))
+    entries = dataset.read_jsonl(tool_use.HANDWRITTEN)
+    return list(tool_use.handwritten_cases(entries, settings, tools.Agent(settings).count_tokens, 4096))
 
 
 def replaying(cases, broken=False, silent=False):
@@ -37,7 +35,7 @@ def replaying(cases, broken=False, silent=False):
     for case in cases:
         messages = case["prompt"]["messages"]
         reference = case.get("reference") or {"content": "Eso no necesita herramientas."}
-        by_prompt[json.dumps(messages)] = chat.assistant_text(reference)
+        by_prompt[json.dumps(messages)] = template.assistant_text(reference)
         if "answer_prompt" in case:  # the reference answer, or (hand-written set) the result itself
             answer = case.get("reference_answer", case["answer_prompt"]["messages"][-1]["content"])
             by_prompt[json.dumps(case["answer_prompt"]["messages"])] = answer
@@ -54,8 +52,8 @@ def replaying(cases, broken=False, silent=False):
 
 
 def test_the_reference_replies_score_one_on_every_rate_of_both_sets(held_out, handwritten_cases, settings):
-    for cases in (list(agent_eval.generated_cases(held_out)), handwritten_cases):
-        report = agent_eval.evaluate(cases, replaying(cases), settings, log=lambda *a: None)
+    for cases in (list(tool_use.generated_cases(held_out)), handwritten_cases):
+        report = tool_use.evaluate(cases, replaying(cases), settings, log=lambda *a: None)
         assert report["counts"]["all"] == len(cases)
         assert report["right_rate"] == report["valid_rate"] == report["arguments_rate"] == 1.0
         assert report["uses_rate"] == 1.0 and report["counts"]["cut"] == 0
@@ -64,7 +62,7 @@ def test_the_reference_replies_score_one_on_every_rate_of_both_sets(held_out, ha
 def test_the_handwritten_set_is_asked_as_the_server_asks_a_member(handwritten_cases, settings):
     assert len(handwritten_cases) >= 80
     for case in handwritten_cases:
-        assert [spec["function"]["name"] for spec in case["tools"]] == list(agent.TOOLS)  # all six
+        assert [spec["function"]["name"] for spec in case["tools"]] == list(tools.TOOLS)  # all six
         system = case["prompt"]["messages"][0]["content"]
         assert (
             system.startswith(settings["system_prompt"])
@@ -79,7 +77,7 @@ def test_the_handwritten_set_is_asked_as_the_server_asks_a_member(handwritten_ca
 
 
 def test_a_model_that_never_calls_is_right_only_where_no_tool_is_needed(handwritten_cases, settings):
-    report = agent_eval.evaluate(handwritten_cases, replaying(handwritten_cases, silent=True), settings)
+    report = tool_use.evaluate(handwritten_cases, replaying(handwritten_cases, silent=True), settings)
     no_tool = sum(case["tool"] is None for case in handwritten_cases)
     assert report["right_rate"] == round(no_tool / len(handwritten_cases), 4)
     assert report["valid_rate"] is None and report["arguments_rate"] == report["uses_rate"] == 0.0
@@ -89,7 +87,7 @@ def test_a_model_that_never_calls_is_right_only_where_no_tool_is_needed(handwrit
 def test_broken_json_counts_against_syntax_but_the_named_tool_still_counts_as_right(
     handwritten_cases, settings
 ):
-    report = agent_eval.evaluate(handwritten_cases, replaying(handwritten_cases, broken=True), settings)
+    report = tool_use.evaluate(handwritten_cases, replaying(handwritten_cases, broken=True), settings)
     assert report["valid_rate"] == report["arguments_rate"] == 0.0 and report["right_rate"] == 1.0
 
 
@@ -107,7 +105,7 @@ def test_broken_json_counts_against_syntax_but_the_named_tool_still_counts_as_ri
     ],
 )
 def test_key_values_are_compared_without_case_accents_or_the_decimal_sign(arguments, keys, holds):
-    assert agent_eval.key_values_hold(arguments, keys) is holds
+    assert tool_use.key_values_hold(arguments, keys) is holds
 
 
 def tiny_model(shard_data_dir, seq_len):
@@ -118,7 +116,7 @@ def tiny_model(shard_data_dir, seq_len):
 
     tokenizer = data.SentencePieceTokenizer(f"{shard_data_dir}/tokenizer.model")
     torch.manual_seed(0)
-    cfg = config.load_layer("model", f"{agent.ROOT}/configs/model/smoke.yaml")
+    cfg = config.load_layer("model", f"{tools.ROOT}/configs/model/smoke.yaml")
     cfg.update(vocab_size=tokenizer.vocab_size, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2)
     cfg.update(ffn_hidden=64, seq_len=seq_len)
     return Transformer(cfg).eval(), tokenizer
@@ -137,18 +135,18 @@ def test_the_model_policy_reuses_its_cache_and_generates_what_generate_does(
         {"messages": held_out[1]["messages"][:2], "tools": held_out[1]["tools"]},
         {"messages": tool_conversation["messages"][:2], "tools": tool_conversation["tools"]},
     ]
-    reply = agent_eval.model_reply(model, tokenizer, 6, settings)
+    reply = tool_use.model_reply(model, tokenizer, 6, settings)
     end = tokenizer.special_ids["<|end|>"]
     for prompt in prompts:
-        ids, _ = chat.render(prompt, tokenizer, for_generation=True)
-        constraint = agent_grammar.constraint_for(tokenizer, prompt["tools"], settings, 6)
+        ids, _ = template.render(prompt, tokenizer, for_generation=True)
+        constraint = grammar.constraint_for(tokenizer, prompt["tools"], settings, 6)
         expected = list(model.generate(torch.tensor(ids), 6, 0.0, stop_token=end, constraint=constraint))
         assert reply(prompt)[0] == tokenizer.decode([t for t in expected if t != end])
 
 
 def test_agent_eval_prints_both_sets_side_by_side_and_writes_the_report(chat_run, held_out, tmp_path, capsys):
     path = tmp_path / "eval.jsonl"
-    agent_data.write_jsonl(str(path), held_out)
+    dataset.write_jsonl(str(path), held_out)
     report = tmp_path / "report.json"
     argv = [
         chat_run,
@@ -161,9 +159,9 @@ def test_agent_eval_prints_both_sets_side_by_side_and_writes_the_report(chat_run
         "--report",
         str(report),
     ]
-    assert agent_eval.main(argv) == 0
+    assert tool_use.main(argv) == 0
     shown = capsys.readouterr().out
     assert "generated" in shown and "hand-written" in shown and "right tool" in shown
     written = json.loads(report.read_text())
     assert written["sets"]["hand-written"]["counts"]["all"] == 3 and written["constrained"] is True
-    assert agent_eval.main([chat_run, "--generated", str(tmp_path / "missing.jsonl")]) == 2
+    assert tool_use.main([chat_run, "--generated", str(tmp_path / "missing.jsonl")]) == 2

@@ -13,10 +13,8 @@ import torch
 
 import data
 import sample
-from agent import dataset as agent_data
-from agent import grammar as agent_grammar
-from agent import tools as agent
-from chat import template as chat
+from agent import dataset, grammar, tools
+from chat import template
 from model import Transformer
 
 ROOT_TOOLS = ("buscar_web", "calculadora", "fecha_hora", "recordar", "buscar_recuerdos", "olvidar")
@@ -53,7 +51,7 @@ def tokenizer(shard_data_dir):
 
 @pytest.fixture
 def settings():
-    return agent.load_settings()
+    return tools.load_settings()
 
 
 class NoisyModel(Transformer):
@@ -123,7 +121,7 @@ def noisy_replies(tokenizer, tools, settings, count, adversarial, budget=400, to
     generator = torch.Generator().manual_seed(1)
     replies = []
     for _ in range(count):
-        constraint = agent_grammar.constraint_for(tokenizer, tools, settings, budget if told else None)
+        constraint = grammar.constraint_for(tokenizer, tools, settings, budget if told else None)
         out = []
         for token in model.generate(torch.tensor([1]), budget, 1.0, stop_token=end, generator=generator,
                                     constraint=constraint):  # fmt: skip
@@ -134,18 +132,18 @@ def noisy_replies(tokenizer, tools, settings, count, adversarial, budget=400, to
     return replies
 
 
-def assert_only_valid_calls(replies, tools, settings):
+def assert_only_valid_calls(replies, specs, settings):
     """Every reply ended (no call cut by the budget), has at least one call, and every call is valid."""
-    schemas = {spec["function"]["name"]: spec["function"]["parameters"] for spec in tools}
+    schemas = {spec["function"]["name"]: spec["function"]["parameters"] for spec in specs}
     for text, constraint in replies:
         assert not constraint.in_call, text
-        reply = agent.parse_reply(text)
+        reply = tools.parse_reply(text)
         assert reply.calls and constraint.calls == len(reply.calls) == text.count("<tool_call>"), text
         for call in reply.calls:
             assert call.error is None and call.name in schemas, (call, text)
             jsonschema.validate(call.arguments, schemas[call.name])
-            if call.name in agent.TOOLS:
-                assert agent.argument_problem(agent.TOOLS[call.name], call.arguments, settings) is None
+            if call.name in tools.TOOLS:
+                assert tools.argument_problem(tools.TOOLS[call.name], call.arguments, settings) is None
         assert text.startswith("<tool_call>\n")  # as chat.render lays a call out: opened at once
         body = text[len("<tool_call>\n") :].split("\n</tool_call>")[0]
         assert json.loads(body) == {"name": reply.calls[0].name, "arguments": reply.calls[0].arguments}
@@ -153,10 +151,10 @@ def assert_only_valid_calls(replies, tools, settings):
 
 @pytest.mark.parametrize("adversarial", [False, True], ids=["uniform", "adversarial"])
 def test_noise_writes_only_valid_calls_to_the_assistants_tools(tokenizer, settings, adversarial):
-    tools = agent.tool_specs(settings, list(ROOT_TOOLS))
-    replies = noisy_replies(tokenizer, tools, settings, 24, adversarial)
-    assert_only_valid_calls(replies, tools, settings)
-    names = {call.name for text, _ in replies for call in agent.parse_reply(text).calls}
+    specs = tools.tool_specs(settings, list(ROOT_TOOLS))
+    replies = noisy_replies(tokenizer, specs, settings, 24, adversarial)
+    assert_only_valid_calls(replies, specs, settings)
+    names = {call.name for text, _ in replies for call in tools.parse_reply(text).calls}
     assert len(names) >= 3  # the noise reaches several tools, not one path of the grammar
 
 
@@ -168,31 +166,31 @@ def test_noise_writes_only_valid_calls_to_a_clients_own_tools(tokenizer, setting
 
 @pytest.mark.parametrize("adversarial", [False, True], ids=["uniform", "adversarial"])
 def test_a_budget_never_cuts_a_call_the_constraint_knows_of(tokenizer, settings, adversarial):
-    tools = agent.tool_specs(settings, list(ROOT_TOOLS))
+    specs = tools.tool_specs(settings, list(ROOT_TOOLS))
     reserve = settings["call_reserve_tokens"]
-    cut = noisy_replies(tokenizer, tools, settings, 6, adversarial, budget=3 * reserve, told=False)
+    cut = noisy_replies(tokenizer, specs, settings, 6, adversarial, budget=3 * reserve, told=False)
     assert any(constraint.in_call for _, constraint in cut)  # without the budget, noise runs out mid-call
     for budget in (3 * reserve, 4 * reserve):
-        replies = noisy_replies(tokenizer, tools, settings, 12, adversarial, budget=budget)
-        assert_only_valid_calls(replies, tools, settings)
-    tight = noisy_replies(tokenizer, tools, settings, 4, adversarial, budget=2 * reserve)
+        replies = noisy_replies(tokenizer, specs, settings, 12, adversarial, budget=budget)
+        assert_only_valid_calls(replies, specs, settings)
+    tight = noisy_replies(tokenizer, specs, settings, 4, adversarial, budget=2 * reserve)
     assert all("<tool_call>" not in text for text, _ in tight)  # too little room: no call opens
 
 
 def test_without_the_constraint_the_same_noise_writes_broken_calls(tokenizer, settings):
     settings["constrained"] = False
-    assert agent_grammar.constraint_for(tokenizer, CLIENT_TOOLS, settings) is None
+    assert grammar.constraint_for(tokenizer, CLIENT_TOOLS, settings) is None
     model = NoisyModel(tokenizer, adversarial=True).eval()
     generator = torch.Generator().manual_seed(1)
     texts = [
         tokenizer.decode(list(model.generate(torch.tensor([1]), 40, 1.0, generator=generator)))
         for _ in range(8)
     ]
-    assert all(any(call.error for call in agent.parse_reply(text).calls) for text in texts)
+    assert all(any(call.error for call in tools.parse_reply(text).calls) for text in texts)
 
 
 def test_free_text_is_not_constrained_but_a_call_opens_only_with_the_tag_token(tokenizer, settings):
-    constraint = agent_grammar.constraint_for(tokenizer, agent.tool_specs(settings), settings)
+    constraint = grammar.constraint_for(tokenizer, tools.tool_specs(settings), settings)
     logits = torch.randn(tokenizer.vocab_size)
     masked = constraint.mask(logits.clone())
     close = data.TOKEN_TABLE["</tool_call>"]
@@ -207,12 +205,12 @@ def test_free_text_is_not_constrained_but_a_call_opens_only_with_the_tag_token(t
     assert closing and all(masked[token] == float("-inf") for token in closing)
     assert masked[tokenizer.encode("x")[0]] == 0.0
     assert masked[data.TOKEN_TABLE["<tool_call>"]] == 0.0
-    none = agent_grammar.constraint_for(tokenizer, None, settings)  # no tools on offer: no call at all
+    none = grammar.constraint_for(tokenizer, None, settings)  # no tools on offer: no call at all
     assert none.mask(torch.zeros(tokenizer.vocab_size))[data.TOKEN_TABLE["<tool_call>"]] == float("-inf")
 
 
 def test_the_calls_chat_render_writes_pass_the_grammar_token_by_token(tokenizer, settings):
-    tools = agent.tool_specs(settings, list(ROOT_TOOLS))
+    specs = tools.tool_specs(settings, list(ROOT_TOOLS))
     calls = [
         ("calculadora", {"expresion": "(12,5*3 + 4) / 7 - 2**3"}),
         ("fecha_hora", {}),
@@ -225,9 +223,9 @@ def test_the_calls_chat_render_writes_pass_the_grammar_token_by_token(tokenizer,
     message = {"role": "assistant", "content": "Lo miro.", "tool_calls": [
         {"type": "function", "function": {"name": name, "arguments": arguments}} for name, arguments in calls
     ]}  # fmt: skip
-    ids, _ = chat.render({"messages": [message], "tools": tools}, tokenizer)
+    ids, _ = template.render({"messages": [message], "tools": specs}, tokenizer)
     reply = ids[ids.index(tokenizer.special_ids["<|assistant|>"]) + 1 :]
-    constraint = agent_grammar.constraint_for(tokenizer, tools, settings)
+    constraint = grammar.constraint_for(tokenizer, specs, settings)
     for token in reply:
         assert constraint.mask(torch.zeros(tokenizer.vocab_size))[token] == 0.0, tokenizer.decode([token])
         constraint.accept(token)
@@ -245,9 +243,9 @@ def test_the_calls_chat_render_writes_pass_the_grammar_token_by_token(tokenizer,
     ],
 )
 def test_what_the_tools_refuse_is_outside_the_grammar(tokenizer, settings, arguments):
-    tools = agent.tool_specs(settings, ["fecha_hora"])
+    specs = tools.tool_specs(settings, ["fecha_hora"])
     text = "\n" + json.dumps({"name": "fecha_hora", "arguments": arguments}, ensure_ascii=False) + "\n"
-    constraint = agent_grammar.constraint_for(tokenizer, tools, settings)
+    constraint = grammar.constraint_for(tokenizer, specs, settings)
     constraint.accept(data.TOKEN_TABLE["<tool_call>"])
     refused = False
     for token in tokenizer.encode(text) + [data.TOKEN_TABLE["</tool_call>"]]:
@@ -261,22 +259,22 @@ def test_what_the_tools_refuse_is_outside_the_grammar(tokenizer, settings, argum
 def test_a_schema_the_engine_cannot_enforce_is_an_error_naming_the_tool(tokenizer, settings):
     bad = [{"type": "function", "function": {"name": "rara", "parameters": {"type": "object", "properties": {
         "a": {"type": "integer", "minimum": 5, "maximum": 2}}}}}]  # fmt: skip
-    with pytest.raises(agent_grammar.GrammarError, match=r"tool 'rara': .*minimum greater than maximum"):
-        agent_grammar.constraint_for(tokenizer, bad, settings)
+    with pytest.raises(grammar.GrammarError, match=r"tool 'rara': .*minimum greater than maximum"):
+        grammar.constraint_for(tokenizer, bad, settings)
 
 
 def test_a_tool_set_is_compiled_once(tokenizer, settings):
-    tools = agent.tool_specs(settings)
-    first = agent_grammar.tool_grammar(tokenizer, tools, settings)
-    assert agent_grammar.tool_grammar(tokenizer, json.loads(json.dumps(tools)), settings) is first
-    assert agent_grammar.tool_grammar(tokenizer, tools[:1], settings) is not first
+    specs = tools.tool_specs(settings)
+    first = grammar.tool_grammar(tokenizer, specs, settings)
+    assert grammar.tool_grammar(tokenizer, json.loads(json.dumps(specs)), settings) is first
+    assert grammar.tool_grammar(tokenizer, specs[:1], settings) is not first
 
 
 MALFORMED = ("llamada mal formada", "no existe la herramienta", "argumento", "tipo")
 
 
 def test_the_chat_repl_constrains_each_generation_of_the_loop(tokenizer, settings, monkeypatch):
-    monkeypatch.setattr(agent, "searcher_from_env", lambda provider: agent_data.CannedSearch([]))
+    monkeypatch.setattr(tools, "searcher_from_env", lambda provider: dataset.CannedSearch([]))
     args = SimpleNamespace(run="noise", max_new_tokens=700, temperature=1.0, top_k=None, top_p=None, seed=0,
                            system="", no_tools=False)  # fmt: skip
     model = NoisyModel(tokenizer, adversarial=True, ends=True).eval()
@@ -289,32 +287,32 @@ def test_the_chat_repl_constrains_each_generation_of_the_loop(tokenizer, setting
     assert len(calls) == 2 * settings["max_calls_per_turn"]  # every generation with tools calls at once
     for line in calls:
         name, arguments = line.removeprefix("  [tool call] ").split(" ", 1)
-        assert agent.argument_problem(agent.TOOLS[name], json.loads(arguments), settings) is None
+        assert tools.argument_problem(tools.TOOLS[name], json.loads(arguments), settings) is None
     assert not [line for line in errors if any(word in line for word in MALFORMED)], errors
 
 
 def test_the_structural_tag_for_vllm_takes_what_chat_render_writes_and_refuses_a_bad_call(settings):
     import xgrammar
 
-    tools = agent.tool_specs(settings, list(ROOT_TOOLS))
-    tag = agent_grammar.structural_tag(tools, settings)
+    specs = tools.tool_specs(settings, list(ROOT_TOOLS))
+    tag = grammar.structural_tag(specs, settings)
     assert tag["type"] == "structural_tag" and tag["triggers"] == ["<tool_call>"]
     items = [xgrammar.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"])
              for s in tag["structures"]]  # fmt: skip
-    grammar = xgrammar.Grammar.from_structural_tag(items, tag["triggers"])
-    compiled = xgrammar.GrammarCompiler(xgrammar.TokenizerInfo(["a"])).compile_grammar(grammar)
+    compiled = xgrammar.Grammar.from_structural_tag(items, tag["triggers"])
+    compiled = xgrammar.GrammarCompiler(xgrammar.TokenizerInfo(["a"])).compile_grammar(compiled)
 
     def accepts(arguments, name="calculadora"):
         call = {"function": {"name": name, "arguments": arguments}}
-        return xgrammar.GrammarMatcher(compiled).accept_string("Lo miro.\n" + chat.tool_call_text(call))
+        return xgrammar.GrammarMatcher(compiled).accept_string("Lo miro.\n" + template.tool_call_text(call))
 
     assert accepts({"expresion": "2+2"}) and accepts({"zona": "America/Lima", "dias": 3}, "fecha_hora")
     assert not accepts({"expresion": 4}) and not accepts({"zona": "Europe"}, "fecha_hora")
     assert not accepts({"consulta": "x"}, "no_existe")
     main_out = io.StringIO()
     with contextlib.redirect_stdout(main_out):
-        assert agent_grammar.main(["structural-tag", "--member"]) == 0
-    assert len(json.loads(main_out.getvalue())["structures"]) == len(agent.TOOLS)
+        assert grammar.main(["structural-tag", "--member"]) == 0
+    assert len(json.loads(main_out.getvalue())["structures"]) == len(tools.TOOLS)
 
 
 def test_a_bounded_string_refuses_a_surrogates_bytes_that_would_decode_past_its_bound():
@@ -325,12 +323,12 @@ def test_a_bounded_string_refuses_a_surrogates_bytes_that_would_decode_past_its_
     vocabulary = xgrammar.TokenizerInfo([bytes([b]) for b in range(256)], vocab_type=xgrammar.VocabType.RAW)
     schema = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 3}}, "required": ["s"],
               "additionalProperties": False}  # fmt: skip
-    grammar = xgrammar.GrammarCompiler(vocabulary).compile_json_schema(
-        json.dumps(agent_grammar.plain_bounded_strings(schema)), any_whitespace=False
+    compiled = xgrammar.GrammarCompiler(vocabulary).compile_json_schema(
+        json.dumps(grammar.plain_bounded_strings(schema)), any_whitespace=False
     )
 
     def accepted(text):
-        matcher = xgrammar.GrammarMatcher(grammar)
+        matcher = xgrammar.GrammarMatcher(compiled)
         return all(matcher.accept_token(b) for b in text)
 
     assert accepted(b'{"s": "a\xc3\xb1b"}') and not accepted(b'{"s": "abcd"}')
@@ -341,7 +339,7 @@ def test_a_byte_token_never_completes_an_overlong_or_surrogate_character_in_a_ca
     # xgrammar alone takes E0 80 AF ("/" overlong) or ED A0 80 (a surrogate) as one character of a string
     start = '\n{"name": "lista_compra", "arguments": {"cosas": ["'
     for lead, bad, good in ((0xE0, 0x80, 0xA0), (0xED, 0xA0, 0x80), (0xF0, 0x8F, 0x90)):
-        probe = agent_grammar.constraint_for(tokenizer, CLIENT_TOOLS, settings)
+        probe = grammar.constraint_for(tokenizer, CLIENT_TOOLS, settings)
         vocab = probe.vocab
         for token in [data.TOKEN_TABLE["<tool_call>"], *tokenizer.encode(start), vocab.byte_ids[lead]]:
             probe.accept(token)

@@ -7,10 +7,8 @@ import pytest
 from test_agent_eval import replaying
 
 import fileio
-from agent import dataset as agent_data
-from agent import tools as agent
-from evaluation import ladder
-from evaluation import tool_use as agent_eval
+from agent import dataset, tools
+from evaluation import ladder, tool_use
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "configs", "sft-agent-tiny-cpu.yaml")
@@ -20,12 +18,12 @@ TINY = os.path.join(ROOT, "configs", "sft-agent-tiny-cpu.yaml")
 def reports():
     """Two seeds' agent_eval.json as evaluation/tool_use.py writes them: one model that replies as the
     references do, one that never calls a tool."""
-    settings = agent.load_settings()
-    entries = agent_data.read_jsonl(agent_eval.HANDWRITTEN)
-    cases = list(agent_eval.handwritten_cases(entries, settings, agent.Agent(settings).count_tokens, 4096))
+    settings = tools.load_settings()
+    entries = dataset.read_jsonl(tool_use.HANDWRITTEN)
+    cases = list(tool_use.handwritten_cases(entries, settings, tools.Agent(settings).count_tokens, 4096))
     quiet = lambda *args: None  # noqa: E731
-    right = agent_eval.evaluate(cases, replaying(cases), settings, log=quiet)
-    silent = agent_eval.evaluate(cases, replaying(cases, silent=True), settings, log=quiet)
+    right = tool_use.evaluate(cases, replaying(cases), settings, log=quiet)
+    silent = tool_use.evaluate(cases, replaying(cases, silent=True), settings, log=quiet)
     return [{"sets": {"generated": report, "hand-written": report}} for report in (right, silent)]
 
 
@@ -38,7 +36,7 @@ def test_the_table_gives_the_mean_and_the_range_over_the_seeds_there_are(reports
         )
     rows, seeds = ladder.rung_figures("a", TINY, None, [1, 2, 3])  # seed 3 has not run
     assert seeds == 2
-    none_needed = sum(entry["tool"] is None for entry in agent_data.read_jsonl(agent_eval.HANDWRITTEN))
+    none_needed = sum(entry["tool"] is None for entry in dataset.read_jsonl(tool_use.HANDWRITTEN))
     silent_right = 100 * none_needed / reports[1]["sets"]["hand-written"]["counts"]["all"]
     assert rows["hand-written: right tool (%)"] == [100.0, silent_right]
     assert rows["hand-written: ninguna right tool (%)"] == [100.0, 100.0]

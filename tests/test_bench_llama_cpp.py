@@ -5,18 +5,18 @@ by stream, is tests/test_export.py's (where llama-cpp-python is installed). Timi
 
 import pytest
 
-from bench import llama_cpp as bench_llama
+from bench import llama_cpp as bench_llama_cpp
 
 
 def run_of(rate):
-    return {"compile_s": 1.0, **{str(s): rate * s for s in bench_llama.STREAMS},
-            **{f"bytes{s}": 1e6 for s in bench_llama.STREAMS}}  # fmt: skip
+    return {"compile_s": 1.0, **{str(s): rate * s for s in bench_llama_cpp.STREAMS},
+            **{f"bytes{s}": 1e6 for s in bench_llama_cpp.STREAMS}}  # fmt: skip
 
 
 def test_ratios_to_llama_cpp_are_paired_round_by_round(capsys):
-    rows = {name: [run_of(100), run_of(200), run_of(400)] for name in bench_llama.CONFIGURATIONS}
+    rows = {name: [run_of(100), run_of(200), run_of(400)] for name in bench_llama_cpp.CONFIGURATIONS}
     rows["llama.cpp f32"] = [run_of(50), run_of(100), run_of(200)]  # every round half of ENLACE's rate
-    bench_llama.print_table("smoke", rows, bandwidth=1e9)
+    bench_llama_cpp.print_table("smoke", rows, bandwidth=1e9)
     lines = capsys.readouterr().out.splitlines()
     one_stream = next(line for line in lines if "ENLACE float32 " in line and "|       1 |" in line)
     # a slow round slows both sides: paired, the ratio is 2.00 in every round, however far the rounds
@@ -30,24 +30,24 @@ def test_ratios_to_llama_cpp_are_paired_round_by_round(capsys):
 def test_the_configurations_take_turns_at_running_first(monkeypatch):
     order = []
     monkeypatch.setattr(
-        bench_llama, "run_child", lambda folder, shape, name, profile: order.append(name) or {}
+        bench_llama_cpp, "run_child", lambda folder, shape, name, profile: order.append(name) or {}
     )
-    rows = bench_llama.rounds_of("folder", "smoke", 3)
-    n = len(bench_llama.CONFIGURATIONS)
-    assert [order[i * n] for i in range(3)] == list(bench_llama.CONFIGURATIONS[:3])
+    rows = bench_llama_cpp.rounds_of("folder", "smoke", 3)
+    n = len(bench_llama_cpp.CONFIGURATIONS)
+    assert [order[i * n] for i in range(3)] == list(bench_llama_cpp.CONFIGURATIONS[:3])
     assert all(len(runs) == 3 for runs in rows.values())
 
 
 def test_a_table_refuses_a_single_round(capsys):
     with pytest.raises(SystemExit) as stop:
-        bench_llama.main(["table", "--rounds", "1"])
+        bench_llama_cpp.main(["table", "--rounds", "1"])
     assert stop.value.code == 2
     assert "a spread needs at least 2 rounds" in capsys.readouterr().err
 
 
 def test_a_table_of_some_configurations_pairs_each_with_its_peer_where_the_peer_ran(capsys):
     names = ("ENLACE int8 kernel compiled", "llama.cpp q8_0", "ENLACE float32 kernel")
-    bench_llama.print_table("smoke", {name: [run_of(100), run_of(300)] for name in names}, bandwidth=1e9)
+    bench_llama_cpp.print_table("smoke", {name: [run_of(100), run_of(300)] for name in names}, bandwidth=1e9)
     out = capsys.readouterr().out
     lines = [line for line in out.splitlines() if "|       1 |" in line]
     assert [line.split("|")[0].removeprefix("llama:").strip() for line in lines] == list(names)

@@ -21,8 +21,8 @@ import config
 import data
 import fileio
 import train
-from chat import template as chat
-from corpus import pipeline as corpus
+from chat import template
+from corpus import pipeline
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -147,7 +147,7 @@ def retrained_data(tmp_path_factory, shard_data_dir):
         os.path.join(ROOT, "configs", "smoke-corpus-cpu.yaml"),
         shard_overrides(str(data_dir)) + ["data.tokenizer.character_coverage=0.98"],
     )
-    corpus.train_tokenizer(other["data"], log=lambda *a, **k: None)
+    pipeline.train_tokenizer(other["data"], log=lambda *a, **k: None)
     after = fileio.sha256_of_file(data_dir / "tokenizer.model")
     assert before != after, "the retrained tokenizer should differ"
     return cfg, before, after
@@ -158,7 +158,7 @@ def test_a_run_decodes_with_the_tokenizer_inside_its_checkpoint_not_the_retraine
     state = checkpoint.load_checkpoint(checkpoint.list_checkpoints(train.run_dir_of(cfg))[0])
     record = state["tokenizer"]
     assert record["sha256"] == trained_with and hashlib.sha256(record["model"]).hexdigest() == trained_with
-    assert record["chat_template_version"] == chat.CHAT_TEMPLATE_VERSION
+    assert record["chat_template_version"] == template.CHAT_TEMPLATE_VERSION
     warnings = []
     model, run_cfg, tokenizer, _ = checkpoint.load_run(train.run_dir_of(cfg), log=warnings.append)
     assert hashlib.sha256(tokenizer.processor.serialized_model_proto()).hexdigest() == trained_with
@@ -171,13 +171,13 @@ def test_a_run_decodes_with_the_tokenizer_inside_its_checkpoint_not_the_retraine
 def test_sample_serve_and_export_use_the_tokenizer_inside_the_checkpoint(retrained_data, tmp_path):
     import export
     import sample
-    from serve import app as serve
+    from serve import app
 
     cfg, trained_with, retrained = retrained_data
     run_dir = train.run_dir_of(cfg)
     sha256 = lambda tokenizer: hashlib.sha256(tokenizer.processor.serialized_model_proto()).hexdigest()  # noqa: E731
     assert sha256(sample.load_run(run_dir)[2]) == trained_with
-    assert sha256(serve.load_model(run_dir, "cpu")[1]) == trained_with
+    assert sha256(app.load_model(run_dir, "cpu")[1]) == trained_with
     export.export(run_dir, "hf", str(tmp_path / "hf"), log=lambda *a: None)
     assert fileio.sha256_of_file(tmp_path / "hf" / "tokenizer.model") == trained_with != retrained
 
@@ -233,7 +233,7 @@ def run_with_chat_template_version(tmp_path, shard_data_dir, version):
     train.train(cfg, log=lambda *a, **k: None)
     path = checkpoint.list_checkpoints(train.run_dir_of(cfg))[0]
     state = checkpoint.load_checkpoint(path)
-    assert state["tokenizer"]["chat_template_version"] == chat.CHAT_TEMPLATE_VERSION
+    assert state["tokenizer"]["chat_template_version"] == template.CHAT_TEMPLATE_VERSION
     if version is None:
         del state["tokenizer"]["chat_template_version"]
     else:
@@ -247,14 +247,14 @@ def test_sample_serve_and_export_refuse_a_run_trained_with_another_chat_template
 ):
     import export
     import sample
-    from serve import app as serve
+    from serve import app
 
-    other = chat.CHAT_TEMPLATE_VERSION + 1
+    other = template.CHAT_TEMPLATE_VERSION + 1
     path, commit = run_with_chat_template_version(tmp_path, shard_data_dir, other)
     refusals = []
     for load, error in [
         (lambda: sample.load_run(path), sample.SampleError),
-        (lambda: serve.load_model(path, "cpu"), serve.ServeError),
+        (lambda: app.load_model(path, "cpu"), app.ServeError),
         (lambda: export.export(path, "hf", str(tmp_path / "hf"), log=lambda *a: None), export.ExportError),
     ]:
         with pytest.raises(error) as excinfo:
@@ -262,7 +262,7 @@ def test_sample_serve_and_export_refuse_a_run_trained_with_another_chat_template
         refusals.append(str(excinfo.value))
     for message in refusals:
         assert message.startswith(f"{path}: trained with chat template version {other}, ")
-        assert f"this code renders version {chat.CHAT_TEMPLATE_VERSION}" in message
+        assert f"this code renders version {template.CHAT_TEMPLATE_VERSION}" in message
         assert f"check out the commit it was trained with ({commit})" in message
     assert not os.path.exists(tmp_path / "hf"), "the export wrote nothing"
 
@@ -273,5 +273,5 @@ def test_a_checkpoint_without_its_chat_template_version_loads_with_a_warning(tmp
     checkpoint.load_run(path, log=warnings.append)
     assert warnings == [
         f"warning: {path} does not record the chat template version it was trained with; "
-        f"assuming this code's (version {chat.CHAT_TEMPLATE_VERSION})"
+        f"assuming this code's (version {template.CHAT_TEMPLATE_VERSION})"
     ]

@@ -21,10 +21,7 @@ from conftest import ROOT, data_layer, quiet, read_docs, shard_hashes, text_sour
 
 import config
 import data
-from corpus import docs as corpus_docs
-from corpus import filters as corpus_filters
-from corpus import pipeline as corpus
-from corpus import sources as corpus_sources
+from corpus import docs, filters, pipeline, sources
 
 sys.path.insert(0, os.path.join(ROOT, "tests", "fixtures", "corpus"))
 import write_fixtures  # noqa: E402
@@ -40,8 +37,8 @@ NOVELAS = os.path.join(ROOT, "..", "shared", "corpus", "novelas-cligs.jsonl.gz")
 
 def test_cleaning_normalizes_to_nfc_and_tidies_controls_and_whitespace():
     raw = "\n\t\n  \n  Cafe\u0301 \u00a0con\u200bleche\x07\r\nsegunda   \t\n\n\n\n\ufefftercera\u2028cuarta \n\n"
-    assert corpus.clean_text(raw) == "  Café  con\u200bleche\nsegunda\n\ntercera\ncuarta"
-    assert corpus.clean_text("a\tb") == "a\tb"  # tabs inside lines stay
+    assert pipeline.clean_text(raw) == "  Café  con\u200bleche\nsegunda\n\ntercera\ncuarta"
+    assert pipeline.clean_text("a\tb") == "a\tb"  # tabs inside lines stay
 
 
 def write_gz(path, text_or_bytes):
@@ -64,12 +61,16 @@ def drops(stats, source):
 
 
 def test_corpus_step_dedups_filters_counts_and_splits_by_hash(tmp_path):
-    docs = [f"Documento número {i}: había una vez una historia." for i in range(40)]
-    (tmp_path / "a.txt").write_text("\n\n".join(docs[:30] + [docs[3], "corto"]) + "\n")
+    documents = [f"Documento número {i}: había una vez una historia." for i in range(40)]
+    (tmp_path / "a.txt").write_text("\n\n".join(documents[:30] + [documents[3], "corto"]) + "\n")
     write_gz(tmp_path / "b.txt.gz", b"Texto con un byte \xff roto y otro \xc3 mas, largo\n")
     escaped = json.dumps({"body": "Un escape \ud83d suelto en JSON, largo"})  # a lone surrogate
-    lines = [json.dumps({"body": d}) for d in docs[30:]] + ["{not json", json.dumps({"title": "x"}), escaped]
-    write_gz(tmp_path / "c.jsonl.gz", "\n".join(lines + [json.dumps({"body": docs[0]})]) + "\n")
+    lines = [json.dumps({"body": d}) for d in documents[30:]] + [
+        "{not json",
+        json.dumps({"title": "x"}),
+        escaped,
+    ]
+    write_gz(tmp_path / "c.jsonl.gz", "\n".join(lines + [json.dumps({"body": documents[0]})]) + "\n")
     (tmp_path / "whole").mkdir()
     (tmp_path / "whole" / "d.txt").write_text("Un documento\n\ncon una línea en blanco dentro.\n")
     sources = [
@@ -79,7 +80,7 @@ def test_corpus_step_dedups_filters_counts_and_splits_by_hash(tmp_path):
     ]
     del sources[1]["documents"]
     cfg = corpus_cfg(tmp_path, sources)
-    stats = corpus.build_corpus(cfg, log=quiet)
+    stats = pipeline.build_corpus(cfg, log=quiet)
     assert drops(stats, "texts") == {"too_short": 1, "exact_duplicate": 1}
     assert drops(stats, "json") == {"bad_json": 1, "missing_text_field": 1, "exact_duplicate": 1}
     assert drops(stats, "whole") == {}
@@ -92,9 +93,11 @@ def test_corpus_step_dedups_filters_counts_and_splits_by_hash(tmp_path):
         "Texto con un byte \ufffd roto y otro \ufffd mas, largo",
         "Un escape \ufffd suelto en JSON, largo",
     ]
-    assert sorted(train + val) == sorted(docs + broken + ["Un documento\n\ncon una línea en blanco dentro."])
-    assert [t for t in train if t in docs] == [d for d in docs if d in train]  # input order kept
-    records = [json.loads(line) for split in data.SPLITS for line in open(corpus_docs.docs_path(cfg, split))]
+    assert sorted(train + val) == sorted(
+        documents + broken + ["Un documento\n\ncon una línea en blanco dentro."]
+    )
+    assert [t for t in train if t in documents] == [d for d in documents if d in train]  # input order kept
+    records = [json.loads(line) for split in data.SPLITS for line in open(docs.docs_path(cfg, split))]
     assert {r["source"] for r in records} == {
         "texts",
         "json",
@@ -105,21 +108,21 @@ def test_corpus_step_dedups_filters_counts_and_splits_by_hash(tmp_path):
 
     again = corpus_cfg(tmp_path, sources)
     again["dir"] = str(tmp_path / "again")
-    corpus.build_corpus(again, log=quiet)
+    pipeline.build_corpus(again, log=quiet)
     assert read_docs(again, "val") == val  # the split depends on the text only
 
 
 def test_corpus_step_does_nothing_when_inputs_are_unchanged_and_rebuilds_when_they_change(tmp_path):
     (tmp_path / "a.txt").write_text("\n\n".join(f"Documento largo número {i}." for i in range(30)))
     cfg = corpus_cfg(tmp_path, [text_source("a", str(tmp_path / "a.txt"))])
-    corpus.build_corpus(cfg, log=quiet)
-    before = os.stat(corpus_docs.docs_path(cfg, "train")).st_mtime_ns
+    pipeline.build_corpus(cfg, log=quiet)
+    before = os.stat(docs.docs_path(cfg, "train")).st_mtime_ns
     said = []
-    corpus.build_corpus(cfg, log=said.append)
+    pipeline.build_corpus(cfg, log=said.append)
     assert said == [f"corpus: up to date ({cfg['dir']}/docs_*.jsonl)"]
-    assert os.stat(corpus_docs.docs_path(cfg, "train")).st_mtime_ns == before
+    assert os.stat(docs.docs_path(cfg, "train")).st_mtime_ns == before
     (tmp_path / "a.txt").write_text("\n\n".join(f"Otro documento largo número {i}." for i in range(30)))
-    corpus.build_corpus(cfg, log=said.append)
+    pipeline.build_corpus(cfg, log=said.append)
     assert "up to date" not in said[-1]
     assert all(d.startswith("Otro") for d in read_docs(cfg, "train") + read_docs(cfg, "val"))
 
@@ -127,16 +130,16 @@ def test_corpus_step_does_nothing_when_inputs_are_unchanged_and_rebuilds_when_th
 def test_corpus_errors_name_the_missing_glob_the_unreadable_file_and_the_empty_corpus(tmp_path):
     missing = corpus_cfg(tmp_path, [text_source("nada", str(tmp_path / "nada" / "*.txt"))])
     with pytest.raises(data.DataError, match=r"sources\[0\] \(nada\).path: no file matches .*nada/\*\.txt"):
-        corpus.build_corpus(missing, log=quiet)
+        pipeline.build_corpus(missing, log=quiet)
     (tmp_path / "bad.txt.gz").write_bytes(gzip.compress(b"Un texto largo para leer.\n" * 100)[:60])
     unreadable = corpus_cfg(tmp_path, [text_source("bad", str(tmp_path / "bad.txt.gz"))])
     with pytest.raises(data.DataError, match=r"bad.txt.gz: cannot read \(.*\) \[data.corpus.sources\[0\]\]"):
-        corpus.build_corpus(unreadable, log=quiet)
+        pipeline.build_corpus(unreadable, log=quiet)
     (tmp_path / "short.txt").write_text("hola\n\nadiós\n")
     empty = corpus_cfg(tmp_path, [text_source("short", str(tmp_path / "short.txt"))])
     with pytest.raises(data.DataError, match="no document survived .*too_short.: 2"):
-        corpus.build_corpus(empty, log=quiet)
-    assert not os.path.exists(corpus_docs.docs_path(empty, "train"))  # nothing half-written left behind
+        pipeline.build_corpus(empty, log=quiet)
+    assert not os.path.exists(docs.docs_path(empty, "train"))  # nothing half-written left behind
 
 
 def test_the_tokenizer_info_records_settings_and_the_corpus_hash(pipeline):
@@ -173,21 +176,21 @@ def test_shards_hold_every_document_as_bos_ids_eos_in_order(pipeline):
     assert [s["sha256"] for s in manifest["shards"]] == shard_hashes(pipeline, "train")
 
 
-def test_encoding_is_identical_whatever_the_number_of_processes(pipeline, tmp_path):
+def test_encoding_is_identical_whatever_the_number_of_processes(steps, tmp_path):
     for processes in (2, 3):
-        cfg = copy.deepcopy(pipeline) | {"dir": str(tmp_path / str(processes)), "processes": processes}
-        shutil.copytree(pipeline["dir"], cfg["dir"], ignore=shutil.ignore_patterns("*_0*.bin"))
+        cfg = copy.deepcopy(steps) | {"dir": str(tmp_path / str(processes)), "processes": processes}
+        shutil.copytree(steps["dir"], cfg["dir"], ignore=shutil.ignore_patterns("*_0*.bin"))
         manifest = json.load(open(data.manifest_path(cfg)))
         del manifest["encode"]
         fileio.write_json(data.manifest_path(cfg), manifest)
-        corpus.encode(cfg, log=quiet)
+        pipeline.encode(cfg, log=quiet)
         for split in data.SPLITS:
-            assert shard_hashes(cfg, split) == shard_hashes(pipeline, split)
+            assert shard_hashes(cfg, split) == shard_hashes(steps, split)
 
 
-def test_an_interrupted_encode_resumes_after_its_finished_shards(pipeline, tmp_path):
-    cfg = copy.deepcopy(pipeline) | {"dir": str(tmp_path / "resume")}
-    shutil.copytree(pipeline["dir"], cfg["dir"])
+def test_an_interrupted_encode_resumes_after_its_finished_shards(steps, tmp_path):
+    cfg = copy.deepcopy(steps) | {"dir": str(tmp_path / "resume")}
+    shutil.copytree(steps["dir"], cfg["dir"])
     manifest = json.load(open(data.manifest_path(cfg)))
     train = manifest["encode"]["train"]
     kept = train["shards"][:2]
@@ -199,19 +202,19 @@ def test_an_interrupted_encode_resumes_after_its_finished_shards(pipeline, tmp_p
         f.truncate(1500)  # the shard being written when the run died
 
     said = []
-    corpus.encode(cfg, log=said.append)
+    pipeline.encode(cfg, log=said.append)
     assert (
         said[0]
         == "encode: train resuming after 2 finished shards, at document " + f"{kept[-1]['next_document']:,}"
     )
-    assert shard_hashes(cfg, "train") == shard_hashes(pipeline, "train")
+    assert shard_hashes(cfg, "train") == shard_hashes(steps, "train")
     for shard, before in zip(kept, finished, strict=True):
         after = os.stat(os.path.join(cfg["dir"], shard["name"]))
         assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)  # not rewritten
-    corpus.encode(cfg, log=said.append)
+    pipeline.encode(cfg, log=said.append)
     assert said[-2:] == [
-        f"encode: train up to date ({len(shard_hashes(pipeline, 'train'))} shard(s) in {cfg['dir']}/)",
-        f"encode: val up to date ({len(shard_hashes(pipeline, 'val'))} shard(s) in {cfg['dir']}/)",
+        f"encode: train up to date ({len(shard_hashes(steps, 'train'))} shard(s) in {cfg['dir']}/)",
+        f"encode: val up to date ({len(shard_hashes(steps, 'val'))} shard(s) in {cfg['dir']}/)",
     ]
 
 
@@ -223,7 +226,7 @@ def test_the_stage1_example_reads_its_three_shared_sources_with_their_licences(t
         assert source["path"].startswith("../shared/corpus/") and source["licence"]
         source["path"] = os.path.join(ROOT, source["path"])
         source["filters"] = False  # reading is under test here, not the filters
-    stats = corpus.build_corpus(cfg, log=quiet)
+    stats = pipeline.build_corpus(cfg, log=quiet)
     for source in cfg["corpus"]["sources"]:
         assert stats["sources"][source["name"]]["documents_in"] == 3
         assert stats["sources"][source["name"]]["licence"] == source["licence"]
@@ -318,8 +321,8 @@ def source(name, kind, path, **settings):
 
 
 def read_source(src):
-    stats = corpus.new_source_stats()
-    return list(corpus_sources.READERS[src["kind"]](src["path"], src, stats)), stats
+    stats = pipeline.new_source_stats()
+    return list(sources.READERS[src["kind"]](src["path"], src, stats)), stats
 
 
 def test_parquet_is_read_by_row_group_with_fineweb2_metadata(fixtures):
@@ -391,8 +394,8 @@ def test_corrupt_or_wrong_inputs_are_refused_naming_the_file_and_the_problem(tmp
         cfg = corpus_cfg(tmp_path, [src])
         cfg["dir"] = str(tmp_path / f"out-{src['name']}-{cases.index((src, message))}")
         with pytest.raises(data.DataError, match=message):
-            corpus.build_corpus(cfg, log=quiet)
-        assert not os.path.exists(corpus_docs.docs_path(cfg, "train"))
+            pipeline.build_corpus(cfg, log=quiet)
+        assert not os.path.exists(docs.docs_path(cfg, "train"))
 
 
 def damaged_sources(folder, fixtures):
@@ -423,14 +426,14 @@ def test_an_unreadable_source_of_any_kind_is_one_line_naming_it_and_its_tracebac
         cfg = corpus_cfg(tmp_path, [src])
         cfg["dir"] = str(tmp_path / f"out-{src['name']}")
         with pytest.raises(data.DataError) as error:
-            corpus.build_corpus(cfg, log=print)
+            pipeline.build_corpus(cfg, log=print)
         assert str(error.value).startswith(src["path"] + ": "), str(error.value)
         terminal = capfd.readouterr()
         assert "Traceback" not in terminal.err + terminal.out and "datatrove" not in terminal.err, terminal
         workdir = glob.glob(os.path.join(cfg["dir"], "work", "*"))[0]
         task_log = open(os.path.join(workdir, "logs", "logs", "task_00000.log"), encoding="utf-8").read()
         assert "Traceback" in task_log and os.path.basename(src["path"]) in task_log
-        assert not os.path.exists(corpus_docs.docs_path(cfg, "train"))
+        assert not os.path.exists(docs.docs_path(cfg, "train"))
 
 
 def test_the_command_line_names_a_damaged_zstd_file_in_one_line_whatever_the_number_of_tasks(
@@ -456,14 +459,14 @@ def test_the_command_line_names_a_damaged_zstd_file_in_one_line_whatever_the_num
 
 def test_files_a_killed_task_was_writing_are_removed_by_the_next_run(tmp_path):
     cfg = corpus_cfg(tmp_path, [text_source("t", sample_text(tmp_path))])
-    workdir = os.path.join(cfg["dir"], "work", corpus.filter_fingerprint(cfg)[:16])
+    workdir = os.path.join(cfg["dir"], "work", pipeline.filter_fingerprint(cfg)[:16])
     os.makedirs(workdir)
     left = [
         os.path.join(workdir, name) for name in (".kept_00000.jsonl.4242.tmp", ".keys_00000.npy.4242.tmp")
     ]
     for path in left:
         open(path, "wb").write(b'{"i": 0, "text": "a medio escribir')
-    corpus.build_corpus(cfg, log=quiet)
+    pipeline.build_corpus(cfg, log=quiet)
     assert not glob.glob(os.path.join(workdir, ".*.tmp")) and os.listdir(workdir)
 
 
@@ -487,7 +490,7 @@ def test_a_source_without_a_licence_and_a_missing_eval_file_are_refused(tmp_path
     with pytest.raises(
         data.DataError, match=r"decontamination.eval_files\[0\]: .*no-existe.txt: file not found"
     ):
-        corpus.build_corpus(cfg, log=quiet)
+        pipeline.build_corpus(cfg, log=quiet)
 
 
 # -----------------------------------------------------------------------------
@@ -515,25 +518,25 @@ def stage_cfg():
 
 
 def test_language_id_keeps_spanish_and_drops_portuguese_catalan_and_italian():
-    stage = corpus_filters.LanguageStage(stage_cfg()["filters"]["language"])
-    doc = corpus_filters.document(SPANISH)
+    stage = filters.LanguageStage(stage_cfg()["filters"]["language"])
+    doc = filters.document(SPANISH)
     assert stage(doc) == (True, None) and doc.metadata["language_score"] > 0.9
     for language, text in OTHER_LANGUAGES.items():
-        assert stage(corpus_filters.document(text)) == (False, f"language_{language}")
+        assert stage(filters.document(text)) == (False, f"language_{language}")
 
 
 def test_fineweb2_quality_filters_keep_prose_and_drop_repetition_lists_and_foreign_words():
-    stages = {stage.name: stage for stage in corpus_filters.quality_stages(stage_cfg()["filters"])}
+    stages = {stage.name: stage for stage in filters.quality_stages(stage_cfg()["filters"])}
     assert list(stages) == ["gopher_repetition", "fineweb_quality", "gopher_quality"]
     for stage in stages.values():
-        assert stage(corpus_filters.document(SPANISH)) == (True, None), stage.name
+        assert stage(filters.document(SPANISH)) == (True, None), stage.name
     repeated = "\n".join(["¡Oferta especial en zapatillas de deporte!"] * 6 + [SPANISH])
-    assert stages["gopher_repetition"](corpus_filters.document(repeated)) == (
+    assert stages["gopher_repetition"](filters.document(repeated)) == (
         False,
         "gopher_repetition:dup_line_frac",
     )
     menu = "\n".join(f"Inicio de la sección número {i} del menú principal" for i in range(30))
-    assert stages["fineweb_quality"](corpus_filters.document(menu)) == (
+    assert stages["fineweb_quality"](filters.document(menu)) == (
         False,
         "fineweb_quality:line_punct_ratio",
     )
@@ -541,7 +544,7 @@ def test_fineweb2_quality_filters_keep_prose_and_drop_repetition_lists_and_forei
         "Our neighbourhood library opens its doors every day at nine in the morning. The main room has long "
         "tables for studying, a corner with stories for children and a newspaper library with daily papers. "
     ) * 2
-    assert stages["gopher_quality"](corpus_filters.document(english)) == (
+    assert stages["gopher_quality"](filters.document(english)) == (
         False,
         "gopher_quality:gopher_enough_stop_words",
     )
@@ -560,7 +563,7 @@ def test_the_default_filters_give_fineweb2s_verdict_on_every_document_of_the_mix
     ) > 50
     reference = bench_data.fineweb2_reference()  # FineWeb-2's own filters, built as its pipeline builds them
     agreement, kept, kept_by_fineweb2, _ = bench_data.filter_agreement(
-        sample, corpus_filters.quality_stages(cfg["filters"]), reference
+        sample, filters.quality_stages(cfg["filters"]), reference
     )
     assert all(same == count for same, count in agreement.values()), agreement
     assert 0 < kept == kept_by_fineweb2 < len(sample)  # the sample has documents of both verdicts
@@ -568,16 +571,16 @@ def test_the_default_filters_give_fineweb2s_verdict_on_every_document_of_the_mix
 
 def test_the_regex_word_split_is_an_option_that_splits_technical_text_finer_than_fineweb2s():
     assert data_layer("corpus")["corpus"]["filters"]["word_tokenizer"] == "spacy"
-    regex = corpus_filters.RegexWords()
+    regex = filters.RegexWords()
     from datatrove.utils.word_tokenizers import load_word_tokenizer
 
-    fineweb2 = load_word_tokenizer(corpus_filters.word_splitter("spacy"))
+    fineweb2 = load_word_tokenizer(filters.word_splitter("spacy"))
     text = "Véase less(1), p. ej. en /etc."
     assert len(regex.word_tokenize(text)) > len(fineweb2.word_tokenize(text))
 
 
 def test_pii_is_replaced_only_where_the_check_digits_hold(fixtures):
-    scrub = corpus_filters.PiiScrubber(stage_cfg()["pii"])
+    scrub = filters.PiiScrubber(stage_cfg()["pii"])
     first, found = scrub(write_fixtures.PII_NOTES[0])
     assert found == {"email": 1, "phone": 1, "ip": 1}
     assert (
@@ -607,7 +610,7 @@ def test_near_duplicates_are_removed_and_counted_unrelated_documents_kept(tmp_pa
     cfg = corpus_cfg(
         tmp_path, [text_source("biblia", str(tmp_path / "a.txt"))], near_dedup=True, val_fraction=0.2
     )
-    stats = corpus.build_corpus(cfg, log=quiet)
+    stats = pipeline.build_corpus(cfg, log=quiet)
     assert stats["sources"]["biblia"]["drops"]["near_duplicate"] == 1
     stage = stats["sources"]["biblia"]["stages"]["near_dedup"]
     assert (stage["documents_in"], stage["documents_out"]) == (13, 12)
@@ -626,7 +629,7 @@ def proverb_documents(count):
 def in_train(text, val_fraction):
     """The text, with a suffix if needed so that it lands in the train split."""
     suffix = 0
-    while corpus.split_of(f"{text} ({suffix})", val_fraction) != "train":
+    while pipeline.split_of(f"{text} ({suffix})", val_fraction) != "train":
         suffix += 1
     return f"{text} ({suffix})"
 
@@ -634,8 +637,8 @@ def in_train(text, val_fraction):
 def test_train_documents_sharing_a_13_gram_with_an_eval_file_or_copying_val_are_dropped(tmp_path):
     chapters = proverb_documents(40)
     cfg = corpus_cfg(tmp_path, [text_source("refranes", str(tmp_path / "a.txt"))], val_fraction=0.2)
-    val_chapter = next(c for c in chapters if corpus.split_of(c, 0.2) == "val")
-    train_chapters = [c for c in chapters if corpus.split_of(c, 0.2) == "train"]
+    val_chapter = next(c for c in chapters if pipeline.split_of(c, 0.2) == "val")
+    train_chapters = [c for c in chapters if pipeline.split_of(c, 0.2) == "train"]
     words = re.findall(r"\w+", train_chapters[0])
     (tmp_path / "eval.txt").write_text(f"Pregunta: ¿quién dijo «{' '.join(words[10:23])}»?\n")  # 13 words
     near_miss = in_train("Otro texto distinto. " + " ".join(words[10:22]) + " y nada más que decir.", 0.2)
@@ -644,7 +647,7 @@ def test_train_documents_sharing_a_13_gram_with_an_eval_file_or_copying_val_are_
     borrowed = in_train(train_chapters[1] + " " + " ".join(val_words[5:18]), 0.2)  # one 13-gram of val
     (tmp_path / "a.txt").write_text("\n\n".join(chapters + [near_miss, copied, borrowed]))
     cfg["corpus"]["decontamination"]["eval_files"] = [str(tmp_path / "eval.txt")]
-    stats = corpus.build_corpus(cfg, log=quiet)
+    stats = pipeline.build_corpus(cfg, log=quiet)
     train = read_docs(cfg, "train")
     assert train_chapters[0] not in train and near_miss in train  # any 13-gram of an eval file; 12 are fine
     assert copied not in train and borrowed in train  # a near-copy of val goes; one shared phrase does not
@@ -671,9 +674,9 @@ def test_encode_realises_the_source_weights_within_one_percent_of_the_tokens(tmp
     cfg = corpus_cfg(tmp_path, sources, val_fraction=0.05)
     cfg["tokenizer"]["vocab_size"] = 512
     cfg["encode"]["tokens_per_shard"] = 20_000
-    corpus.build_corpus(cfg, log=quiet)
-    corpus.train_tokenizer(cfg, log=quiet)
-    corpus.encode(cfg, log=quiet)
+    pipeline.build_corpus(cfg, log=quiet)
+    pipeline.train_tokenizer(cfg, log=quiet)
+    pipeline.encode(cfg, log=quiet)
     mixture = json.load(open(data.manifest_path(cfg)))["encode"]["train"]["mixture"]
     total = sum(m["tokens"] for m in mixture.values())
     assert abs(mixture["refranes"]["tokens"] / total - 0.7) < 0.01
@@ -685,7 +688,7 @@ def test_encode_realises_the_source_weights_within_one_percent_of_the_tokens(tmp
     with pytest.raises(
         data.DataError, match=r"sources\[0\] \(refranes\): the mixture needs 1.\d+ epochs .* max_epochs 1.2"
     ):
-        corpus.encode(cfg, log=quiet)
+        pipeline.encode(cfg, log=quiet)
 
 
 def bible_cfg(tmp_path, name, **executor):
@@ -702,18 +705,17 @@ def test_several_executor_tasks_give_the_same_corpus_as_one(tmp_path):
     one = bible_cfg(tmp_path, "one", tasks=1)
     three = bible_cfg(tmp_path, "three", tasks=3)
     three["processes"] = 2  # datatrove's local executor runs the 3 tasks on 2 worker processes
-    first, second = corpus.build_corpus(one, log=quiet), corpus.build_corpus(three, log=quiet)
+    first, second = pipeline.build_corpus(one, log=quiet), pipeline.build_corpus(three, log=quiet)
     for split in data.SPLITS:
         assert (
-            open(corpus_docs.docs_path(one, split), "rb").read()
-            == open(corpus_docs.docs_path(three, split), "rb").read()
+            open(docs.docs_path(one, split), "rb").read() == open(docs.docs_path(three, split), "rb").read()
         )
     assert first["sources"] == second["sources"] and first["documents_out"] > 10
 
 
 def test_a_killed_corpus_step_resumes_with_its_finished_tasks(tmp_path):
     reference = bible_cfg(tmp_path, "reference", tasks=1)
-    corpus.build_corpus(reference, log=quiet)
+    pipeline.build_corpus(reference, log=quiet)
     run = os.path.join(ROOT, "configs", "smoke-corpus-cpu.yaml")
     cfg = bible_cfg(tmp_path, "killed", tasks=4)
     overrides = [f"data.dir={cfg['dir']}", "data.processes=1", f"data.corpus={json.dumps(cfg['corpus'])}"]
@@ -730,22 +732,22 @@ def test_a_killed_corpus_step_resumes_with_its_finished_tasks(tmp_path):
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-    assert not os.path.exists(corpus_docs.docs_path(cfg, "train"))  # nothing a later step would trust
+    assert not os.path.exists(docs.docs_path(cfg, "train"))  # nothing a later step would trust
     said = []
-    corpus.build_corpus(cfg, log=said.append)
+    pipeline.build_corpus(cfg, log=said.append)
     resumed = re.search(r"4 filter task\(s\) on the local executor, (\d) already finished", said[0])
     assert resumed and int(resumed.group(1)) >= 2  # the finished tasks are not redone
     for split in data.SPLITS:
         assert read_docs(cfg, split) == read_docs(reference, split)
     cfg["corpus"]["decontamination"]["val_max_overlap"] = 0.5  # merging again needs no filtering again
-    corpus.build_corpus(cfg, log=said.append)
+    pipeline.build_corpus(cfg, log=said.append)
     assert "4 filter task(s) on the local executor, 4 already finished" in said[-2]
 
 
-def test_the_report_shows_sources_drops_and_plots_of_a_built_corpus(pipeline, tmp_path):
-    cfg = copy.deepcopy(pipeline) | {"dir": str(tmp_path / "report")}
-    shutil.copytree(pipeline["dir"], cfg["dir"])
-    path = corpus.report(cfg, log=quiet)
+def test_the_report_shows_sources_drops_and_plots_of_a_built_corpus(steps, tmp_path):
+    cfg = copy.deepcopy(steps) | {"dir": str(tmp_path / "report")}
+    shutil.copytree(steps["dir"], cfg["dir"])
+    path = pipeline.report(cfg, log=quiet)
     text = open(path, encoding="utf-8").read()
     for heading in ("## Sources", "## Drop reasons", "## Personal data replaced", "## Decontamination"):
         assert heading in text
@@ -760,7 +762,7 @@ def test_a_source_runs_only_the_filter_stages_it_lists(tmp_path):
     (tmp_path / "a.txt").write_text("\n\n".join([*proverb_documents(20), repeated, OTHER_LANGUAGES["pt"]]))
     only_language = text_source("a", str(tmp_path / "a.txt"), filters=["language"])
     cfg = corpus_cfg(tmp_path, [only_language], val_fraction=0.2)
-    stats = corpus.build_corpus(cfg, log=quiet)
+    stats = pipeline.build_corpus(cfg, log=quiet)
     assert drops(stats, "a") == {"language_pt": 1}  # the repetition filter did not run
     assert set(stats["sources"]["a"]["stages"]) == {
         "min_chars",
@@ -773,14 +775,14 @@ def test_a_source_runs_only_the_filter_stages_it_lists(tmp_path):
 
 def test_the_slurm_example_builds_datatrove_slurm_executor_with_its_settings(tmp_path):
     cfg = data_layer("corpus-slurm", dir=str(tmp_path))  # schema-checked
-    executor, tasks = corpus.executor_for(corpus.FilterTask(cfg, str(tmp_path)), cfg, str(tmp_path))
+    executor, tasks = pipeline.executor_for(pipeline.FilterTask(cfg, str(tmp_path)), cfg, str(tmp_path))
     assert type(executor).__name__ == "SlurmPipelineExecutor" and tasks == executor.world_size == 64
     assert (executor.partition, executor.time, executor.mem_per_cpu_gb) == ("cpu", "02:00:00", 4)
 
 
 def test_the_ray_example_builds_datatrove_ray_executor_with_its_settings(tmp_path):
     cfg = data_layer("corpus-ray", dir=str(tmp_path))  # schema-checked
-    executor, tasks = corpus.executor_for(corpus.FilterTask(cfg, str(tmp_path)), cfg, str(tmp_path))
+    executor, tasks = pipeline.executor_for(pipeline.FilterTask(cfg, str(tmp_path)), cfg, str(tmp_path))
     assert type(executor).__name__ == "RayPipelineExecutor" and tasks == executor.world_size == 64
     assert (executor.cpus_per_task, executor.mem_per_cpu_gb, executor.time) == (1, 4, 7200)
 
@@ -807,7 +809,7 @@ def test_the_ray_executor_on_a_local_instance_gives_the_same_corpus_as_the_local
     local = smoke_cfg(tmp_path, "local", kind="local", tasks=2)
     on_ray = smoke_cfg(tmp_path, "ray", kind="ray", tasks=2)
     said = []
-    first, second = corpus.build_corpus(local, log=quiet), corpus.build_corpus(on_ray, log=said.append)
+    first, second = pipeline.build_corpus(local, log=quiet), pipeline.build_corpus(on_ray, log=said.append)
     assert not ray.is_initialized()  # the local instance was stopped
     assert "2 filter task(s) on the ray executor, 0 already finished" in said[0]
     for split in data.SPLITS:
@@ -815,7 +817,7 @@ def test_the_ray_executor_on_a_local_instance_gives_the_same_corpus_as_the_local
     assert second["sources"] == first["sources"] and len(second["sources"]) == 5
     assert sum(s["documents_in"] for s in second["sources"].values()) == first["documents_in"] > 1000
     assert second == first
-    assert corpus.build_corpus(on_ray, log=said.append) == first and "up to date" in said[-1]
+    assert pipeline.build_corpus(on_ray, log=said.append) == first and "up to date" in said[-1]
 
 
 @needs_ray
@@ -826,30 +828,30 @@ def test_ray_errors_name_the_unreachable_address_the_failing_file_and_the_oversi
     cfg = smoke_cfg(tmp_path, "out", kind="ray", tasks=2)
     cfg["corpus"]["executor"]["ray"]["address"] = f"127.0.0.1:{port}"
     with pytest.raises(data.DataError, match=rf"data.corpus.executor.ray.address: 127.0.0.1:{port}: no Ray"):
-        corpus.build_corpus(cfg, log=quiet)
+        pipeline.build_corpus(cfg, log=quiet)
     (tmp_path / "bad.txt.gz").write_bytes(gzip.compress(b"Un texto largo para leer.\n" * 100)[:60])
     cfg["corpus"]["sources"] = [text_source("bad", str(tmp_path / "bad.txt.gz"))]
     cfg["corpus"]["executor"]["ray"]["address"] = None
     with pytest.raises(data.DataError, match=r"bad.txt.gz: cannot read \(.*\) \[data.corpus.sources\[0\]\]"):
-        corpus.build_corpus(cfg, log=quiet)  # a task's error, not "submitted, run again"
-    assert not os.path.exists(corpus_docs.docs_path(cfg, "train"))
+        pipeline.build_corpus(cfg, log=quiet)  # a task's error, not "submitted, run again"
+    assert not os.path.exists(docs.docs_path(cfg, "train"))
     cfg["corpus"]["executor"]["ray"]["mem_per_cpu_gb"] = 10**6  # no node holds it: it would wait forever
     with pytest.raises(data.DataError, match=r"data.corpus.executor.ray: a task needs .* = 1e\+06 GB"):
-        corpus.build_corpus(cfg, log=quiet)
+        pipeline.build_corpus(cfg, log=quiet)
 
 
 def test_chars_per_token_counts_every_character_of_every_line_against_the_tokens_of_the_run(
-    pipeline, tmp_path, capsys
+    steps, tmp_path, capsys
 ):
     lines = ["El año 1492 llegó la noticia.", "", "Hubo 31.416 asistentes según la organización."]
     text_file = tmp_path / "flores.txt"
     text_file.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    tokenizer = data.load_tokenizer(pipeline)
+    tokenizer = data.load_tokenizer(steps)
     tokens = sum(len(tokenizer.encode(line)) for line in lines if line)
-    assert corpus.main(["chars-per-token", data.tokenizer_path(pipeline), str(text_file)]) == 0
+    assert pipeline.main(["chars-per-token", data.tokenizer_path(steps), str(text_file)]) == 0
     out = capsys.readouterr().out
     chars = sum(len(line) for line in lines)
     assert f"{chars:,} chars, {tokens:,} tokens, {chars / tokens:.3f} chars/token" in out
     assert tokens >= len("1492") + len("31416")  # split_digits: true in the smoke layer, one token per digit
-    assert corpus.main(["chars-per-token", data.tokenizer_path(pipeline), str(tmp_path / "nada.txt")]) == 2
+    assert pipeline.main(["chars-per-token", data.tokenizer_path(steps), str(tmp_path / "nada.txt")]) == 2
     assert "nada.txt: cannot read (No such file or directory)" in capsys.readouterr().err

@@ -18,8 +18,7 @@ import data
 import hardware
 import train
 import train_dpo
-from chat import convert as chat_convert
-from chat import prepare as chat_prepare
+from chat import convert, prepare
 from evaluation import plot
 from model import Transformer
 
@@ -145,14 +144,14 @@ def test_a_pair_whose_chosen_answer_is_its_rejected_one_gives_log_2_and_no_gradi
 @pytest.fixture(scope="module")
 def pair_data(tmp_path_factory, shard_data_dir):
     """Folder with train.jsonl / val.jsonl of pairs (the test conversations' answers chosen, worse ones
-    made up by chat_convert.seed_pairs)."""
+    made up by convert.seed_pairs)."""
     folder = tmp_path_factory.mktemp("pairs")
     for split, conversations in (
         ("train", example_conversations(40)),
         ("val", example_conversations(8, 100)),
     ):
         where = [(f"{split}:{i}", c) for i, c in enumerate(conversations)]
-        write_jsonl(folder / f"{split}.jsonl", chat_convert.seed_pairs(where, seed=0))
+        write_jsonl(folder / f"{split}.jsonl", convert.seed_pairs(where, seed=0))
     (folder / "shard_dir.txt").write_text(shard_data_dir, encoding="utf-8")
     return folder
 
@@ -182,7 +181,7 @@ def dpo_config(pair_data, init_from, runs_dir, *overrides):
     """The resolved config of dpo_args(...), its pairs packed."""
     run_file, *rest = dpo_args(pair_data, init_from, runs_dir, *overrides)
     cfg = config.load(run_file, rest)
-    chat_prepare.prepare(cfg, log=quiet)
+    prepare.prepare(cfg, log=quiet)
     return cfg
 
 

@@ -15,14 +15,14 @@ import torch
 from conftest import ROOT, quiet, tiny_config
 
 import checkpoint
+import evaluation.runs
 import export
 import train
-from chat import template as chat
-from evaluation import harness as eval_harness
-from evaluation import runs as eval_cli
+from chat import template
+from evaluation import harness
 
 FIXTURES = os.path.join(ROOT, "tests", "fixtures", "eval")
-SETTINGS = eval_harness.load_settings()
+SETTINGS = harness.load_settings()
 # A 64-token context: the few-shot prompts of the generative task and the longer texts of the rolling
 # one do not fit, so cutting from the left and rolling windows are part of every comparison. A tiny model
 # trained a little from a wide initialization (init_std 0.2) writes varied greedy text; a longer-trained
@@ -67,24 +67,22 @@ def loaded(run):
 
 def enlace_lm(loaded, batch_size=4, model=None):
     base, tokenizer, path = loaded
-    return eval_harness.EnlaceLM.from_model(model or base, tokenizer, batch_size, 256, 1234, path)
+    return harness.EnlaceLM.from_model(model or base, tokenizer, batch_size, 256, 1234, path)
 
 
 def fixture_plan(tasks, chat_mode=False, include_path=FIXTURES):
-    return eval_harness.plan_of(tasks, SETTINGS, chat_mode, include_path)
+    return harness.plan_of(tasks, SETTINGS, chat_mode, include_path)
 
 
 def evaluate(lm, tasks, chat_mode=False, system=None, generation=None, include_path=FIXTURES):
     """lm-eval's evaluation of fixture tasks (fresh Task objects) -> results with every request's samples."""
     plan = fixture_plan(tasks, chat_mode, include_path)
-    manager = eval_harness.task_manager_for(plan)
-    loaded = eval_harness.load_tasks(manager, plan)
+    manager = harness.task_manager_for(plan)
+    loaded = harness.load_tasks(manager, plan)
     for task in loaded:
         if generation and task.get_config("output_type") == "generate_until":
             task.set_config(key="generation_kwargs", value=generation)
-    return eval_harness.run(
-        lm, manager, loaded, SETTINGS, chat_mode=chat_mode, system=system, full_record=False
-    )
+    return harness.run(lm, manager, loaded, SETTINGS, chat_mode=chat_mode, system=system, full_record=False)
 
 
 def responses(results, task):
@@ -194,8 +192,8 @@ def test_chat_prompts_are_chat_render_s_ids_and_score_as_the_export_s_template(l
     _, tokenizer, _ = loaded
     assert len(seen) == 16 and seen[0][0] == {"role": "system", "content": system}
     for history in seen:
-        text = chat.render_text({"messages": history}, for_generation=True)
-        assert lm.rendered[text] == chat.render({"messages": history}, tokenizer, for_generation=True)[0]
+        text = template.render_text({"messages": history}, for_generation=True)
+        assert lm.rendered[text] == template.render({"messages": history}, tokenizer, for_generation=True)[0]
     a = [r[0][0] for doc in responses(ours, "enlace_fixture_choice") for r in doc]
     b = [r[0][0] for doc in responses(theirs, "enlace_fixture_choice") for r in doc]
     assert max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-4
@@ -205,7 +203,7 @@ def test_lm_eval_builds_the_model_from_its_registry_name(run):
     from lm_eval import evaluator
 
     plan = fixture_plan("enlace_fixture_choice")
-    manager = eval_harness.task_manager_for(plan)
+    manager = harness.task_manager_for(plan)
     results = evaluator.simple_evaluate(model="enlace", model_args={"run": run}, tasks=["enlace_fixture_choice"],
                                         task_manager=manager, limit=2, batch_size=2)  # fmt: skip
     assert results["results"]["enlace_fixture_choice"]["sample_len"] == 2
@@ -219,7 +217,7 @@ def hidden_and_forward(loaded):
     model, tokenizer, _ = loaded
     idx = torch.tensor([[tokenizer.bos_id] + tokenizer.encode("Había una vez un pueblo junto a un río")])
     with torch.no_grad():
-        return model.lm_head(eval_harness.hidden_states(model, idx)), model(idx)[0]
+        return model.lm_head(harness.hidden_states(model, idx)), model(idx)[0]
 
 
 def test_the_head_applied_to_hidden_states_is_the_model_s_forward(loaded):
@@ -230,9 +228,9 @@ def test_the_head_applied_to_hidden_states_is_the_model_s_forward(loaded):
 def test_a_context_longer_than_the_window_is_cut_from_the_left_and_only_the_continuation_is_scored(loaded):
     # ids 0..11 in a 4-token window: inputs 7 8 9 10; the continuation 10 11 is predicted at positions
     # 2 and 3 (after 9 and after 10); 0..6 are dropped.
-    assert eval_harness.context_window(list(range(10)), [10, 11], seq_len=4) == ([7, 8, 9, 10], [10, 11])
-    with pytest.raises(eval_harness.EvalError, match="continuation of 5 tokens does not fit"):
-        eval_harness.context_window([1], [1, 2, 3, 4, 5], seq_len=4)
+    assert harness.context_window(list(range(10)), [10, 11], seq_len=4) == ([7, 8, 9, 10], [10, 11])
+    with pytest.raises(harness.EvalError, match="continuation of 5 tokens does not fit"):
+        harness.context_window([1], [1, 2, 3, 4, 5], seq_len=4)
     model, tokenizer, _ = loaded
     context = [tokenizer.bos_id] + tokenizer.encode(open(f"{FIXTURES}/rolling_test.jsonl").read())[:100]
     continuation = tokenizer.encode(" y el gato")
@@ -289,16 +287,16 @@ def test_a_model_preferring_the_right_answers_scores_100_percent_and_the_wrong_o
     plan = fixture_plan("enlace_test_yes_no", include_path=str(tmp_path))
     for answer, accuracy in (("sí", 1.0), ("no", 0.0)):
         results = evaluate(preferring(loaded, answer), "enlace_test_yes_no", include_path=str(tmp_path))
-        [row] = eval_harness.score_rows(results, plan)
+        [row] = harness.score_rows(results, plan)
         assert row["metric"] == "acc,none" and row["value"] == accuracy
         assert row["chance"] == 0.5 and row["centred"] == 2 * accuracy - 1
 
 
 def test_the_centred_score_is_0_at_chance_1_at_perfect_and_the_mean_over_tasks():
-    assert eval_harness.centred(0.25, 0.25) == 0 and eval_harness.centred(1.0, 1 / 3) == 1
-    assert eval_harness.centred(0.5, 0.5) == 0 and eval_harness.centred(0.0, 0.0) == 0
+    assert harness.centred(0.25, 0.25) == 0 and harness.centred(1.0, 1 / 3) == 1
+    assert harness.centred(0.5, 0.5) == 0 and harness.centred(0.0, 0.0) == 0
     rows = [{"centred": 0.0}, {"centred": 0.5}, {"centred": None}]  # None: a perplexity task, not counted
-    assert eval_harness.score(rows) == 0.25
+    assert harness.score(rows) == 0.25
 
 
 # -----------------------------------------------------------------------------
@@ -307,7 +305,7 @@ def test_the_centred_score_is_0_at_chance_1_at_perfect_and_the_mean_over_tasks()
 
 def test_eval_writes_lm_eval_s_results_a_table_and_samples_and_reuses_them(run, capsys):
     args = [run, "--tasks", "fixtures", "--log-samples"]
-    assert eval_cli.main(args) == 0
+    assert evaluation.runs.main(args) == 0
     table = capsys.readouterr().out
     stem = os.path.join(run, "eval", "0000020-fixtures")
     stored = json.load(open(stem + ".json"))
@@ -325,10 +323,10 @@ def test_eval_writes_lm_eval_s_results_a_table_and_samples_and_reuses_them(run, 
     samples = [json.loads(line) for line in open(stem + "-samples-enlace_fixture_choice.jsonl")]
     assert len(samples) == 16 and all(len(s["resps"]) == len(s["doc"]["choices"]) for s in samples)
 
-    assert eval_cli.main(args) == 0  # the same checkpoint and request: the stored result
+    assert evaluation.runs.main(args) == 0  # the same checkpoint and request: the stored result
     again = capsys.readouterr()
     assert again.out == table and "reused" in again.err
-    assert eval_cli.main([*args, "--limit", "3"]) == 0  # another request: another file
+    assert evaluation.runs.main([*args, "--limit", "3"]) == 0  # another request: another file
     assert os.path.isfile(stem + "-limit3.json") and "reused" not in capsys.readouterr().err
 
 
@@ -346,11 +344,13 @@ def test_a_byte_level_run_is_evaluated_with_its_byte_tokenizer_and_refuses_chat(
     )
     run = str(tmp_path / "bytes")
     assert (
-        eval_cli.main([run, "--tasks", "enlace_fixture_choice", "--include-path", FIXTURES, "--limit", "4"])
+        evaluation.runs.main(
+            [run, "--tasks", "enlace_fixture_choice", "--include-path", FIXTURES, "--limit", "4"]
+        )
         == 0
     )
     assert "| enlace_fixture_choice | 0 | 4 | acc,none |" in capsys.readouterr().out
-    assert eval_cli.main([run, "--tasks", "fixtures", "--chat"]) == 2
+    assert evaluation.runs.main([run, "--tasks", "fixtures", "--chat"]) == 2
     assert "a bytes run has no chat template" in capsys.readouterr().err
 
 
@@ -397,7 +397,7 @@ def test_bad_input_is_a_clear_error_and_writes_nothing(case, expected, run, tmp_
         tasks = "enlace-es"
     before = sorted(os.listdir(os.path.join(run, "eval"))) if os.path.isdir(os.path.join(run, "eval")) else []
     include = str(tmp_path) if case == "dataset unreadable" else FIXTURES  # one task index for the rest
-    assert eval_cli.main([target, "--tasks", tasks, "--include-path", include, "--limit", "2"]) == 2
+    assert evaluation.runs.main([target, "--tasks", tasks, "--include-path", include, "--limit", "2"]) == 2
     err = capsys.readouterr().err
     assert expected in err and "Traceback" not in err
     if case == "real suite offline":  # every SpanishBench dataset is named, and how to get them
@@ -412,7 +412,7 @@ def test_bad_input_is_a_clear_error_and_writes_nothing(case, expected, run, tmp_
 
 def test_limit_0_is_refused_by_the_command_line(run, capsys):
     with pytest.raises(SystemExit) as exit_status:
-        eval_cli.main([run, "--limit", "0"])
+        evaluation.runs.main([run, "--limit", "0"])
     assert exit_status.value.code == 2 and "--limit 0: expected a number >= 1" in capsys.readouterr().err
 
 
@@ -460,7 +460,7 @@ def test_train_eval_that_cannot_read_its_dataset_stops_the_run_before_its_first_
 def test_the_report_card_shows_the_run_its_benchmarks_its_fine_tuned_run_samples_and_plot(
     run, runs, chat_data_dir, capsys
 ):  # fmt: skip
-    assert eval_cli.main([run, "--tasks", "fixtures"]) == 0  # stored (or reused) for the card
+    assert evaluation.runs.main([run, "--tasks", "fixtures"]) == 0  # stored (or reused) for the card
     sft = tiny_config(
         runs, "chat", chat_data_dir, "run_name=sft", f"train.init_from={run}", "model.d_model=64"
     )
@@ -470,7 +470,7 @@ def test_the_report_card_shows_the_run_its_benchmarks_its_fine_tuned_run_samples
     (runs / "sft" / "agent_eval.json").write_text(json.dumps(rates))
     capsys.readouterr()
 
-    assert eval_cli.main(["report", run]) == 0
+    assert evaluation.runs.main(["report", run]) == 0
     card = open(os.path.join(run, "report.md")).read()
     assert card == capsys.readouterr().out
     for part in ["# Report card: base", "ckpt_0000020.pt` (step 20 of 20)", "| model | 0.",
@@ -481,7 +481,7 @@ def test_the_report_card_shows_the_run_its_benchmarks_its_fine_tuned_run_samples
         assert part in card, part
     assert os.path.isfile(os.path.join(run, "plot.png")) and card.count("> **") == 3
 
-    assert eval_cli.main(["report", str(runs / "sft")]) == 0
+    assert evaluation.runs.main(["report", str(runs / "sft")]) == 0
     card = capsys.readouterr().out
     assert f"### base run `{run}`" in card and "#### base · step 20 · fixtures" in card
     assert "## Tool use" in card and "| 12 | 0.500 | 0.750 | 0.250 | – |" in card

@@ -18,7 +18,7 @@ from safetensors import safe_open
 import checkpoint
 import export
 import train
-from chat import template as chat
+from chat import template
 
 transformers = pytest.importorskip("transformers")
 quiet = lambda *a, **k: None  # noqa: E731
@@ -260,13 +260,13 @@ def test_apply_chat_template_gives_chat_render_s_text_and_ids(hf_tokenizer, enla
         text = hf_tokenizer.apply_chat_template(
             conv["messages"], tools=conv.get("tools"), tokenize=False, add_generation_prompt=generation
         )
-        assert text == chat.render_text(conv, for_generation=generation)
+        assert text == template.render_text(conv, for_generation=generation)
     if name == "a user typing a control token":
         return  # a text template cannot keep it plain text: serve/app.py renders ids (see export.py)
     ids = hf_tokenizer.apply_chat_template(
         conv["messages"], tools=conv.get("tools"), tokenize=True, add_generation_prompt=True
     )["input_ids"]
-    assert ids == chat.render(conv, tokenizer, for_generation=True)[0]
+    assert ids == template.render(conv, tokenizer, for_generation=True)[0]
 
 
 def test_the_hf_folder_describes_a_tied_qwen3(hf_dir, enlace):
@@ -383,7 +383,9 @@ def test_the_modelfile_stops_on_the_control_tokens_that_end_a_reply(ollama_dir, 
     assert [special[token] for token in stops] == [6, 2]  # <|end|>, <|eos|> in the token layout
     # The last token the model learns to write in an assistant turn is the first stop.
     last_trained = [
-        control for control, _, trained in chat.segments(CONVERSATIONS["system and several turns"]) if trained
+        control
+        for control, _, trained in template.segments(CONVERSATIONS["system and several turns"])
+        if trained
     ]
     assert last_trained[-1] == stops[0]
 
@@ -444,7 +446,7 @@ def ollama_request(conversation):
         sent = {"role": message["role"], "content": message["content"]}
         if message.get("tool_calls"):
             sent["tool_calls"] = [
-                {"function": {"name": call["function"]["name"], "arguments": chat.arguments_of(call)}}
+                {"function": {"name": call["function"]["name"], "arguments": template.arguments_of(call)}}
                 for call in message["tool_calls"]
             ]
         messages.append(sent)
@@ -469,14 +471,14 @@ def in_ollama_order(tool):
 
 def ollama_prompt(conversation):
     """chat.render's text for generation, with its JSON written as Ollama's template writes it."""
-    text = chat.render_text(conversation, for_generation=True)
+    text = template.render_text(conversation, for_generation=True)
     replacements = {
         json.dumps(tool, ensure_ascii=False): go_json(in_ollama_order(tool))
         for tool in conversation.get("tools") or []
     }
     for message in conversation["messages"]:
         for call in message.get("tool_calls", []):
-            arguments = chat.arguments_of(call)
+            arguments = template.arguments_of(call)
             replacements[f'"arguments": {json.dumps(arguments, ensure_ascii=False)}}}'] = (
                 f'"arguments": {go_json(arguments)}}}'
             )
@@ -511,7 +513,7 @@ def test_ollama_s_template_gives_chat_render_s_prompt_with_compact_json(ollama_r
     conversation = OLLAMA_CONVERSATIONS[name]
     assert ollama_rendered[name] == ollama_prompt(conversation)
     if not conversation.get("tools"):
-        assert ollama_rendered[name] == chat.render_text(conversation, for_generation=True)
+        assert ollama_rendered[name] == template.render_text(conversation, for_generation=True)
 
 
 def test_ollama_s_prompt_differs_from_chat_render_s_only_inside_json(ollama_rendered):
@@ -706,19 +708,21 @@ def test_llama_cpp_f32_with_an_f32_kv_cache_gives_enlace_s_logits(llama, llama_e
 def test_llama_cpp_decodes_eight_streams_as_enlace_s_eight_slots(llama_enlace, tmp_path, monkeypatch):
     """make bench ARGS=llama's two sides do the same work: eight streams in one llama_decode per step
     (GGUF f32) give, stream by stream, the greedy tokens of ENLACE's Decoder with eight slots."""
-    from bench import llama_cpp as bench_llama
+    from bench import llama_cpp as bench_llama_cpp
 
     model, cfg, tokenizer = llama_enlace
-    monkeypatch.setattr(bench_llama, "NEW_TOKENS", 24)  # 32-token prompts + 24 fit the 64-token window
+    monkeypatch.setattr(bench_llama_cpp, "NEW_TOKENS", 24)  # 32-token prompts + 24 fit the 64-token window
     path = str(tmp_path / "f32.gguf")
     export.write_gguf(path, model, cfg, tokenizer, "f32")
-    weights = bench_llama.llama_weights(path)
-    context, batch = bench_llama.llama_context(weights, 8, cfg["model"]["seq_len"], torch.get_num_threads())
-    _, theirs = bench_llama.llama_answers(context, batch, weights.n_vocab(), 8)
+    weights = bench_llama_cpp.llama_weights(path)
+    context, batch = bench_llama_cpp.llama_context(
+        weights, 8, cfg["model"]["seq_len"], torch.get_num_threads()
+    )
+    _, theirs = bench_llama_cpp.llama_answers(context, batch, weights.n_vocab(), 8)
     with torch.no_grad():
-        _, ours = bench_llama.enlace_answers(model.decoder(8, allocate=True), tokenizer.vocab_size, 8)
+        _, ours = bench_llama_cpp.enlace_answers(model.decoder(8, allocate=True), tokenizer.vocab_size, 8)
     context.close()
     batch.close()
     weights.close()
-    assert len(ours) == 8 and all(len(stream) == bench_llama.NEW_TOKENS for stream in ours)
+    assert len(ours) == 8 and all(len(stream) == bench_llama_cpp.NEW_TOKENS for stream in ours)
     assert ours == theirs

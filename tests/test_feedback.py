@@ -17,7 +17,7 @@ from conftest import ROOT, live_server
 from test_serve import login, member
 from test_web import all_of, browser, by_id, log_in, screenshot, wait_for  # noqa: F401 - browser is a fixture
 
-from family import accounts as serve_accounts
+from family import accounts
 
 SECRET = "Mi hermana está embarazada y aún no lo sabe nadie"  # what ana asks
 BETTER = "¡Qué buena noticia! Guarda el secreto hasta que ella quiera contarlo."
@@ -310,10 +310,10 @@ def web_feedback(chat_run, tmp_path_factory):
 
     folder = tmp_path_factory.mktemp("web-feedback")
     database = str(folder / "familia.sqlite")
-    store = serve_accounts.Store(database)
+    store = accounts.Store(database)
     for name, role in (("ana", "adult"), ("luis", "child")):
         store.add_member(name, role)
-        store.set_password(name, serve_accounts.hash_password("clave-" + name, {"n": 1024, "r": 8, "p": 1}))
+        store.set_password(name, accounts.hash_password("clave-" + name, {"n": 1024, "r": 8, "p": 1}))
     proc, url = start_server(chat_run, database, "serve.default_max_tokens=16", "serve.tools=false",
                              log_path=folder / "server.log")  # fmt: skip
     yield url, database

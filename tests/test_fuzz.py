@@ -28,11 +28,9 @@ from hypothesis import strategies as st
 from starlette.testclient import TestClient
 
 import data
-from chat import template as chat
-from family import accounts as serve_accounts
-from family import memories as memory
-from serve import app as serve
-from serve import worker as serve_worker
+from chat import template
+from family import accounts, memories
+from serve import app, worker
 
 settings.register_profile(
     "quick",
@@ -182,7 +180,7 @@ ROUTES = {
     "GET /api/members": {},
     "POST /api/members": {
         "name": names,
-        "role": field(st.sampled_from(serve_accounts.ROLES)),
+        "role": field(st.sampled_from(accounts.ROLES)),
         "password": passwords,
     },  # fmt: skip
     "DELETE /api/members/{name}": {},
@@ -213,14 +211,14 @@ class Family:
     def __init__(self, tokenizer, folder):
         database = str(folder / "fuzz.sqlite")
         overrides = [f"serve.database={database}", FAST_SCRYPT, "serve.default_max_tokens=8"]
-        self.settings = serve.load_settings(serve.DEFAULT_CONFIG, overrides)
+        self.settings = app.load_settings(app.DEFAULT_CONFIG, overrides)
         end = tokenizer.special_ids["<|end|>"]
         call = '<tool_call>\n{"name": "calculadora", "arguments": {"expresion": "6*7"}}\n</tool_call>'
         model = ScriptedModel(tokenizer.encode("Hola.") + [end], tokenizer.encode(call) + [end])
-        self.worker = serve_worker.Worker(model, tokenizer, self.settings["queue_size"])
-        self.store = serve_accounts.Store(database, self.settings["busy_timeout_ms"])
-        self.server = serve.Server(self.settings, self.store, self.worker, MODEL_ID, 4096)
-        self.client = TestClient(serve.build_app(self.server), raise_server_exceptions=False)
+        self.worker = worker.Worker(model, tokenizer, self.settings["queue_size"])
+        self.store = accounts.Store(database, self.settings["busy_timeout_ms"])
+        self.server = app.Server(self.settings, self.store, self.worker, MODEL_ID, 4096)
+        self.client = TestClient(app.build_app(self.server), raise_server_exceptions=False)
         self.client.__enter__()
 
     def reset(self):
@@ -235,7 +233,7 @@ class Family:
             if store.member(name) is None:
                 store.add_member(name, role)
             keys[caller] = store.new_key(name)
-        store.set_password("ana", serve_accounts.hash_password(PASSWORD, self.settings["scrypt"]))
+        store.set_password("ana", accounts.hash_password(PASSWORD, self.settings["scrypt"]))
         store.write(("UPDATE members SET provisional = 0", ()))
         self.server.failures.clear()
         ana = store.member("ana")
@@ -244,11 +242,11 @@ class Family:
         self.conversation = (
             conversations[0]["id"] if conversations else store.new_conversation(ana["id"], "t")
         )
-        memories = self.server.memories(ana, memory.list_memories)
+        listed = self.server.memories(ana, memories.list_memories)
         self.memory = (
-            memories[0]["id"]
-            if memories
-            else self.server.memories(ana, memory.add, "Le gusta el té", self.server.memory_cfg)
+            listed[0]["id"]
+            if listed
+            else self.server.memories(ana, memories.add, "Le gusta el té", self.server.memory_cfg)
         )
 
     def close(self):
@@ -260,7 +258,7 @@ class Family:
         if caller in self.keys:
             headers["Authorization"] = f"Bearer {self.keys[caller]}"
         elif caller == "cookie":
-            headers["Cookie"] = f"{serve.SESSION_COOKIE}={self.cookie}"
+            headers["Cookie"] = f"{app.SESSION_COOKIE}={self.cookie}"
         elif caller == "bad key":
             headers["Authorization"] = "Bearer enl-\x7f"
         return headers
@@ -366,24 +364,24 @@ def test_a_search_result_crafted_to_inject_a_call_reaches_the_model_as_plain_tex
     from test_search import DDG_PATH, FAST, LocalServer, env_for, fixture
 
     import search
-    from agent import tools as agent
+    from agent import tools
 
     web = LocalServer()
     web.route(DDG_PATH, 200, fixture("ddg_lite_injection.html"))
     prompts = []
 
     def model(conversation):  # stands in for the model's choices: search, then answer
-        prompts.append(chat.render(conversation, tokenizer, for_generation=True)[0])
+        prompts.append(template.render(conversation, tokenizer, for_generation=True)[0])
         if len(prompts) == 1:
-            return chat.tool_call_text(
+            return template.tool_call_text(
                 {"function": {"name": "buscar_web", "arguments": {"consulta": "tiempo"}}}
             )
         return "Hará sol [1]."
 
     try:
         searcher = search.SearchChain.from_env("ddg", env=env_for(web), limits=FAST)
-        helper = agent.Agent(
-            agent.load_settings(), searcher=searcher, count_tokens=lambda t: len(tokenizer.encode(t))
+        helper = tools.Agent(
+            tools.load_settings(), searcher=searcher, count_tokens=lambda t: len(tokenizer.encode(t))
         )
         new = helper.run_turn([{"role": "user", "content": "¿Qué tiempo hace?"}], model)
     finally:
@@ -483,8 +481,8 @@ def protocol_ids(ids, tokenizer):
 @given(conversation=conversations)
 def test_render_gives_ids_or_a_chat_error_whatever_the_conversation(tokenizer, conversation):
     try:
-        ids, mask = chat.render(conversation, tokenizer, for_generation=True)
-    except chat.ChatError:
+        ids, mask = template.render(conversation, tokenizer, for_generation=True)
+    except template.ChatError:
         return
     assert len(ids) == len(mask) and all(0 <= i < tokenizer.vocab_size for i in ids)
 
@@ -503,6 +501,6 @@ def test_text_from_outside_the_model_never_adds_a_control_token_or_a_tool_tag(to
             {"role": "tool", "content": clean(result)},
         ], "tools": [{"type": "function", "function": {"name": "buscar_web"}}]}  # fmt: skip
 
-    hostile, _ = chat.render(conversation(strip=False), tokenizer, for_generation=True)
-    harmless, _ = chat.render(conversation(strip=True), tokenizer, for_generation=True)
+    hostile, _ = template.render(conversation(strip=False), tokenizer, for_generation=True)
+    harmless, _ = template.render(conversation(strip=True), tokenizer, for_generation=True)
     assert protocol_ids(hostile, tokenizer) == protocol_ids(harmless, tokenizer)

@@ -16,9 +16,9 @@ import yaml
 
 import config
 import fileio
-from agent import tools as agent
-from chat import template as chat
-from family import memories as memory
+from agent import tools
+from chat import template
+from family import memories
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORDS = lambda text: len(text.split())  # a stand-in token count; the server passes its tokenizer's
@@ -35,7 +35,7 @@ SERVER_INFO = {
 
 @pytest.fixture
 def cfg(tmp_path):
-    section = copy.deepcopy(memory.load_config())
+    section = copy.deepcopy(memories.load_config())
     section["snapshots"]["dir"] = str(tmp_path / "snapshots")
     section["snapshots"]["keep_last"] = 3
     return section
@@ -48,7 +48,7 @@ def db(tmp_path):
 
 @pytest.fixture
 def conn(db, cfg):
-    connection = memory.connect(db, cfg)
+    connection = memories.connect(db, cfg)
     yield connection
     connection.close()
 
@@ -66,15 +66,15 @@ def rows_of(path):
 
 
 def test_search_ignores_accents_and_case(conn, cfg):
-    memory.add(conn, "ana", "adult", "A Lucía no le gusta el pescado", cfg)
+    memories.add(conn, "ana", "adult", "A Lucía no le gusta el pescado", cfg)
     for query in ("¿qué le gusta a LUCIA?", "pescado", "Lucía"):
-        assert [m["text"] for m in memory.search(conn, "ana", "adult", query, 5, cfg)] == [
+        assert [m["text"] for m in memories.search(conn, "ana", "adult", query, 5, cfg)] == [
             "A Lucía no le gusta el pescado"
         ]
 
 
 def test_fts_syntax_in_user_text_is_only_words(conn, cfg):
-    memory.add(conn, "ana", "adult", "la llave está bajo la maceta", cfg)
+    memories.add(conn, "ana", "adult", "la llave está bajo la maceta", cfg)
     hostile = [
         "llave AND NOT",
         "-llave",
@@ -88,44 +88,44 @@ def test_fts_syntax_in_user_text_is_only_words(conn, cfg):
     for query in hostile:
         with pytest.raises(sqlite3.OperationalError):  # what passing it raw would do
             conn.execute("SELECT rowid FROM memories_fts WHERE memories_fts MATCH ?", (query,)).fetchall()
-        found = memory.search(conn, "ana", "adult", query, 5, cfg)  # quoted words: never FTS5 syntax
+        found = memories.search(conn, "ana", "adult", query, 5, cfg)  # quoted words: never FTS5 syntax
         assert [m["text"] for m in found] == (["la llave está bajo la maceta"] if "llave" in query else [])
-    assert memory.fts_query('llave" OR "maceta*', cfg) == '"llave" OR "maceta"'
-    assert memory.fts_query("¿y el de la?", cfg) is None  # stopwords and short words only
+    assert memories.fts_query('llave" OR "maceta*', cfg) == '"llave" OR "maceta"'
+    assert memories.fts_query("¿y el de la?", cfg) is None  # stopwords and short words only
 
 
 def test_edit_updates_the_index(conn, cfg):
-    memory_id = memory.add(conn, "ana", "adult", "la reunión es el martes", cfg)
-    memory.edit(conn, "ana", "adult", memory_id, cfg, text="la reunión es el jueves")
-    assert memory.search(conn, "ana", "adult", "martes", 5, cfg) == []
-    assert [m["id"] for m in memory.search(conn, "ana", "adult", "jueves", 5, cfg)] == [memory_id]
+    memory_id = memories.add(conn, "ana", "adult", "la reunión es el martes", cfg)
+    memories.edit(conn, "ana", "adult", memory_id, cfg, text="la reunión es el jueves")
+    assert memories.search(conn, "ana", "adult", "martes", 5, cfg) == []
+    assert [m["id"] for m in memories.search(conn, "ana", "adult", "jueves", 5, cfg)] == [memory_id]
 
 
 def test_bad_input_is_refused_with_the_reason(conn, cfg):
-    with pytest.raises(memory.MemoryStoreError, match="needs some text"):
-        memory.add(conn, "ana", "adult", "   ", cfg)
-    with pytest.raises(memory.MemoryStoreError, match="at most 500 characters"):
-        memory.add(conn, "ana", "adult", "x" * 501, cfg)
-    with pytest.raises(memory.MemoryStoreError, match="scope 'publico' is not valid"):
-        memory.add(conn, "ana", "adult", "hola", cfg, scope="publico")
-    with pytest.raises(memory.Refusal, match="ámbito «todos» no válido"):
-        memory.recordar(conn, "ana", "adult", cfg, "hola", "todos")
+    with pytest.raises(memories.MemoryStoreError, match="needs some text"):
+        memories.add(conn, "ana", "adult", "   ", cfg)
+    with pytest.raises(memories.MemoryStoreError, match="at most 500 characters"):
+        memories.add(conn, "ana", "adult", "x" * 501, cfg)
+    with pytest.raises(memories.MemoryStoreError, match="scope 'publico' is not valid"):
+        memories.add(conn, "ana", "adult", "hola", cfg, scope="publico")
+    with pytest.raises(memories.Refusal, match="ámbito «todos» no válido"):
+        memories.recordar(conn, "ana", "adult", cfg, "hola", "todos")
 
 
 @pytest.mark.parametrize("how", ["forget", "edit", "forget_all"])
 def test_deleted_text_is_gone_from_the_files_and_the_index(db, conn, cfg, how):
     secret = "zanahoriazul"
-    memory_id = memory.add(conn, "ana", "adult", f"la clave del wifi es {secret}", cfg)
-    memory.add(conn, "luis", "child", "el wifi de casa se llama Hogar", cfg)
+    memory_id = memories.add(conn, "ana", "adult", f"la clave del wifi es {secret}", cfg)
+    memories.add(conn, "luis", "child", "el wifi de casa se llama Hogar", cfg)
     conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
     assert secret.encode() in pathlib.Path(db).read_bytes()
     conn.execute("PRAGMA secure_delete = OFF")  # as a connection opened elsewhere in the server may be
     if how == "forget":
-        memory.forget(conn, "ana", "adult", memory_id)
+        memories.forget(conn, "ana", "adult", memory_id)
     elif how == "edit":
-        memory.edit(conn, "ana", "adult", memory_id, cfg, text="la clave del wifi la sabe papá")
+        memories.edit(conn, "ana", "adult", memory_id, cfg, text="la clave del wifi la sabe papá")
     else:
-        memory.forget_all(conn, "ana", "adult")
+        memories.forget_all(conn, "ana", "adult")
     conn.execute("CREATE VIRTUAL TABLE IF NOT EXISTS temp.vocab USING fts5vocab(main, memories_fts, row)")
     assert conn.execute("SELECT count(*) FROM temp.vocab WHERE term = ?", (secret,)).fetchone()[0] == 0
     assert (
@@ -137,7 +137,7 @@ def test_deleted_text_is_gone_from_the_files_and_the_index(db, conn, cfg, how):
     for path in (db, db + "-wal"):
         if os.path.exists(path):
             assert secret.encode() not in pathlib.Path(path).read_bytes(), path
-    assert [m["text"] for m in memory.list_memories(conn, "luis", "child")] == [
+    assert [m["text"] for m in memories.list_memories(conn, "luis", "child")] == [
         "el wifi de casa se llama Hogar"
     ]
 
@@ -158,14 +158,14 @@ def test_thousands_of_forgets_and_edits_keep_the_index_readable(conn, cfg):
     # malformed".
     conn.execute("PRAGMA synchronous = OFF")  # the test's speed only: no fsync per write
     for n in range(1500):
-        memory.add(conn, "ana", "adult", f"Nota {n}: la bici está en el trastero", cfg)
-        memory_id = memory.add(conn, "ana", "adult", f"Nota {n}: llamar al fontanero", cfg)
+        memories.add(conn, "ana", "adult", f"Nota {n}: la bici está en el trastero", cfg)
+        memory_id = memories.add(conn, "ana", "adult", f"Nota {n}: llamar al fontanero", cfg)
         if n % 2:
-            memory.edit(conn, "ana", "adult", memory_id, cfg, text=f"Nota {n}: llamar a la fontanera")
-        memory.forget(conn, "ana", "adult", memory_id)
+            memories.edit(conn, "ana", "adult", memory_id, cfg, text=f"Nota {n}: llamar a la fontanera")
+        memories.forget(conn, "ana", "adult", memory_id)
     assert fts_index_problem(conn) is None
-    assert len(memory.search(conn, "ana", "adult", "bici trastero", 2000, cfg)) == 1500
-    assert memory.search(conn, "ana", "adult", "fontanero fontanera", 5, cfg) == []
+    assert len(memories.search(conn, "ana", "adult", "bici trastero", 2000, cfg)) == 1500
+    assert memories.search(conn, "ana", "adult", "fontanero fontanera", 5, cfg) == []
 
 
 def break_index_as_sqlite_3_40_did(conn):
@@ -177,7 +177,7 @@ def break_index_as_sqlite_3_40_did(conn):
 def test_a_broken_keyword_index_is_rebuilt_at_open_and_no_memory_is_lost(db, conn, cfg):
     texts = ["El cumpleaños de Lucía es el 14 de marzo", "La llave del garaje está en el cajón azul"]
     for text in texts:
-        memory.add(conn, "ana", "adult", text, cfg)
+        memories.add(conn, "ana", "adult", text, cfg)
     conn.close()
     broken = sqlite3.connect(db)
     break_index_as_sqlite_3_40_did(broken)
@@ -185,22 +185,22 @@ def test_a_broken_keyword_index_is_rebuilt_at_open_and_no_memory_is_lost(db, con
         broken.execute("SELECT count(*) FROM memories_fts WHERE memories_fts MATCH 'garaje'").fetchone()
     broken.close()
     lines = []
-    conn = memory.connect(db, cfg)
-    memory.ensure_schema(conn, log=lines.append)  # already repaired by connect: nothing to say
+    conn = memories.connect(db, cfg)
+    memories.ensure_schema(conn, log=lines.append)  # already repaired by connect: nothing to say
     assert lines == []
     assert fts_index_problem(conn) is None
-    assert [m["text"] for m in memory.search(conn, "ana", "adult", "garaje", 5, cfg)] == [texts[1]]
-    assert sorted(m["text"] for m in memory.list_memories(conn, "ana", "adult")) == sorted(texts)
+    assert [m["text"] for m in memories.search(conn, "ana", "adult", "garaje", 5, cfg)] == [texts[1]]
+    assert sorted(m["text"] for m in memories.list_memories(conn, "ana", "adult")) == sorted(texts)
     conn.close()
 
 
 def test_the_repair_says_what_it_did(db, conn, cfg):
-    memory.add(conn, "ana", "adult", "La llave del garaje está en el cajón azul", cfg)
+    memories.add(conn, "ana", "adult", "La llave del garaje está en el cajón azul", cfg)
     break_index_as_sqlite_3_40_did(conn)
     conn.close()
     lines = []
     other = sqlite3.connect(db, isolation_level=None)
-    memory.ensure_schema(other, log=lines.append)
+    memories.ensure_schema(other, log=lines.append)
     assert len(lines) == 1
     assert (
         lines[0].startswith(db)
@@ -224,13 +224,13 @@ def test_the_store_is_one_wal_table_with_the_issues_fields(db, conn):
 
 
 def test_forget_all_deletes_only_the_callers_memories(conn, cfg):
-    memory.add(conn, "ana", "adult", "nota de ana", cfg)
-    memory.add(conn, "ana", "adult", "nota familiar de ana", cfg, scope="family")
-    memory.add(conn, "luis", "child", "nota de luis", cfg)
-    assert memory.forget_all(conn, "ana", "adult") == 2
-    assert [m["text"] for m in memory.list_memories(conn, "luis", "child")] == ["nota de luis"]
-    assert memory.member_removed(conn, "LUIS") == 1  # account names compare without case
-    assert memory.list_memories(conn, "luis", "child") == []
+    memories.add(conn, "ana", "adult", "nota de ana", cfg)
+    memories.add(conn, "ana", "adult", "nota familiar de ana", cfg, scope="family")
+    memories.add(conn, "luis", "child", "nota de luis", cfg)
+    assert memories.forget_all(conn, "ana", "adult") == 2
+    assert [m["text"] for m in memories.list_memories(conn, "luis", "child")] == ["nota de luis"]
+    assert memories.member_removed(conn, "LUIS") == 1  # account names compare without case
+    assert memories.list_memories(conn, "luis", "child") == []
 
 
 # -----------------------------------------------------------------------------
@@ -240,32 +240,32 @@ def test_forget_all_deletes_only_the_callers_memories(conn, cfg):
 @pytest.fixture
 def family(conn, cfg):
     ids = {
-        "ana_private": memory.add(conn, "ana", "adult", "ana guarda el regalo sorpresa en el armario", cfg),
-        "ana_family": memory.add(
+        "ana_private": memories.add(conn, "ana", "adult", "ana guarda el regalo sorpresa en el armario", cfg),
+        "ana_family": memories.add(
             conn, "ana", "adult", "el cumpleaños de la abuela es el 3 de mayo", cfg, scope="family"
         ),
-        "luis_private": memory.add(conn, "luis", "child", "luis tiene miedo del armario oscuro", cfg),
-        "ana_pinned": memory.add(conn, "ana", "adult", "ana es vegetariana", cfg, pinned=True),
+        "luis_private": memories.add(conn, "luis", "child", "luis tiene miedo del armario oscuro", cfg),
+        "ana_pinned": memories.add(conn, "ana", "adult", "ana es vegetariana", cfg, pinned=True),
     }
     return ids
 
 
 def test_a_child_never_sees_an_adults_private_memories(conn, cfg, family):
     question = "¿qué hay en el armario? regalo sorpresa vegetariana"
-    context = memory.context_for_turn(conn, "luis", "child", question, cfg, WORDS)
+    context = memories.context_for_turn(conn, "luis", "child", question, cfg, WORDS)
     assert "regalo" not in context and "vegetariana" not in context and "miedo" in context
     assert all(
-        m["member"] == "luis" or m["scope"] == "family" for m in memory.list_memories(conn, "luis", "child")
+        m["member"] == "luis" or m["scope"] == "family" for m in memories.list_memories(conn, "luis", "child")
     )
-    assert "regalo" not in memory.buscar_recuerdos(conn, "luis", "child", cfg, "regalo sorpresa armario")
+    assert "regalo" not in memories.buscar_recuerdos(conn, "luis", "child", cfg, "regalo sorpresa armario")
     for memory_id in (family["ana_private"], family["ana_pinned"]):
-        with pytest.raises(memory.MemoryStoreError, match="no memory"):
-            memory.get(conn, "luis", "child", memory_id)
-        with pytest.raises(memory.MemoryStoreError, match="no memory"):
-            memory.edit(conn, "luis", "child", memory_id, cfg, text="cambiado")
-        with pytest.raises(memory.Refusal, match="no hay ningún recuerdo"):
-            memory.olvidar(conn, "luis", "child", cfg, memory_id)
-    assert [m["member"] for m in memory.export(conn, "luis", "child")["memories"]] == ["luis"]
+        with pytest.raises(memories.MemoryStoreError, match="no memory"):
+            memories.get(conn, "luis", "child", memory_id)
+        with pytest.raises(memories.MemoryStoreError, match="no memory"):
+            memories.edit(conn, "luis", "child", memory_id, cfg, text="cambiado")
+        with pytest.raises(memories.Refusal, match="no hay ningún recuerdo"):
+            memories.olvidar(conn, "luis", "child", cfg, memory_id)
+    assert [m["member"] for m in memories.export(conn, "luis", "child")["memories"]] == ["luis"]
     assert len(rows_of_conn(conn)) == 4  # nothing was deleted or changed by the attempts
 
 
@@ -274,48 +274,48 @@ def rows_of_conn(conn):
 
 
 def test_an_adult_never_sees_a_childs_private_memories(conn, cfg, family):
-    context = memory.context_for_turn(conn, "ana", "adult", "armario oscuro miedo", cfg, WORDS)
+    context = memories.context_for_turn(conn, "ana", "adult", "armario oscuro miedo", cfg, WORDS)
     assert "miedo" not in context and "regalo" in context
-    assert "miedo" not in memory.buscar_recuerdos(conn, "ana", "adult", cfg, "miedo oscuro")
-    with pytest.raises(memory.Refusal, match="no hay ningún recuerdo"):
-        memory.olvidar(conn, "ana", "adult", cfg, family["luis_private"])
-    assert family["luis_private"] not in [m["id"] for m in memory.list_memories(conn, "ana", "adult")]
+    assert "miedo" not in memories.buscar_recuerdos(conn, "ana", "adult", cfg, "miedo oscuro")
+    with pytest.raises(memories.Refusal, match="no hay ningún recuerdo"):
+        memories.olvidar(conn, "ana", "adult", cfg, family["luis_private"])
+    assert family["luis_private"] not in [m["id"] for m in memories.list_memories(conn, "ana", "adult")]
 
 
 def test_family_memories_reach_everyone_but_only_adults_write_them(conn, cfg, family):
-    editable = {m["id"]: m["editable"] for m in memory.list_memories(conn, "luis", "child")}
+    editable = {m["id"]: m["editable"] for m in memories.list_memories(conn, "luis", "child")}
     assert editable == {family["ana_family"]: False, family["luis_private"]: True}
-    assert {m["id"]: m["editable"] for m in memory.list_memories(conn, "marta", "adult")} == {
+    assert {m["id"]: m["editable"] for m in memories.list_memories(conn, "marta", "adult")} == {
         family["ana_family"]: True
     }
     for member, role in (("ana", "adult"), ("luis", "child"), ("marta", "adult")):
-        assert "3 de mayo" in memory.context_for_turn(conn, member, role, "cumpleaños abuela", cfg, WORDS)
-    with pytest.raises(memory.Refusal, match="solo una persona adulta"):
-        memory.recordar(conn, "luis", "child", cfg, "hoy no hay cole", "familia")
-    with pytest.raises(memory.Refusal, match="no hay ningún recuerdo"):
-        memory.olvidar(conn, "luis", "child", cfg, family["ana_family"])
-    with pytest.raises(memory.MemoryPermissionError):
-        memory.edit(conn, "luis", "child", family["luis_private"], cfg, scope="family")
-    assert "borrado" in memory.olvidar(conn, "marta", "adult", cfg, family["ana_family"])  # another adult
+        assert "3 de mayo" in memories.context_for_turn(conn, member, role, "cumpleaños abuela", cfg, WORDS)
+    with pytest.raises(memories.Refusal, match="solo una persona adulta"):
+        memories.recordar(conn, "luis", "child", cfg, "hoy no hay cole", "familia")
+    with pytest.raises(memories.Refusal, match="no hay ningún recuerdo"):
+        memories.olvidar(conn, "luis", "child", cfg, family["ana_family"])
+    with pytest.raises(memories.MemoryPermissionError):
+        memories.edit(conn, "luis", "child", family["luis_private"], cfg, scope="family")
+    assert "borrado" in memories.olvidar(conn, "marta", "adult", cfg, family["ana_family"])  # another adult
 
 
 def test_the_admin_reads_no_memories(conn, cfg, family):
-    assert memory.context_for_turn(conn, "root", "admin", "armario regalo abuela", cfg, WORDS) == ""
+    assert memories.context_for_turn(conn, "root", "admin", "armario regalo abuela", cfg, WORDS) == ""
     for call in (
-        lambda: memory.list_memories(conn, "root", "admin"),
-        lambda: memory.search(conn, "root", "admin", "armario", 5, cfg),
-        lambda: memory.get(conn, "root", "admin", family["ana_family"]),
-        lambda: memory.export(conn, "root", "admin"),
-        lambda: memory.add(conn, "root", "admin", "nota", cfg),
+        lambda: memories.list_memories(conn, "root", "admin"),
+        lambda: memories.search(conn, "root", "admin", "armario", 5, cfg),
+        lambda: memories.get(conn, "root", "admin", family["ana_family"]),
+        lambda: memories.export(conn, "root", "admin"),
+        lambda: memories.add(conn, "root", "admin", "nota", cfg),
     ):
-        with pytest.raises(memory.MemoryPermissionError, match="admin"):
+        with pytest.raises(memories.MemoryPermissionError, match="admin"):
             call()
     for tool_call in (
-        lambda: memory.buscar_recuerdos(conn, "root", "admin", cfg, "armario"),
-        lambda: memory.olvidar(conn, "root", "admin", cfg, family["ana_family"]),
-        lambda: memory.recordar(conn, "root", "admin", cfg, "nota"),
+        lambda: memories.buscar_recuerdos(conn, "root", "admin", cfg, "armario"),
+        lambda: memories.olvidar(conn, "root", "admin", cfg, family["ana_family"]),
+        lambda: memories.recordar(conn, "root", "admin", cfg, "nota"),
     ):
-        with pytest.raises(memory.Refusal, match="administración"):
+        with pytest.raises(memories.Refusal, match="administración"):
             tool_call()
     assert len(rows_of_conn(conn)) == 4
 
@@ -325,31 +325,33 @@ def test_the_admin_reads_no_memories(conn, cfg, family):
 
 
 def test_turn_context_puts_pinned_first_and_keeps_the_budget(conn, cfg):
-    pinned = memory.add(conn, "ana", "adult", "ana es alérgica a las nueces", cfg, pinned=True)
+    pinned = memories.add(conn, "ana", "adult", "ana es alérgica a las nueces", cfg, pinned=True)
     for i in range(20):
-        memory.add(conn, "ana", "adult", f"receta {i} de bizcocho con mucha harina y azúcar", cfg)
+        memories.add(conn, "ana", "adult", f"receta {i} de bizcocho con mucha harina y azúcar", cfg)
     budget = 60
-    context = memory.context_for_turn(conn, "ana", "adult", "bizcocho", dict(cfg, token_budget=budget), WORDS)
+    context = memories.context_for_turn(
+        conn, "ana", "adult", "bizcocho", dict(cfg, token_budget=budget), WORDS
+    )
     lines = context.split("\n")
     assert lines[0] == cfg["header"] and lines[1] == f"- [{pinned}] ana es alérgica a las nueces"
     assert 2 < len(lines) <= 2 + cfg["top_k"] and WORDS(context) <= budget
-    assert memory.context_for_turn(conn, "ana", "adult", "bizcocho", dict(cfg, token_budget=5), WORDS) == ""
+    assert memories.context_for_turn(conn, "ana", "adult", "bizcocho", dict(cfg, token_budget=5), WORDS) == ""
 
 
 def test_turn_context_takes_the_top_k_best_matches_first(conn, cfg):
-    best = memory.add(conn, "ana", "adult", "bizcocho de limón", cfg)  # short and all about the query
+    best = memories.add(conn, "ana", "adult", "bizcocho de limón", cfg)  # short and all about the query
     for i in range(20):
-        memory.add(
+        memories.add(
             conn, "ana", "adult", f"receta {i} de bizcocho con mucha harina, azúcar, huevos y leche", cfg
         )
-    memory.add(conn, "ana", "adult", "la bicicleta tiene la rueda pinchada", cfg)
-    context = memory.context_for_turn(conn, "ana", "adult", "¿cómo hago el bizcocho de limón?", cfg, WORDS)
+    memories.add(conn, "ana", "adult", "la bicicleta tiene la rueda pinchada", cfg)
+    context = memories.context_for_turn(conn, "ana", "adult", "¿cómo hago el bizcocho de limón?", cfg, WORDS)
     lines = context.split("\n")
     assert len(lines) == 1 + cfg["top_k"] and lines[1] == f"- [{best}] bizcocho de limón"
     assert "bicicleta" not in context
     share = int(cfg["context_share"] * 160)  # a small model's context: its share binds, not token_budget
     assert WORDS(cfg["header"]) + 5 <= share < WORDS(context) <= cfg["token_budget"]
-    small = memory.context_for_turn(conn, "ana", "adult", "bizcocho limón", cfg, WORDS, context_len=160)
+    small = memories.context_for_turn(conn, "ana", "adult", "bizcocho limón", cfg, WORDS, context_len=160)
     assert small.split("\n")[1] == lines[1] and WORDS(small) <= share
 
 
@@ -359,14 +361,14 @@ def test_turn_context_takes_the_top_k_best_matches_first(conn, cfg):
 
 def start_writer_process(db, member, stop_file):
     code = (
-        "import os, sqlite3, sys\nfrom family import memories as memory\n"
+        "import os, sqlite3, sys\nfrom family import memories\n"
         "db, member, stop = sys.argv[1:]\n"
-        "cfg = memory.load_config()\n"
-        "conn = memory.connect(db, cfg)\n"
+        "cfg = memories.load_config()\n"
+        "conn = memories.connect(db, cfg)\n"
         "i = 0\n"
         "while not os.path.exists(stop):\n"
         "    try:\n"
-        "        memory.add(conn, member, 'adult', f'{member} escribe {i}', cfg)\n"
+        "        memories.add(conn, member, 'adult', f'{member} escribe {i}', cfg)\n"
         "        print(i, flush=True)\n"
         "    except sqlite3.OperationalError as e:  # busy past the timeout: not acknowledged\n"
         "        if 'locked' not in str(e):\n"
@@ -380,7 +382,7 @@ def start_writer_process(db, member, stop_file):
 
 def test_snapshot_under_concurrent_writers_is_one_consistent_moment(tmp_path, db, conn, cfg):
     with conn:  # enough rows that VACUUM INTO takes a while, so the writers run during it
-        stamp = memory.now_text()
+        stamp = memories.now_text()
         conn.executemany(
             "INSERT INTO memories (member, scope, text, pinned, source, created, updated) VALUES (?, ?, ?, 0, 'manual', ?, ?)",
             [
@@ -392,11 +394,11 @@ def test_snapshot_under_concurrent_writers_is_one_consistent_moment(tmp_path, db
     acked = {}  # writer -> texts acknowledged (add() returned) so far, in order
 
     def thread_writer(member):
-        connection = memory.connect(db, cfg)
+        connection = memories.connect(db, cfg)
         i = 0
         while not stop.is_set():
             try:
-                memory.add(connection, member, "adult", f"{member} escribe {i}", cfg)
+                memories.add(connection, member, "adult", f"{member} escribe {i}", cfg)
                 acked[member].append(f"{member} escribe {i}")
             except sqlite3.OperationalError as e:
                 # Four writers in tight loops on a loaded machine can keep one waiting past the busy
@@ -427,8 +429,8 @@ def test_snapshot_under_concurrent_writers_is_one_consistent_moment(tmp_path, db
         assert all(worker.is_alive() for worker in workers), "a writer died before the snapshot"
         assert min(len(v) for v in acked.values()) >= 1, "a writer made no progress in 60 s"
         before = {member: list(texts) for member, texts in acked.items()}
-        with memory.server_lock(db, SERVER_INFO):
-            path = memory.snapshot(db, cfg, log=lambda _: None)
+        with memories.server_lock(db, SERVER_INFO):
+            path = memories.snapshot(db, cfg, log=lambda _: None)
         after = {member: len(texts) for member, texts in acked.items()}
     finally:
         stop.set()
@@ -441,7 +443,7 @@ def test_snapshot_under_concurrent_writers_is_one_consistent_moment(tmp_path, db
             process.stdout.close()
     copied = rows_of(os.path.join(path, "database.sqlite"))
     live = rows_of(db)
-    assert memory.integrity(os.path.join(path, "database.sqlite")) == "ok"
+    assert memories.integrity(os.path.join(path, "database.sqlite")) == "ok"
     # Every write that reached the database was acknowledged, and nothing else is there.
     assert sorted(row[3] for row in live if row[1] != "base") == sorted(sum(acked.values(), []))
     # One moment: the copy is exactly the live rows committed up to some row (ids grow with each commit).
@@ -455,46 +457,46 @@ def test_snapshot_under_concurrent_writers_is_one_consistent_moment(tmp_path, db
         assert mine == acked[member][: len(mine)], f"{member}: the snapshot is not a prefix of its writes"
     assert sum(after.values()) > sum(len(v) for v in before.values()), "no writer ran during the snapshot"
     assert len(live) > len(copied), "writes after the snapshot's moment must not be in it"
-    manifest = memory.verify(path)
+    manifest = memories.verify(path)
     assert manifest["server"]["checkpoint_sha256"] == SERVER_INFO["checkpoint_sha256"]
     assert manifest["server"]["pid"] == os.getpid() and manifest["integrity_check"] == "ok"
 
 
 def test_restore_brings_back_exactly_the_snapshot(db, conn, cfg, family):
     messages = []
-    with memory.server_lock(db, SERVER_INFO):
-        path = memory.snapshot(db, cfg, log=messages.append)
+    with memories.server_lock(db, SERVER_INFO):
+        path = memories.snapshot(db, cfg, log=messages.append)
     saved = rows_of(db)
-    memory.add(conn, "ana", "adult", "escrito después del snapshot", cfg)
-    memory.forget(conn, "ana", "adult", family["ana_family"])
+    memories.add(conn, "ana", "adult", "escrito después del snapshot", cfg)
+    memories.forget(conn, "ana", "adult", family["ana_family"])
     conn.close()
-    manifest = memory.restore(path, db, log=messages.append)
+    manifest = memories.restore(path, db, log=messages.append)
     assert rows_of(db) == saved
     assert not os.path.exists(db + "-wal") and not os.path.exists(db + "-shm")
     assert manifest["server"]["checkpoint"] == SERVER_INFO["checkpoint"]
     assert SERVER_INFO["checkpoint"] in messages[-1] and SERVER_INFO["checkpoint_sha256"] in messages[-1]
-    restored = memory.connect(db, memory.load_config())
-    assert "3 de mayo" in memory.context_for_turn(restored, "luis", "child", "abuela", cfg, WORDS)
+    restored = memories.connect(db, memories.load_config())
+    assert "3 de mayo" in memories.context_for_turn(restored, "luis", "child", "abuela", cfg, WORDS)
     restored.close()
 
 
 def test_restore_after_a_crash_leaves_no_stale_wal(db, conn, cfg, family):
-    path = memory.snapshot(db, cfg, log=lambda _: None)
+    path = memories.snapshot(db, cfg, log=lambda _: None)
     conn.close()
     crash = (  # a server killed mid-work: committed writes still only in its WAL, no checkpoint on exit
-        "import os, sys\nfrom family import memories as memory\n"
-        "cfg = memory.load_config()\n"
-        "conn = memory.connect(sys.argv[1], cfg)\n"
+        "import os, sys\nfrom family import memories\n"
+        "cfg = memories.load_config()\n"
+        "conn = memories.connect(sys.argv[1], cfg)\n"
         "conn.execute('PRAGMA wal_autocheckpoint = 0')\n"
         "for i in range(50):\n"
-        "    memory.add(conn, 'ana', 'adult', f'escrito antes del fallo {i}', cfg)\n"
+        "    memories.add(conn, 'ana', 'adult', f'escrito antes del fallo {i}', cfg)\n"
         "os._exit(0)\n"
     )
     subprocess.run([sys.executable, "-c", crash, db], cwd=ROOT, check=True, timeout=60)
     assert os.path.getsize(db + "-wal") > 0
-    memory.restore(path, db, log=lambda _: None)
+    memories.restore(path, db, log=lambda _: None)
     assert not os.path.exists(db + "-wal") and not os.path.exists(db + "-shm")
-    assert memory.integrity(db) == "ok"
+    assert memories.integrity(db) == "ok"
     assert rows_of(db) == rows_of(os.path.join(path, "database.sqlite"))
 
 
@@ -504,8 +506,8 @@ def fingerprint(db):
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "manifest", "no-manifest"])
 def test_a_damaged_snapshot_is_refused_and_the_live_database_untouched(db, conn, cfg, family, damage):
-    path = memory.snapshot(db, cfg, log=lambda _: None)
-    memory.add(conn, "ana", "adult", "escrito después", cfg)
+    path = memories.snapshot(db, cfg, log=lambda _: None)
+    memories.add(conn, "ana", "adult", "escrito después", cfg)
     conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
     before = fingerprint(db)
     copy_path, manifest_path = os.path.join(path, "database.sqlite"), os.path.join(path, "manifest.json")
@@ -527,20 +529,20 @@ def test_a_damaged_snapshot_is_refused_and_the_live_database_untouched(db, conn,
     else:
         os.remove(manifest_path)
         expected = "not a complete snapshot"
-    with pytest.raises(memory.SnapshotError, match=expected):
-        memory.restore(path, db, log=lambda _: None)
+    with pytest.raises(memories.SnapshotError, match=expected):
+        memories.restore(path, db, log=lambda _: None)
     assert fingerprint(db) == before
     assert not [n for n in os.listdir(os.path.dirname(db)) if n.endswith(".tmp")]
 
 
 def test_restore_is_refused_while_the_server_runs(tmp_path, db, conn, cfg):
-    memory.add(conn, "ana", "adult", "nota", cfg)
-    path = memory.snapshot(db, cfg, log=lambda _: None)
+    memories.add(conn, "ana", "adult", "nota", cfg)
+    path = memories.snapshot(db, cfg, log=lambda _: None)
     holder = subprocess.Popen(
         [
             sys.executable,
             "-c",
-            "from family import memories as memory\nimport sys\nwith memory.server_lock(sys.argv[1], {}):\n    print('held', flush=True)\n    sys.stdin.read()",
+            "from family import memories\nimport sys\nwith memories.server_lock(sys.argv[1], {}):\n    print('held', flush=True)\n    sys.stdin.read()",
             db,
         ],
         cwd=ROOT,
@@ -550,35 +552,37 @@ def test_restore_is_refused_while_the_server_runs(tmp_path, db, conn, cfg):
     )
     try:
         assert holder.stdout.readline().strip() == "held"
-        with pytest.raises(memory.SnapshotError, match=f"server is running \\(pid {holder.pid}"):
-            memory.restore(path, db, log=lambda _: None)
+        with pytest.raises(memories.SnapshotError, match=f"server is running \\(pid {holder.pid}"):
+            memories.restore(path, db, log=lambda _: None)
     finally:
         holder.stdin.close()
         holder.wait(timeout=30)
         holder.stdout.close()
-    memory.restore(path, db, log=lambda _: None)  # the lock went with the process
+    memories.restore(path, db, log=lambda _: None)  # the lock went with the process
 
 
 def test_snapshots_keep_only_the_newest(db, conn, cfg):
     made = []
     for _ in range(5):
-        made.append(memory.snapshot(db, cfg, log=lambda _: None))
+        made.append(memories.snapshot(db, cfg, log=lambda _: None))
         time.sleep(0.002)
-    assert memory.list_snapshots(cfg["snapshots"]["dir"]) == made[-3:]
+    assert memories.list_snapshots(cfg["snapshots"]["dir"]) == made[-3:]
 
 
 def test_the_server_schedule_takes_snapshots_until_stopped(db, conn, cfg):
-    memory.add(conn, "ana", "adult", "nota", cfg)
+    memories.add(conn, "ana", "adult", "nota", cfg)
     cfg["snapshots"]["every_hours"] = 0.3 / 3600  # every 0.3 s
     stop = threading.Event()
-    thread = memory.snapshot_every(db, cfg, stop, log=lambda _: None)
+    thread = memories.snapshot_every(db, cfg, stop, log=lambda _: None)
     deadline = time.monotonic() + 30
-    while len(memory.list_snapshots(cfg["snapshots"]["dir"])) < 2 and time.monotonic() < deadline:
+    while len(memories.list_snapshots(cfg["snapshots"]["dir"])) < 2 and time.monotonic() < deadline:
         time.sleep(0.05)
     stop.set()
     thread.join(timeout=30)
-    assert not thread.is_alive() and len(memory.list_snapshots(cfg["snapshots"]["dir"])) >= 2
-    assert memory.snapshot_every(db, dict(cfg, snapshots=dict(cfg["snapshots"], every_hours=0)), stop) is None
+    assert not thread.is_alive() and len(memories.list_snapshots(cfg["snapshots"]["dir"])) >= 2
+    assert (
+        memories.snapshot_every(db, dict(cfg, snapshots=dict(cfg["snapshots"], every_hours=0)), stop) is None
+    )
 
 
 # -----------------------------------------------------------------------------
@@ -590,9 +594,9 @@ def test_memory_layer_errors_name_the_file_and_key(tmp_path):
     folder.mkdir()
     bad = folder / "bad.yaml"
     bad.write_text("include: memory/default.yaml\nmemory:\n  top_kk: 3\n  snapshots:\n    keep_last: 0\n")
-    (folder / "default.yaml").write_text(pathlib.Path(memory.DEFAULT_CONFIG).read_text(encoding="utf-8"))
+    (folder / "default.yaml").write_text(pathlib.Path(memories.DEFAULT_CONFIG).read_text(encoding="utf-8"))
     with pytest.raises(config.ConfigError) as caught:
-        memory.load_config(str(bad))
+        memories.load_config(str(bad))
     message = str(caught.value)
     assert f"{bad}: memory.top_kk: unknown key; did you mean memory.top_k?" in message
     assert f"{bad}: memory.snapshots.keep_last: 0 is out of range; expected >= 1" in message
@@ -648,19 +652,19 @@ def test_command_line_list_add_forget_export(db):
 
 
 def test_command_line_snapshot_and_restore(tmp_path, db, conn, cfg):
-    memory.add(conn, "ana", "adult", "A Lucía no le gusta el pescado", cfg)
+    memories.add(conn, "ana", "adult", "A Lucía no le gusta el pescado", cfg)
     conn.close()
     layer = tmp_path / "memory" / "snapshots.yaml"  # the default layer with the snapshots in tmp_path
     layer.parent.mkdir()
     layer.write_text(yaml.safe_dump({"memory": cfg}, allow_unicode=True), encoding="utf-8")
     taken = run_cli(db, "--config", str(layer), "snapshot")
     assert taken.returncode == 0, taken.stderr
-    [path] = memory.list_snapshots(cfg["snapshots"]["dir"])
-    manifest = memory.verify(path)
+    [path] = memories.list_snapshots(cfg["snapshots"]["dir"])
+    manifest = memories.verify(path)
     assert manifest["server"] is None and manifest["code_version"] == fileio.code_version()
     assert path in taken.stdout and manifest["database"]["sha256"][:16] in taken.stdout
-    other = memory.connect(db, cfg)
-    memory.member_removed(other, "ana")
+    other = memories.connect(db, cfg)
+    memories.member_removed(other, "ana")
     other.close()
     restored = run_cli(db, "restore", path)
     assert restored.returncode == 0, restored.stderr
@@ -673,7 +677,7 @@ def test_command_line_snapshot_and_restore(tmp_path, db, conn, cfg):
 def test_every_memory_layer_file_is_valid():
     folder = os.path.join(ROOT, "configs", "memory")
     for name in sorted(os.listdir(folder)):
-        memory.load_config(os.path.join(folder, name))
+        memories.load_config(os.path.join(folder, name))
 
 
 # -----------------------------------------------------------------------------
@@ -681,8 +685,8 @@ def test_every_memory_layer_file_is_valid():
 
 
 def agent_of(conn, cfg, name, role, **options):
-    caller = memory.Caller(name, role, conn, threading.Lock(), cfg)
-    return agent.Agent(agent.load_settings(), member=caller, **options)
+    caller = memories.Caller(name, role, conn, threading.Lock(), cfg)
+    return tools.Agent(tools.load_settings(), member=caller, **options)
 
 
 def scripted(*replies):
@@ -692,17 +696,17 @@ def scripted(*replies):
 
 
 def call_text(name, arguments):
-    return chat.tool_call_text({"function": {"name": name, "arguments": arguments}})
+    return template.tool_call_text({"function": {"name": name, "arguments": arguments}})
 
 
 def test_memory_tools_are_offered_only_to_a_member(conn, cfg):
     names = ("recordar", "buscar_recuerdos", "olvidar")
-    settings = agent.load_settings()
-    assert not set(names) & set(agent.Agent(settings).tool_names)  # sample.py, agent/dataset.py
-    assert not set(names) & {spec["function"]["name"] for spec in agent.tool_specs(settings)}
+    settings = tools.load_settings()
+    assert not set(names) & set(tools.Agent(settings).tool_names)  # sample.py, agent/dataset.py
+    assert not set(names) & {spec["function"]["name"] for spec in tools.tool_specs(settings)}
     offered = agent_of(conn, cfg, "ana", "adult").conversation([{"role": "user", "content": "hola"}])["tools"]
     assert set(names) <= {spec["function"]["name"] for spec in offered}
-    alone = agent.Agent(settings, tool_names=["recordar"]).call(agent.Call("recordar", {"texto": "hola"}))
+    alone = tools.Agent(settings, tool_names=["recordar"]).call(tools.Call("recordar", {"texto": "hola"}))
     assert not alone.ok and "solo están disponibles en el servidor" in alone.text
 
 
@@ -713,24 +717,24 @@ def test_the_agent_remembers_for_the_member_it_serves(conn, cfg):
     )
     new = ana.run_turn([{"role": "user", "content": "Recuerda que la clave de la taquilla es 4512"}], model)
     assert new[1]["content"].startswith("Recuerdo ") and new[-1]["content"] == "Hecho, lo recordaré."
-    [stored] = memory.list_memories(conn, "ana", "adult")
+    [stored] = memories.list_memories(conn, "ana", "adult")
     assert (stored["member"], stored["scope"], stored["source"]) == ("ana", "private", "assistant")
-    assert "4512" in ana.call(agent.Call("buscar_recuerdos", {"consulta": "taquilla"})).text
+    assert "4512" in ana.call(tools.Call("buscar_recuerdos", {"consulta": "taquilla"})).text
 
 
 def test_the_memory_tools_never_cross_members(conn, cfg, family):
     luis = agent_of(conn, cfg, "luis", "child")
-    found = luis.call(agent.Call("buscar_recuerdos", {"consulta": "regalo sorpresa armario vegetariana"}))
+    found = luis.call(tools.Call("buscar_recuerdos", {"consulta": "regalo sorpresa armario vegetariana"}))
     assert (
         found.ok and "regalo" not in found.text and "vegetariana" not in found.text and "miedo" in found.text
     )
     for memory_id in (family["ana_private"], family["ana_pinned"], family["ana_family"]):
-        refused = luis.call(agent.Call("olvidar", {"id": memory_id}))
+        refused = luis.call(tools.Call("olvidar", {"id": memory_id}))
         assert not refused.ok and refused.text.startswith(f"Error: no hay ningún recuerdo {memory_id}")
-    shared = luis.call(agent.Call("recordar", {"texto": "mañana no hay cole", "ambito": "familia"}))
+    shared = luis.call(tools.Call("recordar", {"texto": "mañana no hay cole", "ambito": "familia"}))
     assert not shared.ok and "solo una persona adulta" in shared.text
-    admin = agent_of(conn, cfg, "root", "admin").call(agent.Call("buscar_recuerdos", {"consulta": "armario"}))
+    admin = agent_of(conn, cfg, "root", "admin").call(tools.Call("buscar_recuerdos", {"consulta": "armario"}))
     assert not admin.ok and "administración" in admin.text
     ana = agent_of(conn, cfg, "ana", "adult")
-    assert "miedo" not in ana.call(agent.Call("buscar_recuerdos", {"consulta": "miedo oscuro armario"})).text
+    assert "miedo" not in ana.call(tools.Call("buscar_recuerdos", {"consulta": "miedo oscuro armario"})).text
     assert len(rows_of_conn(conn)) == 4

@@ -20,8 +20,7 @@ from test_web import all_of, browser, by_id, log_in, screenshot, wait_for  # noq
 
 import checkpoint
 import fileio
-from family import accounts as serve_accounts
-from family import memories as memory
+from family import accounts, memories
 
 SECRET = "A Lucía no le gusta el pescado"  # ana's private memory
 CHILD_SECRET = "Luis esconde las galletas en el armario"  # luis's private memory
@@ -120,9 +119,9 @@ def test_each_turn_carries_only_the_asking_members_memories(chat_model, tmp_path
         server,
     ):
         keys = family_of(server)
-        server.memories(server.store.member("ana"), memory.add, SECRET, server.memory_cfg)
-        server.memories(server.store.member("ana"), memory.add, SHARED, server.memory_cfg, scope="family")
-        server.memories(server.store.member("luis"), memory.add, CHILD_SECRET, server.memory_cfg)
+        server.memories(server.store.member("ana"), memories.add, SECRET, server.memory_cfg)
+        server.memories(server.store.member("ana"), memories.add, SHARED, server.memory_cfg, scope="family")
+        server.memories(server.store.member("luis"), memories.add, CHILD_SECRET, server.memory_cfg)
         question = "¿Qué sabes de Lucía, del pescado, de las galletas y del cumpleaños de la abuela?"
         seen = {}
         for name in ("ana", "luis", "root"):
@@ -151,7 +150,7 @@ def test_the_servers_tool_loop_runs_the_memory_tools_as_the_asking_member(chat_m
     done = tokenizer.encode("Vale.") + [end]
     with live_server(chat_model, tmp_path, model=ScriptedModel([end]), context=4096) as (url, server):
         keys = family_of(server)
-        ana_id = server.memories(server.store.member("ana"), memory.add, SECRET, server.memory_cfg)
+        ana_id = server.memories(server.store.member("ana"), memories.add, SECRET, server.memory_cfg)
 
         def turn(name, *scripts):
             server.worker.model = model = ScriptedModel(*scripts)
@@ -235,7 +234,7 @@ def test_a_database_another_program_keeps_locked_is_a_503_with_retry_after_until
 
 def test_the_command_line_takes_the_role_of_the_account(tmp_path):
     database = str(tmp_path / "familia.sqlite")
-    store = serve_accounts.Store(database)
+    store = accounts.Store(database)
     store.add_member("luis", "child")
     store.db.close()
 
@@ -255,26 +254,26 @@ def test_the_command_line_takes_the_role_of_the_account(tmp_path):
 
 def test_the_running_server_holds_its_database_and_snapshots_record_its_model(chat_run, tmp_path):
     database = str(tmp_path / "familia.sqlite")
-    store = serve_accounts.Store(database)
+    store = accounts.Store(database)
     store.add_member("ana", "adult")
     with store.lock:
-        memory.add(store.db, "ana", "adult", SECRET, memory.load_config())
+        memories.add(store.db, "ana", "adult", SECRET, memories.load_config())
     store.db.close()
-    cfg = memory.load_config()
+    cfg = memories.load_config()
     cfg["snapshots"]["dir"] = str(tmp_path / "snapshots")
     scheduled = tmp_path / "scheduled"  # the server's own schedule, every ~0.4 s for the test
     schedule = ("memory.snapshots.every_hours=0.0001", f"memory.snapshots.dir={scheduled}")
     proc, _ = start_server(chat_run, database, *schedule, log_path=tmp_path / "server.log")
     try:
-        wait_until(lambda: memory.list_snapshots(str(scheduled)), 120)
-        first = memory.verify(memory.list_snapshots(str(scheduled))[0])
+        wait_until(lambda: memories.list_snapshots(str(scheduled)), 120)
+        first = memories.verify(memories.list_snapshots(str(scheduled))[0])
         assert first["server"]["pid"] == proc.pid and first["server"]["config"]["memory"]["snapshots"] == {
             "dir": str(scheduled),
             "keep_last": cfg["snapshots"]["keep_last"],
             "every_hours": 0.0001,
         }
-        path = memory.snapshot(database, cfg, log=lambda _: None)
-        server = memory.verify(path)["server"]
+        path = memories.snapshot(database, cfg, log=lambda _: None)
+        server = memories.verify(path)["server"]
         ckpt = server["checkpoint"]
         assert server["pid"] == proc.pid and os.path.dirname(ckpt) == os.path.abspath(chat_run)
         assert server["checkpoint_sha256"] == fileio.sha256_of_file(ckpt)
@@ -282,8 +281,8 @@ def test_the_running_server_holds_its_database_and_snapshots_record_its_model(ch
             checkpoint.load_checkpoint(ckpt)
         )
         assert server["config"]["serve"]["database"] == database and server["code_version"]
-        with pytest.raises(memory.SnapshotError, match=f"server is running \\(pid {proc.pid}"):
-            memory.restore(path, database, log=lambda _: None)
+        with pytest.raises(memories.SnapshotError, match=f"server is running \\(pid {proc.pid}"):
+            memories.restore(path, database, log=lambda _: None)
         second = subprocess.run(
             [sys.executable, "-m", "serve", chat_run, "--port", "0", f"serve.database={database}"],
             cwd=ROOT, capture_output=True, text=True, timeout=300,
@@ -315,10 +314,10 @@ def web_family(chat_run, tmp_path_factory):
     """serve/app.py with ana (adult) and luis (child), both with web passwords; yields the URL and the store."""
     folder = tmp_path_factory.mktemp("web-memories")
     database = str(folder / "familia.sqlite")
-    store = serve_accounts.Store(database)
+    store = accounts.Store(database)
     for name, role in (("ana", "adult"), ("luis", "child")):
         store.add_member(name, role)
-        store.set_password(name, serve_accounts.hash_password("clave-" + name, {"n": 1024, "r": 8, "p": 1}))
+        store.set_password(name, accounts.hash_password("clave-" + name, {"n": 1024, "r": 8, "p": 1}))
     proc, url = start_server(chat_run, database, log_path=folder / "server.log")
     yield url
     proc.kill()

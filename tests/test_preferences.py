@@ -12,9 +12,7 @@ from conftest import CHAT_SEQ_LEN, ROOT, TINY, example_conversations, write_json
 
 import config
 import data
-from chat import convert as chat_convert
-from chat import prepare as chat_prepare
-from chat import template as chat
+from chat import convert, prepare, template
 from family import feedback
 
 quiet = lambda *a, **k: None  # noqa: E731
@@ -38,10 +36,10 @@ def tokenizer(shard_data_dir):
 
 
 def test_a_pair_renders_each_answer_after_its_prompt_and_trains_on_that_answer_only(tokenizer):
-    (chosen_ids, chosen_mask), (rejected_ids, rejected_mask) = chat.render_pair(PAIR, tokenizer)
-    prompt_ids, _ = chat.render({"messages": PAIR["prompt"]}, tokenizer, for_generation=True)
+    (chosen_ids, chosen_mask), (rejected_ids, rejected_mask) = template.render_pair(PAIR, tokenizer)
+    prompt_ids, _ = template.render({"messages": PAIR["prompt"]}, tokenizer, for_generation=True)
     for ids, mask, side in ((chosen_ids, chosen_mask, "chosen"), (rejected_ids, rejected_mask, "rejected")):
-        full_ids, full_mask = chat.render({"messages": PAIR["prompt"] + PAIR[side]}, tokenizer)
+        full_ids, full_mask = template.render({"messages": PAIR["prompt"] + PAIR[side]}, tokenizer)
         assert ids == full_ids  # the one template, unchanged
         assert mask[: len(prompt_ids)] == [0] * len(prompt_ids)  # the prompt's own answer is context here
         assert 1 in full_mask[: len(prompt_ids)]  # (which SFT would have trained on)
@@ -71,9 +69,9 @@ def test_a_pair_renders_each_answer_after_its_prompt_and_trains_on_that_answer_o
     ],
 )
 def test_a_pair_that_is_not_valid_is_refused_with_the_reason(change, reason):
-    problems = chat.preference_problems({**PAIR, **change})
+    problems = template.preference_problems({**PAIR, **change})
     assert any(reason in problem for problem in problems), problems
-    assert chat.preference_problems(PAIR) == []
+    assert template.preference_problems(PAIR) == []
 
 
 def test_a_pair_may_reject_an_empty_answer_and_follow_one_in_its_prompt():
@@ -81,7 +79,7 @@ def test_a_pair_may_reject_an_empty_answer_and_follow_one_in_its_prompt():
     rated later may hold it."""
     empty = {"role": "assistant", "content": ""}
     pair = {**PAIR, "prompt": [*PAIR["prompt"][:2], empty, PAIR["prompt"][3]], "rejected": [empty]}
-    assert chat.preference_problems(pair) == []
+    assert template.preference_problems(pair) == []
 
 
 def pair_config(folder, shard_dir, *overrides):
@@ -121,7 +119,7 @@ def test_prepare_lays_each_pair_out_as_two_rows_and_shortens_or_drops_what_does_
     write_jsonl(tmp_path / "val.jsonl", [PAIR])
     logs = []
     cfg = pair_config(tmp_path, shard_data_dir)
-    chat_prepare.prepare(cfg, log=logs.append)
+    prepare.prepare(cfg, log=logs.append)
     record = data.read_manifest(cfg["data"])["prepare"]["train"]
     assert record["stats"] | {"fill": 0} == record["stats"] | {
         "pairs": 4, "packed": 3, "rows": 6, "dropped_too_long": 1, "truncated": 1, "fill": 0}  # fmt: skip
@@ -137,7 +135,7 @@ def test_prepare_lays_each_pair_out_as_two_rows_and_shortens_or_drops_what_does_
             row = x[pair_index + 3 * side_index].tolist() + [None]
             if pair is None:  # the shortened one: system, then its last user turn, then the answer
                 pair = {**PAIR, "prompt": [SYSTEM, long_prompt(6)[-1]]}
-            ids, mask = chat.render_pair(pair, tokenizer)[side_index]
+            ids, mask = template.render_pair(pair, tokenizer)[side_index]
             assert row[: len(ids) - 1] == ids[:-1] and len(ids) <= row_len
             assert set(row[len(ids) : -1]) <= {tokenizer.eos_id}  # padding
             targets = y[pair_index + 3 * side_index].tolist()
@@ -149,10 +147,10 @@ def test_the_pair_loader_gives_chosen_rows_then_rejected_restores_its_position_a
     tmp_path, shard_data_dir
 ):
     conversations = [(f"c:{i}", c) for i, c in enumerate(example_conversations(20))]
-    write_jsonl(tmp_path / "train.jsonl", chat_convert.seed_pairs(conversations, seed=0))
+    write_jsonl(tmp_path / "train.jsonl", convert.seed_pairs(conversations, seed=0))
     write_jsonl(tmp_path / "val.jsonl", [PAIR])
     cfg = pair_config(tmp_path, shard_data_dir)
-    chat_prepare.prepare(cfg, log=quiet)
+    prepare.prepare(cfg, log=quiet)
 
     def loader(batch=3, rank=0, world=1):
         return data.build_loader(cfg["data"], "train", batch, CHAT_SEQ_LEN, 5, rank, world)
@@ -219,7 +217,7 @@ def test_import_from_preference_reads_trls_explicit_standard_and_implicit_format
     out = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text(encoding="utf-8").splitlines()]
     for pair in out:
         assert (pair["prompt"], pair["chosen"], pair["rejected"]) == ([user], [good], [bad])
-        assert pair["source"] == "preference:prefs.jsonl" and chat.preference_problems(pair) == []
+        assert pair["source"] == "preference:prefs.jsonl" and template.preference_problems(pair) == []
 
 
 def test_seed_pairs_reject_a_truncated_answer_another_conversations_and_one_without_its_referral():
@@ -229,7 +227,7 @@ def test_seed_pairs_reject_a_truncated_answer_another_conversations_and_one_with
     cooking = {"messages": [{"role": "user", "content": "¿Cómo cuezo un huevo?"},
                             {"role": "assistant", "content": "Ponlo en agua hirviendo. Déjalo diez minutos. "
                              "Después enfríalo en agua fría."}]}  # fmt: skip
-    pairs = chat_convert.seed_pairs([("salud:1", health), ("cocina:1", cooking)], seed=0)
+    pairs = convert.seed_pairs([("salud:1", health), ("cocina:1", cooking)], seed=0)
     by_kind = {(p["source"].split(":")[1], p["source"].split(":")[2]): p for p in pairs}
     assert set(by_kind) == {("truncated", "salud"), ("other-answer", "salud"), ("referral-removed", "salud"),
                             ("truncated", "cocina"), ("other-answer", "cocina")}  # fmt: skip
@@ -247,7 +245,7 @@ def test_seed_pairs_reject_a_truncated_answer_another_conversations_and_one_with
         == "Ponlo en agua hirviendo. Déjalo diez minutos."
     )
     assert by_kind["other-answer", "cocina"]["rejected"][0]["content"] == health["messages"][1]["content"]
-    assert all(chat.preference_problems(p) == [] for p in pairs)
+    assert all(template.preference_problems(p) == [] for p in pairs)
 
 
 def test_seed_pairs_from_the_command_line_count_each_kind(tmp_path):
@@ -291,5 +289,5 @@ def test_feedback_makes_pairs_of_improved_answers_and_of_a_dislike_with_a_like_n
         ("¿Y hoy?", "Hoy es martes.", ""),
     ]
     assert counts == {"improved": 3, "rated_pairs": 1, "lone_dislikes": 3, "likes": 3}
-    assert all(chat.preference_problems(p) == [] for p in pairs)
+    assert all(template.preference_problems(p) == [] for p in pairs)
     assert not any("member" in json.dumps(p) for p in pairs)  # nothing says whose it was

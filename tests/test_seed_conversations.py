@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from chat import template as chat
+from chat import template
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SEED_DIR = os.path.join(ROOT, "conversations", "seed")
@@ -59,7 +59,9 @@ def problems_in(path):
         except ValueError as e:
             problems.append(f"{where}: not JSON ({e})")
             continue
-        found = chat.training_problems(conversation) if isinstance(conversation, dict) else ["not an object"]
+        found = (
+            template.training_problems(conversation) if isinstance(conversation, dict) else ["not an object"]
+        )
         if not found:
             roles = [m["role"] for m in conversation["messages"] if m["role"] != "system"]
             if not roles or roles[0] != "user" or roles[-1] != "assistant":

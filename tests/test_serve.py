@@ -20,9 +20,9 @@ import torch
 from conftest import ROOT, ScriptedModel, live_server, serve_member, start_server, tiny_config
 
 import config
-from chat import template as chat
-from family import accounts as serve_accounts
-from serve import app as serve
+from chat import template
+from family import accounts
+from serve import app
 
 NO_TOOLS = "serve.tools=false"  # prompts of exactly the request's messages, without the server's tools
 
@@ -30,7 +30,7 @@ NO_TOOLS = "serve.tools=false"  # prompts of exactly the request's messages, wit
 def member(server, name, role="adult", password=None):
     key = server.store.add_member(name, role)
     if password:
-        server.store.set_password(name, serve_accounts.hash_password(password, server.settings["scrypt"]))
+        server.store.set_password(name, accounts.hash_password(password, server.settings["scrypt"]))
     return key
 
 
@@ -70,8 +70,8 @@ def test_a_plain_completion_reports_its_usage_and_respects_max_tokens(chat_model
     assert isinstance(choice.message.content, str) and choice.finish_reason in ("stop", "length")
     # The prompt is chat.render of the server's system prompt and the user's message.
     tokenizer = chat_model[1]
-    system = serve.load_settings(serve.DEFAULT_CONFIG, [])["system_prompt"]
-    ids, _ = chat.render({"messages": [{"role": "system", "content": system}, *USER]}, tokenizer, True)
+    system = app.load_settings(app.DEFAULT_CONFIG, [])["system_prompt"]
+    ids, _ = template.render({"messages": [{"role": "system", "content": system}, *USER]}, tokenizer, True)
     assert answer.usage.prompt_tokens == len(ids)
     assert 1 <= answer.usage.completion_tokens <= 5
     assert answer.usage.total_tokens == answer.usage.prompt_tokens + answer.usage.completion_tokens
@@ -98,7 +98,7 @@ def test_text_parts_system_developer_tool_roles_and_unknown_fields_are_accepted(
         {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "luz", "arguments": {"on": True}}}]},
         {"role": "tool", "content": "hecho"},
     ]}  # fmt: skip
-    assert answer.usage.prompt_tokens == len(chat.render(conversation, chat_model[1], True)[0])
+    assert answer.usage.prompt_tokens == len(template.render(conversation, chat_model[1], True)[0])
 
 
 def test_a_streamed_answer_is_the_plain_answer_in_order(chat_model, tmp_path):
@@ -168,9 +168,9 @@ def test_client_tools_are_rendered_and_the_models_calls_come_back_as_tool_calls(
     [tool_call] = message.tool_calls
     assert tool_call.type == "function" and tool_call.function.name == "encender_luz"
     assert json.loads(tool_call.function.arguments) == {"sala": "cocina"}
-    rendered = {"messages": [{"role": "system", "content": serve.load_settings(serve.DEFAULT_CONFIG, [])["system_prompt"]},
+    rendered = {"messages": [{"role": "system", "content": app.load_settings(app.DEFAULT_CONFIG, [])["system_prompt"]},
                              *USER], "tools": tools}  # fmt: skip
-    assert answer.usage.prompt_tokens == len(chat.render(rendered, tokenizer, True)[0])
+    assert answer.usage.prompt_tokens == len(template.render(rendered, tokenizer, True)[0])
     streamed_calls = [
         c.choices[0].delta.tool_calls for c in chunks if c.choices and c.choices[0].delta.tool_calls
     ]
@@ -190,10 +190,9 @@ def test_tool_calls_are_constrained_to_the_clients_and_to_the_servers_own_tools(
     import jsonschema
     from test_agent_grammar import CLIENT_TOOLS, MALFORMED, NoisyModel
 
-    from agent import dataset as agent_data
-    from agent import tools as agent
+    from agent import dataset, tools
 
-    monkeypatch.setattr(agent, "searcher_from_env", lambda provider: agent_data.CannedSearch([]))
+    monkeypatch.setattr(tools, "searcher_from_env", lambda provider: dataset.CannedSearch([]))
     tokenizer = chat_model[1]
     model = NoisyModel(tokenizer, ends=True).eval()  # opens a call at once, then noise; ends where it may
     schemas = {spec["function"]["name"]: spec["function"]["parameters"] for spec in CLIENT_TOOLS}
@@ -740,12 +739,12 @@ def test_an_old_database_gains_the_provisional_column_and_its_members_stay_as_th
     old.executescript(
         "CREATE TABLE members (id INTEGER PRIMARY KEY, name TEXT NOT NULL UNIQUE COLLATE NOCASE, role TEXT NOT NULL,"
         " key_hash TEXT NOT NULL UNIQUE, password_hash TEXT, created REAL NOT NULL);"
-        f"INSERT INTO members (name, role, key_hash, created) VALUES ('ana', 'adult', '{serve_accounts.sha256('enl-x')}', 0);"
+        f"INSERT INTO members (name, role, key_hash, created) VALUES ('ana', 'adult', '{accounts.sha256('enl-x')}', 0);"
     )  # fmt: skip
     old.close()
-    store = serve_accounts.Store(database)
+    store = accounts.Store(database)
     assert store.member_by_key("enl-x")["provisional"] == 0
-    serve_accounts.Store(database)  # a second opening finds the column there
+    accounts.Store(database)  # a second opening finds the column there
     assert [m["name"] for m in store.members()] == ["ana"]
 
 
@@ -769,9 +768,11 @@ def test_children_get_their_instruction_cap_and_hours(chat_model, tmp_path):
         child, adult = member(server, "dani", "child"), member(server, "ana")
         kid = client(url, child).chat.completions.create(model="chat", messages=USER, max_tokens=50)
         grown = client(url, adult).chat.completions.create(model="chat", messages=USER, max_tokens=50)
-    settings = serve.load_settings(serve.DEFAULT_CONFIG, [])
+    settings = app.load_settings(app.DEFAULT_CONFIG, [])
     system = settings["child"]["system_prompt"] + "\n\n" + settings["system_prompt"]
-    ids, _ = chat.render({"messages": [{"role": "system", "content": system}, *USER]}, chat_model[1], True)
+    ids, _ = template.render(
+        {"messages": [{"role": "system", "content": system}, *USER]}, chat_model[1], True
+    )
     assert kid.usage.prompt_tokens == len(ids) > grown.usage.prompt_tokens
     assert kid.usage.completion_tokens <= 3 < grown.usage.completion_tokens
 
@@ -811,7 +812,7 @@ def test_the_member_cli_prints_a_key_once_and_stores_its_hash(tmp_path):
                             f"serve.database={database}"], cwd=ROOT, capture_output=True, text=True)  # fmt: skip
     assert again.returncode == 2 and "already exists" in again.stderr and "Traceback" not in again.stderr
     row = sqlite3.connect(database).execute("SELECT key_hash, password_hash FROM members").fetchone()
-    assert row[0] == serve_accounts.sha256(key) and row[1].startswith("scrypt$")
+    assert row[0] == accounts.sha256(key) and row[1].startswith("scrypt$")
     bad = subprocess.run([sys.executable, "-m", "serve", "member", "list", "serve.queue_sise=3"], cwd=ROOT,
                          capture_output=True, text=True)  # fmt: skip
     assert (
@@ -822,7 +823,7 @@ def test_the_member_cli_prints_a_key_once_and_stores_its_hash(tmp_path):
 def test_member_new_key_and_remove_from_the_command_line(tmp_path):
     database = str(tmp_path / "family.sqlite")
     old = serve_member(database, "ana", "adult")
-    store = serve_accounts.Store(database)
+    store = accounts.Store(database)
     cid = store.new_conversation(store.member("ana")["id"], "mía")
     store.add_message(store.member("ana")["id"], cid, "user", "hola")
 
@@ -834,7 +835,7 @@ def test_member_new_key_and_remove_from_the_command_line(tmp_path):
     new = renewed.stdout.strip().splitlines()[-1]
     assert renewed.returncode == 0 and new.startswith("enl-") and new != old
     assert store.member_by_key(old) is None and store.member_by_key(new)["name"] == "ana"
-    assert store.member("ana")["key_hash"] == serve_accounts.sha256(new)
+    assert store.member("ana")["key_hash"] == accounts.sha256(new)
     removed = member_cli("remove", "ana")
     assert removed.returncode == 0 and "ana" not in member_cli("list").stdout
     assert store.member_by_key(new) is None and store.query("SELECT * FROM messages") == []
@@ -955,9 +956,7 @@ def load_round(url, keys, turns):
 
 def test_twenty_clients_get_their_own_answers_and_the_server_memory_stays_flat(chat_run, tmp_path):
     database = str(tmp_path / "load.sqlite")
-    store = serve_accounts.Store(
-        database
-    )  # `member add` itself has its own test; here it would cost 20 starts
+    store = accounts.Store(database)  # `member add` itself has its own test; here it would cost 20 starts
     keys = [store.add_member(f"c{i}", "adult") for i in range(20)]
     proc, url = start_server(chat_run, database, "serve.queue_size=8", log_path=tmp_path / "server.log")
     try:
@@ -989,7 +988,7 @@ def test_the_servers_decode_thread_runs_torch_on_every_thread_while_the_event_lo
     # serve/app.py one_thread_here: the event loop's thread loads the model on one thread, so that the
     # decode thread's team is the process's only one; the decode thread still gets the machine's count.
     database = str(tmp_path / "threads.sqlite")
-    key = serve_accounts.Store(database).add_member("papa", "admin")
+    key = accounts.Store(database).add_member("papa", "admin")
     proc, url = start_server(chat_run, database, log_path=tmp_path / "server.log")
     try:
         status = httpx.get(url + "/api/server", headers={"Authorization": f"Bearer {key}"}).json()
@@ -1004,7 +1003,7 @@ def test_the_server_thread_keeps_one_torch_thread_and_hands_the_machines_count_t
 
     def server_thread():  # a fresh thread, as the server's own: the test process keeps its threads
         before = torch.get_num_threads()
-        seen["handed"], seen["kept"] = serve.one_thread_here(), torch.get_num_threads()
+        seen["handed"], seen["kept"] = app.one_thread_here(), torch.get_num_threads()
         torch.set_num_threads(before)
         seen["before"] = before
 
@@ -1016,7 +1015,7 @@ def test_the_server_thread_keeps_one_torch_thread_and_hands_the_machines_count_t
 
 def test_sigkill_mid_answer_loses_no_acknowledged_turn(chat_run, tmp_path):
     database = str(tmp_path / "kill.sqlite")
-    key = serve_accounts.Store(database).add_member("ana", "adult")
+    key = accounts.Store(database).add_member("ana", "adult")
     headers = {"Authorization": f"Bearer {key}"}
     proc, url = start_server(chat_run, database, log_path=tmp_path / "server.log")
     try:

@@ -15,9 +15,8 @@ import pytest
 import torch
 from conftest import ROOT, live_server
 
-from agent import tools as agent
-from serve import app as serve
-from serve import worker as serve_worker
+from agent import tools
+from serve import app, worker
 
 NO_TOOLS = "serve.tools=false"
 
@@ -114,13 +113,13 @@ DECODING = {"eager": ("serve.prefix_cache.mib=0",), "compiled+prefix_cache": ("s
 def test_answers_decoded_together_are_token_for_token_their_solo_answers(
     chat_model, tmp_path, monkeypatch, decoding
 ):
-    class JobWithBrokenConstraint(serve_worker.Job):
+    class JobWithBrokenConstraint(worker.Job):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             if self.seed == BROKEN_SEED:
                 self.constraint = Exploding(after=5)
 
-    monkeypatch.setattr(serve_worker, "Job", JobWithBrokenConstraint)
+    monkeypatch.setattr(worker, "Job", JobWithBrokenConstraint)
     # 8 requests of different prompt and answer lengths, greedy and seeded at 0.8; one more that the client
     # abandons midway and one whose generation raises: ten requests for eight slots.
     bodies = [request(i, 12 + 7 * i, 0.0 if i % 2 == 0 else 0.8, 100 + i) for i in range(8)]
@@ -202,24 +201,24 @@ def test_int8_weights_without_the_kernel_answer_requests_and_refuse_a_compiled_s
     chat_model, tmp_path
 ):
     model = chat_model[0]
-    settings = serve.load_settings(
-        serve.DEFAULT_CONFIG, ["serve.weights.cpu=int8", "serve.matvec_kernel.cpu=false"]
+    settings = app.load_settings(
+        app.DEFAULT_CONFIG, ["serve.weights.cpu=int8", "serve.matvec_kernel.cpu=false"]
     )
-    quantized = serve.prepare_weights(model, settings, "cpu")
+    quantized = app.prepare_weights(model, settings, "cpu")
     assert quantized is not model and quantized.checkpoint_path == model.checkpoint_path
     with live_server(chat_model, tmp_path, NO_TOOLS, model=quantized) as (url, server):
         key = server.store.add_member("ana", "adult")
         answer = post(url, key, request(1, 6, 0.0, 1))
     assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] >= 1
-    both = serve.load_settings(
-        serve.DEFAULT_CONFIG,
+    both = app.load_settings(
+        app.DEFAULT_CONFIG,
         ["serve.weights.cpu=int8", "serve.matvec_kernel.cpu=false", "serve.compile.cpu=inductor"],
     )
     with pytest.raises(
-        serve.ServeError,
+        app.ServeError,
         match=r"serve.weights.cpu=int8 without serve.matvec_kernel runs eager: set serve.compile.cpu=off",
     ):
-        serve.prepare_weights(model, both, "cpu")
+        app.prepare_weights(model, both, "cpu")
 
 
 def test_without_the_kernel_float32_products_split_in_matvec_parts_blocks_and_one_block_is_the_model(
@@ -228,12 +227,12 @@ def test_without_the_kernel_float32_products_split_in_matvec_parts_blocks_and_on
     from serve.weights import SplitLinear
 
     model = chat_model[0]
-    plain = serve.load_settings(
-        serve.DEFAULT_CONFIG, ["serve.matvec_kernel.cpu=false", "serve.matvec_parts.cpu=1"]
+    plain = app.load_settings(
+        app.DEFAULT_CONFIG, ["serve.matvec_kernel.cpu=false", "serve.matvec_parts.cpu=1"]
     )
-    assert serve.prepare_weights(model, plain, "cpu") is model
-    settings = serve.load_settings(serve.DEFAULT_CONFIG, ["serve.matvec_kernel.cpu=false"])
-    split = serve.prepare_weights(model, settings, "cpu")  # serve.matvec_parts.cpu: 2
+    assert app.prepare_weights(model, plain, "cpu") is model
+    settings = app.load_settings(app.DEFAULT_CONFIG, ["serve.matvec_kernel.cpu=false"])
+    split = app.prepare_weights(model, settings, "cpu")  # serve.matvec_parts.cpu: 2
     blocks = {m.parts for m in split.modules() if isinstance(m, SplitLinear)}
     assert blocks == {2} and split.checkpoint_path == model.checkpoint_path
     assert split.lm_head.weight is model.lm_head.weight  # the same weights, not a copy
@@ -249,8 +248,8 @@ def test_by_default_a_cpu_decodes_through_the_kernel_compiled_or_not_and_answers
     from serve.weights import KernelLinear
 
     model = chat_model[0]
-    settings = serve.load_settings(serve.DEFAULT_CONFIG, [f"serve.weights.cpu={dtype}"])
-    served = serve.prepare_weights(model, settings, "cpu")
+    settings = app.load_settings(app.DEFAULT_CONFIG, [f"serve.weights.cpu={dtype}"])
+    served = app.prepare_weights(model, settings, "cpu")
     layers = [m for m in served.modules() if isinstance(m, KernelLinear)]
     assert layers and {str(layer.weight.dtype) for layer in layers} == {f"torch.{dtype}"}
     assert served.checkpoint_path == model.checkpoint_path
@@ -312,7 +311,7 @@ def test_an_agent_turns_tool_runs_off_the_batch_while_the_other_rows_go_on(chat_
     end = tokenizer.special_ids["<|end|>"]
     call = '<tool_call>\n{"name": "calculadora", "arguments": {"expresion": "6*7"}}\n</tool_call>'
     results, calling, release = [], threading.Event(), threading.Event()
-    helper = agent.Agent(agent.load_settings(), tool_names=["calculadora"],
+    helper = tools.Agent(tools.load_settings(), tool_names=["calculadora"],
                          on_event=lambda kind, info: results.append(info["text"]) if kind == "result" else None)  # fmt: skip
     run_tool = helper.call
 
@@ -323,13 +322,13 @@ def test_an_agent_turns_tool_runs_off_the_batch_while_the_other_rows_go_on(chat_
 
     helper.call = slow_tool
     plain = [[tokenizer.bos_id, *tokenizer.encode(text)] for text in ("Había una vez", "El gato", "Mañana")]
-    worker = serve_worker.Worker(model, tokenizer, queue_size=8, max_batch=4)
+    pool = worker.Worker(model, tokenizer, queue_size=8, max_batch=4)
     try:
         with event_loop() as loop:
 
             def job(prompt, seed, turn=None, max_tokens=20):
-                made = serve_worker.Job(loop, prompt, max_tokens, 0.8, 1.0, 50, seed, turn)
-                worker.submit(made)
+                made = worker.Job(loop, prompt, max_tokens, 0.8, 1.0, 50, seed, turn)
+                pool.submit(made)
                 return made
 
             solos = [text_of(events_of(job(prompt, seed))) for seed, prompt in enumerate(plain)]
@@ -344,10 +343,10 @@ def test_an_agent_turns_tool_runs_off_the_batch_while_the_other_rows_go_on(chat_
             release.set()
             turn_events = events_of(turn)
     finally:
-        worker.close()
+        pool.close()
     assert batched == solos
-    assert turn_events[-1][0] == "done" and results == ["42"] and worker.stats["tool_calls"] == 1
-    assert "<tool_call>" not in text_of(turn_events) and worker.status()["active"] == 0
+    assert turn_events[-1][0] == "done" and results == ["42"] and pool.stats["tool_calls"] == 1
+    assert "<tool_call>" not in text_of(turn_events) and pool.status()["active"] == 0
 
 
 # -----------------------------------------------------------------------------
@@ -358,21 +357,19 @@ def test_the_kv_cache_is_sized_at_start_and_a_max_batch_that_cannot_fit_is_refus
     chat_model, chat_run, tmp_path, capsys
 ):
     model = chat_model[0]
-    settings = serve.load_settings(serve.DEFAULT_CONFIG, ["serve.max_batch=64", "serve.max_kv_cache_mib=1"])
+    settings = app.load_settings(app.DEFAULT_CONFIG, ["serve.max_batch=64", "serve.max_kv_cache_mib=1"])
     # 2 layers x (keys, values) x 2 kv heads x 256 positions x 8 dims x 4 bytes = 64 KiB per slot
     assert model.kv_cache_bytes(1) == 64 * 1024
-    with pytest.raises(serve.ServeError) as refused:
-        serve.check_kv_cache(model, settings, "cpu")
+    with pytest.raises(app.ServeError) as refused:
+        app.check_kv_cache(model, settings, "cpu")
     assert str(refused.value) == ("serve.max_batch=64: the KV cache needs 4.0 MiB (64 KiB per slot), more than "
                                   "serve.max_kv_cache_mib=1; set serve.max_batch to at most 16")  # fmt: skip
-    serve.check_kv_cache(model, settings | {"max_batch": 16}, "cpu")
+    app.check_kv_cache(model, settings | {"max_batch": 16}, "cpu")
     assert "KV cache 16 slots x 64 KiB = 1.0 MiB" in capsys.readouterr().err
-    with pytest.raises(
-        serve.ServeError, match=r"more than the .* free on cpu; set serve.max_batch to at most"
-    ):
-        serve.check_kv_cache(model, settings | {"max_batch": 10**9, "max_kv_cache_mib": None}, "cpu")
-    with pytest.raises(serve.ServeError, match="max_batch"):
-        serve.load_settings(serve.DEFAULT_CONFIG, ["serve.max_batch=0"])
+    with pytest.raises(app.ServeError, match=r"more than the .* free on cpu; set serve.max_batch to at most"):
+        app.check_kv_cache(model, settings | {"max_batch": 10**9, "max_kv_cache_mib": None}, "cpu")
+    with pytest.raises(app.ServeError, match="max_batch"):
+        app.load_settings(app.DEFAULT_CONFIG, ["serve.max_batch=0"])
     # serve/app.py itself: the refusal is a clear error and exit status 2, before it listens.
     database = f"serve.database={tmp_path / 'kv.sqlite'}"
     started = subprocess.run([sys.executable, "-m", "serve", chat_run, "--port", "0", database, "serve.max_batch=64",

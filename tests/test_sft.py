@@ -29,8 +29,7 @@ import data
 import fileio
 import sample
 import train
-from chat import prepare as chat_prepare
-from chat import template as chat
+from chat import prepare, template
 from model import Transformer
 
 quiet = lambda *a, **k: None  # noqa: E731
@@ -68,8 +67,8 @@ def contains(row, ids):
 
 
 def test_best_fit_puts_each_conversation_in_the_fullest_row_it_fits():
-    assert chat_prepare.best_fit([5, 4, 3, 3, 1], 8) == [[0, 2], [1, 3, 4]]
-    assert chat_prepare.best_fit([8, 8], 8) == [[0], [1]]
+    assert prepare.best_fit([5, 4, 3, 3, 1], 8) == [[0, 2], [1, 3, 4]]
+    assert prepare.best_fit([8, 8], 8) == [[0], [1]]
 
 
 def test_packed_rows_start_with_bos_and_hold_whole_conversations_with_their_masks(
@@ -79,20 +78,20 @@ def test_packed_rows_start_with_bos_and_hold_whole_conversations_with_their_mask
     write_jsonl(tmp_path / "train.jsonl", conversations)
     write_jsonl(tmp_path / "val.jsonl", example_conversations(5, start=50))
     cfg = sft_config(tmp_path, shard_data_dir)
-    chat_prepare.prepare(cfg, log=quiet)
+    prepare.prepare(cfg, log=quiet)
     tokens, masks, record = packed(cfg["data"], "train")
     assert (tokens[:, 0] == tokenizer.bos_id).all()
     assert record["stats"]["packed"] == 30 and record["stats"]["rows"] == len(tokens) < 30
     flat_tokens, flat_masks = tokens.ravel().tolist(), masks.ravel().tolist()
     for conversation in conversations:  # each one contiguous, once, with the mask render() gives it
-        ids, mask = chat.render(conversation, tokenizer)
+        ids, mask = template.render(conversation, tokenizer)
         rows = [r for r in range(len(tokens)) if contains(tokens[r], ids)]
         assert len(rows) >= 1
         start = next(i for i in range(len(flat_tokens)) if flat_tokens[i : i + len(ids)] == ids)
         assert flat_masks[start : start + len(ids)] == mask
-    used = sum(len(chat.render(c, tokenizer)[0]) for c in conversations)
+    used = sum(len(template.render(c, tokenizer)[0]) for c in conversations)
     assert record["stats"]["tokens"] == used
-    assert masks.sum() == sum(sum(chat.render(c, tokenizer)[1]) for c in conversations)  # padding: mask 0
+    assert masks.sum() == sum(sum(template.render(c, tokenizer)[1]) for c in conversations)  # padding: mask 0
 
 
 def test_too_long_conversations_are_dropped_and_counted_or_cut_after_an_answer(
@@ -111,16 +110,16 @@ def test_too_long_conversations_are_dropped_and_counted_or_cut_after_an_answer(
     write_jsonl(tmp_path / "val.jsonl", example_conversations(2))
     cfg = sft_config(tmp_path, shard_data_dir, "data.chat.too_long=drop")
     logs = []
-    chat_prepare.prepare(cfg, log=logs.append)
+    prepare.prepare(cfg, log=logs.append)
     stats = packed(cfg["data"], "train")[2]["stats"]
     assert (stats["dropped_too_long"], stats["truncated"], stats["packed"]) == (1, 0, 6)
     assert any(f"{tmp_path}/train.jsonl:7" in line and "longer than a row" in line for line in logs)
 
     cfg = sft_config(tmp_path, shard_data_dir, "data.chat.too_long=truncate")
-    chat_prepare.prepare(cfg, log=quiet)
+    prepare.prepare(cfg, log=quiet)
     tokens, _, record = packed(cfg["data"], "train")
     assert (record["stats"]["dropped_too_long"], record["stats"]["truncated"]) == (0, 1)
-    first_turn = chat.render({"messages": too_long["messages"][:2]}, tokenizer)[0]
+    first_turn = template.render({"messages": too_long["messages"][:2]}, tokenizer)[0]
     assert any(contains(row, first_turn) for row in tokens)
 
 
@@ -136,18 +135,18 @@ def test_truncation_never_ends_a_conversation_on_a_pending_tool_call(tokenizer):
             {"role": "assistant", "content": "Son 4. " * 40},
         ]
     }
-    with_call = chat.render({"messages": conversation["messages"][:4]}, tokenizer)[0]
-    first_answer = chat.render({"messages": conversation["messages"][:2]}, tokenizer)
-    assert len(with_call) < len(chat.render(conversation, tokenizer)[0])
-    assert chat_prepare.truncate_at_turn(conversation, tokenizer, len(with_call)) == first_answer
-    assert chat_prepare.truncate_at_turn(conversation, tokenizer, len(first_answer[0]) - 1) is None
+    with_call = template.render({"messages": conversation["messages"][:4]}, tokenizer)[0]
+    first_answer = template.render({"messages": conversation["messages"][:2]}, tokenizer)
+    assert len(with_call) < len(template.render(conversation, tokenizer)[0])
+    assert prepare.truncate_at_turn(conversation, tokenizer, len(with_call)) == first_answer
+    assert prepare.truncate_at_turn(conversation, tokenizer, len(first_answer[0]) - 1) is None
 
 
 def test_prepare_resumes_after_the_last_finished_shard_and_a_rerun_does_nothing(tmp_path, shard_data_dir):
     write_jsonl(tmp_path / "train.jsonl", example_conversations(40))
     write_jsonl(tmp_path / "val.jsonl", example_conversations(4))
     cfg = sft_config(tmp_path, shard_data_dir, "data.chat.rows_per_shard=2")
-    chat_prepare.prepare(cfg, log=quiet)
+    prepare.prepare(cfg, log=quiet)
     tokens, masks, record = packed(cfg["data"], "train")
     assert len(record["shards"]) >= 3
     # An interruption after the second shard: the manifest lists two, the rest are gone or half-written.
@@ -156,12 +155,12 @@ def test_prepare_resumes_after_the_last_finished_shard_and_a_rerun_does_nothing(
     fileio.write_json(data.manifest_path(cfg["data"]), manifest)
     os.remove(os.path.join(cfg["data"]["dir"], record["shards"][-1]["name"]))
     logs = []
-    chat_prepare.prepare(cfg, log=logs.append)
+    prepare.prepare(cfg, log=logs.append)
     assert any("train resuming after 2 finished shard(s)" in line for line in logs)
     again = packed(cfg["data"], "train")
     assert np.array_equal(again[0], tokens) and np.array_equal(again[1], masks) and again[2]["complete"]
     logs = []
-    chat_prepare.prepare(cfg, log=logs.append)
+    prepare.prepare(cfg, log=logs.append)
     assert any("train up to date" in line for line in logs) and any("val up to date" in line for line in logs)
 
 
@@ -175,14 +174,14 @@ def test_a_bad_line_is_fatal_naming_file_and_line_or_skipped_when_configured(tmp
     write_jsonl(tmp_path / "val.jsonl", example_conversations(2))
     cfg = sft_config(tmp_path, shard_data_dir)
     with pytest.raises(
-        chat.ChatError, match=rf"{tmp_path}/train.jsonl:3: messages.0.role: 'robot' is not one of"
+        template.ChatError, match=rf"{tmp_path}/train.jsonl:3: messages.0.role: 'robot' is not one of"
     ):
-        chat_prepare.prepare(cfg, log=quiet)
+        prepare.prepare(cfg, log=quiet)
     assert not data.shard_paths(cfg["data"], "train")  # nothing half-written
 
     cfg = sft_config(tmp_path, shard_data_dir, "data.chat.bad_lines=skip")
     logs = []
-    chat_prepare.prepare(cfg, log=logs.append)
+    prepare.prepare(cfg, log=logs.append)
     assert packed(cfg["data"], "train")[2]["stats"]["skipped_bad_lines"] == 3
     assert packed(cfg["data"], "train")[2]["stats"]["packed"] == 4
     assert any("train.jsonl:4: messages.1: a tool message without a preceding" in line for line in logs)
@@ -196,8 +195,8 @@ def test_a_file_that_is_not_utf8_is_refused_naming_the_line(tmp_path, shard_data
     )
     write_jsonl(tmp_path / "val.jsonl", example_conversations(2))
     cfg = sft_config(tmp_path, shard_data_dir)
-    with pytest.raises(chat.ChatError, match=r"train.jsonl:2: not UTF-8 \(byte 0xf1 at column 46\)"):
-        chat_prepare.prepare(cfg, log=quiet)
+    with pytest.raises(template.ChatError, match=r"train.jsonl:2: not UTF-8 \(byte 0xf1 at column 46\)"):
+        prepare.prepare(cfg, log=quiet)
     assert not data.shard_paths(cfg["data"], "train")  # nothing half-written
     assert "prepare" not in data.read_manifest(cfg["data"])
 
@@ -378,7 +377,7 @@ def test_chat_eval_scores_assistant_tokens_only_and_counts_answers_ending_with_e
     out = io.StringIO()
     result = sample.run_chat_eval(model, cfg, tokenizer, args, out=out)
 
-    ids, mask = chat.render(conversation, tokenizer)
+    ids, mask = template.render(conversation, tokenizer)
     with torch.no_grad():
         logits, _ = model(torch.tensor([ids[:-1]]))
     targets = torch.tensor([t if m else -1 for t, m in zip(ids[1:], mask[1:], strict=True)])

@@ -41,13 +41,11 @@ import data
 import export
 import fileio
 import train
-from corpus import pipeline as corpus
+from corpus import pipeline
 from corpus.docs import docs_path
 from evaluation import plot
-from family import accounts as serve_accounts
-from family import feedback
-from family import memories as memory
-from serve import app as serve
+from family import accounts, feedback, memories
+from serve import app
 
 RELEASE = os.path.join(ROOT, "tests", "fixtures", "release-2026-12-02")
 DISK_BYTES = 4 * 2**20
@@ -236,7 +234,7 @@ def full_database(store):
 
 
 def test_a_full_database_reports_sqlite_full_not_a_failed_rollback_and_recovers(tmp_path):
-    store = serve_accounts.Store(str(tmp_path / "family.sqlite"))
+    store = accounts.Store(str(tmp_path / "family.sqlite"))
     store.add_member("ana", "adult")
     ana = store.member("ana")
     conversation = store.new_conversation(ana["id"], "antes")
@@ -261,7 +259,7 @@ def test_a_full_database_reports_sqlite_full_not_a_failed_rollback_and_recovers(
 
 @needs_root("SQLite's own ENOSPC")
 def test_the_database_on_a_full_disk_loses_no_committed_row_and_works_once_space_returns(disk):
-    store = serve_accounts.Store(os.path.join(disk.path, "family.sqlite"))
+    store = accounts.Store(os.path.join(disk.path, "family.sqlite"))
     store.add_member("ana", "adult")
     ana = store.member("ana")
     conversation = store.new_conversation(ana["id"], "antes")
@@ -282,17 +280,17 @@ def user_version(path):
 
 
 def test_a_new_database_starts_at_the_newest_schema_version(tmp_path):
-    store = serve_accounts.Store(str(tmp_path / "family.sqlite"))
-    assert user_version(store.path) == len(serve_accounts.Store.MIGRATIONS)
+    store = accounts.Store(str(tmp_path / "family.sqlite"))
+    assert user_version(store.path) == len(accounts.Store.MIGRATIONS)
     assert store.member("nadie") is None
 
 
 def test_a_database_from_newer_code_is_refused_with_its_version_and_left_as_it_is(tmp_path):
     path = str(tmp_path / "family.sqlite")
-    serve_accounts.Store(path).db.execute("PRAGMA user_version = 99")
-    with pytest.raises(serve_accounts.AccountError) as caught:
-        serve_accounts.Store(path)
-    newest = len(serve_accounts.Store.MIGRATIONS)
+    accounts.Store(path).db.execute("PRAGMA user_version = 99")
+    with pytest.raises(accounts.AccountError) as caught:
+        accounts.Store(path)
+    newest = len(accounts.Store.MIGRATIONS)
     assert str(caught.value).startswith(
         f"{path}: database schema version 99, newer than this code's {newest}: a later ENLACE wrote it"
     )
@@ -307,9 +305,9 @@ def test_a_failed_migration_step_leaves_the_file_at_its_old_version(tmp_path, mo
         store.db.execute("CREATE TABLE half_done (x)")
         raise sqlite3.OperationalError("step 2 failed")
 
-    monkeypatch.setattr(serve_accounts.Store, "MIGRATIONS", (*serve_accounts.Store.MIGRATIONS, broken_step))
+    monkeypatch.setattr(accounts.Store, "MIGRATIONS", (*accounts.Store.MIGRATIONS, broken_step))
     with pytest.raises(sqlite3.OperationalError, match="step 2 failed"):
-        serve_accounts.Store(path)
+        accounts.Store(path)
     assert user_version(path) == 0
     with contextlib.closing(sqlite3.connect(path)) as db:
         assert db.execute("SELECT name FROM sqlite_master WHERE name = 'half_done'").fetchall() == []
@@ -323,8 +321,8 @@ def test_the_family_database_of_release_2026_12_02_opens_migrated_with_everythin
     path = str(tmp_path / "enlace.sqlite")
     shutil.copy(os.path.join(RELEASE, "enlace.sqlite"), path)  # the fixture itself is never written
     assert user_version(path) == 0
-    store = serve_accounts.Store(path)
-    assert user_version(path) == len(serve_accounts.Store.MIGRATIONS)
+    store = accounts.Store(path)
+    assert user_version(path) == len(accounts.Store.MIGRATIONS)
     assert [(m["name"], m["role"]) for m in store.members()] == [
         ("ana", "adult"),
         ("luis", "child"),
@@ -340,7 +338,7 @@ def test_the_family_database_of_release_2026_12_02_opens_migrated_with_everythin
         ("assistant", "Son 4."),
     ]
     with store.lock:
-        remembered = memory.list_memories(store.db, "ana", "adult")
+        remembered = memories.list_memories(store.db, "ana", "adult")
         (rating,) = feedback.list_feedback(store.db, ana["id"])
         consented = feedback.consent(store.db, ana["id"])
     assert sorted(m["text"] for m in remembered) == [
@@ -484,13 +482,13 @@ def test_a_corpus_whose_documents_do_not_fit_is_refused_and_the_old_outputs_stay
         processes=1,
         corpus={"sources": [text_source("sample", sample_corpus(pathlib.Path(disk.path) / "sample.txt"))]},
     )
-    corpus.build_corpus(cfg, log=lambda *a: None)
+    pipeline.build_corpus(cfg, log=lambda *a: None)
     train_docs = docs_path(cfg, "train")
     before = fileio.sha256_of_file(train_docs)
     cfg["corpus"]["min_chars"] += 1  # another corpus: built again
     disk.fill(leave=20_000)
     with pytest.raises(fileio.StorageError) as caught:
-        corpus.build_corpus(cfg, log=lambda *a: None)
+        pipeline.build_corpus(cfg, log=lambda *a: None)
     assert re.search("the disk is (too )?full", one_line(caught.value)) and caught.value.path.startswith(
         cfg["dir"]
     )
@@ -499,22 +497,22 @@ def test_a_corpus_whose_documents_do_not_fit_is_refused_and_the_old_outputs_stay
 
 
 def test_a_snapshot_that_does_not_fit_is_refused_and_the_older_ones_stay(disk, tmp_path):
-    cfg = copy.deepcopy(memory.load_config())
+    cfg = copy.deepcopy(memories.load_config())
     cfg["snapshots"]["dir"] = os.path.join(disk.path, "snapshots")
     database = str(tmp_path / "family.sqlite")
-    conn = memory.connect(database, cfg)
-    memory.add(conn, "ana", "adult", "Ana es alérgica a las nueces.", cfg)
-    first = memory.snapshot(database, cfg, log=lambda message: None)
+    conn = memories.connect(database, cfg)
+    memories.add(conn, "ana", "adult", "Ana es alérgica a las nueces.", cfg)
+    first = memories.snapshot(database, cfg, log=lambda message: None)
     conn.execute("CREATE TABLE ballast (x)")
     with conn:
         conn.execute("INSERT INTO ballast VALUES (?)", (b"\0" * 300_000,))
     conn.close()
     disk.fill(leave=100_000)
     with pytest.raises(fileio.StorageError) as caught:
-        memory.snapshot(database, cfg, log=lambda message: None)
+        memories.snapshot(database, cfg, log=lambda message: None)
     assert " the disk is too full: the snapshot needs " in one_line(caught.value)
-    assert memory.list_snapshots(cfg["snapshots"]["dir"]) == [first]
-    assert memory.verify(first)["integrity_check"] == "ok"
+    assert memories.list_snapshots(cfg["snapshots"]["dir"]) == [first]
+    assert memories.verify(first)["integrity_check"] == "ok"
 
 
 def test_an_export_that_does_not_fit_is_refused_with_its_own_exit_status(disk, chat_run, capsys):
@@ -575,14 +573,14 @@ def test_a_run_dir_without_room_for_keep_last_plus_one_checkpoints_is_refused_or
 @needs_root("SQLite's own ENOSPC")
 def test_adding_a_member_on_a_full_disk_says_so_and_exits_74(disk, capsys):
     database = os.path.join(disk.path, "family.sqlite")
-    serve_accounts.Store(database).add_member("papa", "admin")
+    accounts.Store(database).add_member("papa", "admin")
     disk.fill(leave=0)
     argv = ["member", "add", "ana", "--role", "adult", f"serve.database={database}"]
-    assert serve.main(argv) == fileio.STORAGE_EXIT
+    assert app.main(argv) == fileio.STORAGE_EXIT
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith(f"error: {database}: the disk is full: writing the family's database")
     disk.empty()
-    assert serve.main(argv) == 0
+    assert app.main(argv) == 0
 
 
 def test_a_plot_on_a_full_disk_says_so_and_exits_74(disk, tmp_path, capsys):

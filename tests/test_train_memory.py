@@ -10,7 +10,7 @@ import torch
 import yaml
 
 import config
-import microbatch as train_memory
+import microbatch
 import train
 from bench import model as bench_model
 from model import Transformer
@@ -74,7 +74,7 @@ def test_the_estimated_step_peak_is_within_3_percent_of_the_measured_one(shape, 
     changes, micro_batch = SHAPES[shape]
     model_cfg = small_model(**changes)
     measured = measured_step_peak(model_cfg, micro_batch, dtype, loss_chunk_size)
-    estimated = train_memory.step_peak_bytes(model_cfg, micro_batch, dtype, loss_chunk_size)
+    estimated = microbatch.step_peak_bytes(model_cfg, micro_batch, dtype, loss_chunk_size)
     assert abs(estimated / measured - 1) <= 0.03, (estimated, measured)
 
 
@@ -82,21 +82,21 @@ def test_the_parameter_count_is_the_models():
     for name in ("smoke", "tiny-50m"):
         cfg = layer("model", name)
         with torch.device("meta"):
-            assert train_memory.parameter_counts(cfg)[0] == Transformer(cfg).num_params()
+            assert microbatch.parameter_counts(cfg)[0] == Transformer(cfg).num_params()
 
 
 def test_the_largest_micro_batch_is_the_last_whose_estimate_fits():
-    cfg, memory = layer("model", "tiny-50m"), 10.5 * train_memory.GIB
+    cfg, memory = layer("model", "tiny-50m"), 10.5 * microbatch.GIB
     for dtype, chunk in (("float16", 0), ("float16", 1024), ("float32", 1024)):
-        fits = train_memory.largest_micro_batch(cfg, dtype, chunk, memory)
+        fits = microbatch.largest_micro_batch(cfg, dtype, chunk, memory)
         assert fits > 0
-        assert train_memory.step_peak_bytes(cfg, fits, dtype, chunk) <= memory
-        assert train_memory.step_peak_bytes(cfg, fits + 1, dtype, chunk) > memory
-    assert train_memory.largest_micro_batch(cfg, "float16", 1024, 1) == 0
+        assert microbatch.step_peak_bytes(cfg, fits, dtype, chunk) <= memory
+        assert microbatch.step_peak_bytes(cfg, fits + 1, dtype, chunk) > memory
+    assert microbatch.largest_micro_batch(cfg, "float16", 1024, 1) == 0
     # At 32,000 tokens of vocabulary the full logits decide: chunked, twice the micro-batch fits.
-    assert train_memory.largest_micro_batch(
-        cfg, "float16", 1024, memory
-    ) >= 2 * train_memory.largest_micro_batch(cfg, "float16", 0, memory)
+    assert microbatch.largest_micro_batch(cfg, "float16", 1024, memory) >= 2 * microbatch.largest_micro_batch(
+        cfg, "float16", 0, memory
+    )
 
 
 def test_a_run_on_a_gpu_profile_logs_its_estimate_and_warns_when_the_micro_batch_may_not_fit():
@@ -124,7 +124,7 @@ def test_the_command_prints_a_run_and_the_gpu_table():
     )
     assert table.returncode == 0, table.stderr
     rows = [line for line in table.stdout.splitlines() if line.startswith("| ")]
-    assert [row.split(" | ")[0][2:].strip("`") for row in rows[1:]] == train_memory.TABLE_PROFILES
+    assert [row.split(" | ")[0][2:].strip("`") for row in rows[1:]] == microbatch.TABLE_PROFILES
     bad = subprocess.run(
         [sys.executable, "microbatch.py", "configs/pretrain-2060.yaml", "hardware.memory_gib=-1"],
         cwd=ROOT,
@@ -145,4 +145,4 @@ def test_every_shipped_hardware_profile_names_its_chunk_and_memory():
 def test_the_docs_show_the_table_the_command_prints():
     with open(os.path.join(ROOT, "docs", "entrenamiento.md"), encoding="utf-8") as f:
         page = f.read().splitlines()
-    assert all(row in page for row in train_memory.table())
+    assert all(row in page for row in microbatch.table())

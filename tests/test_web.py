@@ -11,8 +11,8 @@ import httpx
 import pytest
 from conftest import ROOT, ScriptedModel, live_server, start_server
 
-from family import accounts as serve_accounts
-from serve import app as serve
+from family import accounts
+from serve import app
 
 CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 ARTIFACTS = os.path.join(os.environ.get("ENLACE_ARTIFACTS", os.path.join(ROOT, "test-artifacts")), "web")
@@ -49,11 +49,11 @@ def family(chat_run, tmp_path_factory):
     """serve/app.py with two adults, ana and beto; yields (url, ana's API key)."""
     folder = tmp_path_factory.mktemp("web")
     database = str(folder / "family.sqlite")
-    store = serve_accounts.Store(database)
+    store = accounts.Store(database)
     keys = {}
     for name in ("ana", "beto"):
         keys[name] = store.add_member(name, "adult")
-        store.set_password(name, serve_accounts.hash_password("clave-" + name, {"n": 1024, "r": 8, "p": 1}))
+        store.set_password(name, accounts.hash_password("clave-" + name, {"n": 1024, "r": 8, "p": 1}))
     proc, url = start_server(
         chat_run, database, "serve.default_max_tokens=24", log_path=folder / "server.log"
     )
@@ -117,7 +117,7 @@ def test_a_member_chats_finds_the_conversation_after_a_reload_and_another_member
 ):
     url, ana_key = family
     log_in(browser, url, "ana", "clave-ana")
-    cookie = next(c for c in browser.get_cookies() if c["name"] == serve.SESSION_COOKIE)
+    cookie = next(c for c in browser.get_cookies() if c["name"] == app.SESSION_COOKIE)
     assert cookie["httpOnly"] and cookie["sameSite"] == "Strict"
     assert browser.execute_script("return document.cookie") == ""  # the page's script cannot read it
 
@@ -324,9 +324,7 @@ def test_the_stop_button_ends_the_answer_and_keeps_what_was_shown(browser, chat_
     slow = ScriptedModel(tokenizer.encode("Había una vez un perro que"), delay=0.05)  # ~10 s if not stopped
     with live_server(chat_model, tmp_path, model=slow) as (url, server):
         key = server.store.add_member("ana", "adult")
-        server.store.set_password(
-            "ana", serve_accounts.hash_password("clave-ana", {"n": 1024, "r": 8, "p": 1})
-        )
+        server.store.set_password("ana", accounts.hash_password("clave-ana", {"n": 1024, "r": 8, "p": 1}))
         browser.delete_all_cookies()
         log_in(browser, url, "ana", "clave-ana")
         by_id(browser, "input").send_keys("Cuéntame un cuento")
@@ -358,9 +356,7 @@ def test_an_admin_sees_on_the_page_that_the_servers_disk_refuses_writes_until_on
 ):
     with live_server(chat_model, tmp_path) as (url, server):
         server.store.add_member("carla", "admin")
-        server.store.set_password(
-            "carla", serve_accounts.hash_password("clave-carla", {"n": 1024, "r": 8, "p": 1})
-        )
+        server.store.set_password("carla", accounts.hash_password("clave-carla", {"n": 1024, "r": 8, "p": 1}))
         ana = {"Authorization": f"Bearer {server.store.add_member('ana', 'adult')}"}
         browser.delete_all_cookies()
         log_in(browser, url, "carla", "clave-carla")
