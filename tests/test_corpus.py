@@ -20,8 +20,9 @@ import pytest
 from conftest import ROOT, data_layer, quiet, read_docs, shard_hashes, text_source
 
 import config
+import corpus.pipeline
 import data
-from corpus import docs, filters, pipeline, sources
+from corpus import docs, filters, sources
 
 sys.path.insert(0, os.path.join(ROOT, "tests", "fixtures", "corpus"))
 import write_fixtures  # noqa: E402
@@ -37,8 +38,8 @@ NOVELAS = os.path.join(ROOT, "..", "shared", "corpus", "novelas-cligs.jsonl.gz")
 
 def test_cleaning_normalizes_to_nfc_and_tidies_controls_and_whitespace():
     raw = "\n\t\n  \n  Cafe\u0301 \u00a0con\u200bleche\x07\r\nsegunda   \t\n\n\n\n\ufefftercera\u2028cuarta \n\n"
-    assert pipeline.clean_text(raw) == "  Café  con\u200bleche\nsegunda\n\ntercera\ncuarta"
-    assert pipeline.clean_text("a\tb") == "a\tb"  # tabs inside lines stay
+    assert corpus.pipeline.clean_text(raw) == "  Café  con\u200bleche\nsegunda\n\ntercera\ncuarta"
+    assert corpus.pipeline.clean_text("a\tb") == "a\tb"  # tabs inside lines stay
 
 
 def write_gz(path, text_or_bytes):
@@ -80,7 +81,7 @@ def test_corpus_step_dedups_filters_counts_and_splits_by_hash(tmp_path):
     ]
     del sources[1]["documents"]
     cfg = corpus_cfg(tmp_path, sources)
-    stats = pipeline.build_corpus(cfg, log=quiet)
+    stats = corpus.pipeline.build_corpus(cfg, log=quiet)
     assert drops(stats, "texts") == {"too_short": 1, "exact_duplicate": 1}
     assert drops(stats, "json") == {"bad_json": 1, "missing_text_field": 1, "exact_duplicate": 1}
     assert drops(stats, "whole") == {}
@@ -108,21 +109,21 @@ def test_corpus_step_dedups_filters_counts_and_splits_by_hash(tmp_path):
 
     again = corpus_cfg(tmp_path, sources)
     again["dir"] = str(tmp_path / "again")
-    pipeline.build_corpus(again, log=quiet)
+    corpus.pipeline.build_corpus(again, log=quiet)
     assert read_docs(again, "val") == val  # the split depends on the text only
 
 
 def test_corpus_step_does_nothing_when_inputs_are_unchanged_and_rebuilds_when_they_change(tmp_path):
     (tmp_path / "a.txt").write_text("\n\n".join(f"Documento largo número {i}." for i in range(30)))
     cfg = corpus_cfg(tmp_path, [text_source("a", str(tmp_path / "a.txt"))])
-    pipeline.build_corpus(cfg, log=quiet)
+    corpus.pipeline.build_corpus(cfg, log=quiet)
     before = os.stat(docs.docs_path(cfg, "train")).st_mtime_ns
     said = []
-    pipeline.build_corpus(cfg, log=said.append)
+    corpus.pipeline.build_corpus(cfg, log=said.append)
     assert said == [f"corpus: up to date ({cfg['dir']}/docs_*.jsonl)"]
     assert os.stat(docs.docs_path(cfg, "train")).st_mtime_ns == before
     (tmp_path / "a.txt").write_text("\n\n".join(f"Otro documento largo número {i}." for i in range(30)))
-    pipeline.build_corpus(cfg, log=said.append)
+    corpus.pipeline.build_corpus(cfg, log=said.append)
     assert "up to date" not in said[-1]
     assert all(d.startswith("Otro") for d in read_docs(cfg, "train") + read_docs(cfg, "val"))
 
@@ -130,15 +131,15 @@ def test_corpus_step_does_nothing_when_inputs_are_unchanged_and_rebuilds_when_th
 def test_corpus_errors_name_the_missing_glob_the_unreadable_file_and_the_empty_corpus(tmp_path):
     missing = corpus_cfg(tmp_path, [text_source("nada", str(tmp_path / "nada" / "*.txt"))])
     with pytest.raises(data.DataError, match=r"sources\[0\] \(nada\).path: no file matches .*nada/\*\.txt"):
-        pipeline.build_corpus(missing, log=quiet)
+        corpus.pipeline.build_corpus(missing, log=quiet)
     (tmp_path / "bad.txt.gz").write_bytes(gzip.compress(b"Un texto largo para leer.\n" * 100)[:60])
     unreadable = corpus_cfg(tmp_path, [text_source("bad", str(tmp_path / "bad.txt.gz"))])
     with pytest.raises(data.DataError, match=r"bad.txt.gz: cannot read \(.*\) \[data.corpus.sources\[0\]\]"):
-        pipeline.build_corpus(unreadable, log=quiet)
+        corpus.pipeline.build_corpus(unreadable, log=quiet)
     (tmp_path / "short.txt").write_text("hola\n\nadiós\n")
     empty = corpus_cfg(tmp_path, [text_source("short", str(tmp_path / "short.txt"))])
     with pytest.raises(data.DataError, match="no document survived .*too_short.: 2"):
-        pipeline.build_corpus(empty, log=quiet)
+        corpus.pipeline.build_corpus(empty, log=quiet)
     assert not os.path.exists(docs.docs_path(empty, "train"))  # nothing half-written left behind
 
 
@@ -176,21 +177,21 @@ def test_shards_hold_every_document_as_bos_ids_eos_in_order(pipeline):
     assert [s["sha256"] for s in manifest["shards"]] == shard_hashes(pipeline, "train")
 
 
-def test_encoding_is_identical_whatever_the_number_of_processes(steps, tmp_path):
+def test_encoding_is_identical_whatever_the_number_of_processes(pipeline, tmp_path):
     for processes in (2, 3):
-        cfg = copy.deepcopy(steps) | {"dir": str(tmp_path / str(processes)), "processes": processes}
-        shutil.copytree(steps["dir"], cfg["dir"], ignore=shutil.ignore_patterns("*_0*.bin"))
+        cfg = copy.deepcopy(pipeline) | {"dir": str(tmp_path / str(processes)), "processes": processes}
+        shutil.copytree(pipeline["dir"], cfg["dir"], ignore=shutil.ignore_patterns("*_0*.bin"))
         manifest = json.load(open(data.manifest_path(cfg)))
         del manifest["encode"]
         fileio.write_json(data.manifest_path(cfg), manifest)
-        pipeline.encode(cfg, log=quiet)
+        corpus.pipeline.encode(cfg, log=quiet)
         for split in data.SPLITS:
-            assert shard_hashes(cfg, split) == shard_hashes(steps, split)
+            assert shard_hashes(cfg, split) == shard_hashes(pipeline, split)
 
 
-def test_an_interrupted_encode_resumes_after_its_finished_shards(steps, tmp_path):
-    cfg = copy.deepcopy(steps) | {"dir": str(tmp_path / "resume")}
-    shutil.copytree(steps["dir"], cfg["dir"])
+def test_an_interrupted_encode_resumes_after_its_finished_shards(pipeline, tmp_path):
+    cfg = copy.deepcopy(pipeline) | {"dir": str(tmp_path / "resume")}
+    shutil.copytree(pipeline["dir"], cfg["dir"])
     manifest = json.load(open(data.manifest_path(cfg)))
     train = manifest["encode"]["train"]
     kept = train["shards"][:2]
@@ -202,19 +203,19 @@ def test_an_interrupted_encode_resumes_after_its_finished_shards(steps, tmp_path
         f.truncate(1500)  # the shard being written when the run died
 
     said = []
-    pipeline.encode(cfg, log=said.append)
+    corpus.pipeline.encode(cfg, log=said.append)
     assert (
         said[0]
         == "encode: train resuming after 2 finished shards, at document " + f"{kept[-1]['next_document']:,}"
     )
-    assert shard_hashes(cfg, "train") == shard_hashes(steps, "train")
+    assert shard_hashes(cfg, "train") == shard_hashes(pipeline, "train")
     for shard, before in zip(kept, finished, strict=True):
         after = os.stat(os.path.join(cfg["dir"], shard["name"]))
         assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)  # not rewritten
-    pipeline.encode(cfg, log=said.append)
+    corpus.pipeline.encode(cfg, log=said.append)
     assert said[-2:] == [
-        f"encode: train up to date ({len(shard_hashes(steps, 'train'))} shard(s) in {cfg['dir']}/)",
-        f"encode: val up to date ({len(shard_hashes(steps, 'val'))} shard(s) in {cfg['dir']}/)",
+        f"encode: train up to date ({len(shard_hashes(pipeline, 'train'))} shard(s) in {cfg['dir']}/)",
+        f"encode: val up to date ({len(shard_hashes(pipeline, 'val'))} shard(s) in {cfg['dir']}/)",
     ]
 
 
@@ -226,7 +227,7 @@ def test_the_stage1_example_reads_its_three_shared_sources_with_their_licences(t
         assert source["path"].startswith("../shared/corpus/") and source["licence"]
         source["path"] = os.path.join(ROOT, source["path"])
         source["filters"] = False  # reading is under test here, not the filters
-    stats = pipeline.build_corpus(cfg, log=quiet)
+    stats = corpus.pipeline.build_corpus(cfg, log=quiet)
     for source in cfg["corpus"]["sources"]:
         assert stats["sources"][source["name"]]["documents_in"] == 3
         assert stats["sources"][source["name"]]["licence"] == source["licence"]
@@ -321,7 +322,7 @@ def source(name, kind, path, **settings):
 
 
 def read_source(src):
-    stats = pipeline.new_source_stats()
+    stats = corpus.pipeline.new_source_stats()
     return list(sources.READERS[src["kind"]](src["path"], src, stats)), stats
 
 
@@ -394,7 +395,7 @@ def test_corrupt_or_wrong_inputs_are_refused_naming_the_file_and_the_problem(tmp
         cfg = corpus_cfg(tmp_path, [src])
         cfg["dir"] = str(tmp_path / f"out-{src['name']}-{cases.index((src, message))}")
         with pytest.raises(data.DataError, match=message):
-            pipeline.build_corpus(cfg, log=quiet)
+            corpus.pipeline.build_corpus(cfg, log=quiet)
         assert not os.path.exists(docs.docs_path(cfg, "train"))
 
 
@@ -426,7 +427,7 @@ def test_an_unreadable_source_of_any_kind_is_one_line_naming_it_and_its_tracebac
         cfg = corpus_cfg(tmp_path, [src])
         cfg["dir"] = str(tmp_path / f"out-{src['name']}")
         with pytest.raises(data.DataError) as error:
-            pipeline.build_corpus(cfg, log=print)
+            corpus.pipeline.build_corpus(cfg, log=print)
         assert str(error.value).startswith(src["path"] + ": "), str(error.value)
         terminal = capfd.readouterr()
         assert "Traceback" not in terminal.err + terminal.out and "datatrove" not in terminal.err, terminal
@@ -459,14 +460,14 @@ def test_the_command_line_names_a_damaged_zstd_file_in_one_line_whatever_the_num
 
 def test_files_a_killed_task_was_writing_are_removed_by_the_next_run(tmp_path):
     cfg = corpus_cfg(tmp_path, [text_source("t", sample_text(tmp_path))])
-    workdir = os.path.join(cfg["dir"], "work", pipeline.filter_fingerprint(cfg)[:16])
+    workdir = os.path.join(cfg["dir"], "work", corpus.pipeline.filter_fingerprint(cfg)[:16])
     os.makedirs(workdir)
     left = [
         os.path.join(workdir, name) for name in (".kept_00000.jsonl.4242.tmp", ".keys_00000.npy.4242.tmp")
     ]
     for path in left:
         open(path, "wb").write(b'{"i": 0, "text": "a medio escribir')
-    pipeline.build_corpus(cfg, log=quiet)
+    corpus.pipeline.build_corpus(cfg, log=quiet)
     assert not glob.glob(os.path.join(workdir, ".*.tmp")) and os.listdir(workdir)
 
 
@@ -490,7 +491,7 @@ def test_a_source_without_a_licence_and_a_missing_eval_file_are_refused(tmp_path
     with pytest.raises(
         data.DataError, match=r"decontamination.eval_files\[0\]: .*no-existe.txt: file not found"
     ):
-        pipeline.build_corpus(cfg, log=quiet)
+        corpus.pipeline.build_corpus(cfg, log=quiet)
 
 
 # -----------------------------------------------------------------------------
@@ -610,7 +611,7 @@ def test_near_duplicates_are_removed_and_counted_unrelated_documents_kept(tmp_pa
     cfg = corpus_cfg(
         tmp_path, [text_source("biblia", str(tmp_path / "a.txt"))], near_dedup=True, val_fraction=0.2
     )
-    stats = pipeline.build_corpus(cfg, log=quiet)
+    stats = corpus.pipeline.build_corpus(cfg, log=quiet)
     assert stats["sources"]["biblia"]["drops"]["near_duplicate"] == 1
     stage = stats["sources"]["biblia"]["stages"]["near_dedup"]
     assert (stage["documents_in"], stage["documents_out"]) == (13, 12)
@@ -629,7 +630,7 @@ def proverb_documents(count):
 def in_train(text, val_fraction):
     """The text, with a suffix if needed so that it lands in the train split."""
     suffix = 0
-    while pipeline.split_of(f"{text} ({suffix})", val_fraction) != "train":
+    while corpus.pipeline.split_of(f"{text} ({suffix})", val_fraction) != "train":
         suffix += 1
     return f"{text} ({suffix})"
 
@@ -637,8 +638,8 @@ def in_train(text, val_fraction):
 def test_train_documents_sharing_a_13_gram_with_an_eval_file_or_copying_val_are_dropped(tmp_path):
     chapters = proverb_documents(40)
     cfg = corpus_cfg(tmp_path, [text_source("refranes", str(tmp_path / "a.txt"))], val_fraction=0.2)
-    val_chapter = next(c for c in chapters if pipeline.split_of(c, 0.2) == "val")
-    train_chapters = [c for c in chapters if pipeline.split_of(c, 0.2) == "train"]
+    val_chapter = next(c for c in chapters if corpus.pipeline.split_of(c, 0.2) == "val")
+    train_chapters = [c for c in chapters if corpus.pipeline.split_of(c, 0.2) == "train"]
     words = re.findall(r"\w+", train_chapters[0])
     (tmp_path / "eval.txt").write_text(f"Pregunta: ¿quién dijo «{' '.join(words[10:23])}»?\n")  # 13 words
     near_miss = in_train("Otro texto distinto. " + " ".join(words[10:22]) + " y nada más que decir.", 0.2)
@@ -647,7 +648,7 @@ def test_train_documents_sharing_a_13_gram_with_an_eval_file_or_copying_val_are_
     borrowed = in_train(train_chapters[1] + " " + " ".join(val_words[5:18]), 0.2)  # one 13-gram of val
     (tmp_path / "a.txt").write_text("\n\n".join(chapters + [near_miss, copied, borrowed]))
     cfg["corpus"]["decontamination"]["eval_files"] = [str(tmp_path / "eval.txt")]
-    stats = pipeline.build_corpus(cfg, log=quiet)
+    stats = corpus.pipeline.build_corpus(cfg, log=quiet)
     train = read_docs(cfg, "train")
     assert train_chapters[0] not in train and near_miss in train  # any 13-gram of an eval file; 12 are fine
     assert copied not in train and borrowed in train  # a near-copy of val goes; one shared phrase does not
@@ -674,9 +675,9 @@ def test_encode_realises_the_source_weights_within_one_percent_of_the_tokens(tmp
     cfg = corpus_cfg(tmp_path, sources, val_fraction=0.05)
     cfg["tokenizer"]["vocab_size"] = 512
     cfg["encode"]["tokens_per_shard"] = 20_000
-    pipeline.build_corpus(cfg, log=quiet)
-    pipeline.train_tokenizer(cfg, log=quiet)
-    pipeline.encode(cfg, log=quiet)
+    corpus.pipeline.build_corpus(cfg, log=quiet)
+    corpus.pipeline.train_tokenizer(cfg, log=quiet)
+    corpus.pipeline.encode(cfg, log=quiet)
     mixture = json.load(open(data.manifest_path(cfg)))["encode"]["train"]["mixture"]
     total = sum(m["tokens"] for m in mixture.values())
     assert abs(mixture["refranes"]["tokens"] / total - 0.7) < 0.01
@@ -688,7 +689,7 @@ def test_encode_realises_the_source_weights_within_one_percent_of_the_tokens(tmp
     with pytest.raises(
         data.DataError, match=r"sources\[0\] \(refranes\): the mixture needs 1.\d+ epochs .* max_epochs 1.2"
     ):
-        pipeline.encode(cfg, log=quiet)
+        corpus.pipeline.encode(cfg, log=quiet)
 
 
 def bible_cfg(tmp_path, name, **executor):
@@ -705,7 +706,10 @@ def test_several_executor_tasks_give_the_same_corpus_as_one(tmp_path):
     one = bible_cfg(tmp_path, "one", tasks=1)
     three = bible_cfg(tmp_path, "three", tasks=3)
     three["processes"] = 2  # datatrove's local executor runs the 3 tasks on 2 worker processes
-    first, second = pipeline.build_corpus(one, log=quiet), pipeline.build_corpus(three, log=quiet)
+    first, second = (
+        corpus.pipeline.build_corpus(one, log=quiet),
+        corpus.pipeline.build_corpus(three, log=quiet),
+    )
     for split in data.SPLITS:
         assert (
             open(docs.docs_path(one, split), "rb").read() == open(docs.docs_path(three, split), "rb").read()
@@ -715,7 +719,7 @@ def test_several_executor_tasks_give_the_same_corpus_as_one(tmp_path):
 
 def test_a_killed_corpus_step_resumes_with_its_finished_tasks(tmp_path):
     reference = bible_cfg(tmp_path, "reference", tasks=1)
-    pipeline.build_corpus(reference, log=quiet)
+    corpus.pipeline.build_corpus(reference, log=quiet)
     run = os.path.join(ROOT, "configs", "smoke-corpus-cpu.yaml")
     cfg = bible_cfg(tmp_path, "killed", tasks=4)
     overrides = [f"data.dir={cfg['dir']}", "data.processes=1", f"data.corpus={json.dumps(cfg['corpus'])}"]
@@ -734,20 +738,20 @@ def test_a_killed_corpus_step_resumes_with_its_finished_tasks(tmp_path):
         proc.wait()
     assert not os.path.exists(docs.docs_path(cfg, "train"))  # nothing a later step would trust
     said = []
-    pipeline.build_corpus(cfg, log=said.append)
+    corpus.pipeline.build_corpus(cfg, log=said.append)
     resumed = re.search(r"4 filter task\(s\) on the local executor, (\d) already finished", said[0])
     assert resumed and int(resumed.group(1)) >= 2  # the finished tasks are not redone
     for split in data.SPLITS:
         assert read_docs(cfg, split) == read_docs(reference, split)
     cfg["corpus"]["decontamination"]["val_max_overlap"] = 0.5  # merging again needs no filtering again
-    pipeline.build_corpus(cfg, log=said.append)
+    corpus.pipeline.build_corpus(cfg, log=said.append)
     assert "4 filter task(s) on the local executor, 4 already finished" in said[-2]
 
 
-def test_the_report_shows_sources_drops_and_plots_of_a_built_corpus(steps, tmp_path):
-    cfg = copy.deepcopy(steps) | {"dir": str(tmp_path / "report")}
-    shutil.copytree(steps["dir"], cfg["dir"])
-    path = pipeline.report(cfg, log=quiet)
+def test_the_report_shows_sources_drops_and_plots_of_a_built_corpus(pipeline, tmp_path):
+    cfg = copy.deepcopy(pipeline) | {"dir": str(tmp_path / "report")}
+    shutil.copytree(pipeline["dir"], cfg["dir"])
+    path = corpus.pipeline.report(cfg, log=quiet)
     text = open(path, encoding="utf-8").read()
     for heading in ("## Sources", "## Drop reasons", "## Personal data replaced", "## Decontamination"):
         assert heading in text
@@ -762,7 +766,7 @@ def test_a_source_runs_only_the_filter_stages_it_lists(tmp_path):
     (tmp_path / "a.txt").write_text("\n\n".join([*proverb_documents(20), repeated, OTHER_LANGUAGES["pt"]]))
     only_language = text_source("a", str(tmp_path / "a.txt"), filters=["language"])
     cfg = corpus_cfg(tmp_path, [only_language], val_fraction=0.2)
-    stats = pipeline.build_corpus(cfg, log=quiet)
+    stats = corpus.pipeline.build_corpus(cfg, log=quiet)
     assert drops(stats, "a") == {"language_pt": 1}  # the repetition filter did not run
     assert set(stats["sources"]["a"]["stages"]) == {
         "min_chars",
@@ -775,14 +779,18 @@ def test_a_source_runs_only_the_filter_stages_it_lists(tmp_path):
 
 def test_the_slurm_example_builds_datatrove_slurm_executor_with_its_settings(tmp_path):
     cfg = data_layer("corpus-slurm", dir=str(tmp_path))  # schema-checked
-    executor, tasks = pipeline.executor_for(pipeline.FilterTask(cfg, str(tmp_path)), cfg, str(tmp_path))
+    executor, tasks = corpus.pipeline.executor_for(
+        corpus.pipeline.FilterTask(cfg, str(tmp_path)), cfg, str(tmp_path)
+    )
     assert type(executor).__name__ == "SlurmPipelineExecutor" and tasks == executor.world_size == 64
     assert (executor.partition, executor.time, executor.mem_per_cpu_gb) == ("cpu", "02:00:00", 4)
 
 
 def test_the_ray_example_builds_datatrove_ray_executor_with_its_settings(tmp_path):
     cfg = data_layer("corpus-ray", dir=str(tmp_path))  # schema-checked
-    executor, tasks = pipeline.executor_for(pipeline.FilterTask(cfg, str(tmp_path)), cfg, str(tmp_path))
+    executor, tasks = corpus.pipeline.executor_for(
+        corpus.pipeline.FilterTask(cfg, str(tmp_path)), cfg, str(tmp_path)
+    )
     assert type(executor).__name__ == "RayPipelineExecutor" and tasks == executor.world_size == 64
     assert (executor.cpus_per_task, executor.mem_per_cpu_gb, executor.time) == (1, 4, 7200)
 
@@ -809,7 +817,10 @@ def test_the_ray_executor_on_a_local_instance_gives_the_same_corpus_as_the_local
     local = smoke_cfg(tmp_path, "local", kind="local", tasks=2)
     on_ray = smoke_cfg(tmp_path, "ray", kind="ray", tasks=2)
     said = []
-    first, second = pipeline.build_corpus(local, log=quiet), pipeline.build_corpus(on_ray, log=said.append)
+    first, second = (
+        corpus.pipeline.build_corpus(local, log=quiet),
+        corpus.pipeline.build_corpus(on_ray, log=said.append),
+    )
     assert not ray.is_initialized()  # the local instance was stopped
     assert "2 filter task(s) on the ray executor, 0 already finished" in said[0]
     for split in data.SPLITS:
@@ -817,7 +828,7 @@ def test_the_ray_executor_on_a_local_instance_gives_the_same_corpus_as_the_local
     assert second["sources"] == first["sources"] and len(second["sources"]) == 5
     assert sum(s["documents_in"] for s in second["sources"].values()) == first["documents_in"] > 1000
     assert second == first
-    assert pipeline.build_corpus(on_ray, log=said.append) == first and "up to date" in said[-1]
+    assert corpus.pipeline.build_corpus(on_ray, log=said.append) == first and "up to date" in said[-1]
 
 
 @needs_ray
@@ -828,30 +839,33 @@ def test_ray_errors_name_the_unreachable_address_the_failing_file_and_the_oversi
     cfg = smoke_cfg(tmp_path, "out", kind="ray", tasks=2)
     cfg["corpus"]["executor"]["ray"]["address"] = f"127.0.0.1:{port}"
     with pytest.raises(data.DataError, match=rf"data.corpus.executor.ray.address: 127.0.0.1:{port}: no Ray"):
-        pipeline.build_corpus(cfg, log=quiet)
+        corpus.pipeline.build_corpus(cfg, log=quiet)
     (tmp_path / "bad.txt.gz").write_bytes(gzip.compress(b"Un texto largo para leer.\n" * 100)[:60])
     cfg["corpus"]["sources"] = [text_source("bad", str(tmp_path / "bad.txt.gz"))]
     cfg["corpus"]["executor"]["ray"]["address"] = None
     with pytest.raises(data.DataError, match=r"bad.txt.gz: cannot read \(.*\) \[data.corpus.sources\[0\]\]"):
-        pipeline.build_corpus(cfg, log=quiet)  # a task's error, not "submitted, run again"
+        corpus.pipeline.build_corpus(cfg, log=quiet)  # a task's error, not "submitted, run again"
     assert not os.path.exists(docs.docs_path(cfg, "train"))
     cfg["corpus"]["executor"]["ray"]["mem_per_cpu_gb"] = 10**6  # no node holds it: it would wait forever
     with pytest.raises(data.DataError, match=r"data.corpus.executor.ray: a task needs .* = 1e\+06 GB"):
-        pipeline.build_corpus(cfg, log=quiet)
+        corpus.pipeline.build_corpus(cfg, log=quiet)
 
 
 def test_chars_per_token_counts_every_character_of_every_line_against_the_tokens_of_the_run(
-    steps, tmp_path, capsys
+    pipeline, tmp_path, capsys
 ):
     lines = ["El año 1492 llegó la noticia.", "", "Hubo 31.416 asistentes según la organización."]
     text_file = tmp_path / "flores.txt"
     text_file.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    tokenizer = data.load_tokenizer(steps)
+    tokenizer = data.load_tokenizer(pipeline)
     tokens = sum(len(tokenizer.encode(line)) for line in lines if line)
-    assert pipeline.main(["chars-per-token", data.tokenizer_path(steps), str(text_file)]) == 0
+    assert corpus.pipeline.main(["chars-per-token", data.tokenizer_path(pipeline), str(text_file)]) == 0
     out = capsys.readouterr().out
     chars = sum(len(line) for line in lines)
     assert f"{chars:,} chars, {tokens:,} tokens, {chars / tokens:.3f} chars/token" in out
     assert tokens >= len("1492") + len("31416")  # split_digits: true in the smoke layer, one token per digit
-    assert pipeline.main(["chars-per-token", data.tokenizer_path(steps), str(tmp_path / "nada.txt")]) == 2
+    assert (
+        corpus.pipeline.main(["chars-per-token", data.tokenizer_path(pipeline), str(tmp_path / "nada.txt")])
+        == 2
+    )
     assert "nada.txt: cannot read (No such file or directory)" in capsys.readouterr().err
