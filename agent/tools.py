@@ -51,6 +51,7 @@ import jsonschema
 
 import config
 import search
+import unicode_text
 from family import memories
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -820,7 +821,7 @@ def cite_sources(answer, sources):
 
 
 def main(argv):
-    problem = config.undecodable_argument(argv)
+    problem = unicode_text.undecodable_argument(argv)
     if problem:
         print(f"agent/tools.py: error: {problem}", file=sys.stderr)
         return 2

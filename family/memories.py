@@ -47,6 +47,7 @@ import threading
 
 import config
 import fileio
+import unicode_text
 
 SCOPES = ("private", "family")
 SCOPE_WORDS = {"privado": "private", "familia": "family"}  # the tools' Spanish argument values
@@ -784,7 +785,7 @@ def parse_args(argv):
 
 
 def main(argv):
-    problem = config.undecodable_argument(argv)
+    problem = unicode_text.undecodable_argument(argv)
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2

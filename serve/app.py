@@ -72,6 +72,7 @@ from starlette.staticfiles import StaticFiles
 
 import config
 import fileio
+import unicode_text
 from agent import grammar, tools
 from chat import template
 from family import accounts, member_command, memories
@@ -932,7 +933,7 @@ def serve_main(argv):
 
 
 def main(argv):
-    problem = config.undecodable_argument(argv)
+    problem = unicode_text.undecodable_argument(argv)
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
