@@ -75,7 +75,7 @@ import fileio
 import unicode_text
 from agent import grammar, tools
 from chat import template
-from family import accounts, member_command, memories
+from family import accounts, member_command, memories, store
 from serve import web, worker
 from serve.openai_api import ApiError, Reply, check_tools, conversation_of, expect, sampling_of
 from serve.web import SESSION_COOKIE, owned, read_json
@@ -877,7 +877,7 @@ def serve_main(argv):
         ) from None
     host = args.host or settings["host"]
     port = settings["port"] if args.port is None else args.port
-    store = accounts.Store(settings["database"], settings["busy_timeout_ms"])
+    accounts_store = accounts.Store(settings["database"], settings["busy_timeout_ms"])
     threads = one_thread_here()
     model, tokenizer, model_id, context = load_model(args.run, args.device)
     model = prepare_weights(model, settings, args.device)
@@ -901,17 +901,17 @@ def serve_main(argv):
     if "compile_s" in model_worker.stats:
         how = settings["compile"]["cuda" if args.device.startswith("cuda") else "cpu"]
         print(f"serve: decode step compiled ({how}) in {model_worker.stats['compile_s']} s", file=sys.stderr)
-    server = Server(settings, store, model_worker, model_id, context, memory_cfg=memory_cfg)
-    # family/memories.py: the database's lock, held until this process ends (restore refuses to run meanwhile, and
+    server = Server(settings, accounts_store, model_worker, model_id, context, memory_cfg=memory_cfg)
+    # family/store.py: the database's lock, held until this process ends (restore refuses to run meanwhile, and
     # so does a second server on the same file), and the snapshot schedule on a daemon thread.
     try:
-        memories.hold_lock(
+        store.hold_lock(
             settings["database"], serving_info(args.run, model, tokenizer, settings, server.memory_cfg)
         )
-    except memories.SnapshotError as e:
+    except store.SnapshotError as e:
         raise ServeError(str(e)) from None
     log = lambda message: print(f"serve: {message}", file=sys.stderr)  # noqa: E731
-    memories.snapshot_every(settings["database"], server.memory_cfg, threading.Event(), log)
+    store.snapshot_every(settings["database"], server.memory_cfg, threading.Event(), log)
     app = build_app(server)
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -924,7 +924,7 @@ def serve_main(argv):
     if host not in ("127.0.0.1", "localhost", "::1"):
         print(f"serve: WARNING: listening on {host}: every device on the network can reach this server, over "
               "plain HTTP (passwords and chats cross the network unencrypted)", file=sys.stderr)  # fmt: skip
-    if not store.members():
+    if not accounts_store.members():
         print("serve: no members yet: python -m serve member add NAME --role admin", file=sys.stderr)
     print(f"serve: model {model_id!r} at http://{host}:{port}/ (database {settings['database']})", flush=True)
     uvicorn_config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=2)

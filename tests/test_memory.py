@@ -18,7 +18,7 @@ import config
 import fileio
 from agent import tools
 from chat import template
-from family import memories
+from family import memories, store
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORDS = lambda text: len(text.split())  # a stand-in token count; the server passes its tokenizer's
@@ -429,8 +429,8 @@ def test_snapshot_under_concurrent_writers_is_one_consistent_moment(tmp_path, db
         assert all(worker.is_alive() for worker in workers), "a writer died before the snapshot"
         assert min(len(v) for v in acked.values()) >= 1, "a writer made no progress in 60 s"
         before = {member: list(texts) for member, texts in acked.items()}
-        with memories.server_lock(db, SERVER_INFO):
-            path = memories.snapshot(db, cfg, log=lambda _: None)
+        with store.server_lock(db, SERVER_INFO):
+            path = store.snapshot(db, cfg, log=lambda _: None)
         after = {member: len(texts) for member, texts in acked.items()}
     finally:
         stop.set()
@@ -443,7 +443,7 @@ def test_snapshot_under_concurrent_writers_is_one_consistent_moment(tmp_path, db
             process.stdout.close()
     copied = rows_of(os.path.join(path, "database.sqlite"))
     live = rows_of(db)
-    assert memories.integrity(os.path.join(path, "database.sqlite")) == "ok"
+    assert store.integrity(os.path.join(path, "database.sqlite")) == "ok"
     # Every write that reached the database was acknowledged, and nothing else is there.
     assert sorted(row[3] for row in live if row[1] != "base") == sorted(sum(acked.values(), []))
     # One moment: the copy is exactly the live rows committed up to some row (ids grow with each commit).
@@ -457,20 +457,20 @@ def test_snapshot_under_concurrent_writers_is_one_consistent_moment(tmp_path, db
         assert mine == acked[member][: len(mine)], f"{member}: the snapshot is not a prefix of its writes"
     assert sum(after.values()) > sum(len(v) for v in before.values()), "no writer ran during the snapshot"
     assert len(live) > len(copied), "writes after the snapshot's moment must not be in it"
-    manifest = memories.verify(path)
+    manifest = store.verify(path)
     assert manifest["server"]["checkpoint_sha256"] == SERVER_INFO["checkpoint_sha256"]
     assert manifest["server"]["pid"] == os.getpid() and manifest["integrity_check"] == "ok"
 
 
 def test_restore_brings_back_exactly_the_snapshot(db, conn, cfg, family):
     messages = []
-    with memories.server_lock(db, SERVER_INFO):
-        path = memories.snapshot(db, cfg, log=messages.append)
+    with store.server_lock(db, SERVER_INFO):
+        path = store.snapshot(db, cfg, log=messages.append)
     saved = rows_of(db)
     memories.add(conn, "ana", "adult", "escrito después del snapshot", cfg)
     memories.forget(conn, "ana", "adult", family["ana_family"])
     conn.close()
-    manifest = memories.restore(path, db, log=messages.append)
+    manifest = store.restore(path, db, log=messages.append)
     assert rows_of(db) == saved
     assert not os.path.exists(db + "-wal") and not os.path.exists(db + "-shm")
     assert manifest["server"]["checkpoint"] == SERVER_INFO["checkpoint"]
@@ -481,7 +481,7 @@ def test_restore_brings_back_exactly_the_snapshot(db, conn, cfg, family):
 
 
 def test_restore_after_a_crash_leaves_no_stale_wal(db, conn, cfg, family):
-    path = memories.snapshot(db, cfg, log=lambda _: None)
+    path = store.snapshot(db, cfg, log=lambda _: None)
     conn.close()
     crash = (  # a server killed mid-work: committed writes still only in its WAL, no checkpoint on exit
         "import os, sys\nfrom family import memories\n"
@@ -494,9 +494,9 @@ def test_restore_after_a_crash_leaves_no_stale_wal(db, conn, cfg, family):
     )
     subprocess.run([sys.executable, "-c", crash, db], cwd=ROOT, check=True, timeout=60)
     assert os.path.getsize(db + "-wal") > 0
-    memories.restore(path, db, log=lambda _: None)
+    store.restore(path, db, log=lambda _: None)
     assert not os.path.exists(db + "-wal") and not os.path.exists(db + "-shm")
-    assert memories.integrity(db) == "ok"
+    assert store.integrity(db) == "ok"
     assert rows_of(db) == rows_of(os.path.join(path, "database.sqlite"))
 
 
@@ -506,7 +506,7 @@ def fingerprint(db):
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "manifest", "no-manifest"])
 def test_a_damaged_snapshot_is_refused_and_the_live_database_untouched(db, conn, cfg, family, damage):
-    path = memories.snapshot(db, cfg, log=lambda _: None)
+    path = store.snapshot(db, cfg, log=lambda _: None)
     memories.add(conn, "ana", "adult", "escrito después", cfg)
     conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
     before = fingerprint(db)
@@ -529,20 +529,20 @@ def test_a_damaged_snapshot_is_refused_and_the_live_database_untouched(db, conn,
     else:
         os.remove(manifest_path)
         expected = "not a complete snapshot"
-    with pytest.raises(memories.SnapshotError, match=expected):
-        memories.restore(path, db, log=lambda _: None)
+    with pytest.raises(store.SnapshotError, match=expected):
+        store.restore(path, db, log=lambda _: None)
     assert fingerprint(db) == before
     assert not [n for n in os.listdir(os.path.dirname(db)) if n.endswith(".tmp")]
 
 
 def test_restore_is_refused_while_the_server_runs(tmp_path, db, conn, cfg):
     memories.add(conn, "ana", "adult", "nota", cfg)
-    path = memories.snapshot(db, cfg, log=lambda _: None)
+    path = store.snapshot(db, cfg, log=lambda _: None)
     holder = subprocess.Popen(
         [
             sys.executable,
             "-c",
-            "from family import memories\nimport sys\nwith memories.server_lock(sys.argv[1], {}):\n    print('held', flush=True)\n    sys.stdin.read()",
+            "from family import store\nimport sys\nwith store.server_lock(sys.argv[1], {}):\n    print('held', flush=True)\n    sys.stdin.read()",
             db,
         ],
         cwd=ROOT,
@@ -552,37 +552,35 @@ def test_restore_is_refused_while_the_server_runs(tmp_path, db, conn, cfg):
     )
     try:
         assert holder.stdout.readline().strip() == "held"
-        with pytest.raises(memories.SnapshotError, match=f"server is running \\(pid {holder.pid}"):
-            memories.restore(path, db, log=lambda _: None)
+        with pytest.raises(store.SnapshotError, match=f"server is running \\(pid {holder.pid}"):
+            store.restore(path, db, log=lambda _: None)
     finally:
         holder.stdin.close()
         holder.wait(timeout=30)
         holder.stdout.close()
-    memories.restore(path, db, log=lambda _: None)  # the lock went with the process
+    store.restore(path, db, log=lambda _: None)  # the lock went with the process
 
 
 def test_snapshots_keep_only_the_newest(db, conn, cfg):
     made = []
     for _ in range(5):
-        made.append(memories.snapshot(db, cfg, log=lambda _: None))
+        made.append(store.snapshot(db, cfg, log=lambda _: None))
         time.sleep(0.002)
-    assert memories.list_snapshots(cfg["snapshots"]["dir"]) == made[-3:]
+    assert store.list_snapshots(cfg["snapshots"]["dir"]) == made[-3:]
 
 
 def test_the_server_schedule_takes_snapshots_until_stopped(db, conn, cfg):
     memories.add(conn, "ana", "adult", "nota", cfg)
     cfg["snapshots"]["every_hours"] = 0.3 / 3600  # every 0.3 s
     stop = threading.Event()
-    thread = memories.snapshot_every(db, cfg, stop, log=lambda _: None)
+    thread = store.snapshot_every(db, cfg, stop, log=lambda _: None)
     deadline = time.monotonic() + 30
-    while len(memories.list_snapshots(cfg["snapshots"]["dir"])) < 2 and time.monotonic() < deadline:
+    while len(store.list_snapshots(cfg["snapshots"]["dir"])) < 2 and time.monotonic() < deadline:
         time.sleep(0.05)
     stop.set()
     thread.join(timeout=30)
-    assert not thread.is_alive() and len(memories.list_snapshots(cfg["snapshots"]["dir"])) >= 2
-    assert (
-        memories.snapshot_every(db, dict(cfg, snapshots=dict(cfg["snapshots"], every_hours=0)), stop) is None
-    )
+    assert not thread.is_alive() and len(store.list_snapshots(cfg["snapshots"]["dir"])) >= 2
+    assert store.snapshot_every(db, dict(cfg, snapshots=dict(cfg["snapshots"], every_hours=0)), stop) is None
 
 
 # -----------------------------------------------------------------------------
@@ -659,8 +657,8 @@ def test_command_line_snapshot_and_restore(tmp_path, db, conn, cfg):
     layer.write_text(yaml.safe_dump({"memory": cfg}, allow_unicode=True), encoding="utf-8")
     taken = run_cli(db, "--config", str(layer), "snapshot")
     assert taken.returncode == 0, taken.stderr
-    [path] = memories.list_snapshots(cfg["snapshots"]["dir"])
-    manifest = memories.verify(path)
+    [path] = store.list_snapshots(cfg["snapshots"]["dir"])
+    manifest = store.verify(path)
     assert manifest["server"] is None and manifest["code_version"] == fileio.code_version()
     assert path in taken.stdout and manifest["database"]["sha256"][:16] in taken.stdout
     other = memories.connect(db, cfg)

@@ -20,7 +20,7 @@ from test_web import all_of, browser, by_id, log_in, screenshot, wait_for  # noq
 
 import checkpoint
 import fileio
-from family import accounts, memories
+from family import accounts, memories, store
 
 SECRET = "A Lucía no le gusta el pescado"  # ana's private memory
 CHILD_SECRET = "Luis esconde las galletas en el armario"  # luis's private memory
@@ -254,26 +254,26 @@ def test_the_command_line_takes_the_role_of_the_account(tmp_path):
 
 def test_the_running_server_holds_its_database_and_snapshots_record_its_model(chat_run, tmp_path):
     database = str(tmp_path / "familia.sqlite")
-    store = accounts.Store(database)
-    store.add_member("ana", "adult")
-    with store.lock:
-        memories.add(store.db, "ana", "adult", SECRET, memories.load_config())
-    store.db.close()
+    accounts_store = accounts.Store(database)
+    accounts_store.add_member("ana", "adult")
+    with accounts_store.lock:
+        memories.add(accounts_store.db, "ana", "adult", SECRET, memories.load_config())
+    accounts_store.db.close()
     cfg = memories.load_config()
     cfg["snapshots"]["dir"] = str(tmp_path / "snapshots")
     scheduled = tmp_path / "scheduled"  # the server's own schedule, every ~0.4 s for the test
     schedule = ("memory.snapshots.every_hours=0.0001", f"memory.snapshots.dir={scheduled}")
     proc, _ = start_server(chat_run, database, *schedule, log_path=tmp_path / "server.log")
     try:
-        wait_until(lambda: memories.list_snapshots(str(scheduled)), 120)
-        first = memories.verify(memories.list_snapshots(str(scheduled))[0])
+        wait_until(lambda: store.list_snapshots(str(scheduled)), 120)
+        first = store.verify(store.list_snapshots(str(scheduled))[0])
         assert first["server"]["pid"] == proc.pid and first["server"]["config"]["memory"]["snapshots"] == {
             "dir": str(scheduled),
             "keep_last": cfg["snapshots"]["keep_last"],
             "every_hours": 0.0001,
         }
-        path = memories.snapshot(database, cfg, log=lambda _: None)
-        server = memories.verify(path)["server"]
+        path = store.snapshot(database, cfg, log=lambda _: None)
+        server = store.verify(path)["server"]
         ckpt = server["checkpoint"]
         assert server["pid"] == proc.pid and os.path.dirname(ckpt) == os.path.abspath(chat_run)
         assert server["checkpoint_sha256"] == fileio.sha256_of_file(ckpt)
@@ -281,8 +281,8 @@ def test_the_running_server_holds_its_database_and_snapshots_record_its_model(ch
             checkpoint.load_checkpoint(ckpt)
         )
         assert server["config"]["serve"]["database"] == database and server["code_version"]
-        with pytest.raises(memories.SnapshotError, match=f"server is running \\(pid {proc.pid}"):
-            memories.restore(path, database, log=lambda _: None)
+        with pytest.raises(store.SnapshotError, match=f"server is running \\(pid {proc.pid}"):
+            store.restore(path, database, log=lambda _: None)
         second = subprocess.run(
             [sys.executable, "-m", "serve", chat_run, "--port", "0", f"serve.database={database}"],
             cwd=ROOT, capture_output=True, text=True, timeout=300,

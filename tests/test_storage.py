@@ -44,7 +44,7 @@ import train
 from corpus import pipeline
 from corpus.docs import docs_path
 from evaluation import plot
-from family import accounts, feedback, memories
+from family import accounts, feedback, memories, store
 from serve import app
 
 RELEASE = os.path.join(ROOT, "tests", "fixtures", "release-2026-12-02")
@@ -502,17 +502,17 @@ def test_a_snapshot_that_does_not_fit_is_refused_and_the_older_ones_stay(disk, t
     database = str(tmp_path / "family.sqlite")
     conn = memories.connect(database, cfg)
     memories.add(conn, "ana", "adult", "Ana es alérgica a las nueces.", cfg)
-    first = memories.snapshot(database, cfg, log=lambda message: None)
+    first = store.snapshot(database, cfg, log=lambda message: None)
     conn.execute("CREATE TABLE ballast (x)")
     with conn:
         conn.execute("INSERT INTO ballast VALUES (?)", (b"\0" * 300_000,))
     conn.close()
     disk.fill(leave=100_000)
     with pytest.raises(fileio.StorageError) as caught:
-        memories.snapshot(database, cfg, log=lambda message: None)
+        store.snapshot(database, cfg, log=lambda message: None)
     assert " the disk is too full: the snapshot needs " in one_line(caught.value)
-    assert memories.list_snapshots(cfg["snapshots"]["dir"]) == [first]
-    assert memories.verify(first)["integrity_check"] == "ok"
+    assert store.list_snapshots(cfg["snapshots"]["dir"]) == [first]
+    assert store.verify(first)["integrity_check"] == "ok"
 
 
 def test_an_export_that_does_not_fit_is_refused_with_its_own_exit_status(disk, chat_run, capsys):
