@@ -16,31 +16,16 @@ A memory the caller may not see is reported as not existing, so ids do not leak 
 Deleting really deletes: secure_delete overwrites the freed bytes, the FTS index is rebuilt so the deleted
 terms leave it, and the WAL is checkpointed and truncated.
 
-    python -m family list --member ana
-    python -m family add --member ana "A Lucía no le gusta el pescado" [--family] [--pin]
-    python -m family forget --member ana 12
-    python -m family export --member ana > ana.json
-    python -m family snapshot
-    python -m family restore var/snapshots/20261130T120000.000Z
-
-The database is serve.database of configs/serve/default.yaml unless --db names another; a member's role
-is their account's (serve/app.py's members table) unless --role says it. Snapshot and restore are
-family/store.py's. This module never imports torch.
+Their command line is family/__main__.py's (python -m family). This module never imports torch.
 """
 
-import argparse
 import dataclasses
 import datetime
-import json
 import os
 import re
 import sqlite3
-import sys
 
 import config
-import fileio
-import unicode_text
-from family import store
 
 SCOPES = ("private", "family")
 SCOPE_WORDS = {"privado": "private", "familia": "family"}  # the tools' Spanish argument values
@@ -49,7 +34,6 @@ SOURCES = ("manual", "assistant")
 DEFAULT_CONFIG = os.path.join(
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "memory", "default.yaml"
 )
-SERVE_CONFIG = os.path.join(os.path.dirname(DEFAULT_CONFIG), "..", "serve", "default.yaml")
 WORD = re.compile(r"\w+")
 
 TABLE_SQL = """
@@ -485,96 +469,3 @@ def spanish_store_error(error, cfg):
     if message.startswith("a memory holds"):
         return f"el texto pasa de {cfg['max_text_chars']} caracteres"
     return message
-
-
-# -----------------------------------------------------------------------------
-# Command line
-
-
-def account_role(conn, member, db_path):
-    """The role of `member`'s account in the server's members table (serve/app.py owns it)."""
-    has_accounts = conn.execute(
-        "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'members'"
-    ).fetchone()
-    row = (
-        conn.execute("SELECT role FROM members WHERE name = ?", (member,)).fetchone()
-        if has_accounts
-        else None
-    )
-    if row is None:
-        raise MemoryStoreError(
-            f"{db_path}: no account {member!r} (python -m serve member add {member} --role ...), or pass --role"
-        )
-    return row["role"]
-
-
-def parse_args(argv):
-    parser = argparse.ArgumentParser(description="Family memories and database snapshots.")
-    parser.add_argument(
-        "--db", help="the family database (default: serve.database of configs/serve/default.yaml)"
-    )
-    parser.add_argument(
-        "--config", default=DEFAULT_CONFIG, help="a memory layer file (configs/memory/*.yaml)"
-    )
-    commands = parser.add_subparsers(dest="command", required=True)
-    for name in ("list", "add", "forget", "export"):
-        sub = commands.add_parser(name)
-        sub.add_argument("--member", required=True)
-        sub.add_argument(
-            "--role",
-            choices=ROLES,
-            help="the member's role; by default their account's (serve/app.py member)",
-        )
-        if name == "add":
-            sub.add_argument("text")
-            sub.add_argument("--family", action="store_true", help="share it with the whole family")
-            sub.add_argument("--pin", action="store_true", help="put it in every turn of this member")
-        if name == "forget":
-            sub.add_argument("id", type=int)
-    commands.add_parser("snapshot")
-    restore_parser = commands.add_parser("restore")
-    restore_parser.add_argument("snapshot", help="a snapshot folder, e.g. var/snapshots/20261130T120000.000Z")
-    return parser.parse_args(argv)
-
-
-def main(argv):
-    problem = unicode_text.undecodable_argument(argv)
-    if problem:
-        print(f"error: {problem}", file=sys.stderr)
-        return 2
-    args = parse_args(argv)
-    try:
-        cfg = load_config(args.config)
-        args.db = args.db or config.load_layer("serve", SERVE_CONFIG)["database"]
-        if args.command == "snapshot":
-            store.snapshot(args.db, cfg)
-            return 0
-        if args.command == "restore":
-            store.restore(args.snapshot, args.db)
-            return 0
-        conn = connect(args.db, cfg)
-        args.role = args.role or account_role(conn, args.member, args.db)
-        if args.command == "list":
-            for memory in list_memories(conn, args.member, args.role):
-                pin = "*" if memory["pinned"] else " "
-                print(f"{memory['id']:>6} {pin} {memory['scope']:<7} {memory['member']:<12} {memory['text']}")
-        elif args.command == "add":
-            scope = "family" if args.family else "private"
-            memory_id = add(conn, args.member, args.role, args.text, cfg, scope=scope, pinned=args.pin)
-            print(f"memory {memory_id} stored ({scope})")
-        elif args.command == "forget":
-            memory = forget(conn, args.member, args.role, args.id)
-            print(f"memory {memory['id']} deleted: {memory['text']}")
-        elif args.command == "export":
-            print(json.dumps(export(conn, args.member, args.role), ensure_ascii=False, indent=1))
-        conn.close()
-    except fileio.StorageError as e:
-        return fileio.exit_on_storage_error(e)
-    except (config.ConfigError, MemoryStoreError, store.SnapshotError, sqlite3.Error) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

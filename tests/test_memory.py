@@ -1,4 +1,5 @@
-"""family/memories.py: the store, privacy between members, retrieval, deletion for real, snapshots and restore."""
+"""family/memories.py and family/store.py: the store, privacy between members, retrieval, deletion for real,
+snapshots and restore."""
 
 import copy
 import json
