@@ -465,6 +465,7 @@ def export(run, fmt, out, dtype=None, force=False, log=print):
     return files
 
 
+@fileio.reports_storage_errors
 def main(argv):
     parser = argparse.ArgumentParser(description="Export an ENLACE run to Hugging Face, GGUF or Ollama.")
     parser.add_argument("run", help="run directory (newest checkpoint) or a checkpoint file")
@@ -478,8 +479,6 @@ def main(argv):
     except ExportError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except fileio.StorageError as e:
-        return fileio.exit_on_storage_error(e)
     return 0
 
 

@@ -4,6 +4,7 @@ config-level code (family/memories.py) can use them as well as the training side
 
     write_atomic(path, write)   write(f) on a temp file beside path, fsync, rename over path, fsync the folder
     reporting_storage(path)     a block whose full or read-only filesystem becomes a StorageError naming path
+    reports_storage_errors      a command's main whose StorageError is its one-line message and exit 74
     check_space(path, needed)   a StorageError now when the filesystem holding path has less than needed free
     free_bytes(path)            bytes free to this user on the filesystem holding path
     write_json(path, obj)       the same for a JSON document (indent 1, UTF-8, trailing newline)
@@ -22,6 +23,7 @@ turns the OSError into a RuntimeError), the cause is looked up in the exception'
 
 import contextlib
 import errno
+import functools
 import hashlib
 import json
 import os
@@ -39,10 +41,25 @@ RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
 STORAGE_EXIT = 74
 
 
-def exit_on_storage_error(error):
-    """What a command does with a StorageError: its one-line message on stderr, and STORAGE_EXIT."""
-    print(f"error: {error}", file=sys.stderr)
+def exit_on_storage_error(error, then=None):
+    """What a command does with a StorageError: its one-line message on stderr (then: what the person can do
+    next, after a semicolon), and STORAGE_EXIT."""
+    print(f"error: {error}" + (f"; {then}" if then else ""), file=sys.stderr)
     return STORAGE_EXIT
+
+
+def reports_storage_errors(main):
+    """A command's main, wrapped so that a StorageError from anywhere inside it ends the command through
+    exit_on_storage_error: the one place every command line catches a full or read-only disk."""
+
+    @functools.wraps(main)
+    def main_reporting_storage_errors(*args, **kwargs):
+        try:
+            return main(*args, **kwargs)
+        except StorageError as e:
+            return exit_on_storage_error(e)
+
+    return main_reporting_storage_errors
 
 
 class StorageError(Exception):

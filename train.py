@@ -1114,8 +1114,7 @@ def main(argv):
         newest = list_checkpoints(run_dir_of(cfg))
         last = (f"the last good checkpoint is {newest[0]} (free space, then --resume)" if newest
                 else "no checkpoint was written yet (free space, then start it again)")  # fmt: skip
-        print(f"error: {e}; {last}", file=sys.stderr)
-        return fileio.STORAGE_EXIT
+        return fileio.exit_on_storage_error(e, then=last)
     except CheckInterrupted as e:
         print(f"resume-check interrupted by {e}: no verdict; its scratch runs were removed", file=sys.stderr)
         return 128 + e.signum

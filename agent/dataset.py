@@ -372,6 +372,7 @@ def read_jsonl(path):
         return [json.loads(line) for line in f if line.strip()]
 
 
+@fileio.reports_storage_errors
 def main(argv):
     parser = argparse.ArgumentParser(description="Tool-use conversations for training and evaluation.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -385,11 +386,8 @@ def main(argv):
         print(f"agent/dataset.py: {exc}", file=sys.stderr)
         return 2
     train, held_out = generate(settings)
-    try:
-        write_jsonl(os.path.join(args.out, "train.jsonl"), train)
-        write_jsonl(os.path.join(args.out, "eval.jsonl"), held_out)
-    except fileio.StorageError as e:
-        return fileio.exit_on_storage_error(e)
+    write_jsonl(os.path.join(args.out, "train.jsonl"), train)
+    write_jsonl(os.path.join(args.out, "eval.jsonl"), held_out)
     calls, unseen = unseen_share(train, held_out)
     print(
         f"{args.out}: {len(train)} train and {len(held_out)} eval conversations; the arguments of "

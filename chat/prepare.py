@@ -464,6 +464,7 @@ USAGE = """usage:
   python -m chat show FILE.jsonl [--tokenizer MODEL] [--limit N] [--color auto|always|never]"""
 
 
+@fileio.reports_storage_errors
 def main(argv):
     import argparse
 
@@ -522,8 +523,6 @@ def main(argv):
     except (ChatError, data.DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except fileio.StorageError as e:
-        return fileio.exit_on_storage_error(e)
     return 0
 
 

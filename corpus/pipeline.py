@@ -51,10 +51,9 @@ from corpus.docs import LENGTH_BINS, SCORE_BINS, docs_path, outputs_intact, proc
 from corpus.sources import expand_sources, raw_documents
 from data import NEWLINE, PIPELINE_VERSION, SPLITS, DataError, manifest_path, read_manifest
 from fileio import (
-    STORAGE_EXIT,
-    StorageError,
     check_space,
     fingerprint,
+    reports_storage_errors,
     storage_error,
     write_atomic,
     write_json,
@@ -799,6 +798,7 @@ USAGE = (
 )
 
 
+@reports_storage_errors
 def main(argv):
     if argv[:1] == ["chars-per-token"]:  # a tokenizer file and text files, no config
         import argparse
@@ -830,9 +830,6 @@ def main(argv):
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except StorageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return STORAGE_EXIT
     return 0
 
 

@@ -91,6 +91,7 @@ def plot(runs, out):
     return out
 
 
+@fileio.reports_storage_errors
 def main(argv):
     parser = argparse.ArgumentParser(description="Plot loss, val loss/bpb and lr of ENLACE runs.")
     parser.add_argument("runs", nargs="+", help="run directories (each with a metrics.jsonl)")
@@ -102,8 +103,6 @@ def main(argv):
     except PlotError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except fileio.StorageError as e:
-        return fileio.exit_on_storage_error(e)
     return 0
 
 

@@ -430,6 +430,7 @@ def parse_args(argv):
     return "evaluate", args
 
 
+@fileio.reports_storage_errors
 def main(argv):
     command, args = parse_args(argv)
     try:
@@ -442,8 +443,6 @@ def main(argv):
     except (EvalError, CheckpointError, config.ConfigError, data.DataError, template.ChatError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except fileio.StorageError as e:
-        return fileio.exit_on_storage_error(e)
     return 0
 
 

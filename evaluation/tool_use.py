@@ -286,6 +286,7 @@ def table(reports):
     return "\n".join(lines)
 
 
+@fileio.reports_storage_errors
 def main(argv):
     parser = argparse.ArgumentParser(
         description="The tool-use rates of a run, generated and hand-written sets."
@@ -323,10 +324,7 @@ def main(argv):
     report = {"checkpoint": ckpt_path, "constrained": settings["constrained"], "sets": reports,
               "data": {"generated": args.generated, "hand-written": args.handwritten}}  # fmt: skip
     folder = args.run if os.path.isdir(args.run) else os.path.dirname(args.run)
-    try:
-        fileio.write_json(args.report or os.path.join(folder, "agent_eval.json"), report)
-    except fileio.StorageError as e:
-        return fileio.exit_on_storage_error(e)
+    fileio.write_json(args.report or os.path.join(folder, "agent_eval.json"), report)
     return 0
 
 

@@ -73,6 +73,7 @@ def parse_args(argv):
     return parser.parse_args(argv)
 
 
+@fileio.reports_storage_errors
 def main(argv):
     problem = unicode_text.undecodable_argument(argv)
     if problem:
@@ -106,8 +107,6 @@ def main(argv):
         elif args.command == "export":
             print(json.dumps(memories.export(conn, args.member, args.role), ensure_ascii=False, indent=1))
         conn.close()
-    except fileio.StorageError as e:
-        return fileio.exit_on_storage_error(e)
     except (config.ConfigError, memories.MemoryStoreError, store.SnapshotError, sqlite3.Error) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -932,6 +932,7 @@ def serve_main(argv):
     return 0
 
 
+@fileio.reports_storage_errors
 def main(argv):
     problem = unicode_text.undecodable_argument(argv)
     if problem:
@@ -944,8 +945,6 @@ def main(argv):
     except (ServeError, accounts.AccountError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except fileio.StorageError as e:
-        return fileio.exit_on_storage_error(e)
 
 
 if __name__ == "__main__":
