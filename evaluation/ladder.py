@@ -189,6 +189,7 @@ def table(rungs, seeds, overrides=()):
     return "\n".join(lines)
 
 
+@fileio.reports_storage_errors
 def main(argv):
     parser = argparse.ArgumentParser(description="Train and evaluate the agent on a size ladder.")
     parser.add_argument("--rung", nargs="+", action="append", required=True,

@@ -78,3 +78,13 @@ def test_a_rung_needs_a_name_and_one_or_two_run_files(capsys):
     assert exit_info.value.code == 2 and "give NAME SFT_CONFIG [PRETRAIN_CONFIG]" in capsys.readouterr().err
     assert ladder.main(["--rung", "a", "configs/no-such-run.yaml", "--table"]) == 2
     assert "no-such-run.yaml" in capsys.readouterr().err
+
+
+def test_a_disk_that_fills_while_climbing_ends_the_ladder_with_one_line_and_exit_74(monkeypatch, capsys):
+    def full_disk(*args):  # as fileio.write_json of a seed's train_time.json on a full disk
+        raise fileio.StorageError("runs/a/train_time.json", "full", free=0)
+
+    monkeypatch.setattr(ladder, "climb", full_disk)
+    assert ladder.main(["--rung", "a", TINY, "--seeds", "1"]) == fileio.STORAGE_EXIT
+    err = capsys.readouterr().err
+    assert err.startswith("error: runs/a/train_time.json: the disk is full") and err.count("\n") == 1
