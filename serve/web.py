@@ -21,7 +21,7 @@ SESSION_COOKIE = "enlace_session"
 async def read_json(request, limit):
     """The JSON body as a dict; 413 past `limit` bytes (the rest is read and dropped, so the client gets
     the answer rather than a reset connection), 400 when it is not a JSON object, or when any of its text is
-    not Unicode (serve_openai.check_text: every route that reads a body gets that check here)."""
+    not Unicode (openai_api.check_text: every route that reads a body gets that check here)."""
     body, size = bytearray(), 0
     async for chunk in request.stream():
         size += len(chunk)
