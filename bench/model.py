@@ -26,7 +26,7 @@ from torch.profiler import ProfilerActivity, profile
 import config
 import hardware
 import model
-import train
+import optim
 from bench.common import ROOT, in_turns, layer, run_fresh, spread
 
 # -----------------------------------------------------------------------------
@@ -156,7 +156,7 @@ def step_row(shape, label, profile=False):
     net, loss_of = contender(label, cfg)
     idx = torch.randint(0, cfg["vocab_size"], (micro_batch, cfg["seq_len"]))
     targets = torch.randint(0, cfg["vocab_size"], (micro_batch, cfg["seq_len"]))
-    optimizer = train.build_optimizer(net, layer("train", "smoke"), "float32")
+    optimizer = optim.build_optimizer(net, layer("train", "smoke"), "float32")
 
     def step():
         loss_of(net, idx, targets).backward()

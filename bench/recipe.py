@@ -31,6 +31,7 @@ import torch
 
 import config
 import fileio
+import optim
 import train
 from bench.common import ROOT, layer
 from model import Transformer
@@ -241,7 +242,7 @@ def optimizer_overhead(rounds=5, rows=1, seq_len=512):
     fb = step_seconds(forward_backward, max(2, rounds // 2))
     timings = {}
     for name in ("adamw", "muon"):
-        opt = train.build_optimizer(net, train_cfg | {"optimizer": name}, "float32")
+        opt = optim.build_optimizer(net, train_cfg | {"optimizer": name}, "float32")
         timings[name] = step_seconds(opt.step, rounds)
     per_step = fb[0] / (rows * seq_len) * tokens_per_step
     extra = timings["muon"][0] - timings["adamw"][0]

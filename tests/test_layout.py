@@ -1,4 +1,4 @@
-"""The house by stage: the design card's core stays flat at the root (at most 12 files), each stage is a
+"""The house by stage: the design card's core stays flat at the root (at most 13 files), each stage is a
 package named for it, no module takes the name of a builtin or of a standard-library module, and no
 function is longer than a screen and a half (120 lines)."""
 
@@ -30,9 +30,9 @@ def long_functions(path, limit):
     ]
 
 
-def test_the_root_keeps_at_most_twelve_python_files():
+def test_the_root_keeps_at_most_thirteen_python_files():
     root_files = sorted(name for name in os.listdir(ROOT) if name.endswith(".py"))
-    assert len(root_files) <= 12, root_files
+    assert len(root_files) <= 13, root_files
 
 
 def test_every_stage_is_a_package_named_for_it():

@@ -12,6 +12,7 @@ from test_dpo import dpo_config, pair_data  # noqa: F401 (a fixture, used by nam
 
 import config
 import hardware
+import optim
 import train
 from model import Transformer
 
@@ -45,7 +46,7 @@ def linear_loss(model, seed):
 def test_muon_gets_the_block_matrices_and_adamw_the_embedding_and_norms_each_parameter_once():
     cfg = muon_config()
     model = model_of(cfg)
-    opt = train.build_optimizer(model, cfg["train"], "float32")
+    opt = optim.build_optimizer(model, cfg["train"], "float32")
     names = {id(p): n for n, p in model.named_parameters()}
     muon = [names[id(p)] for g in opt.muon.param_groups for p in g["params"]]
     embedding, norms = ([names[id(p)] for p in g["params"]] for g in opt.adamw.param_groups)
@@ -64,7 +65,7 @@ def test_muon_gets_the_block_matrices_and_adamw_the_embedding_and_norms_each_par
 
 def test_adamw_stays_one_fused_adamw_that_decays_matrices_only():
     cfg = config.load(SMOKE, [*SMALL, "train.optimizer=adamw"])
-    opt = train.build_optimizer(model_of(cfg), cfg["train"], "float32")
+    opt = optim.build_optimizer(model_of(cfg), cfg["train"], "float32")
     assert type(opt) is torch.optim.AdamW and opt.defaults["fused"]
     assert [g["weight_decay"] for g in opt.param_groups] == [cfg["train"]["weight_decay"], 0.0]
     assert all(p.dim() >= 2 for p in opt.param_groups[0]["params"])
@@ -72,8 +73,8 @@ def test_adamw_stays_one_fused_adamw_that_decays_matrices_only():
 
 def test_the_schedule_scales_muon_to_its_own_peak_and_adamw_to_train_lr():
     cfg = muon_config("train.lr=0.004", "train.muon.lr=0.02")
-    opt = train.build_optimizer(model_of(cfg), cfg["train"], "float32")
-    train.set_lr(opt, 0.002, cfg["train"])  # half the peak: warmup or decay
+    opt = optim.build_optimizer(model_of(cfg), cfg["train"], "float32")
+    optim.set_lr(opt, 0.002, cfg["train"])  # half the peak: warmup or decay
     assert opt.muon.param_groups[0]["lr"] == pytest.approx(0.01)
     assert [g["lr"] for g in opt.adamw.param_groups] == [0.002, 0.002]
 
@@ -85,7 +86,7 @@ def test_muon_in_bfloat16_is_torch_optim_muon_bit_for_bit():
     ours = [p.clone().requires_grad_() for p in start]
     theirs = [p.clone().requires_grad_() for p in start]
     settings = {"lr": 0.02, "weight_decay": 0.1, "momentum": 0.95, "nesterov": True, "ns_steps": 5}
-    mine = train.Muon(ours, "bfloat16", **settings)
+    mine = optim.Muon(ours, "bfloat16", **settings)
     reference = torch.optim.Muon(theirs, **settings)
     for step in range(3):
         grads = [torch.randn(p.shape, generator=torch.Generator().manual_seed(step)) for p in start]
@@ -100,7 +101,7 @@ def test_muon_in_bfloat16_is_torch_optim_muon_bit_for_bit():
 def test_newton_schulz_runs_in_the_asked_dtype_and_orthogonalizes(dtype):
     torch.manual_seed(0)
     grad = torch.randn(64, 24) @ torch.diag(torch.logspace(-1, 1, 24))  # singular values over 2 decades
-    result = train.newton_schulz(grad, 5, dtype)
+    result = optim.newton_schulz(grad, 5, dtype)
     assert result.dtype == dtype and result.shape == grad.shape
     singular = torch.linalg.svdvals(result.float())
     # the quintic's fixed point band (Keller Jordan: S' ~ U(0.5, 1.5)), whatever the input's spread
@@ -112,8 +113,8 @@ def test_gradscaler_unscales_before_the_orthogonalization():
     unscales exactly, so the two runs are bit-identical)."""
     cfg = muon_config()
     plain, scaled = model_of(cfg), model_of(cfg)
-    opt_plain = train.build_optimizer(plain, cfg["train"], "float32")
-    opt_scaled = train.build_optimizer(scaled, cfg["train"], "float32")
+    opt_plain = optim.build_optimizer(plain, cfg["train"], "float32")
+    opt_scaled = optim.build_optimizer(scaled, cfg["train"], "float32")
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=1000)
     for step in range(3):
         linear_loss(plain, step).backward()  # gradient = the seeded tensors
@@ -130,7 +131,7 @@ def test_gradscaler_unscales_before_the_orthogonalization():
 def test_the_state_dict_round_trips_through_a_weights_only_checkpoint_and_continues_bit_exact():
     cfg = muon_config()
     first, second = model_of(cfg), model_of(cfg)
-    opt_first = train.build_optimizer(first, cfg["train"], "float32")
+    opt_first = optim.build_optimizer(first, cfg["train"], "float32")
     for step in range(2):
         seeded_gradients(first, step)
         opt_first.step()
@@ -138,7 +139,7 @@ def test_the_state_dict_round_trips_through_a_weights_only_checkpoint_and_contin
     buffer = io.BytesIO()
     torch.save(opt_first.state_dict(), buffer)
     buffer.seek(0)
-    opt_second = train.build_optimizer(second, cfg["train"], "float32")
+    opt_second = optim.build_optimizer(second, cfg["train"], "float32")
     opt_second.load_state_dict(torch.load(buffer, weights_only=True))
     for model, opt in ((first, opt_first), (second, opt_second)):
         seeded_gradients(model, 2)
@@ -148,10 +149,10 @@ def test_the_state_dict_round_trips_through_a_weights_only_checkpoint_and_contin
 
 def test_an_adamw_state_is_refused_by_muon_with_the_reason():
     cfg = muon_config()
-    adamw_state = train.build_optimizer(
+    adamw_state = optim.build_optimizer(
         model_of(cfg), config.load(SMOKE, [*SMALL, "train.optimizer=adamw"])["train"], "float32"
     )
-    opt = train.build_optimizer(model_of(cfg), cfg["train"], "float32")
+    opt = optim.build_optimizer(model_of(cfg), cfg["train"], "float32")
     with pytest.raises(ValueError, match="not Muon \\+ AdamW"):
         opt.load_state_dict(adamw_state.state_dict())
 

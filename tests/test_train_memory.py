@@ -11,6 +11,7 @@ import yaml
 
 import config
 import microbatch
+import optim
 import train
 from bench import model as bench_model
 from model import Transformer
@@ -33,7 +34,7 @@ def measured_step_peak(model_cfg, micro_batch, dtype, loss_chunk_size):
     None): what lives before the step (weights, optimizer state) plus the step's own peak."""
     torch.manual_seed(0)
     net = Transformer(model_cfg, "flash", loss_chunk_size)
-    optimizer = train.build_optimizer(net, layer("train", "smoke"), "float32")
+    optimizer = optim.build_optimizer(net, layer("train", "smoke"), "float32")
     shape = (micro_batch, model_cfg["seq_len"])
     idx, targets = (
         torch.randint(0, model_cfg["vocab_size"], shape),
