@@ -20,7 +20,6 @@ import os
 import random
 import signal
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -36,6 +35,7 @@ import fileio
 import microbatch
 import optim
 import train_dpo
+from bench import resume_check
 from chat import template
 from checkpoint import (
     list_checkpoints,
@@ -811,110 +811,16 @@ def sample_text(model, tokenizer, train_cfg, hardware, chat_run=False):
 
 
 # -----------------------------------------------------------------------------
-# Resume check: the owner's acceptance test, runnable on any config and machine
+# Resume check (bench/resume_check.py) with this module's train()
 
 
-def tensors_of(state, prefix=""):
-    """Flatten a state dict into {name: tensor}."""
-    if isinstance(state, torch.Tensor):
-        return {prefix: state}
-    items = (
-        state.items()
-        if isinstance(state, dict)
-        else enumerate(state)
-        if isinstance(state, list | tuple)
-        else []
-    )
-    flat = {}
-    for key, value in items:
-        flat.update(tensors_of(value, f"{prefix}.{key}" if prefix else str(key)))
-    return flat
-
-
-def compare_states(a, b):
-    """(number of tensors, names that differ, largest absolute difference) of two checkpoints."""
-    ta = tensors_of({"model": a["model"], "optimizer": a["optimizer"]["state"]})
-    tb = tensors_of({"model": b["model"], "optimizer": b["optimizer"]["state"]})
-    differing, largest = [], 0.0
-    for name in sorted(set(ta) | set(tb)):
-        if name not in ta or name not in tb or ta[name].shape != tb[name].shape:
-            differing.append(name)
-            largest = float("inf")
-        elif not torch.equal(ta[name], tb[name]):
-            differing.append(name)
-            largest = max(largest, (ta[name].double() - tb[name].double()).abs().max().item())
-    return len(ta), differing, largest
-
-
-class CheckInterrupted(BaseException):
-    """SIGINT/SIGTERM during --resume-check: the check ends with no verdict. A BaseException, like
-    KeyboardInterrupt, so that no `except Exception` on the way (a skipped unreadable checkpoint) eats it."""
-
-    def __init__(self, signum):
-        self.signum = signum
-        super().__init__(signal.Signals(signum).name)
-
-
-class InterruptCheck:
-    """While the check runs, SIGINT/SIGTERM raise CheckInterrupted at once (the phases run with
-    handle_signals=False, so no phase turns the signal into a graceful stop and lets the next phase
-    start). Further signals are ignored while the scratch runs are removed."""
-
-    def __init__(self):
-        self.previous = {}
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                self.previous[sig] = signal.signal(sig, self.handle)
-        return self
-
-    def handle(self, signum, frame):
-        for sig in self.previous:
-            signal.signal(sig, signal.SIG_IGN)
-        raise CheckInterrupted(signum)
-
-    def __exit__(self, *exc):
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
-
-
-def resume_check(cfg, log=print):
-    """Uninterrupted N steps vs N/2 + resume to N: every parameter and optimizer tensor must be equal."""
-    total = cfg["train"]["max_steps"]
-    if total < 2:
+def check_resume(cfg, log=print):
+    """--resume-check: its phases are quiet and leave SIGINT/SIGTERM to the check, which ends at once."""
+    if cfg["train"]["max_steps"] < 2:
         raise TrainError("--resume-check needs train.max_steps >= 2")
     quiet = lambda *a, **k: None
     train_phase = lambda run_cfg, **kwargs: train(run_cfg, log=quiet, handle_signals=False, **kwargs)
-    os.makedirs(cfg["train"]["runs_dir"], exist_ok=True)
-    with (
-        InterruptCheck(),
-        tempfile.TemporaryDirectory(prefix="resume-check-", dir=cfg["train"]["runs_dir"]) as scratch,
-    ):
-        runs = {}
-        for name in ("uninterrupted", "resumed"):
-            run_cfg = json.loads(json.dumps(cfg))
-            run_cfg["run_name"] = name
-            run_cfg["train"]["runs_dir"] = scratch
-            run_cfg["train"]["sample_tokens"] = 0
-            run_cfg["train"]["keep_last"] = max(run_cfg["train"]["keep_last"], 2)
-            runs[name] = run_cfg
-        log(f"resume-check: {total} steps uninterrupted ...")
-        train_phase(runs["uninterrupted"])
-        log(f"resume-check: {total // 2} steps, stop, resume to {total} ...")
-        train_phase(runs["resumed"], stop_after=total // 2)
-        train_phase(runs["resumed"], resume=True)
-        a = load_checkpoint(list_checkpoints(run_dir_of(runs["uninterrupted"]))[0])
-        b = load_checkpoint(list_checkpoints(run_dir_of(runs["resumed"]))[0])
-    count, differing, largest = compare_states(a, b)
-    if differing or a["step"] != b["step"]:
-        log(
-            f"FAIL resume-check: {len(differing)}/{count} tensors differ after {total} steps "
-            f"(largest abs diff {largest:.3e}); first: {', '.join(differing[:5])}"
-        )
-        return False
-    log(f"PASS resume-check: {count} tensors bit-identical after {total} steps (largest abs diff 0)")
-    return True
+    return resume_check.run(cfg, train_phase, log)
 
 
 # -----------------------------------------------------------------------------
@@ -932,7 +838,7 @@ def main(argv):
     try:
         cfg = config.load(args[0], args[1:])
         if "--resume-check" in flags:
-            return 0 if resume_check(cfg) else 1
+            return 0 if check_resume(cfg) else 1
         train(cfg, resume="--resume" in flags)
     except config.ConfigError as e:
         print(f"{args[0]}: config problems:\n  " + "\n  ".join(e.problems), file=sys.stderr)
@@ -945,7 +851,7 @@ def main(argv):
         last = (f"the last good checkpoint is {newest[0]} (free space, then --resume)" if newest
                 else "no checkpoint was written yet (free space, then start it again)")  # fmt: skip
         return fileio.exit_on_storage_error(e, then=last)
-    except CheckInterrupted as e:
+    except resume_check.CheckInterrupted as e:
         print(f"resume-check interrupted by {e}: no verdict; its scratch runs were removed", file=sys.stderr)
         return 128 + e.signum
     return 0

@@ -13,6 +13,7 @@ import torch
 from conftest import ROOT, tiny_args, tiny_config
 
 import train
+from bench import resume_check
 
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
 pytestmark = pytest.mark.skipif(
@@ -57,7 +58,9 @@ def test_ddp_resume_is_bit_exact(tmp_path, shard_data_dir):
     second = torchrun([*args("run_name=split"), "--resume"])
     assert second.returncode == 0, second.stderr
     assert "resumed from" in second.stdout
-    count, differing, largest = train.compare_states(newest(tmp_path / "full"), newest(tmp_path / "split"))
+    count, differing, largest = resume_check.compare_states(
+        newest(tmp_path / "full"), newest(tmp_path / "split")
+    )
     assert not differing, f"{len(differing)}/{count} tensors differ (largest {largest})"
 
     # The loader and RNG states are per rank: one process cannot continue a 2-process run.
