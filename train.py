@@ -207,28 +207,40 @@ def format_rate(tokens_per_second):
     return f"{tokens_per_second:.0f}"
 
 
-class StopRequest:
-    """SIGINT/SIGTERM: finish the optimizer step in flight, write a checkpoint, exit 0."""
+class StopSignals:
+    """SIGINT/SIGTERM ask for a safe stop at a step boundary: the loop finishes the optimizer step in flight,
+    writes a checkpoint and returns. A second signal acts at once (the handler before ours), or with
+    then_ignore is ignored (--resume-check: its scratch runs must still be removed). enabled=False leaves
+    signals to the caller's handlers. Entering it again while entered changes nothing, so that the phases
+    of a --resume-check share the check's."""
 
-    def __init__(self, enabled=True):
-        self.enabled = enabled  # False: leave signals to the caller's handlers (--resume-check)
-        self.signal_name = None
-        self.previous = {}
+    def __init__(self, enabled=True, then_ignore=False):
+        self.enabled, self.then_ignore = enabled, then_ignore
+        self.signum = None  # the signal that asked for the stop
+        self.previous, self.depth = {}, 0
 
     def __enter__(self):
+        self.depth += 1
         # Signals only reach the main thread.
-        if self.enabled and threading.current_thread() is threading.main_thread():
+        if self.depth == 1 and self.enabled and threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 self.previous[sig] = signal.signal(sig, self.handle)
         return self
 
     def handle(self, signum, frame):
-        self.signal_name = signal.Signals(signum).name
-        signal.signal(signum, self.previous[signum])  # a second signal acts at once
+        self.signum = signum
+        if self.then_ignore:
+            for sig in self.previous:
+                signal.signal(sig, signal.SIG_IGN)
+        else:
+            signal.signal(signum, self.previous[signum])
 
     def __exit__(self, *exc):
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
+        self.depth -= 1
+        if self.depth == 0:
+            for sig, handler in self.previous.items():
+                signal.signal(sig, handler)
+            self.previous = {}
 
 
 def memory_line(model_cfg, batch, dtype, chunk, memory_gib):
@@ -311,15 +323,15 @@ def training_eval(cfg, ctx, tokenizer, hardware, log):
     return benchmark
 
 
-def train(cfg, resume=False, stop_after=None, log=print, handle_signals=True):
+def train(cfg, resume=False, stop_after=None, log=print, stop=None):
     """Train `cfg` (a resolved config). Returns the final step. `stop_after` ends the run as an
-    interruption would (checkpoint, no final eval): used by --resume-check, which also passes
-    handle_signals=False so that SIGINT/SIGTERM reach its own handler instead of ending one phase."""
+    interruption would (checkpoint, no final eval), and so does a signal heard by `stop`, a StopSignals
+    (None: the run's own): --resume-check passes the one its phases share."""
     ctx = init_distributed(cfg["hardware"], cfg["train"]["dist_timeout_s"])
     try:
         hardware = setup_hardware(cfg["hardware"], ctx.local_rank)  # the one read of the section
         quiet = lambda *a, **k: None
-        step = _train(cfg, ctx, hardware, resume, stop_after, log if ctx.is_main else quiet, handle_signals)
+        step = _train(cfg, ctx, hardware, resume, stop_after, log if ctx.is_main else quiet, stop)
         if ctx.enabled:
             dist.barrier()  # rank 0 may still be sampling: no rank tears down gloo under a busy peer
         return step
@@ -712,7 +724,7 @@ def write_checkpoint(run):
 # The loop
 
 
-def _train(cfg, ctx, hardware, resume, stop_after, log, handle_signals):
+def _train(cfg, ctx, hardware, resume, stop_after, log, stop):
     train_cfg = cfg["train"]
     run = setup(cfg, ctx, hardware, resume, log)
     if ctx.is_main:
@@ -721,7 +733,7 @@ def _train(cfg, ctx, hardware, resume, stop_after, log, handle_signals):
     window = Window(run.step)
     nonfinite_streak = 0
     stopped_by = None
-    with StopRequest(enabled=handle_signals) as stop:
+    with stop or StopSignals() as stop:
         while run.step < train_cfg["max_steps"]:
             lr = lr_at(run.step, train_cfg)
             result = optimizer_step(run, lr)
@@ -742,7 +754,7 @@ def _train(cfg, ctx, hardware, resume, stop_after, log, handle_signals):
             if run.step % train_cfg["log_interval"] == 0 or at_end:
                 log_step(run, result, lr, window)
 
-            stop_now = stop.signal_name is not None or (stop_after is not None and run.step >= stop_after)
+            stop_now = stop.signum is not None or (stop_after is not None and run.step >= stop_after)
             if ctx.enabled:  # a signal may reach one rank first; stop together
                 stop_now = not all_ranks_true(not stop_now, ctx, run.hardware.device)
             eval_due = train_cfg["eval_interval"] and run.step % train_cfg["eval_interval"] == 0
@@ -759,7 +771,9 @@ def _train(cfg, ctx, hardware, resume, stop_after, log, handle_signals):
             if eval_due or at_end or checkpoint_due or benchmark_due:
                 window.restart()  # training only
             if stop_now:
-                stopped_by = stop.signal_name or f"stop after step {stop_after}"
+                stopped_by = (
+                    signal.Signals(stop.signum).name if stop.signum else f"stop after step {stop_after}"
+                )
                 break
 
     run.metrics.close()
@@ -815,12 +829,14 @@ def sample_text(model, tokenizer, train_cfg, hardware, chat_run=False):
 
 
 def check_resume(cfg, log=print):
-    """--resume-check: its phases are quiet and leave SIGINT/SIGTERM to the check, which ends at once."""
+    """--resume-check with quiet phases that share one StopSignals: SIGINT/SIGTERM end the whole check at
+    the next step boundary, without a verdict, rather than one phase."""
     if cfg["train"]["max_steps"] < 2:
         raise TrainError("--resume-check needs train.max_steps >= 2")
     quiet = lambda *a, **k: None
-    train_phase = lambda run_cfg, **kwargs: train(run_cfg, log=quiet, handle_signals=False, **kwargs)
-    return resume_check.run(cfg, train_phase, log)
+    with StopSignals(then_ignore=True) as stop:
+        train_phase = lambda run_cfg, **kwargs: train(run_cfg, log=quiet, stop=stop, **kwargs)
+        return resume_check.run(cfg, train_phase, stop, log)
 
 
 # -----------------------------------------------------------------------------

@@ -89,7 +89,7 @@ def run_once(config_path, name, overrides, tokens_per_step):
     cfg = config.load(config_path, [*overrides, f"run_name={name}"])
     run_dir = train.run_dir_of(cfg)
     started = time.perf_counter()
-    train.train(cfg, log=lambda *a, **k: None, handle_signals=False)
+    train.train(cfg, log=lambda *a, **k: None, stop=train.StopSignals(enabled=False))
     for path in os.listdir(run_dir):
         if path.startswith("ckpt_"):
             os.remove(os.path.join(run_dir, path))

@@ -14,7 +14,6 @@ import json
 import os
 import signal
 import tempfile
-import threading
 
 import torch
 
@@ -53,48 +52,27 @@ def compare_states(a, b):
     return len(ta), differing, largest
 
 
-class CheckInterrupted(BaseException):
-    """SIGINT/SIGTERM during --resume-check: the check ends with no verdict. A BaseException, like
-    KeyboardInterrupt, so that no `except Exception` on the way (a skipped unreadable checkpoint) eats it."""
+class CheckInterrupted(Exception):
+    """SIGINT/SIGTERM during the check: it ends with no verdict, its scratch runs removed."""
 
     def __init__(self, signum):
         self.signum = signum
         super().__init__(signal.Signals(signum).name)
 
 
-class InterruptCheck:
-    """While the check runs, SIGINT/SIGTERM raise CheckInterrupted at once (the phases run with
-    handle_signals=False, so no phase turns the signal into a graceful stop and lets the next phase
-    start). Further signals are ignored while the scratch runs are removed."""
-
-    def __init__(self):
-        self.previous = {}
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                self.previous[sig] = signal.signal(sig, self.handle)
-        return self
-
-    def handle(self, signum, frame):
-        for sig in self.previous:
-            signal.signal(sig, signal.SIG_IGN)
-        raise CheckInterrupted(signum)
-
-    def __exit__(self, *exc):
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
-
-
-def run(cfg, train_phase, log=print):
+def run(cfg, train_phase, stop, log=print):
     """Uninterrupted N steps vs N/2 + resume to N: every parameter and optimizer tensor must be equal.
-    train_phase(run_cfg, resume=False, stop_after=None) trains one phase (train.py's train, quiet)."""
+    train_phase(run_cfg, resume=False, stop_after=None) trains one phase (train.py's train, quiet) and
+    stops at a step boundary when `stop` (its StopSignals) hears a signal: then the check ends."""
     total = cfg["train"]["max_steps"]
+
+    def phase(run_cfg, **kwargs):
+        train_phase(run_cfg, **kwargs)
+        if stop.signum is not None:  # no verdict, and no next phase
+            raise CheckInterrupted(stop.signum)
+
     os.makedirs(cfg["train"]["runs_dir"], exist_ok=True)
-    with (
-        InterruptCheck(),
-        tempfile.TemporaryDirectory(prefix="resume-check-", dir=cfg["train"]["runs_dir"]) as scratch,
-    ):
+    with tempfile.TemporaryDirectory(prefix="resume-check-", dir=cfg["train"]["runs_dir"]) as scratch:
         runs = {}
         for name in ("uninterrupted", "resumed"):
             run_cfg = json.loads(json.dumps(cfg))
@@ -104,10 +82,10 @@ def run(cfg, train_phase, log=print):
             run_cfg["train"]["keep_last"] = max(run_cfg["train"]["keep_last"], 2)
             runs[name] = run_cfg
         log(f"resume-check: {total} steps uninterrupted ...")
-        train_phase(runs["uninterrupted"])
+        phase(runs["uninterrupted"])
         log(f"resume-check: {total // 2} steps, stop, resume to {total} ...")
-        train_phase(runs["resumed"], stop_after=total // 2)
-        train_phase(runs["resumed"], resume=True)
+        phase(runs["resumed"], stop_after=total // 2)
+        phase(runs["resumed"], resume=True)
         a = checkpoint.load_checkpoint(checkpoint.list_checkpoints(os.path.join(scratch, "uninterrupted"))[0])
         b = checkpoint.load_checkpoint(checkpoint.list_checkpoints(os.path.join(scratch, "resumed"))[0])
     count, differing, largest = compare_states(a, b)

@@ -186,3 +186,25 @@ def test_a_smoke_run_started_again_replaces_the_previous_one_and_says_so(tmp_pat
     assert sorted(os.listdir(run_dir)) == ["ckpt_0000002.pt", "config.yaml", "metrics.jsonl", "notes.txt"]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "loss" in r] == [1, 2]  # nothing left of the 4-step run
+
+
+def test_stop_signals_record_the_first_signal_and_a_second_acts_as_before_or_is_ignored():
+    heard, before = [], {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        signal.signal(signal.SIGINT, lambda signum, frame: heard.append(signum))
+        with train.StopSignals() as stop:
+            signal.raise_signal(signal.SIGINT)
+            assert stop.signum == signal.SIGINT and heard == []  # a safe stop asked, nothing else
+            signal.raise_signal(signal.SIGINT)
+            assert heard == [signal.SIGINT]  # the second one reaches the handler from before
+        with train.StopSignals(then_ignore=True) as stop, stop:  # entered twice: installed once
+            signal.raise_signal(signal.SIGTERM)
+            signal.raise_signal(signal.SIGINT)
+            assert stop.signum == signal.SIGTERM and heard == [signal.SIGINT]  # the second is ignored
+        assert signal.getsignal(signal.SIGTERM) == before[signal.SIGTERM]  # restored on leaving
+        with train.StopSignals(enabled=False) as stop:
+            signal.raise_signal(signal.SIGINT)
+            assert stop.signum is None and heard == [signal.SIGINT, signal.SIGINT]
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
