@@ -9,7 +9,7 @@ Train ENLACE from a run file.
 
 Everything a run writes lives in <train.runs_dir>/<run_name>/: config.yaml (resolved), metrics.jsonl
 and ckpt_<step>.pt (atomic, the last `keep_last` kept). train.objective picks what a step minimizes: the
-next token's cross-entropy (pretraining, SFT), or DPO on preference pairs (train_dpo.py). How boards differ
+next token's cross-entropy (pretraining, SFT), or DPO on preference pairs (objective.py). How boards differ
 is hardware.py's business; the hardware profile (configs/hardware/) is the only config layer that knows.
 """
 
@@ -33,8 +33,8 @@ import config
 import data
 import fileio
 import microbatch
+import objective
 import optim
-import train_dpo
 from bench import resume_check
 from chat import template
 from checkpoint import (
@@ -494,7 +494,7 @@ def setup(cfg, ctx, hardware, resume, log):
     if run.dpo and state is not None:
         run.reference = state["reference"]
     elif run.dpo:  # the weights just loaded from init_from, before any step
-        run.reference = train_dpo.reference_log_probs(model, cfg, hardware, ctx, log)
+        run.reference = objective.reference_log_probs(model, cfg, hardware, ctx, log)
     # Room on runs_dir's disk for keep_last + 1 checkpoints, before the first step (train.space_check).
     per_checkpoint = checkpoint.estimate_checkpoint_bytes(
         model, optimizer, len(tokenizer_record.get("model", b""))
@@ -561,7 +561,7 @@ def start_log(run):
 @dataclass
 class StepResult:
     loss_sum: torch.Tensor  # the step's mean loss (this rank's until the log line averages the ranks)
-    pair_sums: torch.Tensor  # DPO's figures summed over this rank's pairs (train_dpo.STATS)
+    pair_sums: torch.Tensor  # DPO's figures summed over this rank's pairs (objective.PAIR_STATS)
     grad_norm: torch.Tensor
     finite: bool  # False: the step was skipped (a non-finite loss or gradient on some rank)
     tokens: int  # tokens this rank trained on
@@ -576,13 +576,13 @@ def optimizer_step(run, lr):
     accum = train_cfg["grad_accum_steps"]
     optim.set_lr(optimizer, lr, train_cfg)
     loss_sum = torch.zeros((), device=hardware.device)
-    pair_sums = torch.zeros(len(train_dpo.STATS), dtype=torch.float64)
+    pair_sums = torch.zeros(len(objective.PAIR_STATS), dtype=torch.float64)
     step_tokens = 0
     for micro in range(accum):
         sync = micro == accum - 1
         with model.no_sync() if ctx.enabled and not sync else contextlib.nullcontext():
             if run.dpo:
-                loss, sums, tokens = train_dpo.micro_step(
+                loss, sums, tokens = objective.dpo_micro_step(
                     model, run.loader.next_batch(), run.reference["train"], train_cfg["dpo"], hardware
                 )
                 pair_sums += sums
@@ -654,7 +654,7 @@ def log_step(run, result, lr, window):
     }
     if hardware.scaler.is_enabled():
         record["loss_scale"] = hardware.scaler.get_scale()
-    pairs = train_dpo.means(result.pair_sums.cpu()) if run.dpo else {}  # this step's pairs
+    pairs = objective.pair_means(result.pair_sums.cpu()) if run.dpo else {}  # this step's pairs
     record |= {
         key: pairs[key] for key in ("margin", "chosen_reward", "rejected_reward", "accuracy") if key in pairs
     }
@@ -673,7 +673,7 @@ def evaluate_run(run):
     """The held-out evaluation of the objective being trained, into metrics.jsonl and the log."""
     cfg, step = run.cfg, run.step
     if run.dpo:
-        result = train_dpo.evaluate(run.model, run.reference, cfg, run.hardware, run.ctx)
+        result = objective.dpo_evaluate(run.model, run.reference, cfg, run.hardware, run.ctx)
         run.metrics.write({"step": step, **result})
         run.log(
             f"eval step {step} | val_loss {result['val_loss']:.4f} | held-out reward accuracy "

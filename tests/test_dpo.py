@@ -1,4 +1,4 @@
-"""DPO in train.py (train_dpo.py): the loss against TRL's DPOTrainer on the same log-probabilities, the
+"""DPO in train.py (objective.py): the loss against TRL's DPOTrainer on the same log-probabilities, the
 degenerate pair, the reference computed once from the starting run and never changed, exact resume, DDP,
 what is logged, and the config rules. Tiny runs over pairs made from the test conversations."""
 
@@ -16,8 +16,8 @@ from conftest import CHAT_SEQ_LEN, ROOT, TINY, example_conversations, write_json
 import config
 import data
 import hardware
+import objective
 import train
-import train_dpo
 from bench import resume_check
 from chat import convert, prepare
 from evaluation import plot
@@ -86,12 +86,12 @@ def test_the_dpo_loss_and_rewards_equal_trls_dpotrainer_on_the_same_log_probs(dp
     chosen, rejected = -200 * torch.rand(pairs) - 5, -200 * torch.rand(pairs) - 5
     ref_chosen, ref_rejected = chosen + 4 * torch.randn(pairs), rejected + 4 * torch.randn(pairs)
     expected, metrics = trl_loss(chosen, rejected, ref_chosen, ref_rejected, dpo)
-    losses, chosen_rewards, rejected_rewards = train_dpo.dpo_losses(
+    losses, chosen_rewards, rejected_rewards = objective.dpo_losses(
         chosen, rejected, ref_chosen, ref_rejected, dpo
     )
     assert abs(losses.mean().item() - expected.item()) < 1e-6
     assert 0.05 < expected.item() < 20  # a batch where the loss is neither ~0 nor saturated
-    ours = train_dpo.means(train_dpo.pair_stats(losses, chosen_rewards, rejected_rewards))
+    ours = objective.pair_means(objective.pair_stats(losses, chosen_rewards, rejected_rewards))
     assert ours["chosen_reward"] == pytest.approx(metrics["rewards/chosen"], abs=1e-6)
     assert ours["rejected_reward"] == pytest.approx(metrics["rewards/rejected"], abs=1e-6)
     assert ours["margin"] == pytest.approx(metrics["rewards/margins"], abs=1e-6)
@@ -106,7 +106,7 @@ def test_an_answers_log_prob_is_minus_its_summed_cross_entropy_on_the_answer_tok
     targets[:, :2] = -1  # the prompt
     targets[1, 4:] = -1  # padding after a shorter answer
     expected = -F.cross_entropy(logits.transpose(1, 2), targets, ignore_index=-1, reduction="none").sum(1)
-    assert torch.allclose(train_dpo.completion_log_probs(logits, targets), expected, atol=1e-5)
+    assert torch.allclose(objective.completion_log_probs(logits, targets), expected, atol=1e-5)
 
 
 def test_a_pair_whose_chosen_answer_is_its_rejected_one_gives_log_2_and_no_gradient():
@@ -124,7 +124,7 @@ def test_a_pair_whose_chosen_answer_is_its_rejected_one_gives_log_2_and_no_gradi
 
     def gradient(x):
         model.zero_grad()
-        loss, sums, _ = train_dpo.micro_step(
+        loss, sums, _ = objective.dpo_micro_step(
             model, (x, y.repeat(2, 1), torch.tensor([0])), reference, dpo, cpu
         )
         loss.backward()
@@ -203,7 +203,7 @@ def test_a_dpo_run_logs_its_rewards_and_held_out_figures_and_keeps_the_starting_
     board = hardware.setup_hardware(cfg["hardware"])
     base = Transformer(cfg["model"], attention_backend=board.attention_backend)
     base.load_state_dict(train.load_checkpoint(start)["model"])
-    expected = train_dpo.reference_log_probs(base, cfg, board, hardware.Dist(), quiet)
+    expected = objective.reference_log_probs(base, cfg, board, hardware.Dist(), quiet)
     checkpoints = [train.load_checkpoint(path) for path in train.list_checkpoints(train.run_dir_of(cfg))]
     assert [c["step"] for c in checkpoints] == [8, 6]
     for checkpoint in checkpoints:
@@ -227,7 +227,7 @@ def test_a_dpo_run_logs_its_rewards_and_held_out_figures_and_keeps_the_starting_
     evals = [r for r in records if "val_loss" in r]
     assert [r["step"] for r in evals] == [4, 8]
     final = evals[-1]
-    assert final["val_pairs"] == len(train_dpo.split_loader(cfg, "val", hardware.Dist()).rank_pairs())
+    assert final["val_pairs"] == len(objective.split_loader(cfg, "val", hardware.Dist()).rank_pairs())
     assert (
         final["val_prompts"] == 8
         and 0 <= final["val_accuracy"] <= 1
@@ -271,7 +271,7 @@ def test_held_out_prompts_are_told_apart_by_their_whole_context_not_by_their_las
     loader = data.build_loader(cfg["data"], "val", 4, CHAT_SEQ_LEN, 0)
     answer_starts = [int(loader.row(2 * p)[1].nonzero()[0][0]) for p in range(4)]
     assert answer_starts[3] < answer_starts[0]  # the last pair did lose its first exchange
-    keys = [train_dpo.prompt_key(loader, p) for p in range(4)]
+    keys = [objective.prompt_key(loader, p) for p in range(4)]
     assert keys[0] == keys[1] and len({keys[0], keys[2], keys[3]}) == 3
 
 

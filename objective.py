@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 import data
 
-STATS = ("loss", "margin", "chosen_reward", "rejected_reward", "correct", "pairs")
+PAIR_STATS = ("loss", "margin", "chosen_reward", "rejected_reward", "correct", "pairs")
 
 
 def completion_log_probs(logits, targets):
@@ -71,23 +71,23 @@ def dpo_losses(chosen, rejected, ref_chosen, ref_rejected, dpo):
 
 
 def pair_stats(losses, chosen_rewards, rejected_rewards):
-    """Sums of STATS over a micro-batch's pairs, as a float64 tensor (summed over steps and ranks)."""
+    """Sums of PAIR_STATS over a micro-batch's pairs, as a float64 tensor (summed over steps and ranks)."""
     margins = chosen_rewards - rejected_rewards
     sums = [losses.detach().sum(), margins.sum(), chosen_rewards.sum(), rejected_rewards.sum()]
     sums += [(margins > 0).sum(), torch.tensor(len(losses))]
     return torch.stack([value.double().cpu() for value in sums])
 
 
-def means(sums):
-    """STATS sums -> {name: mean over the pairs} (accuracy for correct)."""
+def pair_means(sums):
+    """PAIR_STATS sums -> {name: mean over the pairs} (accuracy for correct)."""
     pairs = max(sums[-1].item(), 1.0)
-    values = {name: sums[i].item() / pairs for i, name in enumerate(STATS[:-1])}
+    values = {name: sums[i].item() / pairs for i, name in enumerate(PAIR_STATS[:-1])}
     values["accuracy"] = values.pop("correct")
     return values
 
 
-def micro_step(model, batch, reference, dpo, hardware):
-    """(mean loss of the micro-batch's pairs, their STATS sums, tokens run) of one micro-batch from
+def dpo_micro_step(model, batch, reference, dpo, hardware):
+    """(mean loss of the micro-batch's pairs, their PAIR_STATS sums, tokens run) of one micro-batch from
     data.PairLoader: x, y of 2 x B rows (chosen first) and the B pairs' indices into reference."""
     x, y, pairs = batch
     device = hardware.device
@@ -146,7 +146,7 @@ def reference_log_probs(model, cfg, hardware, ctx, log=print):
     return tables
 
 
-def evaluate(model, reference, cfg, hardware, ctx):
+def dpo_evaluate(model, reference, cfg, hardware, ctx):
     """Held-out figures over the val pairs, each once (at most train.eval_batches micro-batches per rank):
     the mean DPO loss (val_loss), margin and rewards, the reward accuracy (share of pairs whose margin > 0),
     and val_chosen_likelier: the share of held-out prompts (a prompt with its chosen answer, counted once
@@ -176,7 +176,7 @@ def evaluate(model, reference, cfg, hardware, ctx):
     for key, reward in prompts:
         rewards.setdefault(key, []).append(reward)
     likelier = sum(sum(values) / len(values) > 0 for values in rewards.values())
-    figures = means(sums.cpu())
+    figures = pair_means(sums.cpu())
     return {f"val_{name}": value for name, value in figures.items()} | {
         "val_chosen_likelier": likelier / max(len(rewards), 1),
         "val_pairs": int(sums[-1].item()),
