@@ -1,5 +1,18 @@
 """
-DPO for train.py (train.objective: dpo): Direct Preference Optimization (Rafailov et al., 2023) on the pairs
+What a training step minimizes (train.objective), chosen once when train.py sets a run up (build): each
+objective is a small class with the same interface, so the loop never asks which one it runs.
+
+    next_token  NextToken: the next token's cross-entropy; pretraining, and SFT on chat data (prompt and
+                padding positions, target -1, are not scored)
+    dpo         DPO: Direct Preference Optimization on preference pairs (below)
+
+    describe()               the start log's lines about the batch
+    micro_step(model, batch) (loss, figure sums, tokens run) of one micro-batch from the run's loader
+    figures(sums)            ({name: value}, log text) of a step's summed figures ({} and "" for NextToken)
+    evaluate(model)          ({name: value}, log text) of the held-out evaluation
+    checkpoint_state()       what a checkpoint needs to resume the objective ({} for NextToken)
+
+DPO: Direct Preference Optimization (Rafailov et al., 2023) on the pairs
 `python -m chat prepare` lays out (data.format preference), starting from the run in train.init_from, which is
 also the reference model.
 
@@ -27,14 +40,168 @@ so they do not depend on how the model computes its own training loss.
 """
 
 import hashlib
+import math
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 import data
+import microbatch
 
 PAIR_STATS = ("loss", "margin", "chosen_reward", "rejected_reward", "correct", "pairs")
+
+
+NO_FIGURES = torch.zeros(0, dtype=torch.float64)  # NextToken sums no figures beyond the loss
+
+
+def build(cfg, model, tokenizer, hardware, ctx, state, log):
+    """The objective of train.objective for a run whose weights `model` holds. DPO's reference is the
+    resumed checkpoint's (`state`), else computed now, from the weights just loaded from init_from."""
+    if cfg["train"]["objective"] != "dpo":
+        return NextToken(cfg, hardware, ctx, tokenizer)
+    if state is not None:
+        return DPO(cfg, hardware, ctx, state["reference"])
+    return DPO(cfg, hardware, ctx, reference_log_probs(model, cfg, hardware, ctx, log))
+
+
+class NextToken:
+    """The next token's cross-entropy, and bits per byte on the held-out split."""
+
+    def __init__(self, cfg, hardware, ctx, tokenizer):
+        self.cfg, self.hardware, self.ctx = cfg, hardware, ctx
+        self.token_bytes = torch.as_tensor(tokenizer.token_bytes, dtype=torch.float64, device=hardware.device)
+
+    def describe(self):
+        train, model_cfg, ranks, hardware = (
+            self.cfg["train"],
+            self.cfg["model"],
+            self.ctx.world_size,
+            self.hardware,
+        )
+        batch, seq_len, accum = train["micro_batch_size"], model_cfg["seq_len"], train["grad_accum_steps"]
+        lines = [
+            f"global batch {batch * seq_len * accum * ranks} tokens = {ranks} ranks x {batch} "
+            f"sequences x {seq_len} tokens x {accum} accumulation; {train['max_steps']} steps"
+        ]
+        if hardware.memory_gib is not None:
+            lines.append(
+                memory_line(model_cfg, batch, hardware.dtype, hardware.loss_chunk_size, hardware.memory_gib)
+            )
+        return lines
+
+    def micro_step(self, model, batch):
+        x, y = (t.to(self.hardware.device, non_blocking=True) for t in batch)
+        with self.hardware.autocast():
+            _, losses = model(x, y)
+        return losses["loss"], NO_FIGURES, x.numel()
+
+    def figures(self, sums):
+        return {}, ""
+
+    def evaluate(self, model):
+        result = next_token_evaluate(model, self.cfg, self.hardware, self.ctx, self.token_bytes)
+        return result, f"val_loss {result['val_loss']:.4f} | val_bpb {result['val_bpb']:.4f}"
+
+    def checkpoint_state(self):
+        return {}
+
+
+class DPO:
+    """DPO against `reference`, every pair's answers' log-probs under the starting run ({split: (pairs, 2)},
+    reference_log_probs), which each checkpoint keeps."""
+
+    def __init__(self, cfg, hardware, ctx, reference):
+        self.cfg, self.hardware, self.ctx, self.reference = cfg, hardware, ctx, reference
+
+    def describe(self):  # no memory estimate: microbatch.py models a next-token step
+        train, ranks = self.cfg["train"], self.ctx.world_size
+        batch, accum = train["micro_batch_size"], train["grad_accum_steps"]
+        return [
+            f"global batch {ranks * batch * accum} pairs = {ranks} ranks x {batch} pairs (a chosen and a "
+            f"rejected sequence each, up to {self.cfg['model']['seq_len']} tokens) x {accum} accumulation; "
+            f"{train['max_steps']} steps"
+        ]
+
+    def micro_step(self, model, batch):
+        return dpo_micro_step(model, batch, self.reference["train"], self.cfg["train"]["dpo"], self.hardware)
+
+    def figures(self, sums):
+        pairs = pair_means(sums)  # this step's pairs
+        record = {key: pairs[key] for key in ("margin", "chosen_reward", "rejected_reward", "accuracy")}
+        return record, f"margin {pairs['margin']:.3f} | acc {100 * pairs['accuracy']:.0f}% | "
+
+    def evaluate(self, model):
+        result = dpo_evaluate(model, self.reference, self.cfg, self.hardware, self.ctx)
+        return result, (
+            f"val_loss {result['val_loss']:.4f} | held-out reward accuracy "
+            f"{100 * result['val_accuracy']:.1f}% of {result['val_pairs']} pairs | margin "
+            f"{result['val_margin']:.3f} | chosen answer likelier than under {self.cfg['train']['init_from']} for "
+            f"{100 * result['val_chosen_likelier']:.1f}% of {result['val_prompts']} prompts"
+        )
+
+    def checkpoint_state(self):
+        return {"reference": self.reference}
+
+
+# -----------------------------------------------------------------------------
+# Next token: the held-out loss and bits per byte, the step's memory estimate
+
+
+def next_token_evaluate(model, cfg, hardware, ctx, token_bytes):
+    """Mean loss and bits per byte over the same `eval_batches` val batches every time."""
+    train = cfg["train"]
+    loader = data.build_loader(
+        cfg["data"],
+        "val",
+        train["micro_batch_size"],
+        cfg["model"]["seq_len"],
+        train["seed"],
+        ctx.rank,
+        ctx.world_size,
+    )
+    model.eval()
+    totals = torch.zeros(3, dtype=torch.float64, device=hardware.device)  # nats, tokens, bytes
+    with torch.no_grad():
+        for _ in range(train["eval_batches"]):
+            x, y = (t.to(hardware.device) for t in loader.next_batch())
+            with hardware.autocast():
+                _, losses = model(x, y)  # the training loss's path: no full logits in memory
+            # Targets -1 (chat data: prompt and padding positions) are not scored.
+            scored = y != -1
+            totals += torch.stack(
+                [
+                    losses["ce"].double() * scored.sum(),
+                    scored.sum().double(),
+                    torch.where(scored, token_bytes[y.clamp(min=0)], 0.0).sum().double(),
+                ]
+            )
+    if ctx.enabled:
+        dist.all_reduce(totals)
+    model.train()
+    nats, tokens, num_bytes = totals.tolist()
+    return {"val_loss": nats / max(tokens, 1.0), "val_bpb": nats / (math.log(2) * max(num_bytes, 1.0))}
+
+
+def memory_line(model_cfg, batch, dtype, chunk, memory_gib):
+    """The step's estimated peak memory (microbatch.py) for the profile's dtype and loss chunks against
+    its memory_gib, and what to change when it does not fit."""
+    peak = microbatch.step_peak_bytes(model_cfg, batch, dtype, chunk) / microbatch.GIB
+    fits = microbatch.largest_micro_batch(model_cfg, dtype, chunk, memory_gib * microbatch.GIB)
+    line = (
+        f"memory: ~{peak:.1f} GiB estimated for a step of {batch} sequences ({fits} fit in {memory_gib} GiB)"
+    )
+    if batch > fits:
+        line += (
+            f"; WARNING: it may not fit hardware.memory_gib: lower train.micro_batch_size to {fits} and raise "
+            "train.grad_accum_steps to keep the global batch"
+            + ("" if chunk else ", or set hardware.loss_chunk_size (0 keeps the full logits)")
+        )
+    return line
+
+
+# -----------------------------------------------------------------------------
+# DPO: the loss and its figures
 
 
 def completion_log_probs(logits, targets):

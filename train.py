@@ -32,7 +32,6 @@ import checkpoint
 import config
 import data
 import fileio
-import microbatch
 import objective
 import optim
 from bench import resume_check
@@ -243,64 +242,12 @@ class StopSignals:
             self.previous = {}
 
 
-def memory_line(model_cfg, batch, dtype, chunk, memory_gib):
-    """The step's estimated peak memory (microbatch.py) for the profile's dtype and loss chunks against
-    its memory_gib, and what to change when it does not fit."""
-    peak = microbatch.step_peak_bytes(model_cfg, batch, dtype, chunk) / microbatch.GIB
-    fits = microbatch.largest_micro_batch(model_cfg, dtype, chunk, memory_gib * microbatch.GIB)
-    line = (
-        f"memory: ~{peak:.1f} GiB estimated for a step of {batch} sequences ({fits} fit in {memory_gib} GiB)"
-    )
-    if batch > fits:
-        line += (
-            f"; WARNING: it may not fit hardware.memory_gib: lower train.micro_batch_size to {fits} and raise "
-            "train.grad_accum_steps to keep the global batch"
-            + ("" if chunk else ", or set hardware.loss_chunk_size (0 keeps the full logits)")
-        )
-    return line
-
-
 # -----------------------------------------------------------------------------
 # The run
 
 
 def run_dir_of(cfg):
     return os.path.join(cfg["train"]["runs_dir"], cfg["run_name"])
-
-
-def evaluate(model, cfg, hardware, ctx, token_bytes):
-    """Mean loss and bits per byte over the same `eval_batches` val batches every time."""
-    train = cfg["train"]
-    loader = data.build_loader(
-        cfg["data"],
-        "val",
-        train["micro_batch_size"],
-        cfg["model"]["seq_len"],
-        train["seed"],
-        ctx.rank,
-        ctx.world_size,
-    )
-    model.eval()
-    totals = torch.zeros(3, dtype=torch.float64, device=hardware.device)  # nats, tokens, bytes
-    with torch.no_grad():
-        for _ in range(train["eval_batches"]):
-            x, y = (t.to(hardware.device) for t in loader.next_batch())
-            with hardware.autocast():
-                _, losses = model(x, y)  # the training loss's path: no full logits in memory
-            # Targets -1 (chat data: prompt and padding positions) are not scored.
-            scored = y != -1
-            totals += torch.stack(
-                [
-                    losses["ce"].double() * scored.sum(),
-                    scored.sum().double(),
-                    torch.where(scored, token_bytes[y.clamp(min=0)], 0.0).sum().double(),
-                ]
-            )
-    if ctx.enabled:
-        dist.all_reduce(totals)
-    model.train()
-    nats, tokens, num_bytes = totals.tolist()
-    return {"val_loss": nats / max(tokens, 1.0), "val_bpb": nats / (math.log(2) * max(num_bytes, 1.0))}
 
 
 def training_eval(cfg, ctx, tokenizer, hardware, log):
@@ -436,14 +383,10 @@ class Run:
     loader: object
     benchmark: object  # train.eval's TrainingEval on rank 0, else None
     model: torch.nn.Module = None
-    reference: dict = None  # DPO: {split: (pairs, 2)} log-probs of the answers under the starting run
+    objective: object = None  # what a step minimizes: objective.NextToken or objective.DPO
     step: int = 0
     skipped_steps: int = 0
     metrics: Metrics = None
-
-    @property
-    def dpo(self):
-        return self.cfg["train"]["objective"] == "dpo"
 
 
 def check_token_budget(cfg, ctx, log):
@@ -491,10 +434,7 @@ def setup(cfg, ctx, hardware, resume, log):
         init_path, init_state = init
         model.load_state_dict(init_state["model"])
         log(f"initialized from {init_path} (step {init_state['step']}); fresh optimizer and schedule")
-    if run.dpo and state is not None:
-        run.reference = state["reference"]
-    elif run.dpo:  # the weights just loaded from init_from, before any step
-        run.reference = objective.reference_log_probs(model, cfg, hardware, ctx, log)
+    run.objective = objective.build(cfg, model, tokenizer, hardware, ctx, state, log)
     # Room on runs_dir's disk for keep_last + 1 checkpoints, before the first step (train.space_check).
     per_checkpoint = checkpoint.estimate_checkpoint_bytes(
         model, optimizer, len(tokenizer_record.get("model", b""))
@@ -528,9 +468,7 @@ def restore(run, ckpt_path, checkpoint):
 
 def start_log(run):
     """Rank 0 writes the resolved config.yaml and says what trains where, with which batch."""
-    cfg, ctx, hardware, log = run.cfg, run.ctx, run.hardware, run.log
-    model_cfg, train_cfg = cfg["model"], cfg["train"]
-    batch, seq_len, accum = train_cfg["micro_batch_size"], model_cfg["seq_len"], train_cfg["grad_accum_steps"]
+    cfg, hardware, log = run.cfg, run.hardware, run.log
     fileio.write_atomic(
         os.path.join(run.run_dir, "config.yaml"), lambda f: f.write(config.dump(cfg).encode())
     )
@@ -539,19 +477,8 @@ def start_log(run):
         f"{hardware.description}, {hardware.dtype}, attention {hardware.attention_backend}, "
         f"matmul peak {hardware.peak_tflops:.3g} TFLOP/s (MFU reference)"
     )
-    if run.dpo:
-        log(
-            f"global batch {ctx.world_size * batch * accum} pairs = {ctx.world_size} ranks x {batch} pairs "
-            f"(a chosen and a rejected sequence each, up to {seq_len} tokens) x {accum} accumulation; "
-            f"{train_cfg['max_steps']} steps"
-        )
-    else:
-        log(
-            f"global batch {batch * seq_len * accum * ctx.world_size} tokens = {ctx.world_size} ranks x {batch} "
-            f"sequences x {seq_len} tokens x {accum} accumulation; {train_cfg['max_steps']} steps"
-        )
-    if hardware.memory_gib is not None and not run.dpo:  # the estimate models a next-token step
-        log(memory_line(model_cfg, batch, hardware.dtype, hardware.loss_chunk_size, hardware.memory_gib))
+    for line in run.objective.describe():
+        log(line)
 
 
 # -----------------------------------------------------------------------------
@@ -561,7 +488,7 @@ def start_log(run):
 @dataclass
 class StepResult:
     loss_sum: torch.Tensor  # the step's mean loss (this rank's until the log line averages the ranks)
-    pair_sums: torch.Tensor  # DPO's figures summed over this rank's pairs (objective.PAIR_STATS)
+    figure_sums: torch.Tensor  # the objective's figures summed over this rank's micro-batches
     grad_norm: torch.Tensor
     finite: bool  # False: the step was skipped (a non-finite loss or gradient on some rank)
     tokens: int  # tokens this rank trained on
@@ -576,24 +503,15 @@ def optimizer_step(run, lr):
     accum = train_cfg["grad_accum_steps"]
     optim.set_lr(optimizer, lr, train_cfg)
     loss_sum = torch.zeros((), device=hardware.device)
-    pair_sums = torch.zeros(len(objective.PAIR_STATS), dtype=torch.float64)
-    step_tokens = 0
+    figure_sums, step_tokens = None, 0
     for micro in range(accum):
         sync = micro == accum - 1
         with model.no_sync() if ctx.enabled and not sync else contextlib.nullcontext():
-            if run.dpo:
-                loss, sums, tokens = objective.dpo_micro_step(
-                    model, run.loader.next_batch(), run.reference["train"], train_cfg["dpo"], hardware
-                )
-                pair_sums += sums
-            else:
-                x, y = (t.to(hardware.device, non_blocking=True) for t in run.loader.next_batch())
-                with hardware.autocast():
-                    _, losses = model(x, y)
-                loss, tokens = losses["loss"], x.numel()
+            loss, sums, tokens = run.objective.micro_step(model, run.loader.next_batch())
             loss = loss / accum
             hardware.scaler.scale(loss).backward()
         loss_sum += loss.detach()
+        figure_sums = sums if figure_sums is None else figure_sums + sums
         step_tokens += tokens
 
     hardware.scaler.unscale_(optimizer)
@@ -610,7 +528,7 @@ def optimizer_step(run, lr):
         scale_before = hardware.scaler.get_scale()
         hardware.scaler.update(None if finite else scale_before * hardware.scaler.get_backoff_factor())
     optimizer.zero_grad(set_to_none=True)
-    return StepResult(loss_sum, pair_sums, grad_norm, finite, step_tokens)
+    return StepResult(loss_sum, figure_sums, grad_norm, finite, step_tokens)
 
 
 class Window:
@@ -631,8 +549,9 @@ def log_step(run, result, lr, window):
     if ctx.enabled:
         dist.all_reduce(result.loss_sum)  # gloo has no AVG
         result.loss_sum /= ctx.world_size
-        result.pair_sums = result.pair_sums.to(hardware.device)
-        dist.all_reduce(result.pair_sums)
+        if result.figure_sums.numel():
+            result.figure_sums = result.figure_sums.to(hardware.device)
+            dist.all_reduce(result.figure_sums)
     if hardware.device.type == "cuda":
         torch.cuda.synchronize()
     now = time.perf_counter()
@@ -654,14 +573,12 @@ def log_step(run, result, lr, window):
     }
     if hardware.scaler.is_enabled():
         record["loss_scale"] = hardware.scaler.get_scale()
-    pairs = objective.pair_means(result.pair_sums.cpu()) if run.dpo else {}  # this step's pairs
-    record |= {
-        key: pairs[key] for key in ("margin", "chosen_reward", "rejected_reward", "accuracy") if key in pairs
-    }
+    figures, figures_text = run.objective.figures(result.figure_sums.cpu())
+    record |= figures
     run.metrics.write(record)
     run.log(
         f"step {step}/{train_cfg['max_steps']} | loss {record['loss']:.4f} | "
-        + (f"margin {pairs['margin']:.3f} | acc {100 * pairs['accuracy']:.0f}% | " if run.dpo else "")
+        + figures_text
         + f"lr {lr:.1e} | gnorm {record['grad_norm']:.2f} | {format_rate(tokens_per_second)} tok/s | "
         f"mfu {100 * mfu:.0f}% | {format_duration(elapsed)} | eta {format_duration(eta)}"
         + (f" | skipped {run.skipped_steps}" if run.skipped_steps else "")
@@ -671,23 +588,9 @@ def log_step(run, result, lr, window):
 
 def evaluate_run(run):
     """The held-out evaluation of the objective being trained, into metrics.jsonl and the log."""
-    cfg, step = run.cfg, run.step
-    if run.dpo:
-        result = objective.dpo_evaluate(run.model, run.reference, cfg, run.hardware, run.ctx)
-        run.metrics.write({"step": step, **result})
-        run.log(
-            f"eval step {step} | val_loss {result['val_loss']:.4f} | held-out reward accuracy "
-            f"{100 * result['val_accuracy']:.1f}% of {result['val_pairs']} pairs | margin "
-            f"{result['val_margin']:.3f} | chosen answer likelier than under {cfg['train']['init_from']} for "
-            f"{100 * result['val_chosen_likelier']:.1f}% of {result['val_prompts']} prompts"
-        )
-    else:
-        token_bytes = torch.as_tensor(
-            run.tokenizer.token_bytes, dtype=torch.float64, device=run.hardware.device
-        )
-        result = evaluate(run.model, cfg, run.hardware, run.ctx, token_bytes)
-        run.metrics.write({"step": step, **result})
-        run.log(f"eval step {step} | val_loss {result['val_loss']:.4f} | val_bpb {result['val_bpb']:.4f}")
+    result, text = run.objective.evaluate(run.model)
+    run.metrics.write({"step": run.step, **result})
+    run.log(f"eval step {run.step} | {text}")
 
 
 def write_checkpoint(run):
@@ -710,7 +613,7 @@ def write_checkpoint(run):
             "skipped_steps": run.skipped_steps,
             "world_size": ctx.world_size,
             "tokenizer": run.tokenizer_record,
-            **({"reference": run.reference} if run.dpo else {}),
+            **run.objective.checkpoint_state(),
             "config": run.cfg,
             "code_version": fileio.code_version(),
         }

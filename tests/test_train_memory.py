@@ -11,8 +11,8 @@ import yaml
 
 import config
 import microbatch
+import objective
 import optim
-import train
 from bench import model as bench_model
 from model import Transformer
 
@@ -103,10 +103,10 @@ def test_the_largest_micro_batch_is_the_last_whose_estimate_fits():
 def test_a_run_on_a_gpu_profile_logs_its_estimate_and_warns_when_the_micro_batch_may_not_fit():
     cfg, profile_2060 = layer("model", "tiny-50m"), layer("hardware", "turing-2060")
     dtype, chunk, memory_gib = (profile_2060[key] for key in ("dtype", "loss_chunk_size", "memory_gib"))
-    line = train.memory_line(cfg, 16, dtype, chunk, memory_gib)
+    line = objective.memory_line(cfg, 16, dtype, chunk, memory_gib)
     assert line.startswith("memory: ~") and "GiB estimated for a step of 16 sequences" in line
     assert "WARNING" not in line
-    full_logits = train.memory_line(cfg, 16, dtype, 0, memory_gib)
+    full_logits = objective.memory_line(cfg, 16, dtype, 0, memory_gib)
     assert "WARNING: it may not fit hardware.memory_gib: lower train.micro_batch_size to" in full_logits
     assert "or set hardware.loss_chunk_size" in full_logits
 
