@@ -1,8 +1,10 @@
 """
 The optimizers of train.py (train.optimizer): AdamW alone, or Muon for the decoder blocks' hidden matrices with
-AdamW for the rest; the parameter groups each one moves, and the learning rate the schedule sets on them. The
-Newton-Schulz iteration runs in the board's dtype (hardware.muon_ns_dtype), passed in by the caller.
+AdamW for the rest; the parameter groups each one moves; the learning-rate schedule (lr_at) that set_lr puts
+on them. The Newton-Schulz iteration runs in the board's dtype (hardware.muon_ns_dtype), passed in by the caller.
 """
+
+import math
 
 import torch
 from torch.optim._muon import _adjust_lr
@@ -164,6 +166,20 @@ def build_optimizer(model, train_cfg, ns_dtype):
         {"params": scalars, "weight_decay": 0.0},
     ]
     return MuonWithAdamW(muon, adamw([g for g in rest if g["params"]], train_cfg))
+
+
+def lr_at(step, train):
+    """Warmup-stable-decay learning rate of optimizer step `step` (0-based), from the step alone."""
+    peak, total = train["lr"], train["max_steps"]
+    decay_steps = int(train["decay_fraction"] * total)
+    decay_start = total - decay_steps
+    if step < train["warmup_steps"]:
+        return peak * (step + 1) / train["warmup_steps"]
+    if step < decay_start:
+        return peak
+    progress = min(1.0, (step - decay_start + 1) / decay_steps)
+    remaining = 1.0 - progress if train["decay_shape"] == "linear" else 1.0 - math.sqrt(progress)
+    return peak * (train["min_lr_ratio"] + (1.0 - train["min_lr_ratio"]) * remaining)
 
 
 def set_lr(optimizer, lr, train_cfg):

@@ -15,7 +15,6 @@ is hardware.py's business; the hardware profile (configs/hardware/) is the only 
 
 import contextlib
 import json
-import math
 import os
 import random
 import signal
@@ -57,24 +56,6 @@ SHAPE_KEYS += [("data", "format"), ("train", "objective")]
 
 class TrainError(Exception):
     """A problem the user can fix; main() prints it without a traceback and exits 2."""
-
-
-# -----------------------------------------------------------------------------
-# Schedule (the optimizers and the groups they move: optim.py)
-
-
-def lr_at(step, train):
-    """Warmup-stable-decay learning rate of optimizer step `step` (0-based), from the step alone."""
-    peak, total = train["lr"], train["max_steps"]
-    decay_steps = int(train["decay_fraction"] * total)
-    decay_start = total - decay_steps
-    if step < train["warmup_steps"]:
-        return peak * (step + 1) / train["warmup_steps"]
-    if step < decay_start:
-        return peak
-    progress = min(1.0, (step - decay_start + 1) / decay_steps)
-    remaining = 1.0 - progress if train["decay_shape"] == "linear" else 1.0 - math.sqrt(progress)
-    return peak * (train["min_lr_ratio"] + (1.0 - train["min_lr_ratio"]) * remaining)
 
 
 # -----------------------------------------------------------------------------
@@ -638,7 +619,7 @@ def _train(cfg, ctx, hardware, resume, stop_after, log, stop):
     stopped_by = None
     with stop or StopSignals() as stop:
         while run.step < train_cfg["max_steps"]:
-            lr = lr_at(run.step, train_cfg)
+            lr = optim.lr_at(run.step, train_cfg)
             result = optimizer_step(run, lr)
             run.step += 1
             window.tokens += result.tokens

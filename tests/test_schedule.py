@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from train import lr_at
+from optim import lr_at
 
 TRAIN = {"lr": 1e-3, "max_steps": 100, "warmup_steps": 10, "decay_fraction": 0.2, "min_lr_ratio": 0.1}
 
