@@ -14,14 +14,18 @@ and loads as is); a newer one than this code reads is refused by name. A checkpo
 containers only (torch.load weights_only=True reads it), never a module path of ours, so that moving a file
 of this code never stops an old checkpoint from loading.
 
-This file knows nothing about the training loop; train.py, sample.py, serve/app.py and export.py import it.
+Besides the files: each rank's RNG state that a checkpoint carries, and the check that a checkpoint fits
+a run it initializes (train.init_from). This file knows nothing about the training loop; train.py,
+sample.py, serve/app.py and export.py import it.
 """
 
 import contextlib
 import hashlib
 import os
+import random
 import sys
 
+import numpy as np
 import torch
 
 import config
@@ -105,6 +109,18 @@ def check_room_for_checkpoints(run_dir, per_checkpoint, keep_last, mode, log=pri
     log(f"warning: {problem} (train.space_check=warn: training anyway)")
 
 
+def replace_run(run_dir):
+    """Delete what a run wrote in run_dir (checkpoints, their temp files, metrics, resolved config) and
+    nothing else; returns what was removed, for the log."""
+    checkpoints = list_checkpoints(run_dir)
+    for path in checkpoints:
+        os.unlink(path)
+    for name in os.listdir(run_dir):
+        if (name.startswith(".ckpt_") and name.endswith(".tmp")) or name in ("metrics.jsonl", "config.yaml"):
+            os.unlink(os.path.join(run_dir, name))
+    return f"removed {len(checkpoints)} checkpoint(s) and its metrics"
+
+
 def load_checkpoint(path):
     # map_location="cpu": RNG states must stay CPU tensors, and any rank can read any checkpoint.
     state = torch.load(path, map_location="cpu", weights_only=True)
@@ -148,6 +164,43 @@ def read_run(path, log=print):
 
 
 # -----------------------------------------------------------------------------
+# RNG state: each rank's, in every checkpoint
+
+
+def rng_state():
+    np_state = np.random.get_state()
+    state = {
+        "python": random.getstate(),
+        # numpy's state holds an ndarray; stored as plain values so weights_only=True can load it.
+        "numpy": {
+            "keys": np_state[1].tolist(),
+            "pos": int(np_state[2]),
+            "gauss": [int(np_state[3]), np_state[4]],
+        },
+        "torch_cpu": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["torch_cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _cpu_bytes(tensor):
+    # torch's RNG setters want a CPU ByteTensor; a state that travelled to the GPU (map_location="cuda")
+    # makes set_rng_state raise "RNG state must be a torch.ByteTensor". Always hand them CPU uint8.
+    return tensor.detach().to(device="cpu", dtype=torch.uint8)
+
+
+def set_rng_state(state):
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    np_keys = np.array(state["numpy"]["keys"], dtype=np.uint32)
+    np.random.set_state(("MT19937", np_keys, state["numpy"]["pos"], *state["numpy"]["gauss"]))
+    torch.set_rng_state(_cpu_bytes(state["torch_cpu"]))
+    if "torch_cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([_cpu_bytes(s) for s in state["torch_cuda"]])
+
+
+# -----------------------------------------------------------------------------
 # The tokenizer inside a checkpoint
 
 
@@ -169,6 +222,58 @@ def stored_tokenizer_sha256(checkpoint):
     if isinstance(record, dict):
         return record.get("sha256")
     return checkpoint.get("tokenizer_sha256")
+
+
+# Model keys that may differ between a run and the run it is initialized from (train.init_from): none of
+# them changes a weight's shape or meaning (the RoPE table is rebuilt for any seq_len).
+INIT_FREE_MODEL_KEYS = {"seq_len", "init_std", "zero_init_out_proj", "z_loss_coef"}
+
+
+def tokenizer_sha256(tokenizer):
+    path = getattr(tokenizer, "path", None)
+    return fileio.sha256_of_file(path) if path else tokenizer.name
+
+
+def init_checkpoint(cfg, log):
+    """(path, checkpoint) named by train.init_from, checked against this run: the model shape (seq_len
+    aside) and the tokenizer must be the same."""
+    source = cfg["train"]["init_from"]
+    if os.path.isdir(source):
+        try:
+            path, state = load_newest_checkpoint(source, log)
+        except CheckpointError as e:
+            raise CheckpointError(f"train.init_from: {e}") from None
+    elif os.path.isfile(source):
+        path = source
+        try:
+            state = load_checkpoint(source)
+        except Exception as e:  # noqa: BLE001 - any unreadable file is the same problem for the user
+            raise CheckpointError(f"train.init_from: {source}: not a loadable checkpoint ({e})") from None
+    else:
+        raise CheckpointError(f"train.init_from: {source}: no such run directory or checkpoint file")
+    saved, model_cfg = state["config"], cfg["model"]
+    differences = [
+        f"model.{key}: {path} has {saved['model'].get(key)!r}, this run has {model_cfg[key]!r}"
+        for key in sorted(set(model_cfg) | set(saved["model"]))
+        if key not in INIT_FREE_MODEL_KEYS and saved["model"].get(key) != model_cfg.get(key)
+    ]
+    ours = tokenizer_sha256(data.load_tokenizer(cfg["data"]))
+    theirs = stored_tokenizer_sha256(state)
+    if theirs is None:  # an older checkpoint: its tokenizer is the one its data config names
+        try:
+            theirs = tokenizer_sha256(data.load_tokenizer(saved["data"]))
+        except data.DataError as e:
+            raise CheckpointError(f"train.init_from: cannot check the tokenizer of {path}: {e}") from None
+    if theirs != ours:
+        differences.append(
+            f"tokenizer: {path} was trained with {str(theirs)[:12]}, this run's data gives {ours[:12]} "
+            "(sha256 of tokenizer.model; `python -m chat prepare` must copy the pretraining tokenizer)"
+        )
+    if differences:
+        raise CheckpointError(
+            f"train.init_from: {path} does not fit this run:\n  " + "\n  ".join(differences)
+        )
+    return path, state
 
 
 def check_chat_template_version(checkpoint, ckpt_path, log=print):

@@ -37,7 +37,6 @@ from bench import resume_check
 from chat import template
 from checkpoint import (
     list_checkpoints,
-    load_checkpoint,
     load_newest_checkpoint,
     save_checkpoint,
 )
@@ -58,55 +57,6 @@ class TrainError(Exception):
     """A problem the user can fix; main() prints it without a traceback and exits 2."""
 
 
-# -----------------------------------------------------------------------------
-# RNG state (the checkpoint files themselves: checkpoint.py)
-
-
-def rng_state():
-    np_state = np.random.get_state()
-    state = {
-        "python": random.getstate(),
-        # numpy's state holds an ndarray; stored as plain values so weights_only=True can load it.
-        "numpy": {
-            "keys": np_state[1].tolist(),
-            "pos": int(np_state[2]),
-            "gauss": [int(np_state[3]), np_state[4]],
-        },
-        "torch_cpu": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available():
-        state["torch_cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _cpu_bytes(tensor):
-    # torch's RNG setters want a CPU ByteTensor; a state that travelled to the GPU (map_location="cuda")
-    # makes set_rng_state raise "RNG state must be a torch.ByteTensor". Always hand them CPU uint8.
-    return tensor.detach().to(device="cpu", dtype=torch.uint8)
-
-
-def set_rng_state(state):
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    np_keys = np.array(state["numpy"]["keys"], dtype=np.uint32)
-    np.random.set_state(("MT19937", np_keys, state["numpy"]["pos"], *state["numpy"]["gauss"]))
-    torch.set_rng_state(_cpu_bytes(state["torch_cpu"]))
-    if "torch_cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([_cpu_bytes(s) for s in state["torch_cuda"]])
-
-
-def replace_run(run_dir):
-    """Delete what a run wrote in run_dir (checkpoints, their temp files, metrics, resolved config) and
-    nothing else; returns what was removed, for the log."""
-    checkpoints = list_checkpoints(run_dir)
-    for path in checkpoints:
-        os.unlink(path)
-    for name in os.listdir(run_dir):
-        if (name.startswith(".ckpt_") and name.endswith(".tmp")) or name in ("metrics.jsonl", "config.yaml"):
-            os.unlink(os.path.join(run_dir, name))
-    return f"removed {len(checkpoints)} checkpoint(s) and its metrics"
-
-
 def shape_differences(saved, current):
     differences = []
     for section, key in SHAPE_KEYS:
@@ -114,56 +64,6 @@ def shape_differences(saved, current):
         if before != now:
             differences.append(f"{section}.{key}: checkpoint has {before!r}, config has {now!r}")
     return differences
-
-
-# Model keys that may differ between a run and the run it is initialized from (train.init_from): none of
-# them changes a weight's shape or meaning (the RoPE table is rebuilt for any seq_len).
-INIT_FREE_MODEL_KEYS = {"seq_len", "init_std", "zero_init_out_proj", "z_loss_coef"}
-
-
-def tokenizer_sha256(tokenizer):
-    path = getattr(tokenizer, "path", None)
-    return fileio.sha256_of_file(path) if path else tokenizer.name
-
-
-def init_checkpoint(cfg, log):
-    """(path, checkpoint) named by train.init_from, checked against this run: the model shape (seq_len
-    aside) and the tokenizer must be the same."""
-    source = cfg["train"]["init_from"]
-    if os.path.isdir(source):
-        try:
-            path, state = load_newest_checkpoint(source, log)
-        except checkpoint.CheckpointError as e:
-            raise TrainError(f"train.init_from: {e}") from None
-    elif os.path.isfile(source):
-        path = source
-        try:
-            state = load_checkpoint(source)
-        except Exception as e:  # noqa: BLE001 - any unreadable file is the same problem for the user
-            raise TrainError(f"train.init_from: {source}: not a loadable checkpoint ({e})") from None
-    else:
-        raise TrainError(f"train.init_from: {source}: no such run directory or checkpoint file")
-    saved, model_cfg = state["config"], cfg["model"]
-    differences = [
-        f"model.{key}: {path} has {saved['model'].get(key)!r}, this run has {model_cfg[key]!r}"
-        for key in sorted(set(model_cfg) | set(saved["model"]))
-        if key not in INIT_FREE_MODEL_KEYS and saved["model"].get(key) != model_cfg.get(key)
-    ]
-    ours = tokenizer_sha256(data.load_tokenizer(cfg["data"]))
-    theirs = checkpoint.stored_tokenizer_sha256(state)
-    if theirs is None:  # an older checkpoint: its tokenizer is the one its data config names
-        try:
-            theirs = tokenizer_sha256(data.load_tokenizer(saved["data"]))
-        except data.DataError as e:
-            raise TrainError(f"train.init_from: cannot check the tokenizer of {path}: {e}") from None
-    if theirs != ours:
-        differences.append(
-            f"tokenizer: {path} was trained with {str(theirs)[:12]}, this run's data gives {ours[:12]} "
-            "(sha256 of tokenizer.model; `python -m chat prepare` must copy the pretraining tokenizer)"
-        )
-    if differences:
-        raise TrainError(f"train.init_from: {path} does not fit this run:\n  " + "\n  ".join(differences))
-    return path, state
 
 
 # -----------------------------------------------------------------------------
@@ -293,7 +193,9 @@ def previous_run(cfg, ctx, run_dir, resume, log):
         return ckpt_path, state
     if cfg["train"]["replace_run"]:
         if ctx.is_main and list_checkpoints(run_dir):
-            log(f"replacing the previous run in {run_dir}/ (train.replace_run: true): {replace_run(run_dir)}")
+            log(
+                f"replacing the previous run in {run_dir}/ (train.replace_run: true): {checkpoint.replace_run(run_dir)}"
+            )
         if ctx.enabled:
             dist.barrier()  # no rank goes on before the old run is gone
     elif list_checkpoints(run_dir):
@@ -388,7 +290,10 @@ def setup(cfg, ctx, hardware, resume, log):
     model_cfg, train_cfg = cfg["model"], cfg["train"]
     run_dir = run_dir_of(cfg)
     ckpt_path, state = previous_run(cfg, ctx, run_dir, resume, log)
-    init = init_checkpoint(cfg, log) if state is None and train_cfg["init_from"] else None
+    try:
+        init = checkpoint.init_checkpoint(cfg, log) if state is None and train_cfg["init_from"] else None
+    except checkpoint.CheckpointError as e:
+        raise TrainError(str(e)) from None
     os.makedirs(run_dir, exist_ok=True)
 
     # Seed everything, then build: identical initial weights on every rank.
@@ -432,18 +337,18 @@ def setup(cfg, ctx, hardware, resume, log):
     return run
 
 
-def restore(run, ckpt_path, checkpoint):
+def restore(run, ckpt_path, state):
     """Continue a run where its checkpoint left it: weights, optimizer, loss scale, this rank's loader
     position and RNG states, the step."""
-    run.raw_model.load_state_dict(checkpoint["model"])
-    run.optimizer.load_state_dict(checkpoint["optimizer"])
-    if checkpoint.get("scaler"):
-        run.hardware.scaler.load_state_dict(checkpoint["scaler"])
-    own = checkpoint["ranks"][run.ctx.rank]
+    run.raw_model.load_state_dict(state["model"])
+    run.optimizer.load_state_dict(state["optimizer"])
+    if state.get("scaler"):
+        run.hardware.scaler.load_state_dict(state["scaler"])
+    own = state["ranks"][run.ctx.rank]
     run.loader.load_state_dict(own["loader"])
-    set_rng_state(own["rng"])
-    run.step = checkpoint["step"]
-    run.skipped_steps = checkpoint.get("skipped_steps", 0)
+    checkpoint.set_rng_state(own["rng"])
+    run.step = state["step"]
+    run.skipped_steps = state.get("skipped_steps", 0)
     run.log(f"resumed from {ckpt_path} at step {run.step}")
 
 
@@ -578,7 +483,7 @@ def write_checkpoint(run):
     """Every rank's loader position and RNG states gathered to rank 0, which writes the checkpoint; all
     ranks wait until it is on disk."""
     ctx = run.ctx
-    rank_state = {"rng": rng_state(), "loader": run.loader.state_dict()}
+    rank_state = {"rng": checkpoint.rng_state(), "loader": run.loader.state_dict()}
     ranks = [None] * ctx.world_size
     if ctx.enabled:
         dist.all_gather_object(ranks, rank_state)

@@ -46,6 +46,7 @@ import warnings
 
 import torch
 
+import checkpoint
 import config
 import data
 import fileio
@@ -427,7 +428,7 @@ def step_ddp(check, cfg):
             )
     if "resumed from" not in outputs[1]:
         raise CheckError("the second torchrun did not resume: " + outputs[1][-300:])
-    last = train.load_checkpoint(train.list_checkpoints(train.run_dir_of(ddp))[0])
+    last = checkpoint.load_checkpoint(train.list_checkpoints(train.run_dir_of(ddp))[0])
     if (last["step"], last["world_size"]) != (steps, ranks):
         raise CheckError(f"the last checkpoint is step {last['step']} of {last['world_size']} ranks")
     rate = [r for r in metrics_of(train.run_dir_of(ddp)) if "tokens_per_s" in r][-1]["tokens_per_s"]

@@ -33,7 +33,7 @@ def fake_training_state(step):
         "step": step,
         "model": {"w": torch.full((4, 4), float(step))},
         "optimizer": {"state": {}, "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.95)}]},
-        "ranks": [{"rng": train.rng_state(), "loader": {"position": step}}],
+        "ranks": [{"rng": checkpoint.rng_state(), "loader": {"position": step}}],
         "config": {"run_name": "t", "model": {}},
     }
 
@@ -104,7 +104,7 @@ def test_resume_without_any_checkpoint_is_a_clear_error(tmp_path):
 def test_rng_states_reach_the_setters_as_cpu_uint8(tmp_path, monkeypatch):
     # The GPU-server failure: a checkpoint loaded onto the GPU hands set_rng_state a CUDA tensor and torch
     # raises "RNG state must be a torch.ByteTensor". Whatever the stored form, the setters get CPU bytes.
-    state = train.rng_state()
+    state = checkpoint.rng_state()
     state["torch_cpu"] = state["torch_cpu"].to(torch.int64)  # a state that lost its dtype on the way
     path = checkpoint.save_checkpoint(
         str(tmp_path), 1, fake_training_state(1) | {"ranks": [{"rng": state}]}, 2
@@ -113,18 +113,18 @@ def test_rng_states_reach_the_setters_as_cpu_uint8(tmp_path, monkeypatch):
     received = []
     real_setter = torch.set_rng_state
     monkeypatch.setattr(torch, "set_rng_state", lambda s: (received.append(s), real_setter(s)))
-    train.set_rng_state(loaded)
+    checkpoint.set_rng_state(loaded)
     assert len(received) == 1
     assert received[0].device.type == "cpu" and received[0].dtype == torch.uint8
 
 
 def test_restored_rng_states_replay_the_same_random_numbers():
-    state = train.rng_state()
+    state = checkpoint.rng_state()
     buffer = io.BytesIO()
     torch.save(state, buffer)
     expected = (random.random(), np.random.rand(), torch.rand(3))
     buffer.seek(0)
-    train.set_rng_state(torch.load(buffer, weights_only=True))
+    checkpoint.set_rng_state(torch.load(buffer, weights_only=True))
     replay = (random.random(), np.random.rand(), torch.rand(3))
     assert replay[:2] == expected[:2] and torch.equal(replay[2], expected[2])
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 from conftest import ROOT, tiny_args, tiny_config
 
+import checkpoint
 import train
 from bench import resume_check
 
@@ -29,7 +30,7 @@ def torchrun(args, script="train.py", timeout=180):
 
 
 def newest(run_dir):
-    return train.load_checkpoint(train.list_checkpoints(run_dir)[0])
+    return checkpoint.load_checkpoint(train.list_checkpoints(run_dir)[0])
 
 
 def test_two_ranks_with_accumulation_k_match_one_process_with_accumulation_2k(tmp_path, shard_data_dir):

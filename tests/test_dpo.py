@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from conftest import CHAT_SEQ_LEN, ROOT, TINY, example_conversations, write_jsonl
 
+import checkpoint
 import config
 import data
 import hardware
@@ -187,7 +188,7 @@ def dpo_config(pair_data, init_from, runs_dir, *overrides):
 
 
 def newest(cfg):
-    return train.load_checkpoint(train.list_checkpoints(train.run_dir_of(cfg))[0])
+    return checkpoint.load_checkpoint(train.list_checkpoints(train.run_dir_of(cfg))[0])
 
 
 def test_a_dpo_run_logs_its_rewards_and_held_out_figures_and_keeps_the_starting_runs_reference_bit_for_bit(
@@ -199,16 +200,16 @@ def test_a_dpo_run_logs_its_rewards_and_held_out_figures_and_keeps_the_starting_
     assert any(line.startswith("global batch 8 pairs = 1 ranks x 4 pairs") for line in logs)
 
     # The reference is the starting run's log-probs: recomputed here from its checkpoint, the same bits.
-    start, _ = train.init_checkpoint(cfg, quiet)
+    start, _ = checkpoint.init_checkpoint(cfg, quiet)
     board = hardware.setup_hardware(cfg["hardware"])
     base = Transformer(cfg["model"], attention_backend=board.attention_backend)
-    base.load_state_dict(train.load_checkpoint(start)["model"])
+    base.load_state_dict(checkpoint.load_checkpoint(start)["model"])
     expected = objective.reference_log_probs(base, cfg, board, hardware.Dist(), quiet)
-    checkpoints = [train.load_checkpoint(path) for path in train.list_checkpoints(train.run_dir_of(cfg))]
+    checkpoints = [checkpoint.load_checkpoint(path) for path in train.list_checkpoints(train.run_dir_of(cfg))]
     assert [c["step"] for c in checkpoints] == [8, 6]
-    for checkpoint in checkpoints:
+    for ckpt in checkpoints:
         for split in data.SPLITS:
-            assert torch.equal(checkpoint["reference"][split], expected[split]), split
+            assert torch.equal(ckpt["reference"][split], expected[split]), split
     pairs = data.build_loader(cfg["data"], "train", 4, CHAT_SEQ_LEN, 0).pairs
     assert expected["train"].shape == (pairs, 2) and (expected["train"] < 0).all()
     moved = max((checkpoints[0]["model"][k] - w).abs().max().item() for k, w in base.state_dict().items())
@@ -353,7 +354,7 @@ def test_each_shipped_dpo_run_starts_from_the_shipped_sft_run_of_its_shape_and_t
     differing = {
         key: (base["model"][key], cfg["model"][key])
         for key in cfg["model"]
-        if key not in train.INIT_FREE_MODEL_KEYS and base["model"][key] != cfg["model"][key]
+        if key not in checkpoint.INIT_FREE_MODEL_KEYS and base["model"][key] != cfg["model"][key]
     }
     assert differing == {}
     assert cfg["data"]["chat"]["tokenizer"] == base["data"]["chat"]["tokenizer"]

@@ -10,6 +10,7 @@ from conftest import tiny_args, tiny_config
 from test_distributed import TORCHRUN, newest, torchrun
 from test_dpo import dpo_config, pair_data  # noqa: F401 (a fixture, used by name)
 
+import checkpoint
 import config
 import hardware
 import optim
@@ -178,7 +179,7 @@ MUON = ["train.optimizer=muon", "train.decay_fraction=0"]  # no decay: a run to 
 
 
 def final_checkpoint(cfg):
-    return train.load_checkpoint(train.list_checkpoints(train.run_dir_of(cfg))[0])
+    return checkpoint.load_checkpoint(train.list_checkpoints(train.run_dir_of(cfg))[0])
 
 
 def assert_resumes_bit_exact(make_config, steps=8):

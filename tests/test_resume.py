@@ -13,6 +13,7 @@ import pytest
 import torch
 from conftest import ROOT, start_training, tiny_args, tiny_config, wait_for_step
 
+import checkpoint
 import train
 from bench import resume_check
 
@@ -28,7 +29,7 @@ def dataset(request, byte_data_dir, shard_data_dir):
 
 
 def final_checkpoint(cfg):
-    return train.load_checkpoint(train.list_checkpoints(train.run_dir_of(cfg))[0])
+    return checkpoint.load_checkpoint(train.list_checkpoints(train.run_dir_of(cfg))[0])
 
 
 def assert_bit_identical(a, b):
@@ -75,7 +76,9 @@ def test_resume_after_sigterm_is_bit_exact_with_accumulation(tmp_path, dataset):
     output, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0, output
     assert "(SIGTERM); continue with --resume" in output
-    stopped_at = train.load_checkpoint(train.list_checkpoints(os.path.join(tmp_path, "split"))[0])["step"]
+    stopped_at = checkpoint.load_checkpoint(train.list_checkpoints(os.path.join(tmp_path, "split"))[0])[
+        "step"
+    ]
     assert 5 <= stopped_at < steps
 
     rest = tiny_config(tmp_path, kind, data_dir, "run_name=split", *common)

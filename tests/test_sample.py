@@ -117,7 +117,7 @@ def test_a_bad_path_is_a_clear_error(tmp_path):
 
 
 def test_a_checkpoint_whose_config_does_not_fit_its_weights_is_refused(byte_run, tmp_path):
-    state = train.load_checkpoint(train.list_checkpoints(byte_run)[0])
+    state = checkpoint.load_checkpoint(train.list_checkpoints(byte_run)[0])
     state["config"]["model"]["d_model"] = 64
     broken = tmp_path / "ckpt_0000006.pt"
     torch.save(state, broken)

@@ -24,6 +24,7 @@ from conftest import (
     write_jsonl,
 )
 
+import checkpoint
 import config
 import data
 import fileio
@@ -287,8 +288,8 @@ def test_init_from_starts_from_the_pretrained_weights_with_a_fresh_schedule(
     logs = []
     assert train.train(cfg, log=logs.append) == 2  # steps count from 0, not from the base run's 4
     assert any(line.startswith(f"initialized from {base_run}/ckpt_0000004.pt (step 4)") for line in logs)
-    base = train.load_checkpoint(train.list_checkpoints(base_run)[0])
-    tuned = train.load_checkpoint(train.list_checkpoints(train.run_dir_of(cfg))[0])
+    base = checkpoint.load_checkpoint(train.list_checkpoints(base_run)[0])
+    tuned = checkpoint.load_checkpoint(train.list_checkpoints(train.run_dir_of(cfg))[0])
     assert tuned["optimizer"]["state"][0]["step"] == 2  # a fresh AdamW
     for name, weight in base["model"].items():
         assert torch.allclose(weight, tuned["model"][name], atol=1e-6), name
@@ -316,7 +317,7 @@ def test_a_resumed_fine_tuning_continues_its_own_checkpoint_bit_exact_not_the_ba
     assert not any(line.startswith("initialized from") for line in logs)
 
     def final(cfg):
-        return train.load_checkpoint(train.list_checkpoints(train.run_dir_of(cfg))[0])
+        return checkpoint.load_checkpoint(train.list_checkpoints(train.run_dir_of(cfg))[0])
 
     count, differing, largest = resume_check.compare_states(final(full), final(sft("split")))
     assert count > 0 and not differing, f"{len(differing)} tensors differ (largest {largest})"
@@ -339,7 +340,7 @@ def test_init_from_a_run_of_another_shape_or_tokenizer_is_refused_naming_the_set
         train.train(cfg, log=quiet)
     assert not os.path.exists(train.run_dir_of(cfg))  # nothing half-written
 
-    state = train.load_checkpoint(train.list_checkpoints(base_run)[0])
+    state = checkpoint.load_checkpoint(train.list_checkpoints(base_run)[0])
     state["tokenizer"]["sha256"] = "0" * 64
     other = tmp_path / "other-tokenizer.pt"
     torch.save(state, other)
@@ -449,7 +450,7 @@ def test_chat_eval_of_the_runs_val_files_from_the_command_line(sft_run):
 
 
 def test_the_final_sample_of_a_chat_run_answers_the_prompt_as_a_user_turn(sft_run):
-    cfg = train.load_checkpoint(train.list_checkpoints(sft_run)[0])["config"]
+    cfg = checkpoint.load_checkpoint(train.list_checkpoints(sft_run)[0])["config"]
     assert cfg["data"]["format"] == "chat"
     model, _, tokenizer, _ = sample.load_run(sft_run)
     hardware = SimpleNamespace(device=torch.device("cpu"), autocast=contextlib.nullcontext)
@@ -470,7 +471,7 @@ def test_each_shipped_sft_run_starts_from_a_shipped_run_of_its_shape_and_tokeniz
     assert {
         key: (base["model"][key], cfg["model"][key])
         for key in cfg["model"]
-        if key not in train.INIT_FREE_MODEL_KEYS and base["model"][key] != cfg["model"][key]
+        if key not in checkpoint.INIT_FREE_MODEL_KEYS and base["model"][key] != cfg["model"][key]
     } == {}
     assert cfg["data"]["chat"]["tokenizer"] == data.tokenizer_path(base["data"])
 

@@ -14,6 +14,7 @@ import torch
 import yaml
 from conftest import ROOT, start_training, tiny_args, tiny_config, wait_for_step
 
+import checkpoint
 import config
 import model
 import train
@@ -89,7 +90,7 @@ def test_sigint_finishes_the_step_writes_a_checkpoint_and_exits_0(tmp_path, byte
     stopped = re.search(r"stopped at step (\d+) \(SIGINT\)", output)
     assert stopped, output
     newest = train.list_checkpoints(os.path.join(tmp_path, "interrupted"))[0]
-    assert train.load_checkpoint(newest)["step"] == int(stopped.group(1))
+    assert checkpoint.load_checkpoint(newest)["step"] == int(stopped.group(1))
 
 
 @contextlib.contextmanager
