@@ -19,7 +19,7 @@ TRAIN := $(if $(filter 1,$(NPROC)),$(PY),$(VENV)/bin/torchrun --standalone --npr
 
 .PHONY: setup lint check-configs test test-other-cpu clean smoke smoke-2060 pretrain resume-check data-smoke \
 	corpus-download corpus tokenizer encode corpus-smoke corpus-report smoke-corpus sample sample-chat bpb chat eval \
-	serve bench search agent-data agent-data-16k agent-eval sft-agent agent-ladder agent-ladder-16k agent-ladder-c agent-ladder-digits agent-ladder-table sync \
+	serve kernels bench search agent-data agent-data-16k agent-eval sft-agent agent-ladder agent-ladder-16k agent-ladder-c agent-ladder-digits agent-ladder-table sync \
 	remote-setup remote-smoke-2060 remote-pretrain logs fetch status chat-prepare sft sft-smoke \
 	plot export gguf-check snapshot restore install-service fuzz gpu-check eval-bench report preferences dpo dpo-smoke recipe
 
@@ -257,6 +257,11 @@ SERVE_RUN = $(if $(filter command line environment,$(origin RUN)),$(RUN),runs/sm
 serve: $(STAMP)
 	@test -e $(SERVE_RUN) || test "$(SERVE_RUN)" != runs/smoke-corpus-cpu || $(MAKE) smoke-corpus ARGS=
 	$(PY) -m serve $(SERVE_RUN) $(ARGS)
+
+# ENLACE's own CPU kernels (serve/matvec.cpp, serve/attention.cpp), built once into ~/.cache/enlace/kernels/
+# (the server otherwise builds them on its first start): the compiler's output shown, then where they are.
+kernels: $(STAMP)
+	$(PY) -m serve.kernel
 
 # --- tools (agent/tools.py) -----------------------------------------------------------------------------
 

@@ -1,23 +1,25 @@
 """
-ENLACE's own decode-step kernels on a CPU: the products (serve/matvec.cpp, the torch operators enlace::matvec
-and enlace::matvecs, several weights at once) and the attention (serve/attention.cpp,
-enlace::decode_attention), built once with the machine's C++ compiler ($CXX, else g++) into a cache folder,
-one library per sources, torch and compiler, then loaded into the process. serve/weights.with_kernels puts
-them in a model; serve.matvec_kernel switches them on; `make bench ARGS=llama` measures them against
-llama.cpp.
+ENLACE's own decode-step kernels on a CPU (serve/matvec.cpp: enlace::matvec and enlace::matvecs; serve/
+attention.cpp: enlace::decode_attention), built by torch.utils.cpp_extension with $CXX (else c++) into a
+cache folder per build key and loaded as torch operators. `make kernels` builds them ahead of a server.
 """
 
+import argparse
 import hashlib
 import os
 import shutil
-import subprocess
+import sys
 
 import torch
 from torch.utils import cpp_extension
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCES = tuple(os.path.join(HERE, name) for name in ("matvec.cpp", "attention.cpp"))
-FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c++20", "-w")
+NAME = "enlace_kernels"
+# The kernels are written for AVX2 and FMA; -fopenmp gives at::parallel_for its threads. cpp_extension adds
+# -fPIC, -shared, -std=c++20 and torch's headers and libraries.
+CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-Wall", "-Wextra")
+LDFLAGS = ("-fopenmp",)
 CAPABILITIES = ("AVX2", "AVX512")  # torch.backends.cpu.get_cpu_capability() values with AVX2 and FMA
 
 
@@ -30,58 +32,69 @@ def cache_dir(kind="kernels"):
     return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "enlace", kind)
 
 
-def compile_command(cxx, output):
-    library = cpp_extension.library_paths()[0]
-    return [
+def build_key(cxx):
+    """A digest of what changes the binary: the sources, the compiler and flags, torch's version and the
+    instruction set torch runs at (a cache folder shared with another CPU builds its own); and the paths in
+    ninja's commands (the sources', torch's), so that two checkouts or venvs do not rebuild in turn."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    settings = (
+        torch.__version__,
+        os.path.dirname(torch.__file__),
+        capability,
         cxx,
-        *FLAGS,
-        f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-        *(f"-I{path}" for path in cpp_extension.include_paths()),
+        *CFLAGS,
+        *LDFLAGS,
         *SOURCES,
-        "-o",
-        output,
-        f"-L{library}",
-        "-ltorch",
-        "-ltorch_cpu",
-        "-lc10",
-        f"-Wl,-rpath,{library}",
-    ]
-
-
-def build(folder=None, cxx=None):
-    """The path of the compiled library, building it first when the cache has none for this source, torch
-    and compiler (~15 s on a 2-core CPU). Two processes building at once each write their own temp file and
-    rename it into place."""
-    folder = folder or cache_dir()
-    cxx = cxx or os.environ.get("CXX") or "g++"
-    digest = hashlib.sha256("\0".join((torch.__version__, cxx, *FLAGS)).encode())
+    )
+    digest = hashlib.sha256("\0".join(settings).encode())
     for source in SOURCES:
         with open(source, "rb") as f:
             digest.update(f.read())
-    library = os.path.join(folder, f"enlace-{digest.hexdigest()[:16]}.so")
-    if os.path.exists(library):
-        return library
+    return digest.hexdigest()[:16]
+
+
+def last_compiler_line(output):
+    """The compiler's last line in ninja's output (ninja's own lines and the commands left out)."""
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    said = [line for line in lines if not line.startswith(("ninja: ", "FAILED: ", "[", "Error building"))]
+    return (said or lines or ["no output"])[-1][:300]
+
+
+def build(folder=None, verbose=False):
+    """The path of the compiled library, loaded into the process: torch.utils.cpp_extension builds it in
+    folder/<build key> (~15 s on a 2-core CPU) unless that folder holds it already; processes building at
+    once wait on its lock. verbose: ninja's commands and the compiler's output on stdout."""
+    folder = folder or cache_dir()
+    cxx = cpp_extension.get_cxx_compiler()
     if shutil.which(cxx) is None:
         raise KernelUnavailable(f"no C++ compiler: {cxx!r} is not on PATH (install g++ or set CXX)")
-    temp = f"{library}.{os.getpid()}.tmp"
+    if not cpp_extension.is_ninja_available():
+        raise KernelUnavailable("no ninja on PATH: torch builds C++ extensions with it (pip install ninja)")
+    directory = os.path.join(folder, build_key(cxx))
     try:
-        os.makedirs(folder, exist_ok=True)
-        done = subprocess.run(compile_command(cxx, temp), capture_output=True, text=True)
-        if done.returncode != 0:
-            lines = [line for line in done.stderr.splitlines() if line.strip()] or [
-                f"exit status {done.returncode}"
-            ]
-            raise KernelUnavailable(f"{cxx} could not build serve/*.cpp: {lines[-1].strip()[:300]}")
-        os.replace(temp, library)
+        os.makedirs(directory, exist_ok=True)
     except OSError as e:
         raise KernelUnavailable(f"cannot write the kernel into {folder}: {e.strerror or e}") from None
-    finally:
-        if os.path.exists(temp):
-            os.remove(temp)
-    return library
+    try:
+        return cpp_extension.load(
+            name=NAME,
+            sources=list(SOURCES),
+            extra_cflags=list(CFLAGS),
+            extra_ldflags=list(LDFLAGS),
+            build_directory=directory,
+            verbose=verbose,
+            is_python_module=False,
+        )
+    except RuntimeError as e:
+        if not str(e).startswith("Error building extension"):
+            raise KernelUnavailable(f"cannot load the kernel built in {directory}: {e}") from None
+        shutil.rmtree(directory, ignore_errors=True)  # no half-built folder left behind
+        raise KernelUnavailable(f"{cxx} could not build serve/*.cpp: {last_compiler_line(str(e))}") from None
+    except OSError as e:
+        raise KernelUnavailable(f"cannot load the kernel built in {directory}: {e}") from None
 
 
-def load():
+def load(verbose=False):
     """torch.ops.enlace.matvec (the products; torch.ops.enlace.decode_attention alongside), built if needed
     and loaded once per process; KernelUnavailable with the reason on a CPU without AVX2 (or one torch was
     told to treat so: ATEN_CPU_CAPABILITY) or without a working compiler."""
@@ -89,7 +102,7 @@ def load():
         capability = torch.backends.cpu.get_cpu_capability()
         if capability not in CAPABILITIES:
             raise KernelUnavailable(f"this CPU runs torch at {capability}; the kernel needs AVX2 and FMA")
-        torch.ops.load_library(build())
+        build(verbose=verbose)
 
         @torch.library.register_fake("enlace::matvec")
         def _(x, weight, scale):  # the output's shape and dtype, for torch.compile's tracing
@@ -104,3 +117,22 @@ def load():
             return torch.empty_like(q)
 
     return torch.ops.enlace.matvec
+
+
+def main(argv):
+    """make kernels: build them for this machine (ninja's commands and the compiler's output shown) and say
+    where they are; a machine that cannot run them is told why."""
+    argparse.ArgumentParser(
+        description="Build ENLACE's CPU kernels once and print where they are."
+    ).parse_args(argv)
+    try:
+        load(verbose=True)
+    except KernelUnavailable as e:
+        print(f"kernels: {e}", file=sys.stderr)
+        return 1
+    print(f"kernels: {build()}")  # built and loaded: the path of the library
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

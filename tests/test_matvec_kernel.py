@@ -273,11 +273,44 @@ def test_a_machine_that_cannot_run_the_kernel_is_told_why_and_the_server_uses_to
     assert done.stdout.strip() == "['Linear', 'LinearPackedParams']", done.stderr  # torch's int8, eager
 
 
-def test_a_compiler_that_fails_names_itself_and_its_last_line_and_leaves_no_file(tmp_path):
+def test_a_compiler_that_fails_names_itself_and_its_last_line_and_leaves_no_file(tmp_path, monkeypatch):
     failing = tmp_path / "failing-g++"
     failing.write_text("#!/bin/sh\necho 'matvec.cpp:1: error: out of memory' >&2\nexit 1\n")
     failing.chmod(0o755)
+    monkeypatch.setenv("CXX", str(failing))
     with pytest.raises(kernel.KernelUnavailable) as raised:
-        kernel.build(folder=str(tmp_path / "cache"), cxx=str(failing))
+        kernel.build(folder=str(tmp_path / "cache"))
     assert str(raised.value) == f"{failing} could not build serve/*.cpp: matvec.cpp:1: error: out of memory"
     assert os.listdir(tmp_path / "cache") == []
+
+
+def test_a_machine_without_ninja_is_told_so_before_anything_is_written(tmp_path, monkeypatch):
+    monkeypatch.setattr(kernel.cpp_extension, "is_ninja_available", lambda: False)
+    with pytest.raises(kernel.KernelUnavailable, match=r"no ninja on PATH: .* \(pip install ninja\)"):
+        kernel.build(folder=str(tmp_path / "cache"))
+    assert not os.path.exists(tmp_path / "cache")
+
+
+def test_the_build_folder_changes_with_the_sources_compiler_flags_torch_and_instruction_set(
+    tmp_path, monkeypatch
+):
+    copies = [tmp_path / os.path.basename(source) for source in kernel.SOURCES]
+    for source, copy in zip(kernel.SOURCES, copies, strict=True):
+        copy.write_bytes(open(source, "rb").read())
+    monkeypatch.setattr(kernel, "SOURCES", tuple(str(copy) for copy in copies))
+    key = kernel.build_key("g++")
+    assert kernel.build_key("g++") == key and len(key) == 16
+    changes = [
+        (kernel, "CFLAGS", (*kernel.CFLAGS, "-DCHANGED")),
+        (torch, "__version__", "0.0.0"),
+        (torch, "__file__", str(tmp_path / "torch" / "__init__.py")),  # another venv
+        (torch.backends.cpu, "get_cpu_capability", lambda: "ANOTHER"),
+    ]
+    keys = {kernel.build_key("clang++")}
+    for change in changes:
+        with monkeypatch.context() as patched:
+            patched.setattr(*change)
+            keys.add(kernel.build_key("g++"))
+    copies[1].write_bytes(copies[1].read_bytes() + b"\n")  # a source edited in place
+    keys.add(kernel.build_key("g++"))
+    assert key not in keys and len(keys) == 6
