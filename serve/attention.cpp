@@ -65,9 +65,9 @@ void attend(const float* q, const float* keys, const float* values, int64_t end,
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
                             const at::Tensor& ends) {
   TORCH_CHECK(q.device().is_cpu() && keys.device().is_cpu(), "enlace::decode_attention runs on the CPU");
-  TORCH_CHECK(q.scalar_type() == at::kFloat && keys.scalar_type() == at::kFloat &&
-                  values.scalar_type() == at::kFloat,
-              "enlace::decode_attention: q, keys and values must be float32");
+  TORCH_CHECK(
+      q.scalar_type() == at::kFloat && keys.scalar_type() == at::kFloat && values.scalar_type() == at::kFloat,
+      "enlace::decode_attention: q, keys and values must be float32");
   TORCH_CHECK(q.dim() == 4 && keys.dim() == 4 && keys.sizes() == values.sizes(),
               "enlace::decode_attention: q (slots, kv_heads, group, dim), keys and values (slots, kv_heads, "
               "max_len, dim)");

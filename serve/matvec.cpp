@@ -17,12 +17,12 @@
 
 namespace {
 
-constexpr int kWeightRows = 8;     // float32: weight rows read side by side, one memory stream each
-constexpr int kTileRows = 4;       // float32, several input rows: weight rows x input rows per tile,
-constexpr int kTileInputs = 3;     // 12 accumulators, 3 inputs and a weight: AVX2's 16 registers
-constexpr int kInt8InputRows = 4;  // int8: input rows sharing one weight row's loads
+constexpr int kWeightRows = 8;      // float32: weight rows read side by side, one memory stream each
+constexpr int kTileRows = 4;        // float32, several input rows: weight rows x input rows per tile,
+constexpr int kTileInputs = 3;      // 12 accumulators, 3 inputs and a weight: AVX2's 16 registers
+constexpr int kInt8InputRows = 4;   // int8: input rows sharing one weight row's loads
 constexpr int64_t kInt8Block = 16;  // int8: weight rows (8-22 KB) that meet every input row in cache
-constexpr int kChains = 2;         // int8: independent accumulators per row (an add waits on its latency)
+constexpr int kChains = 2;          // int8: independent accumulators per row (an add waits on its latency)
 constexpr float kInt16Top = 16383;  // |x| rounds to at most 2^14 - 1: 127 * 16383 * 2 fits an int32 lane
 constexpr int64_t kChunk = 4096;    // int32 lanes summed to float every kChunk columns: no overflow
 constexpr int64_t kMinBlocks = 4;   // fewest blocks of weight rows a thread takes
@@ -165,8 +165,8 @@ void block_int8(const int8_t* w, const float* w_scale, const int16_t* x, const f
 // Every input row against weight rows [begin, end): float32 kWeightRows at a time (the last few one by
 // one), int8 kInt8Block at a time; each block of weight rows meets all the input rows while in cache.
 // y's rows are ldy apart (several weights' products side by side).
-void all_rows(const at::Tensor& w, const float* w_scale, const float* x, const int16_t* x16, const float* x_scale,
-              float* y, int64_t m, int64_t k, int64_t ldy, int64_t begin, int64_t end) {
+void all_rows(const at::Tensor& w, const float* w_scale, const float* x, const int16_t* x16,
+              const float* x_scale, float* y, int64_t m, int64_t k, int64_t ldy, int64_t begin, int64_t end) {
   if (w.scalar_type() == at::kFloat) {
     const float* wp = w.data_ptr<float>();
     int64_t j = begin;
@@ -203,7 +203,7 @@ at::Tensor matvecs(const at::Tensor& x, at::TensorList weights, const c10::optio
   const bool int8 = weights[0].scalar_type() == at::kChar;
   const int64_t k = weights[0].dim() == 2 ? weights[0].size(1) : -1;
   TORCH_CHECK(int8 == scale.has_value(), "enlace::matvec: int8 weights need their row scales, float32 none");
-  std::vector<int64_t> offsets{0};  // where each weight's products start in a row of y
+  std::vector<int64_t> offsets{0};      // where each weight's products start in a row of y
   std::vector<int64_t> first_block{0};  // the blocks of weight rows the threads share, weight by weight
   const int64_t block = int8 ? kInt8Block : kWeightRows;
   for (size_t i = 0; i < weights.size(); ++i) {
@@ -218,8 +218,9 @@ at::Tensor matvecs(const at::Tensor& x, at::TensorList weights, const c10::optio
   }
   TORCH_CHECK(x.size(-1) == k, "enlace::matvec: x has ", x.size(-1), " columns, weight ", k);
   if (int8)
-    TORCH_CHECK(scale->scalar_type() == at::kFloat && scale->is_contiguous() && scale->numel() == offsets.back(),
-                "enlace::matvec: scale must be float32 with one value per weight row");
+    TORCH_CHECK(
+        scale->scalar_type() == at::kFloat && scale->is_contiguous() && scale->numel() == offsets.back(),
+        "enlace::matvec: scale must be float32 with one value per weight row");
   const float* w_scale = int8 ? scale->data_ptr<float>() : nullptr;
   const at::Tensor rows = x.is_contiguous() ? x : x.contiguous();
   const int64_t m = rows.numel() / k, ldy = offsets.back();
