@@ -38,6 +38,7 @@ lint: $(STAMP)
 	$(PY) config.py --all configs
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/clang-format --dry-run --Werror serve/*.cpp
 
 check-configs: $(STAMP)
 	$(PY) config.py --all configs
