@@ -366,6 +366,30 @@ def test_every_command_written_in_the_docs_is_accepted_by_what_it_names(doc):
     assert not problems, "commands in the docs that do not work as written:\n" + "\n".join(problems)
 
 
+README_CELL_LIMIT = 300  # characters: a status cell says what is done and links the page with the figures
+
+
+def long_table_cells(path, limit):
+    """'file:line: N characters' for each cell of a Markdown table (outside code blocks) over limit."""
+    found, fenced = [], False
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if line.lstrip().startswith("```"):
+                fenced = not fenced
+            elif not fenced and line.startswith("|"):
+                cells = re.split(r"(?<!\\)\|", line.strip().strip("|"))
+                found += [f"{os.path.basename(path)}:{number}: {len(c.strip())} characters"
+                          for c in cells if len(c.strip()) > limit]  # fmt: skip
+    return found
+
+
+def test_every_table_cell_of_the_readme_fits_in_300_characters():
+    long = long_table_cells(os.path.join(ROOT, "README.md"), README_CELL_LIMIT)
+    assert not long, "README.md table cells over 300 characters (move the figures to docs/):\n" + "\n".join(
+        long
+    )
+
+
 # -----------------------------------------------------------------------------
 # The check itself: what it finds and what it refuses
 
@@ -391,6 +415,18 @@ def test_commands_are_found_in_code_blocks_tables_and_inline_code(tmp_path):
         ("page.md:12", "python -m serve member add …", True),
         ("page.md:14", "make plot RUN=runs/a", True),
     ]
+
+
+def test_a_table_cell_over_the_limit_is_named_by_line_and_length_but_not_one_in_code_or_an_escaped_pipe(
+    tmp_path,
+):
+    cell = "x" * 12
+    doc = write_doc(
+        tmp_path,
+        f"| a | b |\n|---|---|\n| corto | {cell} |\n| `a \\| b` {cell} | c |\n\n```text\n| {cell}{cell} |\n```\n",
+    )
+    assert long_table_cells(doc, 11) == ["page.md:3: 12 characters", "page.md:4: 21 characters"]
+    assert long_table_cells(doc, 21) == []
 
 
 def test_a_renamed_flag_fails_naming_the_file_the_line_and_the_flag(tmp_path):
