@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 import checkpoint
 import data
-import unicode_text
+import fileio
 from agent import grammar, tools
 from chat import template
 from checkpoint import CheckpointError
@@ -534,7 +534,7 @@ def parse_args(argv):
 
 
 def main(argv):
-    problem = unicode_text.undecodable_argument(argv)
+    problem = fileio.undecodable_argument(argv)
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2

@@ -35,7 +35,7 @@ from urllib.parse import parse_qs, urlencode, urlsplit
 
 import urllib3
 
-import unicode_text
+import fileio
 
 log = logging.getLogger("search")
 
@@ -815,7 +815,7 @@ def print_response(response: SearchResponse) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    problem = unicode_text.undecodable_argument(argv)
+    problem = fileio.undecodable_argument(argv)
     if problem:
         print(f"search.py: error: {problem}", file=sys.stderr)
         return 2

@@ -50,8 +50,8 @@ from dataclasses import dataclass, field
 import jsonschema
 
 import config
+import fileio
 import search
-import unicode_text
 from family import memories
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -821,7 +821,7 @@ def cite_sources(answer, sources):
 
 
 def main(argv):
-    problem = unicode_text.undecodable_argument(argv)
+    problem = fileio.undecodable_argument(argv)
     if problem:
         print(f"agent/tools.py: error: {problem}", file=sys.stderr)
         return 2

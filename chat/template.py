@@ -47,7 +47,7 @@ import os
 import jsonschema
 
 import config
-import unicode_text
+import fileio
 
 ROLES = ("system", "user", "assistant", "tool")
 # data.TOOL_TAGS, the tokenizer's pieces for them (chat/template.py stays free of torch; a test keeps the two equal).
@@ -123,7 +123,7 @@ def training_problems(conversation):
 def text_problems(conversation):
     """A string that is not Unicode text (a lone surrogate, as JSON's "\\ud800" escape gives): the tokenizer
     cannot encode it."""
-    problem = unicode_text.text_problem(conversation)
+    problem = fileio.text_problem(conversation)
     return [f"{problem[0] or 'conversation'}: {problem[1]}"] if problem else []
 
 

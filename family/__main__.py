@@ -21,7 +21,6 @@ import sys
 
 import config
 import fileio
-import unicode_text
 from family import memories, store
 
 SERVE_CONFIG = os.path.join(os.path.dirname(memories.DEFAULT_CONFIG), "..", "serve", "default.yaml")
@@ -75,7 +74,7 @@ def parse_args(argv):
 
 @fileio.reports_storage_errors
 def main(argv):
-    problem = unicode_text.undecodable_argument(argv)
+    problem = fileio.undecodable_argument(argv)
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2

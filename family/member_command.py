@@ -9,7 +9,7 @@ import getpass
 import sys
 
 import config
-import unicode_text
+import fileio
 from family import accounts
 
 
@@ -29,7 +29,7 @@ def read_password(settings, stream=sys.stdin):
             password = stream.readline().rstrip("\n")
     except UnicodeDecodeError:  # a strict decoder (a UTF-8 locale)
         raise not_text from None
-    if unicode_text.LONE_SURROGATE.search(password):  # a surrogateescape decoder (the C locale)
+    if fileio.LONE_SURROGATE.search(password):  # a surrogateescape decoder (the C locale)
         raise not_text
     problem = accounts.password_problem(password, settings)
     if problem:

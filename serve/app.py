@@ -72,7 +72,6 @@ from starlette.staticfiles import StaticFiles
 
 import config
 import fileio
-import unicode_text
 from agent import grammar, tools
 from chat import template
 from family import accounts, member_command, memories, store
@@ -934,7 +933,7 @@ def serve_main(argv):
 
 @fileio.reports_storage_errors
 def main(argv):
-    problem = unicode_text.undecodable_argument(argv)
+    problem = fileio.undecodable_argument(argv)
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2

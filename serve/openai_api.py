@@ -8,7 +8,7 @@ nor the model: serve/app.py reads the requests and answers them, serve/worker.py
 import json
 import secrets
 
-import unicode_text
+import fileio
 from agent import tools
 
 MESSAGE_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -50,7 +50,7 @@ def check_text(value, max_depth):
     """The one check of a request's text (web.read_json runs it on every JSON body): every string and
     key must be Unicode text (JSON's "\\ud800" escape gives a lone surrogate, which SQLite, the tokenizer and
     the JSON answer all refuse) and the nesting at most max_depth deep; else a 400 naming the field."""
-    problem = unicode_text.text_problem(value, max_depth)
+    problem = fileio.text_problem(value, max_depth)
     if problem:
         raise text_error(*problem)
 
