@@ -55,3 +55,12 @@ def test_a_long_function_is_found_and_named(tmp_path):
     path = tmp_path / "x.py"
     path.write_text("def short():\n    pass\n\n\ndef long():\n" + "    x = 1\n" * 130)
     assert long_functions(str(path), 120) == [f"{os.path.relpath(str(path), ROOT)}:5 long (131 lines)"]
+
+
+def test_the_repository_ships_an_mit_licence_that_the_seed_data_names():
+    with open(os.path.join(ROOT, "LICENSE"), encoding="utf-8") as f:
+        licence = f.read()
+    assert licence.startswith("MIT License") and "The ENLACE authors" in licence
+    with open(os.path.join(ROOT, "conversations", "README.md"), encoding="utf-8") as f:
+        readme = f.read()
+    assert "MIT" in readme and "`LICENSE`" in readme
