@@ -32,6 +32,7 @@ class DeviceCaps:
     name: str = "cpu"
     capability: tuple = (0, 0)  # CUDA compute capability
     bf16_native: bool = False  # False on Turing, where bf16 only runs emulated
+    memory_gib: float | None = None  # the board's whole memory; None: not known (the CPU), not checked
 
 
 def bf16_is_native(device_index=0):
@@ -51,6 +52,7 @@ def probe_device(local_rank=0):
         name=torch.cuda.get_device_name(local_rank),
         capability=torch.cuda.get_device_capability(local_rank),
         bf16_native=bf16_is_native(local_rank),
+        memory_gib=torch.cuda.get_device_properties(local_rank).total_memory / 2**30,
     )
 
 
@@ -84,6 +86,12 @@ def check_hardware(profile, caps):
         )
     if profile["dtype"] == "float16" and not profile["grad_scaler"]:
         problems.append(f"{name}: float16 without a GradScaler underflows; set grad_scaler: true")
+    if caps.memory_gib is not None and profile["memory_gib"] and caps.memory_gib < profile["memory_gib"]:
+        problems.append(
+            f"{name} lets a training step fill memory_gib: {profile['memory_gib']} GiB, but {caps.name} has "
+            f"{caps.memory_gib:.1f} GiB in all; use the profile of this board, or a memory_gib below "
+            f"{caps.memory_gib:.1f} (the board's memory less ~1 GiB for the CUDA context and the allocator)"
+        )
     return problems
 
 

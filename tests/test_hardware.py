@@ -89,3 +89,43 @@ def test_a_negative_loss_chunk_size_is_refused_naming_the_key():
         config.ConfigError, match=r"hardware.loss_chunk_size: -1 is out of range; expected >= 0"
     ):
         config.load(os.path.join(ROOT, "configs", "smoke-cpu.yaml"), ["hardware.loss_chunk_size=-1"])
+
+
+def fake_board(monkeypatch, name, capability, total_bytes):
+    """torch.cuda's device queries answering as the named board would."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=0: name)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=0: capability)
+    monkeypatch.setattr(
+        torch.cuda, "is_bf16_supported", lambda including_emulation=True: capability >= (8, 0)
+    )
+    properties = type("Properties", (), {"total_memory": total_bytes})()
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index=0: properties)
+
+
+def test_a_board_with_less_memory_than_the_profile_assumes_is_refused_in_one_line(monkeypatch):
+    fake_board(monkeypatch, "NVIDIA GeForce RTX 2060", (7, 5), 6 * 10**9)  # the 6 GB RTX 2060
+    with pytest.raises(hardware.HardwareError) as refused:
+        hardware.setup_hardware(profile("turing-2060"))
+    (line,) = str(refused.value).splitlines()
+    assert "hardware profile 'turing-2060' lets a training step fill memory_gib: 10.5 GiB" in line
+    assert "NVIDIA GeForce RTX 2060 has 5.6 GiB in all" in line
+
+
+def test_the_board_memory_is_probed_and_a_board_with_enough_passes(monkeypatch):
+    fake_board(monkeypatch, "NVIDIA GeForce RTX 2060", (7, 5), 12 * 10**9)  # the 12 GB RTX 2060
+    caps = hardware.probe_device()
+    assert caps.memory_gib == pytest.approx(11.18, abs=0.01)
+    assert check_hardware(profile("turing-2060"), caps) == []
+    assert check_hardware(profile("cpu"), caps) == []  # a CPU profile never asks for board memory
+
+
+def test_measured_throughput_is_an_optional_map_of_model_to_figure_date_and_machine():
+    run = os.path.join(ROOT, "configs", "smoke-cpu.yaml")
+    figure = '{"tiny-50m": {"tokens_per_s": 41000, "date": "2026-12-04", "machine": "RTX 2060 12 GB"}}'
+    cfg = config.load(run, [f"hardware.measured={figure}"])
+    assert cfg["hardware"]["measured"]["tiny-50m"]["tokens_per_s"] == 41000
+    with pytest.raises(config.ConfigError, match=r"hardware.measured.tiny-50m.machine: required key missing"):
+        config.load(run, ['hardware.measured={"tiny-50m": {"tokens_per_s": 41000, "date": "2026-12-04"}}'])
+    for board in ("turing-2060", "blackwell-5090", "hopper-h200"):
+        assert profile(board)["measured"] == {}  # nothing measured yet: no figure is made up
