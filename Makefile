@@ -254,10 +254,12 @@ search: $(STAMP)
 
 # The family's server (API + web page) on http://127.0.0.1:8000/. Chat needs a sentencepiece run: without
 # RUN= it serves runs/smoke-corpus-cpu, training it first on a fresh clone. Accounts: python -m serve member.
+# DEVICE=cpu|cuda; without it, auto: the device the run trained on, where this machine has it.
 SERVE_RUN = $(if $(filter command line environment,$(origin RUN)),$(RUN),runs/smoke-corpus-cpu)
+SERVE_DEVICE = $(if $(filter command line environment,$(origin DEVICE)),$(DEVICE),auto)
 serve: $(STAMP)
 	@test -e $(SERVE_RUN) || test "$(SERVE_RUN)" != runs/smoke-corpus-cpu || $(MAKE) smoke-corpus ARGS=
-	$(PY) -m serve $(SERVE_RUN) $(ARGS)
+	$(PY) -m serve $(SERVE_RUN) --device $(SERVE_DEVICE) $(ARGS)
 
 # ENLACE's own CPU kernels (serve/matvec.cpp, serve/attention.cpp), built once into ~/.cache/enlace/kernels/
 # (the server otherwise builds them on its first start): the compiler's output shown, then where they are.
@@ -343,10 +345,10 @@ restore: $(STAMP)
 
 # --- the family's server as a system service (docs/servidor.md) -----------------------------------
 
-# sudo make install-service RUN=runs/NAME [PORT=8000] [HOST=0.0.0.0]: scripts/enlace.service with this
-# folder's paths, run as SERVICE_USER (a system user, created when missing, that owns var/), enabled at
-# boot and (re)started; again with another RUN= to serve another run. Without PORT=/HOST= the unit takes
-# serve.port and serve.host of configs/serve/default.yaml.
+# sudo make install-service RUN=runs/NAME [PORT=8000] [HOST=0.0.0.0] [DEVICE=cuda]: scripts/enlace.service
+# with this folder's paths, run as SERVICE_USER (a system user, created when missing, that owns var/),
+# enabled at boot and (re)started; again with another RUN= to serve another run. Without PORT=/HOST= the
+# unit takes serve.port and serve.host of configs/serve/default.yaml; without DEVICE=, auto (as make serve).
 SERVICE_USER ?= enlace
 UNIT_DIR ?= /etc/systemd/system
 SYSTEMCTL ?= systemctl
@@ -365,12 +367,13 @@ install-service: $(STAMP)
 		"every user can read it (e.g. /srv/enlace)" >&2; exit 2; }
 	mkdir -p var && chown -R $(SERVICE_USER): var
 	sed -e 's|@ROOT@|$(CURDIR)|g' -e 's|@USER@|$(SERVICE_USER)|g' -e 's|@RUN@|$(SERVE_RUN)|g' \
-		-e 's|@PORT@|$(SERVICE_PORT)|g' -e 's|@HOST@|$(SERVICE_HOST)|g' scripts/enlace.service \
+		-e 's|@PORT@|$(SERVICE_PORT)|g' -e 's|@HOST@|$(SERVICE_HOST)|g' -e 's|@DEVICE@|$(SERVE_DEVICE)|g' \
+		scripts/enlace.service \
 		> $(UNIT_DIR)/enlace.service
 	$(SYSTEMCTL) daemon-reload
 	$(SYSTEMCTL) enable enlace.service
 	$(SYSTEMCTL) restart enlace.service
-	@echo "install-service: $(SERVE_RUN) on http://$(SERVICE_HOST):$(SERVICE_PORT)/ as $(SERVICE_USER);" \
+	@echo "install-service: $(SERVE_RUN) on http://$(SERVICE_HOST):$(SERVICE_PORT)/ ($(SERVE_DEVICE)) as $(SERVICE_USER);" \
 		"logs: journalctl -u enlace"
 
 # --- the GPU server over SSH (settings in .env, see .env.example) ---------------------------------

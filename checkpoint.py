@@ -27,6 +27,7 @@ import sys
 
 import numpy as np
 import torch
+import yaml
 
 import config
 import data
@@ -338,6 +339,24 @@ def tokenizer_of(checkpoint, ckpt_path, log=print):
 
 # -----------------------------------------------------------------------------
 # A run for inference
+
+
+def device_for(path, requested="auto", log=lambda message: print(message, file=sys.stderr)):
+    """The device to run a saved run on: `requested` when it names one (cpu, cuda), else (auto) the device
+    its hardware profile trained on, read from the run's config.yaml, where this machine has it; the CPU
+    otherwise, said in one line when the run trained on CUDA."""
+    if requested != "auto":
+        return requested
+    run_dir = path if os.path.isdir(path) else os.path.dirname(path)
+    try:
+        with open(os.path.join(run_dir, "config.yaml"), encoding="utf-8") as f:
+            trained_on = yaml.safe_load(f)["hardware"]["device"]
+    except (OSError, yaml.YAMLError, KeyError, TypeError):  # no resolved config beside it: a copied file
+        return "cpu"
+    if trained_on == "cuda" and not torch.cuda.is_available():
+        log(f"{path}: trained on cuda, but this machine has no CUDA device: running on the CPU")
+        return "cpu"
+    return trained_on if trained_on in ("cpu", "cuda") else "cpu"
 
 
 def load_run(

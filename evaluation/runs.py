@@ -102,6 +102,7 @@ def evaluate_run(args, out=None, log=lambda m: print(m, file=sys.stderr)):
     out = out or sys.stdout
     settings = harness.load_settings(path=args.config)
     ckpt_path, step = newest_checkpoint(args.run)
+    args.device = checkpoint.device_for(args.run, args.device, log)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise EvalError("--device cuda: no CUDA device found")
     backend = settings["attention_backend"][args.device]
@@ -409,7 +410,12 @@ def parse_args(argv):
     parser.add_argument(
         "--batch-size", type=int, help="requests per forward pass (default: the eval layer's)"
     )
-    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument(
+        "--device",
+        default="auto",
+        choices=("auto", "cpu", "cuda"),
+        help="default: the run's, where this machine has it",
+    )
     parser.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                         help="prompts through chat.render (lm-eval's --apply_chat_template); default: on for "
                              "runs fine-tuned on conversations")  # fmt: skip

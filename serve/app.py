@@ -859,7 +859,11 @@ def serve_main(argv):
         "--host", help="address to bind (default serve.host, 127.0.0.1); 0.0.0.0 = the whole LAN"
     )
     parser.add_argument("--port", type=int, help="TCP port (default serve.port); 0 = any free port")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument(
+        "--device",
+        default="auto",
+        help="cpu, cuda or auto: the device the run trained on, where this machine has it",
+    )
     parser.epilog = (
         "Settings of the serve layer can follow as serve.key=value (e.g. serve.queue_size=4), and of the "
         "memory layer (configs/memory/default.yaml) as memory.key=value (e.g. memory.snapshots.every_hours=6)."
@@ -878,6 +882,9 @@ def serve_main(argv):
     port = settings["port"] if args.port is None else args.port
     accounts_store = accounts.Store(settings["database"], settings["busy_timeout_ms"])
     threads = one_thread_here()
+    import checkpoint  # as load_model does
+
+    args.device = checkpoint.device_for(args.run, args.device)
     model, tokenizer, model_id, context = load_model(args.run, args.device)
     model = prepare_weights(model, settings, args.device)
     check_kv_cache(model, settings, args.device)

@@ -275,3 +275,22 @@ def test_a_checkpoint_without_its_chat_template_version_loads_with_a_warning(tmp
         f"warning: {path} does not record the chat template version it was trained with; "
         f"assuming this code's (version {template.CHAT_TEMPLATE_VERSION})"
     ]
+
+
+def test_a_run_is_served_on_the_device_it_trained_on_where_this_machine_has_it(tmp_path, monkeypatch):
+    gpu_run, cpu_run, copied = tmp_path / "gpu", tmp_path / "cpu", tmp_path / "copied"
+    for run, device in ((gpu_run, "cuda"), (cpu_run, "cpu")):
+        run.mkdir()
+        (run / "config.yaml").write_text(f"hardware:\n  name: x\n  device: {device}\n")
+    copied.mkdir()  # a checkpoint without its run's config.yaml
+    said = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert checkpoint.device_for(str(gpu_run), log=said.append) == "cuda"
+    assert checkpoint.device_for(str(gpu_run / "ckpt_000100.pt"), log=said.append) == "cuda"
+    assert checkpoint.device_for(str(cpu_run), log=said.append) == "cpu"
+    assert checkpoint.device_for(str(copied), log=said.append) == "cpu"
+    assert checkpoint.device_for(str(cpu_run), "cuda", log=said.append) == "cuda"  # asked for: as asked
+    assert said == []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert checkpoint.device_for(str(gpu_run), log=said.append) == "cpu"
+    assert said == [f"{gpu_run}: trained on cuda, but this machine has no CUDA device: running on the CPU"]

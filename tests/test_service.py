@@ -82,11 +82,12 @@ def test_the_unit_runs_serve_py_from_the_repository_as_its_own_user_and_restarts
     assert settings["Service", "Restart"] == ["on-failure"]
     assert settings["Install", "WantedBy"] == ["multi-user.target"]
     environment = dict(value.split("=", 1) for value in settings["Service", "Environment"])
-    # The run as given, the port and address of configs/serve/default.yaml.
-    assert {k: environment[k] for k in ("ENLACE_RUN", "ENLACE_PORT", "ENLACE_HOST")} == {
+    # The run as given, the port and address of configs/serve/default.yaml, the device the run trained on.
+    assert {k: environment[k] for k in ("ENLACE_RUN", "ENLACE_PORT", "ENLACE_HOST", "ENLACE_DEVICE")} == {
         "ENLACE_RUN": "runs/familia",
         "ENLACE_PORT": "8000",
         "ENLACE_HOST": "127.0.0.1",
+        "ENLACE_DEVICE": "auto",
     }
     assert [line for line in printed.splitlines() if line.startswith("systemctl ")] == [
         "systemctl daemon-reload",
@@ -103,7 +104,17 @@ def test_the_command_the_unit_starts_is_accepted_by_serve_py(installed):
     (start,) = settings["Service", "ExecStart"]
     words = shlex.split(re.sub(r"\$\{(\w+)\}", lambda m: environment[m[1]], start))
     assert words[0] == f"{clone}/.venv/bin/python" and os.access(words[0], os.X_OK)
-    assert words[1:] == ["-m", "serve", "runs/familia", "--host", "127.0.0.1", "--port", "8000"]
+    assert words[1:] == [
+        "-m",
+        "serve",
+        "runs/familia",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "8000",
+        "--device",
+        "auto",
+    ]
     assert check_python(("python", *words[1:]), False, ()) is None
 
 
@@ -113,14 +124,18 @@ def test_the_unit_holds_no_secrets(installed):
     assert "enl-" not in text and "BRAVE" not in text
 
 
-def test_port_and_address_are_settings_of_the_install_and_a_missing_run_installs_nothing(installed, tmp_path):
+def test_port_address_and_device_are_settings_of_the_install_and_a_missing_run_installs_nothing(
+    installed, tmp_path
+):
     clone, _, user, _ = installed
     units = tmp_path / "units"
     units.mkdir()
-    done = install(clone, units, f"SERVICE_USER={user}", "RUN=runs/familia", "PORT=8080", "HOST=0.0.0.0")
+    settings = ("RUN=runs/familia", "PORT=8080", "HOST=0.0.0.0", "DEVICE=cuda")
+    done = install(clone, units, f"SERVICE_USER={user}", *settings)
     assert done.returncode == 0, done.stderr
     environment = unit_settings(units / "enlace.service")["Service", "Environment"]
     assert "ENLACE_PORT=8080" in environment and "ENLACE_HOST=0.0.0.0" in environment
+    assert "ENLACE_DEVICE=cuda" in environment
 
     (units / "enlace.service").unlink()
     missing = install(clone, units, f"SERVICE_USER={user}", "RUN=runs/nadie")
