@@ -67,6 +67,14 @@ class EvalError(Exception):
     """A problem the user can fix (a task, a dataset, an argument); printed without a traceback."""
 
 
+class DataMissing(EvalError):
+    """Known tasks whose datasets cannot be read here (not downloaded, no network); `command` fetches them."""
+
+    def __init__(self, message, problems, command):
+        super().__init__(message)
+        self.problems, self.command = problems, command
+
+
 def load_settings(section=None, path=DEFAULT_SETTINGS):
     """The eval layer: a run's own eval section (validated when the run was loaded) or a layer file."""
     if section is not None:
@@ -542,7 +550,8 @@ def load_tasks(manager, plan, suites=()):
         loaded += objects
     if problems:
         offline = offline_requested()
-        raise EvalError(
+        command = f"python -m evaluation download {plan.suite or ','.join(s.name for s in plan.tasks)}"
+        raise DataMissing(
             "\n".join(problems)
             + "\nThe Hugging Face datasets are downloaded on first use into "
             + f"{cache_folder()} (HF_HOME / HF_DATASETS_CACHE). "
@@ -551,9 +560,9 @@ def load_tasks(manager, plan, suites=()):
                 if offline
                 else ""
             )
-            + f"on a machine with internet run `python -m evaluation download {plan.suite or ','.join(s.name for s in plan.tasks)}`, "
-            "copy that folder here and "
-            "run with HF_DATASETS_OFFLINE=1."
+            + f"on a machine with internet run `{command}`, copy that folder here and run with HF_DATASETS_OFFLINE=1.",
+            problems,
+            command,
         )
     return loaded
 
@@ -698,9 +707,11 @@ def kept_rng_state():
 
 
 class TrainingEval:
-    """The train.eval block: its tasks are loaded once, when training starts (a dataset that cannot be
-    read stops the run before its first step), then run on rank 0 every `interval` steps with `limit`
-    documents per task. Each run is one metrics.jsonl record."""
+    """The train.eval block: its tasks are loaded once, when training starts, then run on rank 0 every
+    `interval` steps with `limit` documents per task. Each run is one metrics.jsonl record. Datasets that
+    cannot be read here (no network, nothing cached) do not stop days of training for a side measurement:
+    the run goes on without the benchmark, said in one line with the command that fetches them. A task
+    name that does not exist still stops the run: that is a mistake in the config."""
 
     def __init__(self, cfg, tokenizer, autocast, log=print):
         block = cfg["train"]["eval"]
@@ -711,13 +722,23 @@ class TrainingEval:
         self.tokenizer, self.autocast, self.name = tokenizer, autocast, cfg["run_name"]
         prepare_hub_access(self.settings, log=log)
         self.manager = task_manager_for(self.plan)
-        self.tasks = load_tasks(self.manager, self.plan, self.settings["suites"])
+        try:
+            self.tasks = load_tasks(self.manager, self.plan, self.settings["suites"])
+        except DataMissing as e:
+            self.tasks = None
+            more = f" and {len(e.problems) - 1} more" if len(e.problems) > 1 else ""
+            log(
+                f"train.eval: skipped, training without the benchmark: {e.problems[0]}{more}; fetch the data "
+                f"with `{e.command}` (where the Hub is reachable; the cache is {cache_folder()}), then "
+                "--resume benchmarks the next checkpoints, or evaluate the finished run with `python -m evaluation RUN`"
+            )
+            return
         log(
             f"train.eval: {', '.join(s.name for s in self.plan.tasks)} every {self.interval} steps, limit {self.limit}"
         )
 
     def due(self, step, at_end):
-        return step % self.interval == 0 or at_end
+        return self.tasks is not None and (step % self.interval == 0 or at_end)
 
     def __call__(self, model, step):
         """Evaluate `model` (in train mode; put back in it) -> the metrics record of this step."""

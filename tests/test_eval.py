@@ -438,7 +438,7 @@ def test_train_eval_logs_a_benchmark_at_its_interval_and_leaves_the_training_unc
     assert all(torch.equal(plain["model"][k], benchmarked["model"][k]) for k in plain["model"])
 
 
-def test_train_eval_that_cannot_read_its_dataset_stops_the_run_before_its_first_step(
+def test_train_eval_without_its_data_trains_without_the_benchmark_and_says_how_to_fetch_it(
     tmp_path, shard_data_dir
 ):
     tasks = tmp_path / "tasks"
@@ -446,11 +446,26 @@ def test_train_eval_that_cannot_read_its_dataset_stops_the_run_before_its_first_
     text = open(f"{FIXTURES}/enlace_fixture_choice.yaml").read().replace("choice_test.jsonl", "gone.jsonl")
     (tasks / "gone.yaml").write_text(text)
     block = f"train.eval={{tasks: enlace_fixture_choice, include_path: {tasks}, limit: 4, interval: 4}}"
-    with pytest.raises(
-        train.TrainError, match=r"train.eval: enlace_fixture_choice: cannot read json files .*gone.jsonl"
-    ):
-        train.train(tiny_config(tmp_path, "shards", shard_data_dir, "run_name=gone", block), log=quiet)
-    assert not checkpoint.list_checkpoints(str(tmp_path / "gone"))
+    said = []
+    train.train(tiny_config(tmp_path, "shards", shard_data_dir, "run_name=gone", block), log=said.append)
+    (skipped,) = [line for line in said if line.startswith("train.eval:")]
+    assert (
+        "train.eval: skipped, training without the benchmark: enlace_fixture_choice: cannot read json"
+        in skipped
+    )
+    assert "`python -m evaluation download enlace_fixture_choice`" in skipped and "\n" not in skipped
+    records = [json.loads(line) for line in open(tmp_path / "gone" / "metrics.jsonl")]
+    assert records and not any("eval_score" in r for r in records)
+    assert checkpoint.list_checkpoints(str(tmp_path / "gone"))  # it trained to the end
+
+
+def test_train_eval_naming_a_task_that_does_not_exist_still_stops_the_run_before_its_first_step(
+    tmp_path, shard_data_dir
+):
+    block = f"train.eval={{tasks: enlace_fixture_choise, include_path: {FIXTURES}, limit: 4, interval: 4}}"
+    with pytest.raises(train.TrainError, match=r"train.eval: 'enlace_fixture_choise': no such lm-eval task"):
+        train.train(tiny_config(tmp_path, "shards", shard_data_dir, "run_name=typo", block), log=quiet)
+    assert not checkpoint.list_checkpoints(str(tmp_path / "typo"))
 
 
 # -----------------------------------------------------------------------------
