@@ -111,3 +111,56 @@ def test_train_prints_the_budget_at_start_and_refuses_past_max_epochs_before_bui
     assert err[-1].startswith("error: data.max_epochs: the run would read train shards "), err[-1]
     assert "more train tokens are needed" in err[-1]
     assert not os.path.exists(refused)  # refused before the run folder, the model or a checkpoint
+
+
+def packed_data(tmp_path, data_format, shard_rows, **limits):
+    """A run section over packed data whose manifest says the train split has these shards' rows."""
+    shards = [{"name": f"train_{i:06d}.bin", "rows": rows} for i, rows in enumerate(shard_rows)]
+    prepared = {"complete": True, "seq_len": 16, "shards": shards}
+    (tmp_path / "manifest.json").write_text(json.dumps({"prepare": {"train": prepared}}))
+    return {
+        "data": {"format": data_format, "dir": str(tmp_path)} | limits,
+        "train": {"max_steps": 50, "micro_batch_size": 4, "grad_accum_steps": 2},
+        "model": {"seq_len": 16},
+    }
+
+
+def test_sft_reports_the_epochs_of_its_packed_rows_steps_x_rows_over_the_rows_it_holds(tmp_path):
+    cfg = packed_data(tmp_path, "chat", [60, 40])  # 100 rows; the run reads 50 x 4 x 2 = 400
+    lines = []
+    assert budget.check_run_budget(cfg, log=lines.append) == {"packed conversation rows": 4.0}
+    assert lines == [
+        "data: the run reads 400 packed conversation rows; the train split holds 100 (4.00 epochs)"
+    ]
+    assert budget.run_epochs(cfg, world_size=2) == {"packed conversation rows": 8.0}  # two ranks read twice
+    # steps x rows x seq_len / data tokens: the same figure from tokens (every row is seq_len + 1 tokens)
+    assert 50 * 4 * 2 * 17 / (100 * 17) == budget.run_epochs(cfg)["packed conversation rows"]
+
+
+def test_sft_and_dpo_warn_past_warn_epochs_and_are_refused_past_max_epochs(tmp_path):
+    lines = []
+    budget.check_run_budget(packed_data(tmp_path, "chat", [100], warn_epochs=3), log=lines.append)
+    assert lines[-1].startswith(
+        "warning: the run reads its packed conversation rows 4.0 times, past data.warn_epochs 3"
+    )
+    with pytest.raises(DataError) as refused:
+        budget.check_run_budget(packed_data(tmp_path, "preference", [100], max_epochs=4), log=lines.append)
+    assert str(refused.value).startswith(  # 50 pairs in 100 rows, 400 pairs read: 8 epochs
+        "data.max_epochs: the run would read its preference pairs 8.0 times, past 4; 50 more are needed: add pairs"
+    )
+
+
+def test_the_budget_of_packed_data_not_prepared_yet_names_the_command(tmp_path):
+    with pytest.raises(
+        DataError, match=r"no finished packed train split; run `python -m chat prepare CONFIG`"
+    ):
+        budget.run_epochs({"data": {"format": "chat", "dir": str(tmp_path)}, "train": {}, "model": {}})
+
+
+def test_run_epochs_of_pretraining_are_the_epochs_the_start_check_reports(tmp_path):
+    cfg = {
+        "data": mixture_data(tmp_path),
+        "train": {"max_steps": 10, "micro_batch_size": 2, "grad_accum_steps": 5},
+        "model": {"seq_len": 20},
+    }  # 2,000 tokens
+    assert budget.run_epochs(cfg) == budget.check_token_budget(cfg["data"], 2000, log=lambda line: None)
