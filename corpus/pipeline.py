@@ -319,10 +319,15 @@ def quiet_local_executor(**settings):
     return QuietLocalExecutor(**settings)
 
 
+def task_count(data_cfg):
+    """How many filter tasks split the documents: data.corpus.executor.tasks, else one per process."""
+    return data_cfg["corpus"]["executor"]["tasks"] or processes_of(data_cfg)
+
+
 def executor_for(task, data_cfg, workdir):
     """(datatrove executor of the filter tasks as data.corpus.executor says, number of tasks)."""
     executor_cfg = data_cfg["corpus"]["executor"]
-    tasks = executor_cfg["tasks"] or processes_of(data_cfg)
+    tasks = task_count(data_cfg)
     # skip_completed=False: a finished task is known by its stats file (FilterTask), not datatrove's marker
     common = {"pipeline": [task], "tasks": tasks, "logging_dir": os.path.join(workdir, "logs"),
               "skip_completed": False}  # fmt: skip
@@ -508,14 +513,20 @@ def corpus_fingerprint(data_cfg):
 
 
 def filter_fingerprint(data_cfg):
-    """What the filter tasks' outputs depend on: the sources' files and the settings of the stages."""
+    """What the filter tasks' outputs depend on: the sources' files, the settings of the stages and the
+    number of tasks (task r keeps documents r, r + T, ...: another T is another partition)."""
     corpus_cfg = data_cfg["corpus"]
     keys = ("sources", "min_chars", "val_fraction", "max_documents_per_file", "filters", "pii", "near_dedup")
     files = [
         [path, os.path.getsize(path), os.stat(path).st_mtime_ns] for _, path in expand_sources(corpus_cfg)
     ]
     return fingerprint(
-        {"pipeline": PIPELINE_VERSION, "corpus": {k: corpus_cfg[k] for k in keys}, "files": files}
+        {
+            "pipeline": PIPELINE_VERSION,
+            "corpus": {k: corpus_cfg[k] for k in keys},
+            "files": files,
+            "tasks": task_count(data_cfg),
+        }
     )
 
 

@@ -748,6 +748,20 @@ def test_a_killed_corpus_step_resumes_with_its_finished_tasks(tmp_path):
     assert "4 filter task(s) on the local executor, 4 already finished" in said[-2]
 
 
+def test_a_resume_with_another_number_of_tasks_filters_again_instead_of_reusing_another_partition(tmp_path):
+    reference = bible_cfg(tmp_path, "reference", tasks=1)
+    corpus.pipeline.build_corpus(reference, log=quiet)
+    cfg = bible_cfg(tmp_path, "resumed", tasks=4)
+    corpus.pipeline.build_corpus(cfg, log=quiet)
+    os.remove(docs.docs_path(cfg, "train"))  # as if killed after the filter tasks, before the merge
+    cfg["corpus"]["executor"]["tasks"] = 2
+    said = []
+    corpus.pipeline.build_corpus(cfg, log=said.append)
+    assert "2 filter task(s) on the local executor, 0 already finished" in said[0]
+    for split in data.SPLITS:
+        assert read_docs(cfg, split) == read_docs(reference, split)
+
+
 def test_the_report_shows_sources_drops_and_plots_of_a_built_corpus(pipeline, tmp_path):
     cfg = copy.deepcopy(pipeline) | {"dir": str(tmp_path / "report")}
     shutil.copytree(pipeline["dir"], cfg["dir"])
