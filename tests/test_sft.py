@@ -28,6 +28,7 @@ import checkpoint
 import config
 import data
 import fileio
+import microbatch
 import sample
 import train
 from bench import resume_check
@@ -474,6 +475,27 @@ def test_each_shipped_sft_run_starts_from_a_shipped_run_of_its_shape_and_tokeniz
         if key not in checkpoint.INIT_FREE_MODEL_KEYS and base["model"][key] != cfg["model"][key]
     } == {}
     assert cfg["data"]["chat"]["tokenizer"] == data.tokenizer_path(base["data"])
+
+
+@pytest.mark.parametrize("board", ["2060", "5090"])
+def test_each_boards_tool_use_run_follows_its_general_sft_run_with_room_for_the_tools_system_turn(board):
+    cfg = config.load(os.path.join(ROOT, "configs", f"sft-agent-{board}.yaml"))
+    base = config.load(os.path.join(ROOT, "configs", f"sft-{board}.yaml"))
+    assert cfg["train"]["init_from"] == os.path.join(base["train"]["runs_dir"], base["run_name"])
+    assert cfg["hardware"] == base["hardware"]
+    assert {k: v for k, v in cfg["model"].items() if k not in train.INIT_FREE_MODEL_KEYS} == {
+        k: v for k, v in base["model"].items() if k not in train.INIT_FREE_MODEL_KEYS
+    }
+    assert cfg["data"]["chat"]["tokenizer"] == base["data"]["chat"]["tokenizer"]
+    # The system turn with the six tools and a member's memories: at most 1,587 tokens of the 4k BPE and
+    # 1,168 of a 32k BPE (configs/train/sft-agent.yaml); the longest conversation 1,914 and 1,395.
+    assert cfg["model"]["seq_len"] >= 2048 > base["model"]["seq_len"]
+    assert cfg["data"]["chat"]["too_long"] == "drop"  # a conversation that does not fit is never cut
+    hardware = cfg["hardware"]
+    peak = microbatch.step_peak_bytes(
+        cfg["model"], cfg["train"]["micro_batch_size"], hardware["dtype"], hardware["loss_chunk_size"]
+    )
+    assert peak <= hardware["memory_gib"] * microbatch.GIB
 
 
 @pytest.mark.parametrize("layer", ["sft", "sft-smoke", "sft-agent"])
