@@ -3,6 +3,7 @@ what is fetched and checked, a kill and a resume, corrupt files, the disk-space 
 the whole path from the Hub to a few training steps."""
 
 import copy
+import glob
 import gzip
 import io
 import json
@@ -20,10 +21,12 @@ from conftest import ROOT, TINY
 from hub_standin import COMMIT, FakeHub
 
 import config
-from corpus import pipeline
+from corpus import hub as corpus_hub
+from corpus import pipeline, sources
 
 FINEWEB = "HuggingFaceFW/fineweb-2"
 WIKI = "wikimedia/wikipedia"
+WIKISOURCE = "wikimedia/wikisource"
 TOKEN = "hf_standin_secret_token_123"
 
 
@@ -89,7 +92,8 @@ def datasets():
         "20231101.es/train-00001-of-00002.parquet": wikipedia_file(docs[62:74]),
         "20231101.eu/train-00000-of-00001.parquet": wikipedia_file(docs[80:82]),
     }
-    return {FINEWEB: fineweb, WIKI: wiki}
+    wikisource = {"20231201.es/train-00000-of-00001.parquet": wikipedia_file(docs[90:96])}  # same columns
+    return {FINEWEB: fineweb, WIKI: wiki, WIKISOURCE: wikisource}
 
 
 @pytest.fixture
@@ -97,6 +101,7 @@ def hub(datasets):
     fake = FakeHub()
     fake.add(FINEWEB, datasets[FINEWEB], licence="odc-by")
     fake.add(WIKI, datasets[WIKI], licence="cc-by-sa-3.0")
+    fake.add(WIKISOURCE, datasets[WIKISOURCE], licence="cc-by-sa-3.0")
     fake.url = fake.start()
     yield fake
     fake.stop()
@@ -342,3 +347,35 @@ def test_the_whole_path_from_the_hub_to_a_few_training_steps(online, tmp_path, c
     train = subprocess.run([sys.executable, "train.py", run], cwd=ROOT, capture_output=True, text=True)
     assert train.returncode == 0, train.stderr[-2000:]
     assert os.path.exists(tmp_path / "runs" / "smoke-corpus-cpu" / "ckpt_0000008.pt")
+
+
+def shipped_run_files():
+    return sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml")))
+
+
+def test_every_corpus_source_of_every_shipped_run_file_is_on_the_hub_or_in_the_repository():
+    for run in shipped_run_files():
+        for index, source in enumerate(config.load(run)["data"].get("corpus", {}).get("sources", [])):
+            where = f"{os.path.basename(run)}: data.corpus.sources[{index}] ({source['name']})"
+            if "hub" in source:  # the files the download fetches are the files `path` reads
+                fetched = os.path.join(source["hub"]["local_dir"], source["hub"]["files"].replace("*", "x"))
+                assert corpus_hub.glob_matches(source["path"], fetched), where
+            else:  # a clone has it: a path inside the repository, never ../shared or an absolute one
+                assert os.path.realpath(os.path.join(ROOT, source["path"])).startswith(ROOT + os.sep), where
+
+
+def test_the_2060_runs_sources_all_come_from_the_hub_into_the_paths_the_corpus_step_reads(
+    online, tmp_path, capsys
+):
+    layer = config.load(os.path.join(ROOT, "configs", "pretrain-2060.yaml"))["data"]["corpus"]["sources"]
+    shipped = copy.deepcopy(layer)
+    assert [s["hub"]["repo"] for s in shipped] == [FINEWEB, WIKI, WIKISOURCE]
+    for source in shipped:  # the layer's folders, under tmp_path
+        source["path"] = str(tmp_path / source["path"])
+        source["hub"]["local_dir"] = str(tmp_path / source["hub"]["local_dir"])
+    status, out, err = corpus_command("download", run_file(tmp_path, shipped), capsys)
+    assert status == 0, err
+    found = sources.expand_sources({"sources": shipped})
+    assert sorted({index for index, _ in found}) == [0, 1, 2]  # each source reads what its download fetched
+    assert (tmp_path / "data/hub/wikisource/20231201.es/train-00000-of-00001.parquet").exists()
+    assert "wikisource-es: wikimedia/wikisource@0123456789ab, 1 file(s)" in out
