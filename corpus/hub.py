@@ -19,6 +19,7 @@ HF_TOKEN; it is sent to the endpoint only and never written anywhere.
 import concurrent.futures
 import fnmatch
 import glob
+import math
 import os
 import shutil
 
@@ -39,10 +40,40 @@ def where(index, source):
     return f"data.corpus.sources[{index}] ({source['name']})"
 
 
+def size_text(size):
+    """A byte count in a unit that fits: 512 bytes, 1.22 MB, 3.40 GB (powers of 1000)."""
+    if size < 1000:
+        return f"{size:,} bytes"
+    power = min(5, int(math.log10(size) // 3))
+    if power < 5 and round(size / 1000**power, 2) >= 1000:  # 999,999 bytes: 1.00 MB, not 1000.00 kB
+        power += 1
+    return f"{size / 1000**power:.2f} {' kMGTP'[power]}B"
+
+
+def cause_chain(e):
+    """e and the errors it wraps (its __cause__, else its __context__), outermost first."""
+    chain = []
+    while e is not None and all(e is not seen for seen in chain):
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    return chain
+
+
 def hub_error(e, what):
-    """A huggingface_hub error as one line naming what was asked for."""
+    """A huggingface_hub error as one line naming what was asked for. huggingface_hub wraps the real cause
+    of a failed force_download (a refusal, a lost connection) in "Force download failed due to the above
+    error.": the cause is what is named."""
     from huggingface_hub import errors
 
+    chain = cause_chain(e)
+    known = (
+        errors.GatedRepoError,
+        errors.RepositoryNotFoundError,
+        errors.RevisionNotFoundError,
+        errors.EntryNotFoundError,
+        errors.HfHubHTTPError,
+    )
+    e = next((error for error in chain if isinstance(error, known)), chain[-1])
     if isinstance(e, errors.GatedRepoError):
         return f"{what}: access refused (a gated dataset: accept its terms on the Hub and set HF_TOKEN)"
     if isinstance(e, errors.RepositoryNotFoundError):
@@ -51,8 +82,8 @@ def hub_error(e, what):
         return f"{what}: no such revision on the Hub"
     if isinstance(e, errors.EntryNotFoundError):
         return f"{what}: missing on the Hub"
-    first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    return f"{what}: {first_line}"
+    first_line = str(e).strip().splitlines()[0] if str(e).strip() else "no message"
+    return f"{what}: {first_line} ({type(e).__name__})"
 
 
 def hub_api():
@@ -157,27 +188,33 @@ def check_space(todo):
         free = shutil.disk_usage(folder).free
         if size > free:
             raise DataError(
-                f"{folder}: {size / 1e9:.2f} GB to download but {free / 1e9:.2f} GB free on that disk; free "
+                f"{folder}: {size_text(size)} to download but {size_text(free)} free on that disk; free "
                 f"space or lower {', '.join(sorted(set(names)))}"
             )
 
 
-def forwarding_bar(total_bar):
-    """A tqdm class for hf_hub_download whose bytes go to the one bar of the whole download."""
+def forwarding_bar(total_bar, counted):
+    """A tqdm class for hf_hub_download whose bytes go to the one bar of the whole download; counted[0]
+    adds up what this file put on it (a resumed file's bytes already on disk too)."""
 
     class Forward(tqdm):
         def __init__(self, *args, **kwargs):
             kwargs.pop("name", None)
             super().__init__(*args, **(kwargs | {"disable": True}))
+            self.forward(kwargs.get("initial") or 0)
 
         def update(self, n=1):
+            self.forward(n)
+
+        def forward(self, n):
             if n:
+                counted[0] += n
                 total_bar.update(n)
 
     return Forward
 
 
-def fetch(source, commit, entry, bar, force=False):
+def fetch(source, commit, entry, bar, counted, force=False):
     """hf_hub_download one file into local_dir; returns its path."""
     from huggingface_hub import hf_hub_download
 
@@ -191,7 +228,7 @@ def fetch(source, commit, entry, bar, force=False):
         endpoint=os.environ.get("HF_ENDPOINT"),
         token=os.environ.get("HF_TOKEN"),
         force_download=force,
-        tqdm_class=forwarding_bar(bar),
+        tqdm_class=forwarding_bar(bar, counted),
     )
 
 
@@ -199,13 +236,17 @@ def fetch_and_verify(source, index, commit, entry, bar):
     """Fetch (again, if the first copy is corrupt) and check; returns the verified file's record entry."""
     what = f"{where(index, source)}: {source['hub']['repo']}@{commit[:12]}:{entry['path']}"
     path = local_path(source, entry)
+    counted = [0]  # bytes of this file on the bar: taken back before a second fetch, so none counts twice
     for attempt in range(2):
+        bar.update(-counted[0])
+        counted[0] = 0
         try:
-            fetch(source, commit, entry, bar, force=attempt > 0 or os.path.exists(path))
+            fetch(source, commit, entry, bar, counted, force=attempt > 0 or os.path.exists(path))
         except Exception as e:  # huggingface_hub's HTTP and connection errors
             raise DataError(hub_error(e, what) + "; run the command again: finished files are kept") from None
         got = checksum_of(path, entry)
         if got == expected(entry):
+            bar.update(entry["size"] - counted[0])  # the bar ends on the file's size, whatever was streamed
             return {"checksum": got, "size": os.path.getsize(path), "mtime_ns": os.stat(path).st_mtime_ns}
         bar.write(
             f"download: {path}: checksum {got[:12]}… differs from the Hub's {expected(entry)[:12]}…; fetching again"
@@ -257,13 +298,13 @@ def download(data_cfg, log=print):
         total = sum(entry["size"] for entry in plan["files"])
         log(
             f"download: {source['name']}: {source['hub']['repo']}@{plan['commit'][:12]}, {len(plan['files'])} "
-            f"file(s), {total / 1e9:.2f} GB (licence: {source['licence']}; on the Hub: {plan['licence_on_hub']})"
+            f"file(s), {size_text(total)} (licence: {source['licence']}; on the Hub: {plan['licence_on_hub']})"
         )
     for local_dir, record in records.items():
         os.makedirs(local_dir, exist_ok=True)
         write_json(os.path.join(local_dir, RECORD), record)
     if not todo:
-        log(f"download: up to date ({done_bytes / 1e9:.2f} GB verified)")
+        log(f"download: up to date ({size_text(done_bytes)} verified)")
         return records
     check_space(todo)
     fetch_all(data_cfg, todo, records, log)
@@ -274,7 +315,7 @@ def fetch_all(data_cfg, todo, records, log):
     """The files left, on data.corpus.download.workers threads, with one bar (bytes, files, rate, time left)."""
     workers = data_cfg["corpus"]["download"]["workers"]
     size = sum(entry["size"] for _, _, entry in todo)
-    log(f"download: {len(todo)} file(s), {size / 1e9:.2f} GB to fetch on {workers} worker(s)")
+    log(f"download: {len(todo)} file(s), {size_text(size)} to fetch on {workers} worker(s)")
     bar = tqdm(total=size, unit="B", unit_scale=True, unit_divisor=1024, desc="download", mininterval=1.0)
     bar.set_postfix_str(f"0/{len(todo)} files")
     finished = 0

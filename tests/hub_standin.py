@@ -11,7 +11,8 @@ A stand-in for the Hugging Face Hub on 127.0.0.1, answering in the shapes huggin
 
 Errors carry X-Error-Code (RepoNotFound, RevisionNotFound, EntryNotFound, GatedRepo) as the Hub's do.
 Knobs for the tests: `claimed_sizes[path]` is the size the listing states; `unresolvable` paths are
-listed but not served; `corrupt[path] = n` serves n corrupted copies of a file; `hang` (a path) sends half of
+listed but not served; `refused` paths answer 401 GatedRepo (terms not accepted) and `cut` paths close the
+connection without an answer when asked for; `corrupt[path] = n` serves n corrupted copies of a file; `hang` (a path) sends half of
 that file and then waits until `release` is set; `requests` lists (method, path) of every request.
 """
 
@@ -19,6 +20,7 @@ import hashlib
 import http.server
 import json
 import re
+import socket
 import threading
 import urllib.parse
 
@@ -36,6 +38,7 @@ class FakeHub:
         self.corrupt = {}
         self.claimed_sizes = {}  # path -> the size the tree listing states instead of the real one
         self.unresolvable = set()  # paths listed in the tree whose download answers 404 EntryNotFound
+        self.refused, self.cut = set(), set()
         self.hang, self.release, self.hanging = None, threading.Event(), threading.Event()
         self.requests = []
         self.server = None
@@ -136,6 +139,11 @@ class Handler(http.server.BaseHTTPRequestHandler):
             if rev not in ("main", COMMIT):
                 return self.error(404, "RevisionNotFound", head)
             path = urllib.parse.unquote("/".join(rest))
+            if path in self.hub.refused:
+                return self.error(401, "GatedRepo", head)
+            if path in self.hub.cut:
+                self.close_connection = True
+                return self.connection.shutdown(socket.SHUT_RDWR)
             content = repo["files"].get(path)
             if content is None or path in self.hub.unresolvable:
                 return self.error(404, "EntryNotFound", head)

@@ -21,7 +21,7 @@ from conftest import ROOT, TINY
 from hub_standin import COMMIT, FakeHub
 
 import config
-from corpus import hub as corpus_hub
+import corpus.hub
 from corpus import pipeline, sources
 
 FINEWEB = "HuggingFaceFW/fineweb-2"
@@ -277,7 +277,7 @@ def test_too_little_free_space_is_refused_before_the_first_byte(online, tmp_path
     )
     status, _, err = corpus_command("download", run, capsys)
     assert status == 2
-    assert "GB to download but" in err and "GB free on that disk" in err, err
+    assert "1000.00 PB to download but" in err and "free on that disk" in err, err
     assert "data.corpus.sources[0] (fineweb2).hub.max_bytes" in err
     assert not any(path.startswith("/lfs/") for _, path in online.requests)
 
@@ -359,7 +359,7 @@ def test_every_corpus_source_of_every_shipped_run_file_is_on_the_hub_or_in_the_r
             where = f"{os.path.basename(run)}: data.corpus.sources[{index}] ({source['name']})"
             if "hub" in source:  # the files the download fetches are the files `path` reads
                 fetched = os.path.join(source["hub"]["local_dir"], source["hub"]["files"].replace("*", "x"))
-                assert corpus_hub.glob_matches(source["path"], fetched), where
+                assert corpus.hub.glob_matches(source["path"], fetched), where
             else:  # a clone has it: a path inside the repository, never ../shared or an absolute one
                 assert os.path.realpath(os.path.join(ROOT, source["path"])).startswith(ROOT + os.sep), where
 
@@ -379,3 +379,80 @@ def test_the_2060_runs_sources_all_come_from_the_hub_into_the_paths_the_corpus_s
     assert sorted({index for index, _ in found}) == [0, 1, 2]  # each source reads what its download fetched
     assert (tmp_path / "data/hub/wikisource/20231201.es/train-00000-of-00001.parquet").exists()
     assert "wikisource-es: wikimedia/wikisource@0123456789ab, 1 file(s)" in out
+
+
+@pytest.mark.parametrize(
+    "knob, cause",
+    [
+        ("refused", "access refused (a gated dataset"),
+        ("cut", "Server disconnected without sending a response"),
+    ],
+)
+def test_a_refusal_or_a_lost_connection_on_a_forced_fetch_is_named_not_the_clients_wrapper(
+    online, datasets, tmp_path, capsys, knob, cause
+):
+    train = train_files(datasets)
+    local = tmp_path / "hub"
+    (local / train[0]).parent.mkdir(parents=True)
+    (local / train[0]).write_bytes(b"an unverified copy: fetched again with force_download")
+    getattr(online, knob).add(train[0])
+    run = run_file(
+        tmp_path, [hub_source("fineweb2", FINEWEB, "data/spa_Latn/train/*.parquet", local, max_files=1)]
+    )
+    status, _, err = corpus_command("download", run, capsys)
+    assert status == 2
+    assert f"{FINEWEB}@{COMMIT[:12]}:{train[0]}: " in err and cause in err, err
+    assert "Force download failed" not in err
+
+
+def test_sizes_print_in_a_unit_that_fits(online, tmp_path, capsys, monkeypatch):
+    from corpus import hub
+
+    assert [hub.size_text(n) for n in (0, 999, 1_500, 999_999, 1_220_000, 5 * 10**9)] == [
+        "0 bytes", "999 bytes", "1.50 kB", "1.00 MB", "1.22 MB", "5.00 GB"
+    ]  # fmt: skip
+    monkeypatch.setattr(hub.shutil, "disk_usage", lambda folder: shutil_usage(free=500))
+    run = run_file(
+        tmp_path,
+        [hub_source("fineweb2", FINEWEB, "data/spa_Latn/train/*.parquet", tmp_path / "hub", max_files=1)],
+    )
+    status, _, err = corpus_command("download", run, capsys)
+    assert status == 2
+    size = hub.size_text(online.repos[FINEWEB]["files"][train_files_of(online)[0]].__len__())
+    assert f": {size} to download but 500 bytes free on that disk" in err, err
+
+
+def shutil_usage(free):
+    import shutil
+
+    return shutil._ntuple_diskusage(total=10**6, used=10**6 - free, free=free)
+
+
+def train_files_of(hub):
+    return sorted(p for p in hub.repos[FINEWEB]["files"] if p.startswith("data/spa_Latn/train/"))
+
+
+def test_the_progress_bar_ends_at_the_bytes_to_fetch_when_a_corrupt_file_is_fetched_again(
+    online, datasets, tmp_path, capsys, monkeypatch
+):
+    from corpus import hub
+
+    bars = []
+
+    class Recorded(hub.tqdm):
+        def close(self):
+            bars.append((self.n, self.total))
+            super().close()
+
+    monkeypatch.setattr(hub, "tqdm", Recorded)
+    train = train_files(datasets)
+    online.corrupt[train[0]] = 1
+    run = run_file(
+        tmp_path,
+        [hub_source("fineweb2", FINEWEB, "data/spa_Latn/train/*.parquet", tmp_path / "hub", max_files=2)],
+    )
+    status, _, err = corpus_command("download", run, capsys)
+    assert status == 0, err
+    assert online.lfs_gets(train[0]) == 2
+    size = len(datasets[FINEWEB][train[0]]) + len(datasets[FINEWEB][train[1]])
+    assert bars[-1] == (size, size)
