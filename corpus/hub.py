@@ -31,13 +31,13 @@ from fileio import write_json
 RECORD = "hub_files.json"  # in each local_dir: the files verified there
 
 
-def hub_sources(corpus_cfg):
-    """[(index, source)] of the sources that name a Hub dataset."""
-    return [(index, source) for index, source in enumerate(corpus_cfg["sources"]) if "hub" in source]
-
-
-def where(index, source):
-    return f"data.corpus.sources[{index}] ({source['name']})"
+def hub_sources(sources, key="data.corpus.sources"):
+    """[(label, source)] of the sources that name a Hub dataset; label says where the config has it."""
+    return [
+        (f"{key}[{index}] ({source['name']})", source)
+        for index, source in enumerate(sources)
+        if "hub" in source
+    ]
 
 
 def size_text(size):
@@ -92,10 +92,10 @@ def hub_api():
     return HfApi(endpoint=os.environ.get("HF_ENDPOINT"), token=os.environ.get("HF_TOKEN"))
 
 
-def plan_source(api, index, source):
+def plan_source(api, label, source):
     """(commit, [{"path", "size", "sha256" or "git_sha1"}]) of the files this source asks for, in name order."""
     hub = source["hub"]
-    what = f"{where(index, source)}.hub: {hub['repo']}@{hub['revision']}"
+    what = f"{label}.hub: {hub['repo']}@{hub['revision']}"
     prefix = hub["files"].split("*")[0].split("?")[0].split("[")[0].rsplit("/", 1)
     folder = prefix[0] if len(prefix) == 2 else None
     try:
@@ -175,14 +175,14 @@ def existing_folder(path):
 def check_space(todo):
     """Refuse before the first byte when a disk has less free space than the files left for it."""
     needed = {}
-    for source, index, entry in todo:
+    for source, label, entry in todo:
         folder = existing_folder(source["hub"]["local_dir"])
         device = os.stat(folder).st_dev
         bytes_so_far, _, names = needed.get(device, (0, folder, []))
         needed[device] = (
             bytes_so_far + entry["size"],
             folder,
-            names + [f"{where(index, source)}.hub.max_bytes"],
+            names + [f"{label}.hub.max_bytes"],
         )
     for size, folder, names in needed.values():
         free = shutil.disk_usage(folder).free
@@ -232,9 +232,9 @@ def fetch(source, commit, entry, bar, counted, force=False):
     )
 
 
-def fetch_and_verify(source, index, commit, entry, bar):
+def fetch_and_verify(source, label, commit, entry, bar):
     """Fetch (again, if the first copy is corrupt) and check; returns the verified file's record entry."""
-    what = f"{where(index, source)}: {source['hub']['repo']}@{commit[:12]}:{entry['path']}"
+    what = f"{label}: {source['hub']['repo']}@{commit[:12]}:{entry['path']}"
     path = local_path(source, entry)
     counted = [0]  # bytes of this file on the bar: taken back before a second fetch, so none counts twice
     for attempt in range(2):
@@ -259,16 +259,25 @@ def fetch_and_verify(source, index, commit, entry, bar):
 
 
 def download(data_cfg, log=print):
-    """Fetch every Hub source's files into its local_dir, skipping the ones verified before."""
+    """Fetch every Hub source's files of the corpus into its local_dir, skipping the ones verified before."""
     corpus_cfg = data_cfg["corpus"]
-    sources = hub_sources(corpus_cfg)
+    sources = hub_sources(corpus_cfg["sources"])
     if not sources:
         log("download: no source names a Hub dataset (data.corpus.sources[].hub); nothing to do")
         return []
+    return download_sources(sources, corpus_cfg["download"]["workers"], log, check_files=check_path_glob)
+
+
+def download_sources(sources, workers, log=print, check_files=None):
+    """Fetch the files of these (label, source) pairs (each with `hub` and `licence`) into their local_dir,
+    skipping the ones verified before; check_files(label, source, files) may refuse a plan before anything
+    is written. Returns the records by local_dir."""
     api = hub_api()
     todo, records, done_bytes = [], {}, 0
-    for index, source in sources:
-        plan = plan_source(api, index, source)
+    for label, source in sources:
+        plan = plan_source(api, label, source)
+        if check_files is not None:
+            check_files(label, source, plan["files"])
         local_dir = source["hub"]["local_dir"]
         record = records.setdefault(local_dir, read_record(local_dir))
         record.setdefault("sources", {})[source["name"]] = {
@@ -279,7 +288,6 @@ def download(data_cfg, log=print):
             "licence_on_hub": plan["licence_on_hub"],
             "files": [entry["path"] for entry in plan["files"]],
         }
-        check_path_glob(index, source, plan["files"])
         for entry in plan["files"]:
             path = local_path(source, entry)
             if is_verified(path, entry, record):
@@ -294,7 +302,7 @@ def download(data_cfg, log=print):
                     done_bytes += entry["size"]
                     continue
                 log(f"download: {path}: checksum differs from the Hub's; fetching it again")
-            todo.append((source, index, entry | {"commit": plan["commit"]}))
+            todo.append((source, label, entry | {"commit": plan["commit"]}))
         total = sum(entry["size"] for entry in plan["files"])
         log(
             f"download: {source['name']}: {source['hub']['repo']}@{plan['commit'][:12]}, {len(plan['files'])} "
@@ -307,13 +315,12 @@ def download(data_cfg, log=print):
         log(f"download: up to date ({size_text(done_bytes)} verified)")
         return records
     check_space(todo)
-    fetch_all(data_cfg, todo, records, log)
+    fetch_all(workers, todo, records, log)
     return records
 
 
-def fetch_all(data_cfg, todo, records, log):
-    """The files left, on data.corpus.download.workers threads, with one bar (bytes, files, rate, time left)."""
-    workers = data_cfg["corpus"]["download"]["workers"]
+def fetch_all(workers, todo, records, log):
+    """The files left, on `workers` threads, with one bar (bytes, files, rate, time left)."""
     size = sum(entry["size"] for _, _, entry in todo)
     log(f"download: {len(todo)} file(s), {size_text(size)} to fetch on {workers} worker(s)")
     bar = tqdm(total=size, unit="B", unit_scale=True, unit_divisor=1024, desc="download", mininterval=1.0)
@@ -322,8 +329,8 @@ def fetch_all(data_cfg, todo, records, log):
     try:
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
             futures = {
-                pool.submit(fetch_and_verify, source, index, entry["commit"], entry, bar): (source, entry)
-                for source, index, entry in todo
+                pool.submit(fetch_and_verify, source, label, entry["commit"], entry, bar): (source, entry)
+                for source, label, entry in todo
             }
             for future in concurrent.futures.as_completed(futures):
                 source, entry = futures[future]
@@ -343,14 +350,14 @@ def fetch_all(data_cfg, todo, records, log):
     log(f"download: {finished} file(s) fetched and verified")
 
 
-def check_path_glob(index, source, files):
+def check_path_glob(label, source, files):
     """The source's `path` must read what its hub fetches, or the corpus step would miss files."""
     missing = [
         entry["path"] for entry in files if not glob_matches(source["path"], local_path(source, entry))
     ]
     if missing:
         raise DataError(
-            f"{where(index, source)}.path: {source['path']!r} does not match "
+            f"{label}.path: {source['path']!r} does not match "
             f"{local_path(source, {'path': missing[0]})} (hub.local_dir + the file's path in the dataset); "
             f"e.g. path: {os.path.join(source['hub']['local_dir'], source['hub']['files'])}"
         )
@@ -362,11 +369,11 @@ def glob_matches(pattern, path):
     return fnmatch.fnmatchcase(os.path.normpath(path), os.path.normpath(pattern))
 
 
-def report_lines(corpus_cfg):
-    """Markdown lines for the corpus report: each Hub source's dataset, commit, files and both licences,
-    as the download recorded them (nothing when no source names a Hub dataset)."""
+def report_lines(sources):
+    """Markdown lines for a report: each Hub source's dataset, commit, files and both licences, as the
+    download recorded them (nothing when no source names a Hub dataset)."""
     lines = []
-    for _, source in hub_sources(corpus_cfg):
+    for _, source in hub_sources(sources):
         record = read_record(source["hub"]["local_dir"]).get("sources", {}).get(source["name"])
         if record is None:
             lines.append(f"- {source['name']}: {source['hub']['repo']}, not downloaded")

@@ -200,7 +200,7 @@ def write_report(data_cfg, log=print):
     out += [
         table(["source", "kind", "licence", "docs in", "docs kept", "chars in", "chars kept", "kept"], rows)
     ]
-    out += ["", *hub.report_lines(data_cfg["corpus"])]
+    out += ["", *hub.report_lines(data_cfg["corpus"]["sources"])]
     out += ["## What each stage kept", "", "![funnel](report/funnel.png)", ""]
     rows = []
     for name, s in sources.items():
