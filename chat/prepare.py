@@ -165,6 +165,7 @@ def prepare(cfg, log=print):
     each finished shard, so an interrupted run continues after the last one, and a rerun with unchanged
     inputs does nothing."""
     import data  # not at the top: python -m chat import and preferences have no use for torch
+    from chat import mixture  # datatrove and matplotlib, for a mixture only
 
     data_cfg, seq_len = cfg["data"], cfg["model"]["seq_len"]
     if data_cfg["format"] not in ("chat", "preference"):
@@ -196,7 +197,16 @@ def prepare(cfg, log=print):
                 fileio.write_atomic(os.path.join(directory, name), lambda out, c=content: out.write(c))
         log(f"prepare: tokenizer {chat_cfg['tokenizer']} -> {copy}")
 
+    built = None
+    if "mixture" in chat_cfg:
+        if data_cfg["format"] != "chat":
+            raise ChatError(
+                f"data.chat.mixture: builds conversations; data.format is {data_cfg['format']!r}, not chat"
+            )
+        check_mixture_named(chat_cfg)
+        built = mixture.build(data_cfg, tokenizer, tokenizer_sha, log)
     row_len = seq_len + 1
+    packed = {}
     for split in data.SPLITS:
         paths = expand_paths(chat_cfg[split], f"data.chat.{split}")
         key = fileio.fingerprint(
@@ -211,7 +221,20 @@ def prepare(cfg, log=print):
                 "rows_per_shard": chat_cfg["rows_per_shard"],
             }
         )
-        prepare_split(data_cfg, split, key, paths, tokenizer, row_len, log)
+        packed[split] = prepare_split(data_cfg, split, key, paths, tokenizer, row_len, log)
+    if built is not None:
+        mixture.check_epochs(cfg, built, packed["train"]["rows"], log)
+
+
+def check_mixture_named(chat_cfg):
+    """data.chat.train and val must read what the mixture writes, or the build would be for nothing."""
+    directory = chat_cfg["mixture"]["dir"]
+    for split in ("train", "val"):
+        path = os.path.join(directory, f"{split}.jsonl")
+        if not any(os.path.normpath(p) == os.path.normpath(path) for p in chat_cfg[split]):
+            raise ChatError(
+                f"data.chat.{split}: {chat_cfg[split]} does not name {path}, which data.chat.mixture writes"
+            )
 
 
 def intact_shards(data_cfg, record, log):
@@ -286,6 +309,18 @@ def prepare_split(data_cfg, split, key, paths, tokenizer, row_len, log):
         f"{len(shards)} shard(s) in {directory}/"
     )
     return stats
+
+
+def download(cfg, log=print):
+    """Fetch the files of data.chat.mixture's Hub sources (corpus/hub.py's client: resumable, checksummed)."""
+    from corpus import hub  # torch, via data: not for python -m chat import
+
+    mix_cfg = cfg["data"].get("chat", {}).get("mixture")
+    sources = hub.hub_sources(mix_cfg["sources"], "data.chat.mixture.sources") if mix_cfg else []
+    if not sources:
+        log("download: no source of data.chat.mixture names a Hub dataset; nothing to do")
+        return {}
+    return hub.download_sources(sources, mix_cfg["download"]["workers"], log)
 
 
 # -----------------------------------------------------------------------------
@@ -457,7 +492,8 @@ def show(path, tokenizer_path=None, color=False, limit=None, out=sys.stdout):
 # -----------------------------------------------------------------------------
 
 USAGE = """usage:
-  python -m chat prepare CONFIG [section.key=value ...]      pack data.chat's conversations (or pairs)
+  python -m chat prepare CONFIG [section.key=value ...]      build data.chat.mixture, pack the conversations (or pairs)
+  python -m chat download CONFIG [section.key=value ...]     fetch data.chat.mixture's Hub sources
   python -m chat import --from alpaca|sharegpt|oasst|preference FILE OUT.jsonl [--skip-bad] [--lang es]
   python -m chat preferences --db DB OUT.jsonl [--val VAL.jsonl --val-share 0.1]   the family's pairs
   python -m chat seed-pairs OUT.jsonl FILE.jsonl... --seed N     pairs with worse answers made up
@@ -470,12 +506,12 @@ def main(argv):
 
     import data  # imported here: only prepare and show need it, and it loads torch
 
-    if not argv or argv[0] not in ("prepare", "import", "preferences", "seed-pairs", "show"):
+    if not argv or argv[0] not in ("prepare", "download", "import", "preferences", "seed-pairs", "show"):
         print(USAGE, file=sys.stderr)
         return 2
     command, rest = argv[0], argv[1:]
     try:
-        if command == "prepare":
+        if command in ("prepare", "download"):
             if not rest:
                 print(USAGE, file=sys.stderr)
                 return 2
@@ -484,7 +520,7 @@ def main(argv):
             except config.ConfigError as e:
                 print(f"{rest[0]}: config problems:\n  " + "\n  ".join(e.problems), file=sys.stderr)
                 return 2
-            prepare(cfg)
+            (prepare if command == "prepare" else download)(cfg)
         elif command == "import":
             parser = argparse.ArgumentParser(prog="python -m chat import")
             parser.add_argument("--from", dest="kind", required=True, choices=sorted(convert.IMPORTERS))
