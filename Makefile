@@ -148,6 +148,11 @@ microbatch: $(STAMP)
 
 # --- fine-tuning on conversations (SFT) -----------------------------------------------------------
 
+# OASST2 and Aya for the SFT mixture (configs/data/sft.yaml), from the Hub into data/hub/ (resumable, checksummed)
+.PHONY: chat-download
+chat-download: $(STAMP)
+	$(PY) -m chat download $(SFT_CONFIG)
+
 chat-prepare: $(STAMP)
 	$(PY) -m chat prepare $(SFT_CONFIG)
 

@@ -14,7 +14,7 @@ import jsonschema
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import ROOT, TINY, chat_overrides
+from conftest import ROOT, TINY, chat_overrides, data_layer
 from hub_standin import COMMIT, FakeHub
 
 import config
@@ -304,3 +304,16 @@ def test_the_command_line_downloads_and_prepares_without_a_traceback(hub, tmp_pa
     assert prepare.main(["prepare", str(run)]) == 0
     out = capsys.readouterr().out
     assert "mixture: oasst2-es:" in out and "epochs per source" in out
+
+
+def test_the_shipped_sft_mixture_names_its_sources_with_licences_and_protects_the_evaluation_sets():
+    chat_cfg = data_layer("sft")["chat"]
+    mixture = chat_cfg["mixture"]
+    assert [s["name"] for s in mixture["sources"]] == ["seed", "oasst2-es", "aya-es", "tools"]
+    assert {s["hub"]["repo"] for s in mixture["sources"] if "hub" in s} == {OASST, AYA}
+    assert {"conversations/heldout.jsonl", "conversations/agent/handwritten.jsonl"} <= set(
+        mixture["filters"]["decontamination"]["eval_files"]
+    )
+    prepare.check_mixture_named(chat_cfg)  # train and val read what the mixture writes
+    for run_file in ("sft-2060.yaml", "sft-5090.yaml"):
+        assert config.load(os.path.join(ROOT, "configs", run_file))["data"]["chat"]["mixture"] == mixture
