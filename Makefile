@@ -170,6 +170,26 @@ sft-smoke: corpus-smoke
 	$(PY) train.py configs/sft-smoke-cpu.yaml $(ARGS)
 	$(PY) sample.py runs/sft-smoke-cpu --chat-eval val --max-new-tokens 400
 
+# Does the SFT mixture help (docs/conversaciones.md)? Assistant-token bpb on the mixture's held-out slice of
+# OASST2 and Aya and on conversations/heldout.jsonl: the smoke-corpus-cpu run before SFT, then, for each seed
+# of SFT_BPB_SEEDS, after the same steps on the seed set alone and on the whole mixture. Needs the Hub files
+# once: python -m chat download configs/sft-mix-cpu.yaml (with a network).
+SFT_BPB_SEEDS ?= 1 2 3
+SFT_BPB_VAL := data/sft-mix-cpu/mixture/val.jsonl conversations/heldout.jsonl
+.PHONY: sft-bpb
+sft-bpb: corpus-smoke
+	ls runs/smoke-corpus-cpu/ckpt_*.pt >/dev/null 2>&1 || $(PY) train.py configs/smoke-corpus-cpu.yaml
+	$(PY) -m chat prepare configs/sft-mix-cpu.yaml
+	$(PY) -m chat prepare configs/sft-seed-only-cpu.yaml
+	for val in $(SFT_BPB_VAL); do \
+	  $(PY) sample.py runs/smoke-corpus-cpu --chat-eval $$val --max-new-tokens 1 --show 0 || exit 1; done
+	for seed in $(SFT_BPB_SEEDS); do for arm in seed-only mix; do \
+	  rm -rf runs/sft-$$arm-cpu-s$$seed && \
+	  $(PY) train.py configs/sft-$$arm-cpu.yaml run_name=sft-$$arm-cpu-s$$seed train.seed=$$seed || exit 1; \
+	  for val in $(SFT_BPB_VAL); do \
+	    $(PY) sample.py runs/sft-$$arm-cpu-s$$seed --chat-eval $$val --max-new-tokens 1 --show 0 || exit 1; done; \
+	done; done
+
 # --- the family teaches its assistant: preference pairs and DPO ---------------------------------------
 
 # The pairs of the feedback of the members who consent (under var/, never committed), a tenth of the

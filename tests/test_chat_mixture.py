@@ -317,3 +317,21 @@ def test_the_shipped_sft_mixture_names_its_sources_with_licences_and_protects_th
     prepare.check_mixture_named(chat_cfg)  # train and val read what the mixture writes
     for run_file in ("sft-2060.yaml", "sft-5090.yaml"):
         assert config.load(os.path.join(ROOT, "configs", run_file))["data"]["chat"]["mixture"] == mixture
+
+
+def test_both_arms_of_make_sft_bpb_train_the_same_steps_and_are_measured_on_the_same_held_out_files():
+    mix, seed_only = (
+        config.load(os.path.join(ROOT, "configs", f"sft-{arm}-cpu.yaml")) for arm in ("mix", "seed-only")
+    )
+    assert mix["data"]["chat"]["val"] == seed_only["data"]["chat"]["val"]
+    assert mix["train"] == seed_only["train"]
+    assert (
+        mix["model"] == seed_only["model"]
+        and mix["data"]["chat"]["tokenizer"] == seed_only["data"]["chat"]["tokenizer"]
+    )
+    held_out = set(mix["data"]["chat"]["val"])
+    assert not held_out & set(mix["data"]["chat"]["train"]) and not held_out & set(
+        seed_only["data"]["chat"]["train"]
+    )
+    prepare.check_mixture_named(mix["data"]["chat"])
+    assert "mixture" not in seed_only["data"]["chat"]  # the seed set alone, as sft-smoke trains it
