@@ -237,7 +237,7 @@ def read_all(mix_cfg, funnel, tokenizer):
 
 def filter_turns(mix_cfg, items, funnel, tokenizer):
     cfg = mix_cfg["filters"]
-    language = filters.LanguageStage(cfg["language"] | {"max_chars": cfg["language"]["max_chars"]})
+    language = filters.LanguageStage(cfg["language"])
     scrubber = filters.PiiScrubber(cfg["pii"]) if cfg["pii"]["enabled"] else None
     filtered = {s["name"]: s["filters"] for s in mix_cfg["sources"]}
     kept = []

@@ -313,7 +313,7 @@ def prepare_split(data_cfg, split, key, paths, tokenizer, row_len, log):
 
 def download(cfg, log=print):
     """Fetch the files of data.chat.mixture's Hub sources (corpus/hub.py's client: resumable, checksummed)."""
-    from corpus import hub  # torch, via data: not for python -m chat import
+    from corpus import hub  # the Hub client, for this command only
 
     mix_cfg = cfg["data"].get("chat", {}).get("mixture")
     sources = hub.hub_sources(mix_cfg["sources"], "data.chat.mixture.sources") if mix_cfg else []

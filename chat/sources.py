@@ -20,6 +20,8 @@ import json
 import os
 import zlib
 
+import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 import data
@@ -35,8 +37,8 @@ class BadRows:
     def __init__(self):
         self.counts, self.examples = {}, {}
 
-    def add(self, reason, where):
-        self.counts[reason] = self.counts.get(reason, 0) + 1
+    def add(self, reason, where, count=1):
+        self.counts[reason] = self.counts.get(reason, 0) + count
         examples = self.examples.setdefault(reason, [])
         if len(examples) < EXAMPLES:
             examples.append(where)
@@ -186,18 +188,25 @@ def read_oasst_trees(path, source, rows):
 
 
 def read_single_turn(path, source, rows):
+    """The rows whose `select` columns match (chosen by pyarrow: Aya's 200,000 rows never become Python
+    objects, only the few thousand kept), each one user turn and one assistant turn."""
     fields, select = source["fields"], source.get("select", {})
     columns = [fields["user"], fields["assistant"], *select]
     try:
         table = pq.read_table(path, columns=columns)
     except (KeyError, ValueError) as e:  # pyarrow: a column that is not in the file
         raise template.ChatError(f"{path}: has no column among {columns} ({e})") from None
+    chosen = pa.array([True] * table.num_rows)
+    for key, value in select.items():
+        chosen = pc.and_(chosen, pc.fill_null(pc.equal(table[key], value), False))
+    numbers = pc.indices_nonzero(chosen).to_pylist()
+    if len(numbers) < table.num_rows:
+        rows.add(
+            "not_selected", f"{path}: {table.num_rows - len(numbers):,} rows", table.num_rows - len(numbers)
+        )
     found = []
-    for number, row in enumerate(table.to_pylist()):
+    for number, row in zip(numbers, table.take(pa.array(numbers, pa.int64())).to_pylist(), strict=True):
         where = f"{path}: row {number}"
-        if any(row.get(key) != value for key, value in select.items()):
-            rows.add("not_selected", where)
-            continue
         user, assistant = row.get(fields["user"]), row.get(fields["assistant"])
         if not isinstance(user, str) or not isinstance(assistant, str):
             rows.add("missing_field", where)
