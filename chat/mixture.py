@@ -49,6 +49,12 @@ def text_of(conversation):
     return "\n".join(message["content"] for message in conversation["messages"])
 
 
+def spoken_text(conversation):
+    """The text of its turns without the system message: a system prompt is the deployment's template (the
+    family's name, the date), not what an evaluation asks or answers."""
+    return "\n".join(m["content"] for m in conversation["messages"] if m["role"] != "system")
+
+
 def turn_problem(message, checks):
     """The reason a message cannot be trained on, or None. checks: (language stage, cfg) or None for a
     source without filters (markup is checked for every source)."""
@@ -130,8 +136,8 @@ def texts_in(value):
 
 
 def evaluation_texts(path):
-    """The texts of an evaluation file: every string of each JSONL record (a conversation's turns, a prompt),
-    or the paragraphs of a text file."""
+    """The texts of an evaluation file: each turn of a JSONL conversation (its system message aside), every
+    string of another JSONL record (a prompt), or the paragraphs of a text file."""
     try:
         with open(path, "rb") as f:
             text = template.decode_utf8(f.read(), path)
@@ -141,12 +147,18 @@ def evaluation_texts(path):
         return [part for part in text.split("\n\n") if part.strip()]
     found = []
     for number, line in enumerate(text.split("\n"), start=1):
-        if line.strip():
-            try:
-                found += texts_in(json.loads(line))
-            except ValueError as e:
-                raise template.ChatError(f"{path}:{number}: not JSON ({e})") from None
-    return found
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError as e:
+            raise template.ChatError(f"{path}:{number}: not JSON ({e})") from None
+        messages = record.get("messages") if isinstance(record, dict) else None
+        if isinstance(messages, list):
+            found += [m.get("content") for m in messages if isinstance(m, dict) and m.get("role") != "system"]
+        else:
+            found += texts_in(record)
+    return [text for text in found if isinstance(text, str)]
 
 
 def evaluation_files(decon_cfg):
@@ -173,13 +185,13 @@ def protector(decon_cfg, val_items):
             if decon_cfg["min_words"] <= len(words.split()) < decon_cfg["ngram"]:
                 short.setdefault(words, path)
     for item in val_items:
-        guard.protect("val", text_of(item["conversation"]))
+        guard.protect("val", spoken_text(item["conversation"]))
     return guard, short
 
 
 def contamination(conversation, guard, short):
     """The name of what a train conversation overlaps (an evaluation file, "val"), or None."""
-    hit = guard.hit(text_of(conversation))
+    hit = guard.hit(spoken_text(conversation))
     if hit is not None:
         return hit
     return next(

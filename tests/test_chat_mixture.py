@@ -335,3 +335,30 @@ def test_both_arms_of_make_sft_bpb_train_the_same_steps_and_are_measured_on_the_
     )
     prepare.check_mixture_named(mix["data"]["chat"])
     assert "mixture" not in seed_only["data"]["chat"]  # the seed set alone, as sft-smoke trains it
+
+
+def test_a_shared_system_prompt_is_not_contamination_but_a_shared_turn_is(tmp_path):
+    from chat import mixture
+
+    system = {
+        "role": "system",
+        "content": "Eres ENLACE, el asistente de la familia Vidal. Hoy es viernes 19 de marzo.",
+    }
+    held_out = {"messages": [system, {"role": "user", "content": "¿Qué tiempo hará mañana en Madrid?"},
+                             {"role": "assistant", "content": "No tengo el parte, mira la web de AEMET."}]}  # fmt: skip
+    path = write_jsonl(tmp_path / "heldout.jsonl", [held_out])
+    decon = {
+        "ngram": 13,
+        "min_words": 3,
+        "val_max_overlap": 0.5,
+        "eval_files": [path],
+        "eval_files_if_present": [],
+    }
+    guard, short = mixture.protector(decon, [])
+    other = {"messages": [system, {"role": "user", "content": "Dame una receta de lentejas."},
+                          {"role": "assistant", "content": "Lentejas con chorizo: sofríe cebolla y pimiento."}]}  # fmt: skip
+    assert mixture.contamination(other, guard, short) is None
+    same_question = {
+        "messages": [{"role": "user", "content": "qué tiempo hará MAÑANA en Madrid"}] + other["messages"][2:]
+    }
+    assert mixture.contamination(same_question, guard, short) == path
