@@ -406,6 +406,12 @@ def build(data_cfg, tokenizer, tokenizer_sha, log=print):
     from chat import report  # matplotlib only when a mixture is built
 
     mix_cfg = data_cfg["chat"]["mixture"]
+    names = [source["name"] for source in mix_cfg["sources"]]
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        raise template.ChatError(
+            f"data.chat.mixture.sources: the name {twice[0]!r} is used twice; names must differ"
+        )
     directory = mix_cfg["dir"]
     key = inputs_fingerprint(mix_cfg, tokenizer_sha)
     manifest = up_to_date(directory, key)

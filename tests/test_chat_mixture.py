@@ -362,3 +362,12 @@ def test_a_shared_system_prompt_is_not_contamination_but_a_shared_turn_is(tmp_pa
         "messages": [{"role": "user", "content": "qué tiempo hará MAÑANA en Madrid"}] + other["messages"][2:]
     }
     assert mixture.contamination(same_question, guard, short) == path
+
+
+def test_two_sources_of_one_name_are_refused_before_anything_is_read(tmp_path):
+    from chat import mixture
+
+    cfg = mixture_config(tmp_path, str(tmp_path))
+    sources_of(cfg)[3]["name"] = "seed"
+    with pytest.raises(prepare.ChatError, match="data.chat.mixture.sources: the name 'seed' is used twice"):
+        mixture.build(cfg["data"], tokenizer=None, tokenizer_sha="x")
