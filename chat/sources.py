@@ -15,6 +15,7 @@ Files of a source with `hub` are those `python -m chat download CONFIG` fetched 
 record in hub.local_dir); a file changed since, or never fetched, is an error saying to run it.
 """
 
+import fnmatch
 import glob
 import json
 import os
@@ -67,6 +68,13 @@ def source_files(index, source):
     fetched = record.get("sources", {}).get(source["name"])
     if fetched is None or fetched["repo"] != source["hub"]["repo"]:
         raise template.ChatError(f"{what}: {source['hub']['repo']} is not downloaded into {local_dir}{fetch}")
+    if fetched["revision"] != source["hub"]["revision"] or not all(
+        fnmatch.fnmatchcase(name, source["hub"]["files"]) for name in fetched["files"]
+    ):
+        raise template.ChatError(
+            f"{what}: {local_dir} holds {fetched['repo']}@{fetched['revision']} {fetched['files']}, not what "
+            f"hub.revision and hub.files ask for now{fetch} again"
+        )
     paths = []
     for name in fetched["files"]:
         path = os.path.join(local_dir, name)
@@ -91,8 +99,6 @@ def read_source(index, source):
             found += READERS[source["kind"]](path, source, rows)
         except (OSError, EOFError, zlib.error) as e:  # a damaged file, not a bug of ours
             raise template.ChatError(f"{label(index, source)}: {path}: unreadable ({e})") from None
-    for _, conversation in found:
-        conversation["source"] = source["name"]
     return found, rows
 
 
@@ -194,8 +200,8 @@ def read_single_turn(path, source, rows):
     columns = [fields["user"], fields["assistant"], *select]
     try:
         table = pq.read_table(path, columns=columns)
-    except (KeyError, ValueError) as e:  # pyarrow: a column that is not in the file
-        raise template.ChatError(f"{path}: has no column among {columns} ({e})") from None
+    except (KeyError, ValueError) as e:  # pyarrow: a missing column, or not a parquet file
+        raise template.ChatError(f"{path}: cannot read the columns {columns} ({e})") from None
     chosen = pa.array([True] * table.num_rows)
     for key, value in select.items():
         chosen = pc.and_(chosen, pc.fill_null(pc.equal(table[key], value), False))

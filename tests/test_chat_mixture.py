@@ -284,6 +284,12 @@ def test_bad_input_is_one_line_naming_the_source_and_no_output_is_half_written(h
         prepare.prepare(cfg, log=lambda *a: None)
 
     prepare.download(cfg, log=lambda *a: None)  # fetched again: its checksum no longer matched
+    other_files = copy.deepcopy(cfg)
+    sources_of(other_files)[2]["hub"]["files"] = "data/test-*.parquet"
+    with pytest.raises(
+        prepare.ChatError, match=r"\(aya-es\): .* not what hub.revision and hub.files ask for now"
+    ):
+        prepare.prepare(other_files, log=lambda *a: None)
     empty = copy.deepcopy(cfg)
     sources_of(empty)[2]["select"] = {"language": "Klingon"}
     with pytest.raises(prepare.ChatError, match=r"sources \(aya-es\): no train conversation left"):
