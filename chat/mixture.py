@@ -33,6 +33,8 @@ import random
 import re
 import unicodedata
 
+import numpy as np
+
 import config
 import fileio
 from chat import sources, template
@@ -41,7 +43,6 @@ from corpus import filters
 MANIFEST = "manifest.json"
 MIXTURE_VERSION = 1  # bump when a stage changes what the same input produces
 CONTROL_TOKEN = re.compile(r"<\|[A-Za-z_0-9]+\|>")
-FORGED = template.PROTOCOL_TAGS
 
 
 def text_of(conversation):
@@ -63,7 +64,7 @@ def turn_problem(message, checks):
         return "markup"
     if any(unicodedata.category(c) == "Cc" and c not in "\n\t\r" for c in text):
         return "markup"
-    if CONTROL_TOKEN.search(text) or any(tag in text for tag in FORGED):
+    if CONTROL_TOKEN.search(text) or any(tag in text for tag in template.PROTOCOL_TAGS):
         return "control_token"
     if checks is None or message["role"] == "tool" or not text.strip():
         return None
@@ -98,12 +99,14 @@ def cut_at_bad_turn(conversation, checks, dropped_turns):
 
 
 def scrub(conversation, scrubber, pii_counts):
-    messages = []
+    """The conversation with personal data replaced (the same object when there was none)."""
+    messages, replaced = [], 0
     for message in conversation["messages"]:
         text, counts = scrubber(message["content"])
         pii_counts.update(counts)
+        replaced += sum(counts.values())
         messages.append({**message, "content": text})
-    return {**conversation, "messages": messages}
+    return {**conversation, "messages": messages} if replaced else conversation
 
 
 def dedup_key(conversation):
@@ -284,8 +287,6 @@ def near_dedup(mix_cfg, items):
     cfg = mix_cfg["filters"]["near_dedup"]
     if not cfg["enabled"] or not items:
         return items
-    import numpy as np
-
     hasher = filters.MinHasher(cfg, filters.word_splitter("regex"))
     keys = np.zeros((len(items), cfg["buckets"]), dtype=np.uint64)
     for row, item in enumerate(items):
