@@ -34,6 +34,8 @@ import re
 import unicodedata
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 
 import config
 import fileio
@@ -138,9 +140,35 @@ def texts_in(value):
             yield from texts_in(item)
 
 
+def table_texts(path):
+    """The strings of every text column of a parquet file or of an Arrow file (the Hugging Face datasets
+    cache keeps lm-eval's task data as Arrow streams)."""
+    if path.endswith(".parquet"):
+        table = pq.read_table(path)
+    else:
+        with pa.memory_map(path) as source:
+            try:
+                table = pa.ipc.open_stream(source).read_all()
+            except pa.ArrowInvalid:
+                table = pa.ipc.open_file(source).read_all()
+    return [
+        value
+        for column in table.columns
+        if pa.types.is_string(column.type) or pa.types.is_large_string(column.type)
+        for value in column.to_pylist()
+        if value
+    ]
+
+
 def evaluation_texts(path):
     """The texts of an evaluation file: each turn of a JSONL conversation (its system message aside), every
-    string of another JSONL record (a prompt), or the paragraphs of a text file."""
+    string of another JSONL record (a prompt), the text columns of a parquet or Arrow table, or the
+    paragraphs of a text file."""
+    if path.endswith((".parquet", ".arrow")):
+        try:
+            return table_texts(path)
+        except (OSError, pa.ArrowException) as e:
+            raise template.ChatError(f"{path}: not a readable parquet or Arrow table ({e})") from None
     try:
         with open(path, "rb") as f:
             text = template.decode_utf8(f.read(), path)
@@ -165,10 +193,12 @@ def evaluation_texts(path):
 
 
 def evaluation_files(decon_cfg):
-    """The files to protect: eval_files must exist; eval_files_if_present are globs that may match none."""
+    """The files to protect: eval_files must exist; eval_files_if_present are globs (~ is the home folder,
+    ** any depth) that may match none, such as the Hugging Face datasets cache where lm-eval keeps its tasks."""
     paths = template.expand_paths(decon_cfg["eval_files"], "data.chat.mixture.decontamination.eval_files")
     for pattern in decon_cfg["eval_files_if_present"]:
-        paths += sorted(p for p in glob.glob(pattern) if os.path.isfile(p))
+        found = glob.glob(os.path.expanduser(pattern), recursive=True)
+        paths += sorted(path for path in found if os.path.isfile(path))
     return paths
 
 

@@ -377,3 +377,28 @@ def test_two_sources_of_one_name_are_refused_before_anything_is_read(tmp_path):
     sources_of(cfg)[3]["name"] = "seed"
     with pytest.raises(prepare.ChatError, match="data.chat.mixture.sources: the name 'seed' is used twice"):
         mixture.build(cfg["data"], tokenizer=None, tokenizer_sha="x")
+
+
+def test_lm_eval_task_texts_in_the_datasets_cache_are_protected_when_present(tmp_path, monkeypatch):
+    from chat import mixture
+
+    question = "¿Cuál de estos animales pone huevos y vive en los ríos de Australia oriental y Tasmania?"
+    cache = tmp_path / ".cache" / "huggingface" / "datasets" / "openbookqa_es" / "default" / "0.0.0"
+    cache.mkdir(parents=True)
+    table = pa.table({"question_stem": [question], "answerKey": ["A"], "id": [7]})
+    with (
+        pa.OSFile(str(cache / "openbookqa_es-test.arrow"), "wb") as sink,
+        pa.ipc.new_stream(sink, table.schema) as w,
+    ):
+        w.write_table(table)  # the Arrow stream format the datasets library caches tasks in
+    monkeypatch.setenv("HOME", str(tmp_path))
+    decon = {"ngram": 13, "min_words": 3, "val_max_overlap": 0.5, "eval_files": [],
+             "eval_files_if_present": ["~/.cache/huggingface/datasets/**/*.arrow", "~/nowhere/*.jsonl"]}  # fmt: skip
+    guard, short = mixture.protector(decon, [])
+    asked = {
+        "messages": [
+            {"role": "user", "content": question},
+            {"role": "assistant", "content": "El ornitorrinco."},
+        ]
+    }
+    assert mixture.contamination(asked, guard, short) == str(cache / "openbookqa_es-test.arrow")
