@@ -72,6 +72,13 @@ def write_report(directory, manifest, sources_cfg):
         ],
     )
     out += ["", "## Conversations (tokens) after each stage", ""]
+    out += [
+        "Tokens of the turns' text with data.chat.tokenizer. read: rows that became conversations; turns: after"
+        " markup, control tokens, language and length cut turns (and PII was replaced); exact_dedup and"
+        " near_dedup: across sources, earlier sources first; val: what is left for training once the held-out"
+        " slice is taken; decontamination: after the evaluation sets and val are protected.",
+        "",
+    ]
     out += table(
         ["source", *stage_names, "val (held out)"],
         [
