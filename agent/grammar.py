@@ -3,8 +3,19 @@ Constrained tool calls: once the model opens a call, the tokens up to </tool_cal
 {"name": <a tool on offer>, "arguments": <an object valid for that tool's JSON Schema>}, so every call a
 model writes parses and passes agent.argument_problem, whatever its logits say.
 
-    constraint = grammar.constraint_for(tokenizer, conversation.get("tools"), settings)
+    constraint = grammar.constraint_for(tokenizer, conversation.get("tools"), settings, max_tokens,
+                                        conversation["messages"])
     model.generate(ids, max_new_tokens, ..., constraint=constraint)     # None: agent.constrained is off
+
+Grounded calls (agent.grounding.mode "constrained", given the conversation's messages): the values of our
+own tools' arguments can only be the conversation's (agent/grounding.py): calculadora's numbers those said
+(digits or words) or configured constants, with operators and parentheses free; fecha_hora's dias a
+number said (either sign) or a constant, its zona that of a place named (any IANA zone when none is);
+a search's or a memory's text the user's recent words in order, with configured joining words between;
+olvidar's id a memory shown. A tool with no value for a required argument is not callable, and with none
+callable no call opens: the model answers in words or asks back. That grammar is EBNF (grounded_ebnf),
+compiled when a reply opens a call and cached by its text (the conversation's candidates); a client's
+own tools keep their schemas.
 
 A constraint follows one reply token by token (the contract every generation path shares):
 constraint.mask(logits) takes the next token's logits, shape (vocab,), and returns them with the forbidden
@@ -50,7 +61,7 @@ import torch
 
 import config
 import data
-from agent import tools
+from agent import grounding, tools
 
 TAGS = (b"<tool_call>", b"</tool_call>")
 LONGEST_TAG = max(map(len, TAGS))
@@ -109,6 +120,11 @@ class Vocabulary:
         ending = [index for index, raw in enumerate(self.bytes) if raw and set(raw) <= set(b'"}]\n')]
         self.ending = torch.zeros(self.size, dtype=torch.bool)
         self.ending[ending + [self.close_id]] = True
+        # then those that close a grounded calculation's parentheses, and never those that open one
+        self.parens = torch.tensor(
+            [bool(raw) and set(raw) <= set(b") ") and b")" in raw for raw in self.bytes]
+        )
+        self.opens = torch.tensor([b"(" in raw for raw in self.bytes])
 
         self.lengths = torch.tensor([len(raw) for raw in self.bytes])
 
@@ -130,9 +146,9 @@ class Vocabulary:
                 mask[self.byte_ids[value]] = True
         return mask
 
-    def closers_mask(self, size):
+    def closers_mask(self, size, which=None):
         mask = torch.zeros(size, dtype=torch.bool)
-        mask[: self.size] = self.ending
+        mask[: self.size] = self.ending if which is None else which
         return mask
 
     def lengths_of(self, size):
@@ -157,13 +173,19 @@ def vocabulary(tokenizer):
 # The grammar of a set of tools (once per tool set)
 
 
+def own_tool(spec, settings):
+    """The registered tool a definition is, or None for a client's own (even one named like ours)."""
+    own = tools.TOOLS.get(spec["function"]["name"])
+    return own if own is not None and spec == own.spec(settings) else None
+
+
 def grammar_parameters(spec, settings):
     """The JSON Schema a call's arguments must match: the tool's own (as the client or agent.TOOLS gave
     it), tightened for our own tools to what the tools accept."""
     function = spec["function"]
     parameters = copy.deepcopy(function.get("parameters") or {"type": "object"})
-    own = tools.TOOLS.get(function["name"])
-    if own is not None and spec == own.spec(settings):
+    own = own_tool(spec, settings)
+    if own is not None:
         properties = parameters["properties"]
         for schema in properties.values():
             if schema.get("type") == "integer":
@@ -213,9 +235,11 @@ def call_schema(tools, settings):
 
 
 class ToolGrammar:
-    """The compiled grammar of "\\n" + a call to one of the tools + "\\n" for one vocabulary."""
+    """The compiled grammar of "\\n" + a call to one of the tools + "\\n" for one vocabulary: the tools'
+    JSON Schemas, or with `grounded` (EBNF from grounded_ebnf) our own tools' grounded calls besides the
+    schemas of `tools` (a client's)."""
 
-    def __init__(self, vocab, tools, settings):
+    def __init__(self, vocab, tools, settings, grounded=None):
         import xgrammar
 
         self.vocab = vocab
@@ -229,9 +253,12 @@ class ToolGrammar:
                     f"tool {spec['function']['name']!r}: its parameters cannot be enforced as a JSON Schema "
                     f"({why})"
                 ) from None
-        body = xgrammar.Grammar.from_json_schema(
-            json.dumps(call_schema(tools, settings)), any_whitespace=False, separators=(", ", ": ")
-        )
+        parts = [xgrammar.Grammar.from_ebnf(grounded)] if grounded else []
+        if tools:
+            parts.append(xgrammar.Grammar.from_json_schema(
+                json.dumps(call_schema(tools, settings)), any_whitespace=False, separators=(", ", ": ")
+            ))  # fmt: skip
+        body = parts[0] if len(parts) == 1 else xgrammar.Grammar.union(*parts)
         newline = xgrammar.Grammar.from_ebnf('root ::= "\\n"')
         with vocab.lock:
             self.compiled = vocab.compiler.compile_grammar(xgrammar.Grammar.concat(newline, body, newline))
@@ -246,14 +273,15 @@ _grammars = {}
 _grammars_lock = threading.Lock()
 
 
-def tool_grammar(tokenizer, tools, settings):
-    """The cached ToolGrammar of these tools (OpenAI tool definitions) for this tokenizer."""
+def tool_grammar(tokenizer, tools, settings, grounded=None):
+    """The cached ToolGrammar of these tools (OpenAI tool definitions) for this tokenizer, and of the
+    grounded calls when given (cached by their text: a conversation's set of candidates)."""
     vocab = vocabulary(tokenizer)
-    key = (vocab, json.dumps(tools, sort_keys=True, ensure_ascii=False))
+    key = (vocab, json.dumps(tools, sort_keys=True, ensure_ascii=False), grounded)
     with _grammars_lock:
         if key in _grammars:
             return _grammars[key]
-    grammar = ToolGrammar(vocab, tools, settings)
+    grammar = ToolGrammar(vocab, tools, settings, grounded)
     with _grammars_lock:
         if len(_grammars) >= settings["grammar_cache"]:
             _grammars.pop(next(iter(_grammars)))  # the oldest tool set goes
@@ -267,14 +295,121 @@ def check_tools(tokenizer, tools, settings):
     tool_grammar(tokenizer, tools, settings)
 
 
-def constraint_for(tokenizer, tools, settings, max_tokens=None):
+def constraint_for(tokenizer, tools, settings, max_tokens=None, messages=None):
     """The constraint of one reply offered these tools (None or [] for none), or None when
     agent.constrained is off. With max_tokens, the reply's budget: its last call_reserve_tokens close an
-    open call and open none (see ToolCallConstraint)."""
+    open call and open none (see ToolCallConstraint). With the conversation's messages so far and
+    agent.grounding.mode "constrained", our own tools' values come from it (GroundedGrammar); a client's
+    tools keep their schemas."""
     if not settings["constrained"]:
         return None
-    grammar = tool_grammar(tokenizer, tools, settings) if tools else None
+    grammar = None
+    if tools and messages is not None and settings["grounding"]["mode"] == "constrained":
+        grammar = GroundedGrammar(tokenizer, tools, settings, grounding.candidates(messages, settings))
+        grammar = grammar if grammar.callable else None
+    elif tools:
+        grammar = tool_grammar(tokenizer, tools, settings)
     return ToolCallConstraint(vocabulary(tokenizer), grammar, max_tokens, settings["call_reserve_tokens"])
+
+
+# -----------------------------------------------------------------------------
+# Grounded calls: our own tools' values are the conversation's (agent/grounding.py)
+
+
+class GroundedGrammar:
+    """The grammar of a reply's calls grounded in its conversation: built when the reply opens a call
+    (most replies open none), from the cache when the candidates are those of an earlier reply. Not
+    callable when no tool on offer has a value for its required arguments: then no call opens, and the
+    model answers in words or asks back."""
+
+    def __init__(self, tokenizer, tools, settings, found):
+        self.tokenizer, self.settings, self.found = tokenizer, settings, found
+        own = [spec["function"]["name"] for spec in tools if own_tool(spec, settings)]
+        self.others = [spec for spec in tools if not own_tool(spec, settings)]
+        self.ebnf = grounded_ebnf(own, found, settings)
+        self.callable = bool(self.ebnf or self.others)
+
+    def matcher(self):
+        return tool_grammar(self.tokenizer, self.others, self.settings, self.ebnf).matcher()
+
+
+def literal(text):
+    return json.dumps(text, ensure_ascii=False)
+
+
+def alternatives(texts):
+    return " | ".join(literal(text) for text in dict.fromkeys(texts))
+
+
+def words_rules(words, joining):
+    """EBNF rules `w` (and w_*): the user's words in order, any of them left out, joining words between
+    them, separated by a space or ", "; at least one of the user's words. Linear in the words."""
+    last = len(words)
+    rules = ["w ::= (w_j w_s)* w_u0", 'w_s ::= " " | ", "', f"w_j ::= {alternatives(joining)}"]
+    for index, word in enumerate(words):
+        forms = (word, word.lower(), word[:1].upper() + word[1:])
+        skip = f" | w_u{index + 1}" if index + 1 < last else ""
+        rules.append(f"w_u{index} ::= ({alternatives(forms)}) w_t{index + 1}{skip}")
+        if index:
+            rules.append(f"w_t{index} ::= (w_s (w_u{index} | w_j w_t{index}))?")
+    rules.append(f"w_t{last} ::= (w_s w_j w_t{last})?")
+    return rules
+
+
+def calculation_rules(depth):
+    """EBNF `c_e0`: numbers `c_n` with operators between, parentheses nested at most `depth` deep (so
+    that a budget's last tokens can always close them)."""
+    rules = ['c_sp ::= " " | ""', 'c_o ::= "**" | "//" | "+" | "-" | "*" | "/" | "%"']
+    for level in range(depth + 1):
+        inner = f' | "(" c_sp c_e{level + 1} c_sp ")"' if level < depth else ""
+        rules.append(f"c_e{level} ::= c_t{level} (c_sp c_o c_sp c_t{level})*")
+        rules.append(f'c_t{level} ::= ("-" | "+")? (c_n ("%" | " %")?{inner})')
+    return rules
+
+
+def grounded_ebnf(names, found, settings):
+    """EBNF of a call to one of our own tools `names` with the values in `found` (grounding.Candidates),
+    laid out as chat.render writes it; a tool with a required argument and no value for it is left out.
+    None when none is left."""
+    rules, calls = [], []
+
+    def call(name, arguments):  # arguments: EBNF of the object's inside, between its braces
+        head = literal('{"name": ' + json.dumps(name) + ', "arguments": {')
+        calls.append(f"{head} {arguments} " + literal("}}"))
+
+    def key(name):
+        return literal(f'"{name}": ')
+
+    if "calculadora" in names and found.numbers:
+        numbers = [form for number in found.numbers for form in (number, number.replace(".", ","))]
+        rules += calculation_rules(settings["grounding"]["max_parentheses"])
+        rules.append(f"c_n ::= {alternatives(numbers)}")
+        call("calculadora", f'{key("expresion")} "\\"" c_e0 "\\""')
+    if "fecha_hora" in names:
+        zones = found.zones or sorted(zoneinfo.available_timezones())
+        days = [str(day) for day in sorted({abs(day) for day in found.days}) if day]
+        zone = f"{key('zona')} ({alternatives(json.dumps(zone) for zone in zones)})"
+        day = f'{key("dias")} ("0" | "-"? ({alternatives(days)}))' if days else f'{key("dias")} "0"'
+        call("fecha_hora", f"(({zone}) ({literal(', ')} {day})? | {day})?")
+    if found.words:
+        rules += words_rules(found.words, settings["grounding"]["joining_words"])
+        text = '"\\"" w "\\""'
+        if "buscar_web" in names:
+            most = settings["search"]["max_results"]
+            count = alternatives(str(n) for n in range(1, most + 1))
+            call(
+                "buscar_web", f"{key('consulta')} {text} ({literal(', ')} {key('max_resultados')} ({count}))?"
+            )
+        if "recordar" in names:
+            scope = alternatives(['"privado"', '"familia"'])
+            call("recordar", f"{key('texto')} {text} ({literal(', ')} {key('ambito')} ({scope}))?")
+        if "buscar_recuerdos" in names:
+            call("buscar_recuerdos", f"{key('consulta')} {text}")
+    if "olvidar" in names and found.ids:
+        call("olvidar", f"{key('id')} ({alternatives(str(n) for n in found.ids)})")
+    if not calls:
+        return None
+    return "\n".join([f"root ::= {' | '.join(f'({c})' for c in calls)}", *rules])
 
 
 # -----------------------------------------------------------------------------
@@ -333,9 +468,14 @@ class ToolCallConstraint:
             if fewer.any():  # never an empty choice: a schema's own enum may spell a tag
                 allowed = fewer
         if self.left() <= self.reserve:
-            closing = allowed & vocab.closers_mask(logits.shape[0])
-            if not closing.any():  # a name, an enum value or a key to finish first: in the longest steps
-                lengths = vocab.lengths_of(logits.shape[0])
+            size = logits.shape[0]
+            closing = allowed & vocab.closers_mask(size)
+            if not closing.any():
+                closing = allowed & vocab.closers_mask(size, vocab.parens)
+            if not closing.any():  # a name, an enum value, a key or a number to finish: in the longest steps
+                if (allowed & ~vocab.closers_mask(size, vocab.opens)).any():
+                    allowed = allowed & ~vocab.closers_mask(size, vocab.opens)
+                lengths = vocab.lengths_of(size)
                 closing = allowed & (lengths == lengths.masked_fill(~allowed, -1).max())
             allowed = closing
         return logits.masked_fill(~allowed.to(logits.device), float("-inf"))

@@ -52,6 +52,7 @@ import jsonschema
 import config
 import fileio
 import search
+from agent import grounding
 from family import memories
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -364,7 +365,8 @@ def fecha_hora(arguments, context):
     if abs(days) > limit:
         raise ToolFailure(f"dias={echo(days, context.settings)} supera el máximo de {limit} días")
     target = now + datetime.timedelta(days=days)
-    when = f"dentro de {days} días" if days >= 0 else f"hace {-days} días"
+    unit = "día" if abs(days) == 1 else "días"
+    when = f"dentro de {days} {unit}" if days >= 0 else f"hace {-days} {unit}"
     return f"hoy es {spanish_date(now)}; {when}: {spanish_date(target)}"
 
 
@@ -473,6 +475,20 @@ class ToolResult:
     text: str  # what the model reads
     ok: bool
     seconds: float = 0.0
+
+
+def normalised(tool_entry, arguments):
+    """The arguments as a tool reads them best: a whole float where the schema says integer (JSON Schema
+    takes 1.0 as an integer; fecha_hora would answer "dentro de 1.0 días") is an int, and a string has no
+    surrounding spaces."""
+    properties, fixed = tool_entry.properties, dict(arguments)
+    for key, value in arguments.items():
+        kind = properties.get(key, {}).get("type")
+        if kind == "integer" and isinstance(value, float) and value.is_integer():
+            fixed[key] = int(value)
+        elif kind == "string" and isinstance(value, str):
+            fixed[key] = value.strip()
+    return fixed
 
 
 def argument_problem(tool_entry, arguments, settings):
@@ -589,11 +605,13 @@ NUMBER = re.compile(r"\d+(?:[.,]\d+)*")
 
 def said_numbers(text):
     """The numbers a text says in the forms a call may copy them in: with a decimal point ("2,35" is
-    2.35), without separators ("1.250" is also 1250), and Spanish style ("1.250,5" is 1250.5)."""
+    2.35), without separators ("1.250" is also 1250), and Spanish style ("1.250,5" is 1250.5); in words
+    too ("doce", "media docena": agent/grounding.py)."""
     found = set()
     for number in NUMBER.findall(text):
         spanish = number.replace(".", "").replace(",", ".")
         found |= {number.replace(",", "."), number.replace(".", "").replace(",", ""), spanish}
+    found |= {grounding.number_text(value) for value in grounding.spoken_numbers(text)}
     return {canonical(number) for number in found}
 
 
@@ -606,13 +624,14 @@ def canonical(number):
     return f"{whole}.{fraction}" if fraction else whole
 
 
-def ungrounded(call, texts, known):
+def ungrounded(call, texts, settings):
     """The numbers of a calculadora expression or a fecha_hora offset that none of the texts says and
-    that are not known numbers, in the call's order."""
+    that are not among the grounding constants (grounding.numbers, grounding.days), in the call's
+    order."""
     if call.name == "calculadora" and isinstance(call.arguments.get("expresion"), str):
-        numbers = NUMBER.findall(call.arguments["expresion"])
+        numbers, known = NUMBER.findall(call.arguments["expresion"]), settings["grounding"]["numbers"]
     elif call.name == "fecha_hora" and isinstance(call.arguments.get("dias"), int):
-        numbers = [str(abs(call.arguments["dias"]))]
+        numbers, known = [str(abs(call.arguments["dias"]))], [0, *settings["grounding"]["days"]]
     else:
         return []
     said = set().union(*map(said_numbers, texts)) | {canonical(str(n)) for n in known}
@@ -695,6 +714,7 @@ class Agent:
                 f"no existe la herramienta {name}; hay {', '.join(self.tool_names)}",
             )
         entry = TOOLS[call.name]
+        call = Call(call.name, normalised(entry, call.arguments), call.error, call.raw)
         problem = argument_problem(entry, call.arguments, self.settings)
         if problem:
             return failure(call.name, call.arguments, problem)
@@ -785,11 +805,10 @@ class Agent:
     def hint_ungrounded(self, call, result, messages):
         """Append the grounding hint to the result when the call uses a number the conversation never
         says; whether it did (the hint is given once a turn)."""
-        grounding = self.settings["grounding"]
-        if not grounding["enabled"]:
+        if self.settings["grounding"]["mode"] == "off":
             return False
         texts = [m["content"] for m in messages if isinstance(m.get("content"), str)]
-        numbers = ungrounded(call, texts, grounding["known_numbers"])
+        numbers = ungrounded(call, texts, self.settings)
         if not numbers:
             return False
         result.text = f"{result.text} {grounding_hint(numbers)}"

@@ -645,7 +645,7 @@ def test_two_unsaid_numbers_are_named_together_and_grounding_can_be_off(settings
         settings, Script(call_text("calculadora", {"expresion": "347*28"}), "Ya."), "¿Cuánto es 34 por 82?"
     )
     assert "los números 347 ni 28 no aparecen en la pregunta" in tool_texts(new)[0]
-    settings["grounding"]["enabled"] = False
+    settings["grounding"]["mode"] = "off"
     new, _ = run(
         settings, Script(call_text("calculadora", {"expresion": "347*28"}), "Ya."), "¿Cuánto es 34 por 82?"
     )
@@ -657,3 +657,21 @@ def test_a_failed_call_gets_its_error_and_no_grounding_hint(settings):
         settings, Script(call_text("calculadora", {"expresion": "77/0"}), "No se puede."), "Divide 5 entre 0"
     )
     assert tool_texts(new)[0].startswith("Error: división entre cero") and "Aviso" not in tool_texts(new)[0]
+
+
+def test_a_whole_float_where_an_integer_is_due_is_read_as_the_integer(settings):
+    # JSON Schema takes 1.0 as an integer; the date must not read "dentro de 1.0 días"
+    new, events = run(settings, Script(call_text("fecha_hora", {"dias": 1.0}), "Mañana."), "¿Y mañana?")
+    text = tool_texts(new)[0]
+    assert "1.0" not in text and "dentro de 1 día:" in text
+    assert new[0]["tool_calls"][0]["function"]["arguments"] == {"dias": 1}
+    new, _ = run(settings, Script(call_text("calculadora", {"expresion": "  2+2 "}), "4."), "¿2 y 2?")
+    assert new[0]["tool_calls"][0]["function"]["arguments"] == {"expresion": "2+2"}
+
+
+def test_a_number_said_in_words_gets_no_hint(settings):
+    question = "¿Cuánto cuestan media docena de huevos a treinta y cinco céntimos?"
+    new, events = run(settings, Script(call_text("calculadora", {"expresion": "6*0.35"}), "2,1."), question)
+    assert ("ungrounded", {"name": "calculadora", "numbers": ["0.35"]}) in events  # 6 and 35 are said
+    new, events = run(settings, Script(call_text("calculadora", {"expresion": "6*35/100"}), "2,1."), question)
+    assert tool_texts(new) == ["2,1"] and not any(kind == "ungrounded" for kind, _ in events)

@@ -1,0 +1,234 @@
+"""
+Grounding: the values a tool call may copy from the conversation so far. agent/grammar.py turns them into
+the grammar of a call's arguments when agent.grounding.mode is "constrained"; agent/tools.py's hint uses
+the same numbers.
+
+    found = grounding.candidates(conversation["messages"], settings)
+    found.numbers   calculadora's number literals: said with digits ("1.234,5", "6,2", "15 %") or in
+                    words ("doce", "media docena", "un cuarto", "dos mil"), then grounding.numbers
+    found.days      fecha_hora's dias: whole numbers said ("dos semanas" is 14 with grounding.units), then
+                    grounding.days; either sign may be written
+    found.zones     IANA zones of the places named (grounding.places, or a tzdata city spelled out);
+                    empty when none is named, and then any zone may be written
+    found.words     the words of the user's recent turns, in order: what a search or a memory is made of
+    found.ids       the memory numbers shown ("- [12] ..." lines of the system turn and tool results)
+
+The sources are the user turns, the tool results and the system turn (the memories), most recent first;
+each kind holds at most grounding.max_candidates values, so a conversation with thousands of numbers
+costs no more than one with a few. A word is letters and digits only ("tool_call", quotes, tags and
+control characters never make one), so nothing copied can close a string or spell a protocol tag.
+"""
+
+import dataclasses
+import functools
+import re
+import unicodedata
+import zoneinfo
+from decimal import Decimal
+
+WORD = re.compile(r"[^\W_]+(?:[.,:/'-][^\W_]+)*")
+DIGITS = re.compile(r"\d+(?:[.,]\d+)*")
+MEMORY_LINE = re.compile(r"^- \[(\d{1,18})\]", re.MULTILINE)  # family/memories.py's memory_line
+
+UNITS = dict(zip("cero un uno una dos tres cuatro cinco seis siete ocho nueve".split(),
+                 (0, 1, 1, 1, 2, 3, 4, 5, 6, 7, 8, 9), strict=True))  # fmt: skip
+TEENS = dict(zip(("diez once doce trece catorce quince dieciseis diecisiete dieciocho diecinueve veinte "
+                  "veintiun veintiuno veintiuna veintidos veintitres veinticuatro veinticinco veintiseis "
+                  "veintisiete veintiocho veintinueve").split(),
+                 (*range(10, 21), 21, 21, 21, *range(22, 30)), strict=True))  # fmt: skip
+TENS = dict(
+    zip("treinta cuarenta cincuenta sesenta setenta ochenta noventa".split(), range(30, 100, 10), strict=True)
+)
+HUNDREDS = {"cien": 100, "ciento": 100, "quinientos": 500, "quinientas": 500, "setecientos": 700,
+            "setecientas": 700, "novecientos": 900, "novecientas": 900}  # fmt: skip
+for _word, _value in (("dos", 2), ("tres", 3), ("cuatro", 4), ("seis", 6), ("ocho", 8)):
+    HUNDREDS[_word + "cientos"] = HUNDREDS[_word + "cientas"] = 100 * _value
+HALF = ("medio", "media")
+
+
+def plain(text):
+    """Lower case without accents: 'Dieciséis' is 'dieciseis', 'Japón' is 'japon'."""
+    decomposed = unicodedata.normalize("NFD", text.lower())
+    return "".join(ch for ch in decomposed if unicodedata.category(ch) != "Mn")
+
+
+def digit_values(number):
+    """The values a number written with digits may mean: "2,35" is 2.35 (or 235 where a comma groups
+    thousands), "1.250" is 1.25 or 1250, "1.234,5" and "1,234.5" are 1234.5, "1.000.000" is 1000000."""
+    marks = [ch for ch in number if ch in ".,"]
+    whole = number.replace(".", "").replace(",", "")
+    if not marks:
+        return [Decimal(number)]
+    if len(set(marks)) == 2:  # the last mark is the decimal one
+        cut = max(number.rindex("."), number.rindex(","))
+        return [Decimal(whole[: cut - len(marks) + 1] + "." + number[cut + 1 :])]
+    if len(marks) > 1:
+        return [Decimal(whole)]
+    return [Decimal(number.replace(",", ".")), Decimal(whole)]
+
+
+def read_words(words, start):
+    """(value, words used) of the number spelled out in words from words[start], or (None, 0)."""
+    total, current, used, last = Decimal(0), Decimal(0), 0, None
+    index = start
+    while index < len(words):
+        word = words[index]
+        following = words[index + 1] if index + 1 < len(words) else ""
+        if word in UNITS and (last in (None, "hundred", "mil") or (last == "y" and UNITS[word] > 0)):
+            current, last = current + UNITS[word], "unit"
+        elif word in TEENS and last in (None, "hundred", "mil"):
+            current, last = current + TEENS[word], "unit"
+        elif word in TENS and last in (None, "hundred", "mil"):
+            current, last = current + TENS[word], "tens"
+        elif word in HUNDREDS and last in (None, "mil") and current % 1000 == 0:
+            current, last = current + HUNDREDS[word], "hundred"
+        elif word == "y" and last == "tens" and following in UNITS:
+            last = "y"
+        elif word == "y" and last in ("unit", "tens", "hundred") and following in HALF:
+            current, last, index = current + Decimal("0.5"), "half", index + 1
+        elif word in HALF and last is None:
+            current, last = Decimal("0.5"), "half"
+        elif word == "mitad" and last is None:
+            current, last = Decimal("0.5"), "half"
+        elif word == "mil" and last in (None, "unit", "tens", "hundred"):
+            total, current, last = total + (current or 1) * 1000, Decimal(0), "mil"
+        elif word in ("millon", "millones") and last in (None, "unit", "tens", "hundred", "half", "mil"):
+            total, current, last = (total + (current or 1)) * 1000000, Decimal(0), "mil"
+        elif word in ("docena", "docenas") and last in (None, "unit", "tens", "half"):
+            current, last = (current or 1) * 12, "unit"
+        elif word in ("cuarto", "cuartos") and last == "unit" and 0 < current < 10 and not total:
+            current, last = current / 4, "half"
+        elif word == "coma" and last in ("unit", "tens") and following in UNITS | TEENS:
+            digits = str((UNITS | TEENS)[following])
+            current, last, index = current + Decimal("0." + digits), "half", index + 1
+        else:
+            break
+        index += 1
+        used = index - start
+    if used == 0 or last == "y":
+        return None, 0
+    return total + current, used
+
+
+def said(text):
+    """(values, next word) of each number a text says, with digits or in Spanish words, in the order
+    said: a number written with digits may stand for several values (see digit_values)."""
+    words = [plain(word) for word in WORD.findall(text)]
+    found, index = [], 0
+    while index < len(words):
+        word = words[index]
+        if DIGITS.fullmatch(word):
+            values = digit_values(word)
+            scale = {"mil": 1000, "millon": 1000000, "millones": 1000000}.get(
+                words[index + 1] if index + 1 < len(words) else ""
+            )
+            values, used = ([value * scale for value in values], 2) if scale else (values, 1)
+        elif any(ch.isdigit() for ch in word):  # "12:30", "3kg": the numbers inside
+            values, used = [v for number in DIGITS.findall(word) for v in digit_values(number)], 1
+        else:
+            value, used = read_words(words, index)
+            values, used = ([value], used) if used else ([], 1)
+        index += used
+        if values:
+            found.append((values, words[index] if index < len(words) else ""))
+    return found
+
+
+def spoken_numbers(text):
+    """Every value of the numbers a text says (see said)."""
+    return [value for values, _ in said(text) for value in values]
+
+
+def counted_days(text, units):
+    """Whole numbers of days a text says: '45 días' is 45, 'dos semanas' is 14 (units: a word -> days)."""
+    units = {plain(name): days for name, days in units.items()}
+    return [
+        int(value) * units.get(after, 1)
+        for values, after in said(text)
+        for value in values
+        if value == value.to_integral_value()
+    ]
+
+
+def number_text(value):
+    """A Decimal as a calculator literal without exponent or trailing zeros: '1234.5', '2000'."""
+    text = format(value.normalize(), "f")
+    return text.rstrip("0").rstrip(".") if "." in text else text
+
+
+@functools.lru_cache(maxsize=1)
+def tzdata_cities():
+    """'buenos aires' -> ('America/Argentina/Buenos_Aires',): the last part of each IANA zone, spelled out."""
+    cities = {}
+    for zone in sorted(zoneinfo.available_timezones()):
+        if "/" in zone and not zone.startswith("Etc/"):
+            cities.setdefault(plain(zone.rsplit("/", 1)[1].replace("_", " ")), []).append(zone)
+    return {city: tuple(zones) for city, zones in cities.items()}
+
+
+def named_zones(text, places):
+    """The zones of the places a text names, in the order named: places maps Spanish names to zones."""
+    words = [plain(word) for word in WORD.findall(text)]
+    table = dict(tzdata_cities())
+    table.update({plain(name): (zone,) for name, zone in places.items()})
+    longest = max(len(name.split()) for name in table)
+    zones = []
+    for index in range(len(words)):
+        for size in range(longest, 0, -1):
+            name = " ".join(words[index : index + size])
+            if name in table:
+                zones += table[name]
+                break
+    return zones
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidates:
+    numbers: tuple
+    days: tuple
+    zones: tuple
+    words: tuple
+    ids: tuple
+
+
+def recent_first(values, bound):
+    """The last `bound` distinct values, most recent first."""
+    kept = []
+    for value in reversed(values):
+        if value not in kept:
+            kept.append(value)
+            if len(kept) == bound:
+                break
+    return kept
+
+
+def candidates(messages, settings):
+    """The Candidates of a conversation (its messages so far) under the agent layer's grounding section."""
+    grounding = settings["grounding"]
+    bound = grounding["max_candidates"]
+    told = [
+        m
+        for m in messages
+        if m.get("role") in ("system", "user", "tool") and isinstance(m.get("content"), str)
+    ]
+    told = told[-bound:]  # a value per message at least: older messages cannot be among the most recent
+    users = [m["content"] for m in told if m["role"] == "user"]
+    numbers, days, zones, ids = [], [], [], []
+    for message in told:
+        text = message["content"]
+        numbers += [number_text(value) for value in spoken_numbers(text)]
+        days += counted_days(text, grounding["units"])
+        if message["role"] != "system":  # the system turn names the family's own zone, not a question's
+            zones += named_zones(text, grounding["places"])
+        ids += [int(number) for number in MEMORY_LINE.findall(text)]
+    limit = settings["date"]["max_days"]
+    numbers = recent_first(numbers, bound) + [number_text(Decimal(str(n))) for n in grounding["numbers"]]
+    days = [day for day in recent_first(days, bound) if abs(day) <= limit] + list(grounding["days"])
+    words = [word for text in users for word in WORD.findall(text)][-bound:]
+    return Candidates(
+        numbers=tuple(sorted(set(numbers), key=numbers.index)),
+        days=tuple(sorted(set(days), key=days.index)),
+        zones=tuple(recent_first(zones, bound)),
+        words=tuple(words),
+        ids=tuple(recent_first(ids, bound)),
+    )
