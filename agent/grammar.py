@@ -10,7 +10,7 @@ model writes parses and passes agent.argument_problem, whatever its logits say.
 Grounded calls (agent.grounding.mode "constrained", given the conversation's messages): the values of our
 own tools' arguments can only be the conversation's (agent/grounding.py): calculadora's numbers those said
 (digits or words) or configured constants, with operators and parentheses free; fecha_hora's dias a
-number said (either sign) or a constant, its zona that of a place named (any IANA zone when none is);
+number said (either sign) or a constant, its zona that of a place named (left out when none is);
 a search's or a memory's text the user's recent words in order, with configured joining words between;
 olvidar's id a memory shown. A tool with no value for a required argument is not callable, and with none
 callable no call opens: the model answers in words or asks back. That grammar is EBNF (grounded_ebnf),
@@ -372,6 +372,7 @@ def grounded_ebnf(names, found, settings):
     laid out as chat.render writes it; a tool with a required argument and no value for it is left out.
     None when none is left."""
     rules, calls = [], []
+    names = [name for name in names if grounding.callable_tool(name, found)]
 
     def call(name, arguments):  # arguments: EBNF of the object's inside, between its braces
         head = literal('{"name": ' + json.dumps(name) + ', "arguments": {')
@@ -380,18 +381,19 @@ def grounded_ebnf(names, found, settings):
     def key(name):
         return literal(f'"{name}": ')
 
-    if "calculadora" in names and found.numbers:
+    if "calculadora" in names:
         numbers = [form for number in found.numbers for form in (number, number.replace(".", ","))]
         rules += calculation_rules(settings["grounding"]["max_parentheses"])
         rules.append(f"c_n ::= {alternatives(numbers)}")
         call("calculadora", f'{key("expresion")} "\\"" c_e0 "\\""')
     if "fecha_hora" in names:
-        zones = found.zones or sorted(zoneinfo.available_timezones())
         days = [str(day) for day in sorted({abs(day) for day in found.days}) if day]
-        zone = f"{key('zona')} ({alternatives(json.dumps(zone) for zone in zones)})"
         day = f'{key("dias")} ("0" | "-"? ({alternatives(days)}))' if days else f'{key("dias")} "0"'
-        call("fecha_hora", f"(({zone}) ({literal(', ')} {day})? | {day})?")
-    if found.words:
+        if found.zones:  # else no place is named: zona is left out, the family's own
+            zone = f"{key('zona')} ({alternatives(json.dumps(zone) for zone in found.zones)})"
+            day = f"({zone}) ({literal(', ')} {day})? | {day}"
+        call("fecha_hora", f"({day})?")
+    if {"buscar_web", "recordar", "buscar_recuerdos"} & set(names):
         rules += words_rules(found.words, settings["grounding"]["joining_words"])
         text = '"\\"" w "\\""'
         if "buscar_web" in names:
@@ -405,7 +407,7 @@ def grounded_ebnf(names, found, settings):
             call("recordar", f"{key('texto')} {text} ({literal(', ')} {key('ambito')} ({scope}))?")
         if "buscar_recuerdos" in names:
             call("buscar_recuerdos", f"{key('consulta')} {text}")
-    if "olvidar" in names and found.ids:
+    if "olvidar" in names:
         call("olvidar", f"{key('id')} ({alternatives(str(n) for n in found.ids)})")
     if not calls:
         return None

@@ -9,7 +9,7 @@ the same numbers.
     found.days      fecha_hora's dias: whole numbers said ("dos semanas" is 14 with grounding.units), then
                     grounding.days; either sign may be written
     found.zones     IANA zones of the places named (grounding.places, or a tzdata city spelled out);
-                    empty when none is named, and then any zone may be written
+                    empty when none is named, and then zona is left out (the family's zone)
     found.words     the words of the user's recent turns, in order: what a search or a memory is made of
     found.ids       the memory numbers shown ("- [12] ..." lines of the system turn and tool results)
 
@@ -180,6 +180,17 @@ def named_zones(text, places):
                 zones += table[name]
                 break
     return zones
+
+
+# the candidates a tool's required argument takes (fecha_hora has none required: always callable)
+REQUIRED = {"calculadora": "numbers", "buscar_web": "words", "recordar": "words", "buscar_recuerdos": "words",
+            "olvidar": "ids"}  # fmt: skip
+
+
+def callable_tool(name, found):
+    """Whether a call to our tool `name` can be grounded in these Candidates: a value for each required
+    argument."""
+    return name not in REQUIRED or bool(getattr(found, REQUIRED[name]))
 
 
 @dataclasses.dataclass(frozen=True)
