@@ -285,7 +285,9 @@ def streamed_reply(model, tokenizer, args, generator, end_id, budget, out, setti
             return False
 
         specs = conversation.get("tools")
-        constraint = grammar.constraint_for(tokenizer, specs, settings, args.max_new_tokens)
+        constraint = grammar.constraint_for(
+            tokenizer, specs, settings, args.max_new_tokens, conversation["messages"]
+        )
         try:
             stream_text(model, tokenizer, ids, args, generator, write, end_id, constraint)
         except KeyboardInterrupt:  # Ctrl-C ends this reply, not the session

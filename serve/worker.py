@@ -397,7 +397,11 @@ class Worker:
                     shown = visible
 
             constraint = job.constraint or grammar.constraint_for(
-                self.tokenizer, conversation.get("tools"), agent_of_turn.settings, job.max_tokens
+                self.tokenizer,
+                conversation.get("tools"),
+                agent_of_turn.settings,
+                job.max_tokens,
+                conversation["messages"],
             )
             finish, count = self.generate(job, ids, write, constraint)
             totals["prompt"] += len(ids)

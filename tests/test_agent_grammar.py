@@ -288,6 +288,8 @@ def test_the_chat_repl_constrains_each_generation_of_the_loop(tokenizer, setting
     assert len(calls) == 2 * settings["max_calls_per_turn"]  # every generation with tools calls at once
     for line in calls:
         name, arguments = line.removeprefix("  [tool call] ").split(" ", 1)
+        if arguments.endswith("…"):  # shown cut at 400 characters (noise writes long grounded texts)
+            continue
         assert tools.argument_problem(tools.TOOLS[name], json.loads(arguments), settings) is None
     assert not [line for line in errors if any(word in line for word in MALFORMED)], errors
 
@@ -472,3 +474,23 @@ def test_hostile_text_in_a_turn_never_leaves_the_arguments_string(tokenizer, set
             for value in call.arguments.values():
                 assert not (isinstance(value, str) and set(value) & set('"\\<>{}\x00\x07\x1b')), text
             assert call.name != "olvidar"  # no memory shown: the text's "olvidar" is no call
+
+
+def test_the_chat_repl_grounds_its_calls_in_the_conversation(tokenizer, settings, monkeypatch):
+    monkeypatch.setattr(tools, "searcher_from_env", lambda provider: dataset.CannedSearch([]))
+    seen, build = [], grammar.constraint_for
+
+    def spy(*args, **kwargs):
+        constraint = build(*args, **kwargs)
+        seen.append(constraint.grammar)
+        return constraint
+
+    monkeypatch.setattr(grammar, "constraint_for", spy)
+    args = SimpleNamespace(run="noise", max_new_tokens=300, temperature=1.0, top_k=None, top_p=None, seed=0,
+                           system="", no_tools=False)  # fmt: skip
+    model = NoisyModel(tokenizer, adversarial=False, ends=True).eval()
+    out = io.StringIO()
+    sample.run_chat(model, tokenizer, {"model": model.cfg, "agent": settings}, args,
+                    io.StringIO("¿Cuánto es 17 por 23?\n/exit\n"), out)  # fmt: skip
+    assert seen and all(isinstance(g, grammar.GroundedGrammar) for g in seen if g is not None)
+    assert any(g is not None and "17" in g.found.numbers and "23" in g.found.numbers for g in seen)

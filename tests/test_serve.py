@@ -190,7 +190,7 @@ def test_tool_calls_are_constrained_to_the_clients_and_to_the_servers_own_tools(
     import jsonschema
     from test_agent_grammar import CLIENT_TOOLS, MALFORMED, NoisyModel
 
-    from agent import dataset, tools
+    from agent import dataset, grammar, tools
 
     monkeypatch.setattr(tools, "searcher_from_env", lambda provider: dataset.CannedSearch([]))
     tokenizer = chat_model[1]
@@ -206,6 +206,10 @@ def test_tool_calls_are_constrained_to_the_clients_and_to_the_servers_own_tools(
             for call in answer.choices[0].message.tool_calls:
                 jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
         model.prompts.clear()
+        seen, build = [], grammar.constraint_for
+        monkeypatch.setattr(
+            grammar, "constraint_for", lambda *a, **k: seen.append(a + tuple(k.values())) or build(*a, **k)
+        )
         own = openai_client.chat.completions.create(model="chat", messages=USER, max_tokens=500, seed=5)
         bad = ask(url, member(server, "eva"), model="chat", messages=USER, tools=[{"type": "function", "function": {
             "name": "rara", "parameters": {"type": "object", "properties": {"n": {"type": "integer", "minimum": 3,
@@ -218,12 +222,16 @@ def test_tool_calls_are_constrained_to_the_clients_and_to_the_servers_own_tools(
     ]
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tools"
     assert "tool 'rara'" in bad.json()["error"]["message"]
+    # the server's own turn grounds its calls in the conversation (agent.grounding.mode constrained)
+    assert seen and all(
+        len(arguments) == 5 and arguments[4][-1]["role"] in ("user", "tool") for arguments in seen[:-1]
+    )
 
 
 def test_without_client_tools_the_servers_tools_run_between_generations(chat_model, tmp_path):
     tokenizer = chat_model[1]
     end = tokenizer.special_ids["<|end|>"]
-    call = '<tool_call>\n{"name": "calculadora", "arguments": {"expresion": "6*7"}}\n</tool_call>'
+    call = '<tool_call>\n{"name": "calculadora", "arguments": {"expresion": "4*10+2"}}\n</tool_call>'
     model = ScriptedModel(tokenizer.encode("Calculo.\n" + call) + [end], tokenizer.encode("Son 42.") + [end])
     with live_server(chat_model, tmp_path, model=model, context=4096) as (url, server):
         openai_client = client(url, member(server, "ana"))
