@@ -4,14 +4,16 @@ both sets (evaluation/tool_use.py), and one table of the mean and the min–max 
 
     python -m evaluation.ladder --rung a configs/sft-agent-tiny-cpu.yaml \
                                 --rung b configs/sft-agent-cpu.yaml configs/smoke-corpus-cpu.yaml \
-                                [--seeds 1 2 3] [--table]
+                                [--seeds 1 2 3] [--table] [--grounding constrained|hint|off]
 
 A rung is a name, its SFT run file and, optionally, the pretraining run file it starts from. The
 pretraining runs once per rung (kept when it already has a checkpoint); each seed is an SFT run
 <runs_dir>/ladder-<name>-s<seed> (train.seed=<seed>, init_from the pretraining) followed by the agent
 evaluation into its agent_eval.json. A seed whose agent_eval.json exists is not trained again, and one
 with checkpoints but no evaluation resumes from its newest checkpoint (train.py --resume), so a ladder
-stopped half-way goes on where it stopped; --table only prints the table of what is there.
+stopped half-way goes on where it stopped; --table only prints the table of what is there. With
+--grounding, each seed is evaluated (and tabled) with agent.grounding.mode set to it, into
+agent_eval-<mode>.json beside the run's own agent_eval.json: the three modes of one ladder side by side.
 The CPU time of every training run (user + system, of the child processes) goes to train_time.json
 in its folder.
 """
@@ -67,7 +69,14 @@ def has_checkpoint(folder):
     return os.path.isdir(folder) and any(name.startswith("ckpt_") for name in os.listdir(folder))
 
 
-def climb(rungs, seeds, generated, overrides=(), limit=0):
+def report_path(folder, grounding_mode=None):
+    name = (
+        f"agent_eval-{grounding_mode}.json" if grounding_mode else "agent_eval.json"
+    )  # evaluation/tool_use.py's
+    return os.path.join(folder, name)
+
+
+def climb(rungs, seeds, generated, overrides=(), limit=0, grounding_mode=None):
     """Train and evaluate what is missing, one run at a time; overrides go to every SFT run, limit (the
     first N prompts of each set) to every evaluation: a quick check of the ladder itself."""
     python = sys.executable
@@ -81,10 +90,11 @@ def climb(rungs, seeds, generated, overrides=(), limit=0):
         for seed in seeds:
             run_overrides = [f"run_name=ladder-{name}-s{seed}", f"train.seed={seed}", *start, *overrides]
             folder = run_dir(config.load(sft_path, run_overrides))
-            if os.path.exists(os.path.join(folder, "agent_eval.json")):
+            if os.path.exists(report_path(folder, grounding_mode)):
                 continue
-            resume = ["--resume"] if has_checkpoint(folder) else []  # a run stopped half-way goes on
-            timed([python, "train.py", sft_path, *run_overrides, *resume], folder, resumed=bool(resume))
+            if not os.path.exists(os.path.join(folder, "agent_eval.json")):  # trained and evaluated once
+                resume = ["--resume"] if has_checkpoint(folder) else []  # a run stopped half-way goes on
+                timed([python, "train.py", sft_path, *run_overrides, *resume], folder, resumed=bool(resume))
             command = [
                 python,
                 "-m",
@@ -95,6 +105,8 @@ def climb(rungs, seeds, generated, overrides=(), limit=0):
                 "--limit",
                 str(limit),
             ]
+            if grounding_mode:
+                command += ["--grounding", grounding_mode, "--report", report_path(folder, grounding_mode)]
             print("+", " ".join(command), flush=True)
             if subprocess.run(command, check=False).returncode != 0:
                 raise SystemExit(f"evaluation/ladder.py: the agent evaluation of {folder} failed")
@@ -126,12 +138,12 @@ def cpu_minutes(folder):
     return None if spent is None else (spent["user_s"] + spent["system_s"]) / 60
 
 
-def rung_figures(name, sft_path, pretrain_path, seeds, overrides=()):
+def rung_figures(name, sft_path, pretrain_path, seeds, overrides=(), grounding_mode=None):
     """{row label: [value per evaluated seed]} for one rung."""
     rows, evaluated = {}, []
     for seed in seeds:
         cfg = config.load(sft_path, [f"run_name=ladder-{name}-s{seed}", f"train.seed={seed}", *overrides])
-        report = read_json(os.path.join(run_dir(cfg), "agent_eval.json"))
+        report = read_json(report_path(run_dir(cfg), grounding_mode))
         if report is not None:
             evaluated.append((cfg, report))
     if not evaluated:
@@ -153,6 +165,13 @@ def rung_figures(name, sft_path, pretrain_path, seeds, overrides=()):
                 if counts[whole]:
                     values.append(100 * counts[part] / counts[whole])
             rows[f"{label}: {title} (%)"] = values
+        rows[f"{label}: value unavailable (%)"] = [
+            100
+            * report["sets"][key]["counts"].get("unavailable", 0)
+            / report["sets"][key]["counts"]["needing"]
+            for _, report in evaluated
+            if report["sets"][key]["counts"]["needing"]
+        ]
         for tool in TOOLS:
             right, arguments = [], []
             for _, report in evaluated:
@@ -163,6 +182,12 @@ def rung_figures(name, sft_path, pretrain_path, seeds, overrides=()):
             rows[f"{label}: {tool} right tool (%)"] = right
             if tool != "ninguna":
                 rows[f"{label}: {tool} key values (%)"] = arguments
+            if tool == "calculadora":
+                rows[f"{label}: calculadora value right (%)"] = [
+                    100 * row["value"] / row["prompts"]
+                    for row in (report["sets"][key]["by_tool"].get(tool) for _, report in evaluated)
+                    if row and row["prompts"] and "value" in row
+                ]
     return rows, len(evaluated)
 
 
@@ -176,8 +201,9 @@ def cell(values, digits=1):
     return mean if low == high else f"{mean} ({low}–{high})"
 
 
-def table(rungs, seeds, overrides=()):
-    figures = {name: rung_figures(name, sft, pretrain, seeds, overrides) for name, sft, pretrain in rungs}
+def table(rungs, seeds, overrides=(), grounding_mode=None):
+    figures = {name: rung_figures(name, sft, pretrain, seeds, overrides, grounding_mode)
+               for name, sft, pretrain in rungs}  # fmt: skip
     labels = list(dict.fromkeys(label for rows, _ in figures.values() for label in rows))
     titles = [f"{name} ({n} seeds)" for name, (_, n) in figures.items()]
     width = max(24, *(len(title) + 2 for title in titles))  # a long rung name keeps its columns apart
@@ -199,6 +225,8 @@ def main(argv):
     parser.add_argument("--table", action="store_true", help="only print the table of the runs there are")
     parser.add_argument("--override", nargs="+", default=[], metavar="KEY=VALUE", help="for every SFT run")
     parser.add_argument("--limit", type=int, default=0, help="evaluate only the first N prompts of each set")
+    parser.add_argument("--grounding", choices=["constrained", "hint", "off"],
+                        help="evaluate with this agent.grounding.mode (agent_eval-<mode>.json)")  # fmt: skip
     args = parser.parse_args(argv)
     rungs = []
     for rung in args.rung:
@@ -214,8 +242,8 @@ def main(argv):
         print(f"evaluation/ladder.py: {exc}", file=sys.stderr)
         return 2
     if not args.table:
-        climb(rungs, args.seeds, args.generated, args.override, args.limit)
-    print(table(rungs, args.seeds, args.override))
+        climb(rungs, args.seeds, args.generated, args.override, args.limit, args.grounding)
+    print(table(rungs, args.seeds, args.override, args.grounding))
     return 0
 
 

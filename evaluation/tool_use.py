@@ -4,7 +4,9 @@ side by side.
 
     python -m evaluation.tool_use runs/sft-agent-tiny-cpu [--generated data/agent/eval.jsonl]
                          [--handwritten conversations/agent/handwritten.jsonl] [--limit N]
-        -> the table below, printed and written to <run>/agent_eval.json
+                         [--grounding constrained|hint|off]
+        -> the table below, printed and written to <run>/agent_eval.json (<run>/agent_eval-<mode>.json
+           with --grounding, which sets agent.grounding.mode for this evaluation: agent/grounding.py)
 
 The generated set is agent/dataset.py's held-out split (its questions never in training). The hand-written
 set (conversations/agent/handwritten.jsonl, README in that folder) is 84 prompts written for the project,
@@ -26,11 +28,16 @@ On each prompt:
                 search, a memory's text or number);
   uses result   given the reference call and its real result, the answer states the result's fact (the
                 number, the date or time, a [n] citation, what was saved, found, forgotten, or that the
-                tool failed).
+                tool failed);
+  value         per tool: calculadora's expression has the reference's value; the others, as arguments;
+  unavailable   the prompt needs a tool, but the conversation holds no value for a required argument
+                (agent/grounding.py: no number, no memory number), so a grounded call cannot be made;
+                "in words" counts those the model answered without a call, as the grammar lets it.
 """
 
 import argparse
 import datetime
+import math
 import os
 import sys
 import tempfile
@@ -39,7 +46,7 @@ import unicodedata
 
 import fileio
 import search
-from agent import dataset, tools
+from agent import dataset, grounding, tools
 from chat import template
 from family import memories
 
@@ -98,7 +105,8 @@ def generated_cases(conversations):
             call = first["tool_calls"][0]["function"]
             expected = template.arguments_of(first["tool_calls"][0])
             result, answer = messages[3]["content"], messages[4]["content"].lower()
-            case.update(tool=call["name"], check=lambda arguments, expected=expected: arguments == expected)
+            case.update(tool=call["name"], check=lambda arguments, expected=expected: arguments == expected,
+                        expected=expected)  # fmt: skip
             fact = result_fact(call["name"], result, answer)
             if fact:
                 answer_prompt = {"messages": messages[:4], "tools": tools}
@@ -154,7 +162,7 @@ def handwritten_cases(entries, settings, count_tokens, context_len):
                     case["reference"],
                     {"role": "tool", "content": result.text, "name": entry["tool"]},
                 ]
-                case.update(check=lambda arguments, keys=entry["keys"]: key_values_hold(arguments, keys),
+                case.update(check=lambda arguments, keys=entry["keys"]: key_values_hold(arguments, keys), expected=entry["call"],
                             answer_prompt=helper.conversation(with_result), fact=result_fact(entry["tool"], result.text))  # fmt: skip
             conn.close()
             yield case
@@ -176,12 +184,31 @@ def valid_calls(calls, specs, settings):
     return bool(calls)
 
 
+def value_right(case, arguments, settings):
+    """calculadora: whether the expression's value is the reference expression's; other tools: the
+    arguments check."""
+    if case["tool"] != "calculadora":
+        return case["check"](arguments)
+    limits = settings["calculator"]
+    try:
+        got = tools.calculate(str(arguments.get("expresion", "")), limits)
+        wanted = tools.calculate(case["expected"]["expresion"], limits)
+    except tools.ToolFailure:
+        return False
+    return math.isclose(got, wanted, rel_tol=1e-9, abs_tol=1e-12)
+
+
+def value_unavailable(case, settings):
+    """Whether the prompt holds no value for a required argument of the tool it needs."""
+    found = grounding.candidates(case["prompt"]["messages"], settings)
+    return case["tool"] is not None and not grounding.callable_tool(case["tool"], found)
+
+
 def evaluate(cases, reply, settings, log=print, examples=5):
     """Counts and rates over the cases; reply(conversation) -> (text, cut) with cut True when the budget
     ended the reply inside a call. The report keeps the first `examples` questions and replies."""
-    counts = dict.fromkeys(
-        ("all", "right", "called", "valid", "cut", "needing", "arguments", "answered", "uses"), 0
-    )
+    counts = dict.fromkeys(("all", "right", "called", "valid", "cut", "needing", "arguments", "answered", "uses",
+                            "unavailable", "in_words"), 0)  # fmt: skip
     by_tool, shown = {}, []
     for index, case in enumerate(cases):
         text, cut = reply(case["prompt"])
@@ -189,7 +216,9 @@ def evaluate(cases, reply, settings, log=print, examples=5):
             shown.append({"question": case["question"], "reply": text})
         calls = tools.parse_reply(text).calls
         tool = case["tool"]
-        row = by_tool.setdefault(tool or "ninguna", dict.fromkeys(("prompts", "right", "arguments"), 0))
+        row = by_tool.setdefault(
+            tool or "ninguna", dict.fromkeys(("prompts", "right", "arguments", "value"), 0)
+        )
         right = (calls[0].name == tool) if (calls and tool) else (not calls and tool is None)
         counts["all"] += 1
         counts["right"] += right
@@ -204,6 +233,12 @@ def evaluate(cases, reply, settings, log=print, examples=5):
             holds = right and calls[0].error is None and case["check"](calls[0].arguments)
             counts["arguments"] += holds
             row["arguments"] += holds
+            row["value"] += (
+                right and calls[0].error is None and value_right(case, calls[0].arguments, settings)
+            )
+            if value_unavailable(case, settings):
+                counts["unavailable"] += 1
+                counts["in_words"] += not calls
         if "answer_prompt" in case:
             counts["answered"] += 1
             answer, _ = reply(case["answer_prompt"])
@@ -239,7 +274,9 @@ def model_reply(model, tokenizer, max_new_tokens, settings):
             shared += 1
         cache.length = shared  # later positions are overwritten
         out = []
-        constraint = grammar.constraint_for(tokenizer, conversation.get("tools"), settings, max_new_tokens)
+        constraint = grammar.constraint_for(
+            tokenizer, conversation.get("tools"), settings, max_new_tokens, conversation["messages"]
+        )
         with torch.no_grad():
             logits = model.forward_with_cache(torch.tensor([ids[shared:]]), cache)
             for _ in range(max_new_tokens):
@@ -276,6 +313,12 @@ def table(reports):
         f"{'calls cut by --max-new-tokens':34s}"
         + "".join(f"{reports[n]['counts']['cut']:>24d}" for n in names)
     )
+    lines.append(
+        f"{'value unavailable · in words':34s}"
+        + "".join(
+            f"{c['unavailable']:>16d} · {c['in_words']:<5d}" for c in (reports[n]["counts"] for n in names)
+        )
+    )
     tools = sorted({tool for report in reports.values() for tool in report["by_tool"]})
     for tool in tools:
         cells = []
@@ -283,7 +326,18 @@ def table(reports):
             row = reports[name]["by_tool"].get(tool)
             cells.append("-" if row is None else f"{row['right']}/{row['prompts']} · args {row['arguments']}")
         lines.append(f"  {tool + ': right tool · arguments':32s}" + "".join(f"{cell:>24s}" for cell in cells))
+        if tool == "calculadora":
+            values = (
+                "-" if tool not in reports[n]["by_tool"] else str(reports[n]["by_tool"][tool]["value"])
+                for n in names
+            )
+            lines.append(f"  {'calculadora: value right':32s}" + "".join(f"{cell:>24s}" for cell in values))
     return "\n".join(lines)
+
+
+def report_name(grounding_mode=None):
+    """The report's file in the run's folder: agent_eval.json, or per grounding mode when one is asked."""
+    return f"agent_eval-{grounding_mode}.json" if grounding_mode else "agent_eval.json"
 
 
 @fileio.reports_storage_errors
@@ -297,6 +351,8 @@ def main(argv):
     parser.add_argument("--limit", type=int, default=0, help="only the first N of each set")
     parser.add_argument("--report", help="where to write the JSON report (default <run>/agent_eval.json)")
     parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--grounding", choices=["constrained", "hint", "off"],
+                        help="agent.grounding.mode for this evaluation (default: the run's)")  # fmt: skip
     args = parser.parse_args(argv)
 
     from sample import SampleError, load_run
@@ -309,6 +365,8 @@ def main(argv):
         print(f"evaluation/tool_use.py: {exc}", file=sys.stderr)
         return 2
     settings = tools.load_settings(cfg.get("agent"))
+    if args.grounding:
+        settings = {**settings, "grounding": {**settings["grounding"], "mode": args.grounding}}
     reply = model_reply(model, tokenizer, args.max_new_tokens, settings)
     count_tokens = lambda text: len(tokenizer.encode(text))  # noqa: E731
     reports = {}
@@ -319,12 +377,14 @@ def main(argv):
         print(f"{name}:")
         reports[name] = evaluate(cases, reply, settings)
     constrained = "constrained" if settings["constrained"] else "unconstrained"
-    print(f"\nagent eval of {ckpt_path}: greedy, {constrained} calls, up to {args.max_new_tokens} new tokens")
+    mode = settings["grounding"]["mode"]
+    print(f"\nagent eval of {ckpt_path}: greedy, {constrained} calls, grounding {mode}, up to "
+          f"{args.max_new_tokens} new tokens")  # fmt: skip
     print(table(reports))
-    report = {"checkpoint": ckpt_path, "constrained": settings["constrained"], "sets": reports,
+    report = {"checkpoint": ckpt_path, "constrained": settings["constrained"], "grounding": mode, "sets": reports,
               "data": {"generated": args.generated, "hand-written": args.handwritten}}  # fmt: skip
     folder = args.run if os.path.isdir(args.run) else os.path.dirname(args.run)
-    fileio.write_json(args.report or os.path.join(folder, "agent_eval.json"), report)
+    fileio.write_json(args.report or os.path.join(folder, report_name(args.grounding)), report)
     return 0
 
 

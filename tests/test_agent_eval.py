@@ -57,6 +57,8 @@ def test_the_reference_replies_score_one_on_every_rate_of_both_sets(held_out, ha
         assert report["counts"]["all"] == len(cases)
         assert report["right_rate"] == report["valid_rate"] == report["arguments_rate"] == 1.0
         assert report["uses_rate"] == 1.0 and report["counts"]["cut"] == 0
+        calculations = report["by_tool"]["calculadora"]
+        assert calculations["value"] == calculations["prompts"]  # the reference's own value
 
 
 def test_the_handwritten_set_is_asked_as_the_server_asks_a_member(handwritten_cases, settings):
@@ -81,7 +83,7 @@ def test_a_model_that_never_calls_is_right_only_where_no_tool_is_needed(handwrit
     no_tool = sum(case["tool"] is None for case in handwritten_cases)
     assert report["right_rate"] == round(no_tool / len(handwritten_cases), 4)
     assert report["valid_rate"] is None and report["arguments_rate"] == report["uses_rate"] == 0.0
-    assert report["by_tool"]["ninguna"] == {"prompts": no_tool, "right": no_tool, "arguments": 0}
+    assert report["by_tool"]["ninguna"] == {"prompts": no_tool, "right": no_tool, "arguments": 0, "value": 0}
 
 
 def test_broken_json_counts_against_syntax_but_the_named_tool_still_counts_as_right(
@@ -139,7 +141,7 @@ def test_the_model_policy_reuses_its_cache_and_generates_what_generate_does(
     end = tokenizer.special_ids["<|end|>"]
     for prompt in prompts:
         ids, _ = template.render(prompt, tokenizer, for_generation=True)
-        constraint = grammar.constraint_for(tokenizer, prompt["tools"], settings, 6)
+        constraint = grammar.constraint_for(tokenizer, prompt["tools"], settings, 6, prompt["messages"])
         expected = list(model.generate(torch.tensor(ids), 6, 0.0, stop_token=end, constraint=constraint))
         assert reply(prompt)[0] == tokenizer.decode([t for t in expected if t != end])
 
@@ -164,4 +166,25 @@ def test_agent_eval_prints_both_sets_side_by_side_and_writes_the_report(chat_run
     assert "generated" in shown and "hand-written" in shown and "right tool" in shown
     written = json.loads(report.read_text())
     assert written["sets"]["hand-written"]["counts"]["all"] == 3 and written["constrained"] is True
+    assert written["grounding"] == "constrained" and "value unavailable" in shown
+    hint = tmp_path / "hint.json"
+    assert tool_use.main([*argv[:-1], str(hint), "--grounding", "hint"]) == 0
+    assert json.loads(hint.read_text())["grounding"] == "hint"
+    assert tool_use.report_name("hint") == "agent_eval-hint.json"
     assert tool_use.main([chat_run, "--generated", str(tmp_path / "missing.jsonl")]) == 2
+
+
+def test_a_calculation_counts_its_value_and_a_prompt_without_the_values_counts_as_unavailable(settings):
+    prompt = {
+        "messages": [{"role": "user", "content": "Haz cualquier cuenta"}],
+        "tools": tools.tool_specs(settings),
+    }
+    case = {"set": "handwritten", "question": "", "tools": prompt["tools"], "prompt": prompt, "tool": "calculadora",
+            "check": lambda arguments: False, "expected": {"expresion": "17*23"}}  # fmt: skip
+    settings = {**settings, "grounding": {**settings["grounding"], "numbers": []}}
+    other = dict(case, expected={"expresion": "17*24"})
+    words = lambda conversation: ("No sé qué cuenta quieres: ¿me dices los números?", False)  # noqa: E731
+    report = tool_use.evaluate([case, other], words, settings, log=lambda *a: None)
+    assert report["counts"]["unavailable"] == 2 and report["counts"]["in_words"] == 2
+    assert tool_use.value_right(case, {"expresion": "23 * 17"}, settings)
+    assert not tool_use.value_right(other, {"expresion": "23 * 17"}, settings)

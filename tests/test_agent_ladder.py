@@ -88,3 +88,19 @@ def test_a_disk_that_fills_while_climbing_ends_the_ladder_with_one_line_and_exit
     assert ladder.main(["--rung", "a", TINY, "--seeds", "1"]) == fileio.STORAGE_EXIT
     err = capsys.readouterr().err
     assert err.startswith("error: runs/a/train_time.json: the disk is full") and err.count("\n") == 1
+
+
+def test_a_grounding_mode_reads_and_writes_its_own_report_beside_the_runs(
+    reports, tmp_path, monkeypatch, capsys
+):
+    monkeypatch.chdir(tmp_path)
+    fileio.write_json("runs/ladder-a-s1/agent_eval-hint.json", reports[1])
+    fileio.write_json("runs/ladder-a-s1/agent_eval.json", reports[0])
+    rows, seeds = ladder.rung_figures("a", TINY, None, [1], grounding_mode="hint")
+    assert seeds == 1 and rows["hand-written: calculadora right tool (%)"] == [0.0]
+    assert rows["hand-written: calculadora value right (%)"] == [0.0]
+    assert ladder.rung_figures("a", TINY, None, [1])[0]["hand-written: calculadora value right (%)"] == [
+        100.0
+    ]
+    ladder.climb([("a", TINY, None)], [1], "data/agent/eval.jsonl", grounding_mode="hint")
+    assert "+ " not in capsys.readouterr().out  # evaluated in that mode already: nothing runs
