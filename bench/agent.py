@@ -3,7 +3,9 @@
 (used) and llguidance (the other engine vLLM offers) side by side, against a decode step of the tiny-50m
 model on the CPU. The vocabulary is a 32,000-token BPE trained with the stage-1 trainer settings
 (configs/data/corpus.yaml) on the embedded corpus, so it holds the control tokens and tool tags of
-data.py's table; the grammar is the server's six tools for a member.
+data.py's table; the grammar is the server's six tools for a member. Then the grammar grounded in each
+hand-written prompt (agent.grounding.mode constrained): its compile time when a call opens (uncached) and
+its per-token mask time, per call against the decode time of the call at the smoke and tiny-50m shapes.
 """
 
 import gzip
@@ -166,11 +168,47 @@ def free_text_seconds(tokenizer, tools, settings, vocab_size):
     return (time.perf_counter() - start) / len(text)
 
 
-def decode_step_seconds(context=512, steps=24):
-    """Seconds per token of greedy generation with the KV cache, tiny-50m shape, random weights."""
+def grounded_calls(tokenizer, specs, settings, vocab_size):
+    """Over the hand-written prompts that need a tool: (compile seconds of each prompt's grounded grammar,
+    uncached; mask seconds per token of its reference call; reference calls inside the grounded grammar,
+    prompts). A reference call outside it (a value the prompt does not say) is not timed."""
+    close, logits = data.TOKEN_TABLE["</tool_call>"], torch.randn(vocab_size)
+    compiles, masks, inside, prompts = [], [], 0, 0
+    for entry in dataset.read_jsonl(tool_use.HANDWRITTEN):
+        if not entry["tool"]:
+            continue
+        prompts += 1
+        shown = [
+            f"- [{n}] {m if isinstance(m, str) else m['text']}"
+            for n, m in enumerate(entry.get("memories", []), 1)
+        ]
+        messages = [{"role": "system", "content": "\n".join(["Recuerdos:", *shown])},
+                    *entry.get("before", []), {"role": "user", "content": entry["prompt"]}]  # fmt: skip
+        grammar._grammars.clear()
+        start = time.perf_counter()
+        constraint = grammar.constraint_for(tokenizer, specs, settings, None, messages)
+        constraint.accept(data.TOKEN_TABLE["<tool_call>"])
+        constraint.mask(logits)  # the grammar compiles as the call opens
+        compiles.append(time.perf_counter() - start)
+        body = json.dumps({"name": entry["tool"], "arguments": entry["call"]}, ensure_ascii=False)
+        sequence = tokenizer.encode("\n" + body + "\n") + [close]
+        start = time.perf_counter()
+        try:
+            for token in sequence:
+                constraint.mask(logits)
+                constraint.accept(token)
+        except ValueError:  # outside the grounded grammar
+            continue
+        masks.append((time.perf_counter() - start) / len(sequence))
+        inside += 1
+    return compiles, masks, inside, prompts
+
+
+def decode_step_seconds(context=512, steps=24, shape="tiny-50m"):
+    """Seconds per token of greedy generation with the KV cache, at a model shape, random weights."""
     backend = layer("hardware", "cpu")["attention_backend"]
     torch.manual_seed(0)
-    net = model.Transformer(layer("model", "tiny-50m"), backend).eval()
+    net = model.Transformer(layer("model", shape), backend).eval()
     prompt = torch.randint(0, net.cfg["vocab_size"], (context,))
     stream = net.generate(prompt, steps + 1, temperature=0)
     next(stream)  # the prefill
@@ -204,6 +242,8 @@ def bench_agent():
         free = statistics.median(
             free_text_seconds(tokenizer, specs, settings, vocab_size) for _ in range(ROUNDS)
         )
+        grounded = grounded_calls(tokenizer, specs, settings, vocab_size)
+        smoke_step = decode_step_seconds(shape="smoke")
     versions = {name: importlib.metadata.version(name) for name in ("xgrammar", "llguidance")}
     print(
         f"agent: {tokenizer.vocab_size:,}-token BPE, the server's {len(specs)} tools, {len(sequences)} reference "
@@ -228,3 +268,19 @@ def bench_agent():
         f"{100 * used / step:.3f}% of a decode step (target < 10%); in free text {1e6 * free:.1f} µs "
         f"({100 * free / step:.3f}%); llguidance's engine / xgrammar's: {per_token['llguidance'] / per_token['xgrammar']:.0f}x"
     )
+    compiles, masks, inside, prompts = grounded
+    compile_s, mask_s = statistics.median(compiles), statistics.median(masks)
+    call_tokens = tokens / len(sequences)
+    print(
+        f"agent: grounded grammar per hand-written prompt ({prompts} needing a tool; {inside} reference calls "
+        f"inside it): compile when the call opens {1e3 * compile_s:.1f} ms median (max {1e3 * max(compiles):.1f} ms), "
+        f"mask {1e6 * mask_s:.1f} µs per token (cached per tool set: {1e3 * grammar_s:.0f} ms once, "
+        f"{1e6 * used:.1f} µs per token)"
+    )
+    for shape, seconds in (("smoke", smoke_step), ("tiny-50m", step)):
+        per_call = compile_s + call_tokens * mask_s
+        print(
+            f"agent: grounded call of {call_tokens:.0f} tokens at the {shape} shape (decode step {1e3 * seconds:.2f} ms): "
+            f"{1e3 * per_call:.1f} ms of grammar = {100 * per_call / (call_tokens * seconds):.1f}% of the call's decode "
+            "time (target <= 5% at smoke)"
+        )
