@@ -10,7 +10,8 @@ the same numbers.
                     grounding.days; either sign may be written
     found.zones     IANA zones of the places named (grounding.places, or a tzdata city spelled out);
                     empty when none is named, and then zona is left out (the family's zone)
-    found.words     the words of the user's recent turns, in order: what a search or a memory is made of
+    found.words     the words of the user's recent turns, the latest turn first, each in its order: what a
+                    search or a memory is made of
     found.ids       the memory numbers shown ("- [12] ..." lines of the system turn and tool results)
 
 The sources are the user turns, the tool results and the system turn (the memories), most recent first;
@@ -44,6 +45,35 @@ HUNDREDS = {"cien": 100, "ciento": 100, "quinientos": 500, "quinientas": 500, "s
 for _word, _value in (("dos", 2), ("tres", 3), ("cuatro", 4), ("seis", 6), ("ocho", 8)):
     HUNDREDS[_word + "cientos"] = HUNDREDS[_word + "cientas"] = 100 * _value
 HALF = ("medio", "media")
+
+
+SPELLED_UNITS = "cero uno dos tres cuatro cinco seis siete ocho nueve".split()
+SPELLED_TEENS = ("diez once doce trece catorce quince dieciséis diecisiete dieciocho diecinueve veinte veintiuno "
+                 "veintidós veintitrés veinticuatro veinticinco veintiséis veintisiete veintiocho veintinueve").split()  # fmt: skip
+SPELLED_HUNDREDS = ("", "ciento", "doscientos", "trescientos", "cuatrocientos", "quinientos", "seiscientos",
+                    "setecientos", "ochocientos", "novecientos")  # fmt: skip
+
+
+def number_words(number):
+    """A whole number from 0 to 999,999 in Spanish words, as read_words reads it back: 32 is 'treinta y
+    dos', 2345 'dos mil trescientos cuarenta y cinco'."""
+    if number >= 1000:
+        thousands, rest = divmod(number, 1000)
+        head = number_words(thousands)
+        if thousands % 10 == 1 and thousands % 100 != 11:  # "veintiún mil", "treinta y un mil"
+            head = head[:-1].replace("veintiun", "veintiún")
+        head = "mil" if thousands == 1 else f"{head} mil"
+        return head if rest == 0 else f"{head} {number_words(rest)}"
+    if number >= 100:
+        hundreds, rest = divmod(number, 100)
+        if rest == 0:
+            return "cien" if hundreds == 1 else SPELLED_HUNDREDS[hundreds]
+        return f"{SPELLED_HUNDREDS[hundreds]} {number_words(rest)}"
+    if number >= 30:
+        tens, unit = divmod(number, 10)
+        name = list(TENS)[tens - 3]
+        return name if unit == 0 else f"{name} y {SPELLED_UNITS[unit]}"
+    return SPELLED_TEENS[number - 10] if number >= 10 else SPELLED_UNITS[number]
 
 
 def plain(text):
@@ -235,7 +265,9 @@ def candidates(messages, settings):
     limit = settings["date"]["max_days"]
     numbers = recent_first(numbers, bound) + [number_text(Decimal(str(n))) for n in grounding["numbers"]]
     days = [day for day in recent_first(days, bound) if abs(day) <= limit] + list(grounding["days"])
-    words = [word for text in users for word in WORD.findall(text)][-bound:]
+    words = []
+    for text in reversed(users):  # the latest turn's words first ("tiempo" asked now, "Albarracín" before)
+        words += WORD.findall(text)[-(bound - len(words)) :] if len(words) < bound else []
     return Candidates(
         numbers=tuple(sorted(set(numbers), key=numbers.index)),
         days=tuple(sorted(set(days), key=days.index)),

@@ -5,7 +5,7 @@ import zoneinfo
 
 import pytest
 
-from agent import grounding, tools
+from agent import grounding, phrases, tools
 
 
 @pytest.fixture
@@ -97,7 +97,8 @@ def test_candidates_hold_the_conversations_values_and_the_constants(settings):
     assert 7 in found.days and 23 in found.days
     assert found.zones == ("Asia/Tokyo",)
     assert found.ids == (17, 4)  # memory lines only, most recent first
-    assert found.words[-2:] == ("una", "semana") and "Son" not in found.words
+    assert found.words[:2] == ("Qué", "hora") and found.words[-2:] == ("por", "23")  # the latest turn first
+    assert "Son" not in found.words
 
 
 def test_thousands_of_numbers_keep_only_the_most_recent_within_the_bound(settings):
@@ -116,3 +117,16 @@ def test_hostile_text_makes_no_word_that_could_leave_a_string_or_spell_a_tag(set
     assert "busca" in found.words and "ok" in found.words
     for word in found.words:
         assert not set(word) & set('"\\<>|{}_ \x00\x1b'), word
+
+
+def test_every_place_the_generator_asks_about_names_its_zone(settings):
+    # agent/phrases.py's questions name these places; the grounded grammar must allow their zones
+    for place, zone in {**phrases.CITY_ZONES, **phrases.COUNTRY_ZONES}.items():
+        named = grounding.named_zones(f"¿Qué hora es en {place}?", settings["grounding"]["places"])
+        assert zone in named, (place, named)
+
+
+def test_a_number_spelled_out_in_words_reads_back_as_itself():
+    for number in [*range(0, 1200), 1999, 2021, 21000, 31000, 101000, 500500, 999999]:
+        assert grounding.spoken_numbers(grounding.number_words(number)) == [number], number
+    assert grounding.number_words(21000) == "veintiún mil" and grounding.number_words(1001) == "mil uno"
