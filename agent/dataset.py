@@ -119,8 +119,8 @@ class Family:
 # One conversation per kind: (question, tool name or None, arguments, answer(result) -> text, searcher)
 
 
-def calculator(rng):
-    question, expression, answer = phrases.calculator_case(rng)
+def calculator(rng, synthetic):
+    question, expression, answer = phrases.calculator_case(rng, synthetic["words_share"])
     return question, "calculadora", {"expresion": expression}, lambda r: answer.replace("{r}", r.text)
 
 
@@ -150,8 +150,9 @@ def date_answer(rng, what, place, arguments, text):
     )
 
 
-def date_and_time(rng):
-    question, arguments, what, place = phrases.date_case(rng)
+def date_and_time(rng, settings):
+    words_share, units = settings["synthetic"]["words_share"], settings["grounding"]["units"]
+    question, arguments, what, place = phrases.date_case(rng, words_share, units)
     return question, "fecha_hora", arguments, lambda r: date_answer(rng, what, place, arguments, r.text)
 
 
@@ -244,9 +245,9 @@ def one_conversation(rng, kind, settings, family):
     now = random_now(rng, synthetic)
     searcher, held, caller = None, [], None
     if kind == "calculadora":
-        question, name, arguments, answer = calculator(rng)
+        question, name, arguments, answer = calculator(rng, synthetic)
     elif kind == "fecha_hora":
-        question, name, arguments, answer = date_and_time(rng)
+        question, name, arguments, answer = date_and_time(rng, settings)
     elif kind in ("buscar_web", "sin_resultados", "error_busqueda"):
         question, name, arguments, answer, searcher = web_search(rng, kind)
     elif kind in MEMORY_KINDS:
@@ -286,8 +287,9 @@ def one_conversation(rng, kind, settings, family):
 
 
 def generate(settings):
-    """(train, eval) conversation lists, split by a hash of the user's question so that a question is
-    never in both; eval keeps each question once."""
+    """(train, eval) conversation lists, split by a hash of the call's tool and values (of the question
+    when the call has none, or there is no call), so that neither a question nor a (tool, values) pair is
+    in both: a held-out call's values are never trained on. Eval keeps each question once."""
     synthetic = settings["synthetic"]
     rng = random.Random(synthetic["seed"])
     kinds, weights = zip(*synthetic["mix"].items(), strict=True)
@@ -298,7 +300,8 @@ def generate(settings):
             conversation = one_conversation(rng, rng.choices(kinds, weights)[0], settings, family)
             template.check_conversation(conversation, training=True)
             question = user_question(conversation)
-            bucket = int(hashlib.sha256(question.encode("utf-8")).hexdigest()[:8], 16) / 16**8
+            key = call_key(conversation) or question
+            bucket = int(hashlib.sha256(key.encode("utf-8")).hexdigest()[:8], 16) / 16**8
             if bucket >= synthetic["eval_fraction"]:
                 train.append(conversation)
             elif question not in asked:
@@ -306,6 +309,17 @@ def generate(settings):
                 held_out.append(conversation)
         family.conn.close()
     return train, held_out
+
+
+def call_key(conversation):
+    """'tool {values}' of the conversation's call, or None without a call or without values."""
+    for message in conversation["messages"]:
+        for call in message.get("tool_calls", []):
+            arguments = template.arguments_of(call)
+            if not arguments:
+                return None
+            return call["function"]["name"] + " " + json.dumps(arguments, ensure_ascii=False, sort_keys=True)
+    return None
 
 
 def user_question(conversation):

@@ -10,6 +10,8 @@ are data, the functions only pick and inflect.
 import math
 import re
 
+from agent import grounding
+
 # -----------------------------------------------------------------------------
 # Places and time zones (the zone is what fecha_hora takes)
 
@@ -323,9 +325,21 @@ CALCULATIONS = (
 )  # fmt: skip
 
 
-def calculator_case(rng):
+SPELLABLE = ("a", "b", "c", "n", "t", "x", "y", "h", "v", "d")  # values a question may say in words
+
+
+def in_words(rng, value, words_share):
+    """The value as the question says it: now and then, a whole number in Spanish words ("doce",
+    "dos mil trescientos"); the call still writes its digits, which the grounded grammar allows."""
+    text = str(value)
+    if text.isdigit() and int(text) < 1000000 and rng.random() < words_share:
+        return grounding.number_words(int(text))
+    return text
+
+
+def calculator_case(rng, words_share=0.0):
     """(question, expression, answer with {r} for the result): a kind of CALCULATIONS filled with drawn
-    values."""
+    values; words_share of the whole numbers are said in words in the question."""
     values = {"a": amount(rng), "b": amount(rng), "cur": rng.choice(CURRENCIES), "n": whole(rng, 2, 60)}
     values["p"] = rng.choice(PERCENTS)
     case = CALCULATIONS[rng.randrange(len(CALCULATIONS))]
@@ -345,7 +359,10 @@ def calculator_case(rng):
         case = {**case, **case["named"][1]}
     answers = case["answers"]
     answer = answers[0] if len(answers) == 1 else pick(rng, answers)
-    return template.format(**values), case["expression"].format(**values), answer.format(**values, r="{r}")
+    said = {
+        key: in_words(rng, value, words_share) if key in SPELLABLE else value for key, value in values.items()
+    }
+    return template.format(**said), case["expression"].format(**values), answer.format(**values, r="{r}")
 
 
 # -----------------------------------------------------------------------------
@@ -376,9 +393,23 @@ NEAR = ((1, ("¿Qué día es mañana?", "¿Qué fecha es mañana?", "Mañana, ¿
         (-2, ("¿Qué día fue anteayer?", "¿Qué fecha era antier?")))  # fmt: skip
 
 
-def date_case(rng):
-    """(question, arguments, what the answer states, the place named or None)."""
-    kind = rng.randrange(10)
+WEEKS_AHEAD = ("¿Qué día será dentro de {w} semanas?", "¿Qué fecha es dentro de {w} semanas?",
+               "Dentro de {w} semanas, ¿qué día será?", "Me operan dentro de {w} semanas, ¿qué fecha es?")  # fmt: skip
+WEEKS_AGO = ("¿Qué día fue hace {w} semanas?", "Hace {w} semanas, ¿a qué fecha estábamos?",
+             "Llegué hace {w} semanas, ¿qué día fue?")  # fmt: skip
+
+
+def date_case(rng, words_share=0.0, units=None):
+    """(question, arguments, what the answer states, the place named or None); words_share of the day
+    counts said in words, and now and then weeks (units: a word -> its days, the grounding layer's)."""
+    kind = rng.randrange(11)
+    if kind == 10:
+        weeks, ahead = rng.randint(2, 12), rng.random() < 0.6
+        days = weeks * (units or {}).get("semanas", 7)
+        template = ask(rng, WEEKS_AHEAD if ahead else WEEKS_AGO).replace(
+            "{w}", in_words(rng, weeks, words_share)
+        )
+        return template, {"dias": days if ahead else -days}, "target", None
     if kind == 0:
         return ask(rng, TODAY), {}, "date", None
     if kind == 1:
@@ -395,10 +426,15 @@ def date_case(rng):
         )
     if kind in (5, 6):
         days = whole(rng, 2, 3000)
-        return ask(rng, AHEAD).replace("{n}", str(days)), {"dias": days}, "target", None
+        return (
+            ask(rng, AHEAD).replace("{n}", in_words(rng, days, words_share)),
+            {"dias": days},
+            "target",
+            None,
+        )
     if kind in (7, 8):
         days = whole(rng, 2, 3000)
-        return ask(rng, AGO).replace("{n}", str(days)), {"dias": -days}, "target", None
+        return ask(rng, AGO).replace("{n}", in_words(rng, days, words_share)), {"dias": -days}, "target", None
     days, questions = rng.choice(NEAR)
     return ask(rng, questions), {"dias": days}, "target", None
 
@@ -685,7 +721,8 @@ REMEMBER = ("Recuerda que {c}", "Apunta que {c}", "Acuérdate de que {c}", "No t
             "Memoriza que {c}", "Guárdame esto: {c}", "Apúntate que {c}", "Que no se te olvide que {c}",
             "Recuérdame que {c}", "Ten presente que {c}", "Para que lo sepas: {c}. Guárdalo",
             "Apunta en mis recuerdos que {c}",
-            "Esto es importante y no quiero que se me olvide: {c}. Guárdalo en mis recuerdos, por favor")  # fmt: skip
+            "Esto es importante y no quiero que se me olvide: {c}. Guárdalo en mis recuerdos, por favor",
+            "Que {c}: apúntalo en mis recuerdos, que luego se me olvida y no quiero liarla")  # fmt: skip
 REMEMBER_FAMILY = ("Recuerda para toda la familia que {c}", "Guarda para todos que {c}",
                    "Apunta en los recuerdos de la familia que {c}", "Que lo sepa toda la familia: {c}",
                    "Recuérdale a toda la familia que {c}", "Anota para toda la casa que {c}",
@@ -801,7 +838,7 @@ HARD_WORDS = {"efímero": "«Efímero» quiere decir que dura poco tiempo.",
 SCIENCE = {"fotosíntesis": "Las plantas usan la luz del sol, el agua y el aire para fabricar su alimento: eso es la fotosíntesis.",
            "gravedad": "La gravedad es la fuerza que hace que las cosas caigan al suelo y que la Luna gire alrededor de la Tierra.",
            "evaporación": "La evaporación es cuando el agua se calienta y se convierte en vapor, como el agua de un charco al sol."}  # fmt: skip
-WHYS = {"el cielo es azul": "Porque el aire desvía más la luz azul del sol que los otros colores, y nos llega desde todas partes.",
+WHYS = {"las hojas se caen en otoño": "Porque con menos luz y frío el árbol deja de alimentarlas y las suelta para ahorrar agua.",
         "llueve": "Porque el vapor de agua sube, se enfría en las nubes y cae en gotas cuando pesan demasiado.",
         "el mar es salado": "Porque los ríos llevan al mar sales de las rocas, y al evaporarse el agua la sal se queda."}  # fmt: skip
 

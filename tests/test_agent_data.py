@@ -5,10 +5,11 @@ repeat."""
 import collections
 import json
 import re
+from decimal import Decimal
 
 import pytest
 
-from agent import dataset, phrases, tools
+from agent import dataset, grounding, phrases, tools
 from chat import template
 from evaluation import tool_use
 from family import memories
@@ -62,6 +63,24 @@ def test_every_kind_of_the_mix_is_there_and_every_conversation_renders(generated
         if kind_of(conversation) in dataset.MEMORY_KINDS:
             assert conversation["tools"] == member_tools
     assert offered[3] > 50 and offered[6] > 300  # both the REPL's tools and the server's member tools
+
+
+def test_no_tool_and_values_are_both_trained_on_and_held_out(generated):
+    train, held_out = generated
+    trained = {dataset.call_key(c) for c in train} - {None}
+    held = [dataset.call_key(c) for c in held_out if dataset.call_key(c)]
+    assert len(held) > 50 and not trained & set(held)
+    assert dataset.unseen_share(train, held_out)[1] > 0.95  # what repeats is a call without values: {}
+
+
+def test_numbers_and_day_counts_are_said_in_words_too(generated):
+    train, held_out = generated
+    asked = [c for c in train + held_out if kind_of(c) in ("calculadora", "fecha_hora")]
+    in_words = [c for c in asked if re.search(r"\d", the_call(c)["arguments"].get("expresion", "")
+                                              + str(the_call(c)["arguments"].get("dias", "")))
+                and not re.search(r"\d", dataset.user_question(c))]  # fmt: skip
+    assert len(in_words) > 0.1 * len(asked)
+    assert any("semanas" in dataset.user_question(c) for c in asked)
 
 
 def test_no_question_is_both_trained_on_and_held_out(generated):
@@ -129,14 +148,18 @@ def copyable(conversation):
     call, kind = the_call(conversation), kind_of(conversation)
     question = dataset.user_question(conversation)
     arguments = call["arguments"]
-    if kind == "calculadora":
-        numbers = re.findall(r"\d+(?:[.,]\d+)?", arguments["expresion"])
-        constants = {"100", "121", "60", "24", "7", "12", "1000", "3600", "2", "3", "4", "5"}
-        return all(n in question or n in constants for n in numbers)
-    if kind == "fecha_hora":
-        if "dias" in arguments and abs(arguments["dias"]) > 2:
-            return str(abs(arguments["dias"])) in question
-        return True
+    if kind in (
+        "calculadora",
+        "fecha_hora",
+    ):  # what the grounded grammar allows: said in any form, or a constant
+        messages = conversation["messages"]
+        before = messages[: next(i for i, m in enumerate(messages) if "tool_calls" in m)]
+        found = grounding.candidates(before, tools.load_settings())
+        if kind == "calculadora":
+            numbers = re.findall(r"\d+(?:[.,]\d+)?", arguments["expresion"])
+            return all(grounding.number_text(grounding.digit_values(n)[0]) in found.numbers for n in numbers)
+        in_days = abs(arguments.get("dias", 0)) in {0, *found.days}
+        return in_days and ("zona" not in arguments or arguments["zona"] in found.zones)
     if kind == "recordar":
         return tool_use.plain(arguments["texto"][1:]) in tool_use.plain(question)
     if kind == "olvidar":
@@ -261,18 +284,40 @@ def test_every_handwritten_reference_call_is_valid_and_holds_its_key_values():
     settings = tools.load_settings()
     for entry in handwritten():
         if entry["tool"] is None:
-            assert set(entry) == {"id", "prompt", "tool"}
+            assert set(entry) <= {"id", "prompt", "tool", "before"}
             continue
         assert tools.argument_problem(tools.TOOLS[entry["tool"]], entry["call"], settings) is None, entry[
             "id"
         ]
         assert tool_use.key_values_hold(entry["call"], entry["keys"]), entry["id"]
-        for wanted in entry["keys"].values():  # a listed key value is in the question
+        told = " ".join(
+            [entry["prompt"], *(m["content"] for m in entry.get("before", []) if m["role"] == "user")]
+        )
+        said = {grounding.number_text(value) for value in grounding.spoken_numbers(told)}
+        for wanted in entry[
+            "keys"
+        ].values():  # a key value is said: in the question or an earlier turn, or in words
             if isinstance(wanted, list):
-                assert all(tool_use.plain(w) in tool_use.plain(entry["prompt"]) for w in wanted), entry["id"]
+                for word in wanted:
+                    number = word.replace(",", ".")
+                    in_words = (
+                        number.replace(".", "", 1).isdigit()
+                        and grounding.number_text(Decimal(number)) in said
+                    )
+                    assert tool_use.plain(word) in tool_use.plain(told) or in_words, (entry["id"], word)
 
 
 def test_no_handwritten_prompt_is_in_the_training_data(shipped_training_data):
     trained = {tool_use.plain(dataset.user_question(c)).strip(" ?¿!¡.") for c in shipped_training_data}
     for entry in handwritten():
         assert tool_use.plain(entry["prompt"]).strip(" ?¿!¡.") not in trained, entry["id"]
+
+
+def test_handwritten_prompts_whose_values_are_said_only_in_words_or_in_an_earlier_turn():
+    entries = handwritten()
+    earlier = [entry for entry in entries if entry.get("before")]
+    in_words = [entry for entry in entries if entry["tool"] in ("calculadora", "fecha_hora")
+                and not re.search(r"\d", entry["prompt"]) and not entry.get("before")]  # fmt: skip
+    assert len(earlier) + len(in_words) >= 20
+    for entry in earlier:
+        assert [m["role"] for m in entry["before"]][::2] == ["user"] * len(entry["before"][::2]), entry["id"]
