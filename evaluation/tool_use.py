@@ -9,8 +9,9 @@ side by side.
            with --grounding, which sets agent.grounding.mode for this evaluation: agent/grounding.py)
 
 The generated set is agent/dataset.py's held-out split (its questions never in training). The hand-written
-set (conversations/agent/handwritten.jsonl, README in that folder) is 84 prompts written for the project,
-12 per tool and 12 that need none, each with the tool it needs and the values its arguments must hold; no
+set (conversations/agent/handwritten.jsonl, README in that folder) is 105 prompts written for the project,
+15 per tool and 15 that need none, each with the tool it needs and the values its arguments must hold (some
+said only in words, or in an earlier turn of the conversation, its "before" turns); no
 generated conversation repeats one of them. Both are asked as the server asks a family member's turn:
 the six tools on offer (the generated conversations keep the three or six they were made with), the date,
 and the member's memories in the system turn (memory.context_for_turn over a real memory database holding
@@ -149,7 +150,7 @@ def handwritten_cases(entries, settings, count_tokens, context_len):
                 if block
                 else []
             )
-            messages = system + [{"role": "user", "content": entry["prompt"]}]
+            messages = system + entry.get("before", []) + [{"role": "user", "content": entry["prompt"]}]
             prompt = helper.conversation(messages)
             case = {"set": "handwritten", "question": entry["prompt"], "tools": prompt["tools"], "prompt": prompt,
                     "tool": entry["tool"]}  # fmt: skip
