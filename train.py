@@ -273,14 +273,10 @@ class Run:
 
 
 def check_token_budget(cfg, ctx, log):
-    """Pretraining: the tokens the run will read against its train shards, with each source's epochs;
-    refused past data.max_epochs before anything is built (corpus/budget.py)."""
-    train_cfg = cfg["train"]
-    if train_cfg["objective"] != "next_token" or cfg["data"]["format"] not in ("shards", "bytes"):
-        return
-    batch, accum = train_cfg["micro_batch_size"], train_cfg["grad_accum_steps"]
-    run_tokens = train_cfg["max_steps"] * batch * accum * cfg["model"]["seq_len"] * ctx.world_size
-    budget.check_token_budget(cfg["data"], run_tokens, log)
+    """The passes the run makes over its data, refused past data.max_epochs before anything is built:
+    pretraining's tokens against its shards, SFT's conversations and DPO's pairs against their packed
+    split (corpus/budget.py)."""
+    budget.check_run_budget(cfg, ctx.world_size, log)
 
 
 def setup(cfg, ctx, hardware, resume, log):
