@@ -28,6 +28,7 @@ import fileio
 from agent import grammar, tools
 from chat import template
 from checkpoint import CheckpointError
+from serve import engine
 
 
 class SampleError(Exception):
@@ -53,7 +54,8 @@ def stream_text(model, tokenizer, prompt_ids, args, generator, write, stop_token
     device = model.embed_tokens.weight.device
     stop_tokens = {stop_token, tokenizer.eos_id} - {None}
     decoder = data.StreamDecoder(tokenizer)
-    for token in model.generate(
+    for token in engine.generate(
+        model,
         torch.tensor(prompt_ids, device=device),
         args.max_new_tokens,
         temperature=args.temperature,
@@ -71,13 +73,13 @@ def stream_text(model, tokenizer, prompt_ids, args, generator, write, stop_token
 
 def generate_batch(model, prompts, max_new_tokens, slots, sampling, stop_tokens=(), decoder=None):
     """Continuous batching over a list of prompts (lists of token ids): up to `slots` rows decode together
-    in a model.Decoder, a row leaving at a stop token (kept) or after max_new_tokens, the next prompt taking
+    in an engine.Decoder, a row leaving at a stop token (kept) or after max_new_tokens, the next prompt taking
     its slot. sampling(i) gives prompt i's Decoder.add settings (temperature, top_k, top_p, generator).
     Returns each prompt's new token ids, in order. The tokens are those each prompt gets alone in a
     decoder of as many slots; against --batch 1 they can differ only where float32 rounding flips a tie.
     `decoder`: an empty Decoder of the model to use (a compiled one, built once for many calls) instead
     of a plain one of `slots` slots."""
-    decoder = decoder or model.decoder(slots)
+    decoder = decoder or engine.Decoder(model, slots)
     waiting, rows, generated = list(enumerate(prompts)), {}, [[] for _ in prompts]
     with torch.no_grad():
         while waiting or rows:
@@ -409,7 +411,7 @@ def greedy_answers(model, tokenizer, conversations, args, end_id):
         return generate_batch(model, prompts, args.max_new_tokens, args.batch, lambda _: {"temperature": 0.0},
                               {end_id})  # fmt: skip
     device = model.embed_tokens.weight.device
-    return [list(model.generate(torch.tensor(prompt, device=device), args.max_new_tokens, 0.0, stop_token=end_id))
+    return [list(engine.generate(model, torch.tensor(prompt, device=device), args.max_new_tokens, 0.0, stop_token=end_id))
             for prompt in prompts]  # fmt: skip
 
 

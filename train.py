@@ -580,6 +580,8 @@ def _truncate_metrics(path, step):
 
 
 def sample_text(model, tokenizer, train_cfg, hardware, chat_run=False):
+    from serve import engine
+
     stop_token = tokenizer.eos_id
     if chat_run:  # a fine-tuned run answers sample_prompt as a user message
         conversation = {"messages": [{"role": "user", "content": train_cfg["sample_prompt"]}]}
@@ -594,7 +596,8 @@ def sample_text(model, tokenizer, train_cfg, hardware, chat_run=False):
     model.eval()
     with hardware.autocast():
         new_ids = list(
-            model.generate(
+            engine.generate(
+                model,
                 idx,
                 train_cfg["sample_tokens"],
                 temperature=0.8,

@@ -5,7 +5,7 @@ model writes parses and passes agent.argument_problem, whatever its logits say.
 
     constraint = grammar.constraint_for(tokenizer, conversation.get("tools"), settings, max_tokens,
                                         conversation["messages"])
-    model.generate(ids, max_new_tokens, ..., constraint=constraint)     # None: agent.constrained is off
+    engine.generate(model, ids, max_new_tokens, ..., constraint=constraint)     # None: agent.constrained is off
 
 Grounded calls (agent.grounding.mode "constrained", given the conversation's messages): the values of our
 own tools' arguments can only be the conversation's (agent/grounding.py): calculadora's numbers those said

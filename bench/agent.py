@@ -26,6 +26,7 @@ from agent import dataset, grammar, tools
 from bench.common import ROOT, layer
 from corpus import encode
 from evaluation import tool_use
+from serve import engine
 
 ROUNDS = 5  # alternate rounds over the calls; the median is kept
 
@@ -210,7 +211,7 @@ def decode_step_seconds(context=512, steps=24, shape="tiny-50m"):
     torch.manual_seed(0)
     net = model.Transformer(layer("model", shape), backend).eval()
     prompt = torch.randint(0, net.cfg["vocab_size"], (context,))
-    stream = net.generate(prompt, steps + 1, temperature=0)
+    stream = engine.generate(net, prompt, steps + 1, temperature=0)
     next(stream)  # the prefill
     start = time.perf_counter()
     count = sum(1 for _ in stream)

@@ -18,6 +18,7 @@ import model
 import train
 from bench.common import ROOT, layer, timed
 from corpus import pipeline
+from serve import engine, kvcache
 from serve.kernel import KernelUnavailable
 from serve.weights import KernelLinear, SplitLinear, int8_weights, split_matvec, with_kernels
 
@@ -71,7 +72,7 @@ def step_bytes(net, slots, length):
         elif isinstance(module, torch.ao.nn.quantized.dynamic.Linear):  # int8 weights, a scale per row
             weight = module.weight()
             weights += weight.numel() + 4 * weight.shape[0]
-    return weights + net.kv_cache_bytes(slots) * length // net.seq_len
+    return weights + kvcache.kv_cache_bytes(net, slots) * length // net.seq_len
 
 
 def random_prompts(vocab, streams, length=32):
@@ -99,8 +100,8 @@ def greedy_answers(decoder, prompts, new_tokens):
 
 def decode_rate(net, streams, new_tokens, **options):
     """Tokens/s of `streams` greedy answers of new_tokens after 32-token prompts, decoded together by a
-    model.Decoder of `streams` slots with `options` (compile_mode), prefills excluded."""
-    decoder = net.decoder(streams, allocate=True, **options)
+    engine.Decoder of `streams` slots with `options` (compile_mode), prefills excluded."""
+    decoder = engine.Decoder(net, streams, allocate=True, **options)
     if decoder.compiled_step is not None:
         decoder.compile()
     return greedy_answers(decoder, random_prompts(net.cfg["vocab_size"], streams), new_tokens)[0]
@@ -173,7 +174,7 @@ def first_token_seconds(net, tokenizer, repeats):
         decoder.remove(row)
         return seconds
 
-    plain, cached = net.decoder(1, allocate=True), net.decoder(1, allocate=True, **options)
+    plain, cached = engine.Decoder(net, 1, allocate=True), engine.Decoder(net, 1, allocate=True, **options)
     first_token(cached, prompt(-1), scope="other", shared=len(public))  # fills the public blocks
     without = statistics.median(first_token(plain, prompt(i)) for i in range(repeats))
     with_cache = statistics.median(

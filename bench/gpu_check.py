@@ -447,6 +447,7 @@ def step_export(check, cfg):
 
     import export
     from checkpoint import load_run
+    from serve import engine
 
     args = check.args
     run_dir = train.run_dir_of(cfg)
@@ -463,7 +464,7 @@ def step_export(check, cfg):
         with torch.no_grad():
             difference = (model(ids)[0] - hf(ids).logits).abs().max().item()
         prompt = ids[0, :16]
-        ours = list(model.generate(prompt, 32, temperature=0))
+        ours = list(engine.generate(model, prompt, 32, temperature=0))
         theirs = hf.generate(prompt[None], max_new_tokens=32, do_sample=False)[0, len(prompt) :].tolist()
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32

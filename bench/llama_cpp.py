@@ -29,6 +29,7 @@ import model
 from bench.common import ROOT, in_turns, layer, run_fresh, spread
 from bench.decoding import greedy_answers, memory_bandwidth, random_prompts, step_bytes
 from corpus import pipeline
+from serve import engine
 from serve.aot import AotStep
 from serve.weights import int8_weights, split_matvec, with_kernels
 
@@ -129,8 +130,8 @@ def enlace_rates(folder, shape, configuration, profile=False):
     result = {"compile_s": 0.0}
     with torch.no_grad():
         for streams in STREAMS:
-            decoder = net.decoder(
-                streams, allocate=True, compile_mode=compile_mode, compile_with=compile_with
+            decoder = engine.Decoder(
+                net, streams, allocate=True, compile_mode=compile_mode, compile_with=compile_with
             )
             if decoder.compiled_step is not None:
                 start = time.perf_counter()
@@ -152,7 +153,7 @@ def decode_profile(net, vocab):
     operators (the top 3 named), and what is left outside operators (Python, the dispatcher)."""
     from torch.profiler import profile
 
-    decoder = net.decoder(1, allocate=True)
+    decoder = engine.Decoder(net, 1, allocate=True)
     enlace_answers(decoder, vocab, 1)  # warm-up
     with profile() as prof:
         start = time.perf_counter()

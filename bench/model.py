@@ -28,6 +28,7 @@ import hardware
 import model
 import optim
 from bench.common import ROOT, in_turns, layer, run_fresh, spread
+from serve import engine
 
 # -----------------------------------------------------------------------------
 # model: training throughput and memory against nanoGPT and transformers' Qwen3, a fresh process each
@@ -330,9 +331,9 @@ def bench_model(rounds=ROUNDS, shapes=tuple(SHAPES)):
 
 
 def decode_rates(net, prompt, new_tokens):
-    """(seconds to the first token, tokens/s after it) of greedy model.generate with the KV cache."""
+    """(seconds to the first token, tokens/s after it) of greedy engine.generate with the KV cache."""
     start = time.perf_counter()
-    stream = net.generate(prompt, new_tokens, temperature=0)
+    stream = engine.generate(net, prompt, new_tokens, temperature=0)
     next(stream)
     first = time.perf_counter()
     rest = sum(1 for _ in stream)
@@ -382,7 +383,7 @@ def bench_decode():
 
 def sampling_line(vocab, rounds=7, draws=3000):
     """One token drawn from vocab logits with the server's settings (configs/serve/default.yaml) and
-    without candidates: median and range of rounds of draws (model.sample_token, one row)."""
+    without candidates: median and range of rounds of draws (engine.sample_token, one row)."""
     settings = config.load_layer("serve", os.path.join(ROOT, "configs", "serve", "default.yaml"))
     logits = torch.randn(vocab, generator=torch.Generator().manual_seed(0)) * 3
     generator = torch.Generator().manual_seed(0)
@@ -396,7 +397,7 @@ def sampling_line(vocab, rounds=7, draws=3000):
         for _ in range(rounds):
             start = time.perf_counter()
             for _ in range(draws):
-                model.sample_token(logits, temperature, top_k, top_p, generator)
+                engine.sample_token(logits, temperature, top_k, top_p, generator)
             rates.append((time.perf_counter() - start) / draws * 1e6)
         print(f"decode: sampling one token of {vocab:,}, {label}: {statistics.median(rates):.1f} us "
               f"(range {min(rates):.1f}-{max(rates):.1f} over {rounds} rounds of {draws:,})")  # fmt: skip

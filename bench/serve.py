@@ -23,6 +23,7 @@ import search
 from bench.common import ROOT, layer, per_call_seconds, percentile
 from bench.decoding import bench_decoding, serve_bench_run
 from bench.llama_cpp import bench_llama
+from serve import engine
 
 # -----------------------------------------------------------------------------
 # search: parse time per page, and what the provider chain costs when the primary answers
@@ -140,7 +141,7 @@ def bench_serve(clients=20, requests_per_client=10, max_tokens=8, new_tokens=64,
 
 
 def served_decoders(net, slot_counts):
-    """{slots: an empty, compiled model.Decoder} of net as the server decodes it on this CPU: the weights
+    """{slots: an empty, compiled engine.Decoder} of net as the server decodes it on this CPU: the weights
     (serve/app.py prepare_weights) and decode step (decoding_options) of configs/serve/default.yaml."""
     from serve import app
 
@@ -149,7 +150,7 @@ def served_decoders(net, slot_counts):
     decoding = app.decoding_options(settings, "cpu")
     decoders = {}
     for slots in slot_counts:
-        decoders[slots] = served.decoder(slots, allocate=True, **decoding)
+        decoders[slots] = engine.Decoder(served, slots, allocate=True, **decoding)
         if decoders[slots].compiled_step is not None:
             decoders[slots].compile()
     return decoders
@@ -158,7 +159,7 @@ def served_decoders(net, slot_counts):
 def stream_rate(decoder, streams, new_tokens):
     """Generated tokens per second of `streams` answers of new_tokens each (after 32-token prompts,
     prefills included, sampled at 0.8 with their own seeds, no stop token) decoded by `decoder` (an empty
-    model.Decoder): what the server's worker does, without HTTP."""
+    engine.Decoder): what the server's worker does, without HTTP."""
     import sample
 
     vocab = decoder.model.cfg["vocab_size"]
@@ -383,7 +384,7 @@ def bench_memory(count=100_000, members=6, queries=300, new_tokens=64):
 
     def turn():
         with torch.no_grad():
-            for _ in net.generate(prompt, new_tokens, temperature=1.0, top_k=50):
+            for _ in engine.generate(net, prompt, new_tokens, temperature=1.0, top_k=50):
                 pass
 
     # One thread, like the retrieval: a loaded machine stretches a multi-threaded turn far more, which

@@ -57,6 +57,7 @@ import config
 import data
 import fileio
 from chat import template
+from serve import engine
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_SETTINGS = os.path.join(ROOT, "configs", "eval", "default.yaml")
@@ -322,7 +323,8 @@ class EnlaceLM(TemplateLM):
         generator = torch.Generator().manual_seed(self.seed)  # the same draws on any device
         new = []
         with self.autocast():
-            tokens = self.model.generate(
+            tokens = engine.generate(
+                self.model,
                 torch.tensor(ids, device=self._device),
                 max_gen_toks,
                 temperature=temperature,

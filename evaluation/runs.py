@@ -40,6 +40,7 @@ from chat import template
 from checkpoint import CheckpointError
 from evaluation import harness, plot
 from evaluation.harness import EvalError
+from serve import engine
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -286,8 +287,8 @@ def samples(model, tokenizer, chat_run, settings):
         else:
             ids = ([tokenizer.bos_id] if tokenizer.bos_id is not None else []) + tokenizer.encode(prompt)
         new = []
-        for token in model.generate(torch.tensor(ids, device=device), report["max_new_tokens"], report["temperature"],
-                                    report["top_k"], generator=generator):  # fmt: skip
+        for token in engine.generate(model, torch.tensor(ids, device=device), report["max_new_tokens"],
+                                     report["temperature"], report["top_k"], generator=generator):  # fmt: skip
             if token in stops:
                 break
             new.append(token)

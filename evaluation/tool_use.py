@@ -258,13 +258,14 @@ def model_reply(model, tokenizer, max_new_tokens, settings):
     (text, whether the budget ended it inside a call). The KV cache of the previous prompt is kept and
     rewound to the prefix the next prompt shares with it (an answer's prompt extends its question's);
     the logits are those of a full forward pass either way. Prompts longer than the context are cut from
-    the left, as model.generate does."""
+    the left, as engine.generate does."""
     import torch
 
     from agent import grammar
+    from serve import engine, kvcache
 
     end = tokenizer.special_ids["<|end|>"]
-    state = {"ids": [], "cache": model.new_kv_cache()}
+    state = {"ids": [], "cache": kvcache.new_kv_cache(model)}
 
     def reply(conversation):
         ids, _ = template.render(conversation, tokenizer, for_generation=True)
@@ -279,7 +280,7 @@ def model_reply(model, tokenizer, max_new_tokens, settings):
             tokenizer, conversation.get("tools"), settings, max_new_tokens, conversation["messages"]
         )
         with torch.no_grad():
-            logits = model.forward_with_cache(torch.tensor([ids[shared:]]), cache)
+            logits = engine.forward_with_cache(model, torch.tensor([ids[shared:]]), cache)
             for _ in range(max_new_tokens):
                 last = logits[0, -1] if constraint is None else constraint.mask(logits[0, -1])
                 token = int(last.argmax())
@@ -288,7 +289,7 @@ def model_reply(model, tokenizer, max_new_tokens, settings):
                 if token in (end, tokenizer.eos_id):
                     break
                 out.append(token)
-                logits = model.forward_with_cache(torch.tensor([[token]]), cache)
+                logits = engine.forward_with_cache(model, torch.tensor([[token]]), cache)
         state["ids"] = ids + out  # the tokens whose keys and values the cache holds
         text = tokenizer.decode(out)
         cut = len(out) == max_new_tokens and (constraint.in_call if constraint else text.count("<tool_call>") > text.count("</tool_call>"))  # fmt: skip

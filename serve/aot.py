@@ -1,6 +1,6 @@
 """
-The decode step compiled ahead of time on a CPU (serve.compile.cpu: aot): Transformer.decode_all (and, with
-the prefix cache on, Transformer.prefill_block for one block of a prompt) exported with torch.export and
+The decode step compiled ahead of time on a CPU (serve.compile.cpu: aot): engine.decode_all (and, with the
+prefix cache on, engine.prefill_block for one block of a prompt) exported with torch.export and
 built by AOTInductor into a package, cached on disk under a digest of the exported graph (a later start with
 the same shapes loads it in a second instead of compiling for ~30-90 s), then run from C++ with the model's
 weights and the decoder's KV cache bound in place (user-managed constants: no copies; the step writes its
@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 
 import fileio
-from serve import kernel
+from serve import engine, kernel
 from serve.weights import rows_independent
 
 
@@ -39,7 +39,7 @@ class Bound(nn.Module):
             values=[getattr(self, f"values{index}") for index in range(self.layers)],
             max_len=self.max_len,
         )
-        return getattr(self.model, self.method)(*inputs, cache)
+        return getattr(engine, self.method)(self.model, *inputs, cache)
 
 
 def package_key(program, bound):
@@ -116,7 +116,7 @@ def step_widths(model, slots):
 
 
 class AotStep:
-    """A Decoder's compiled step (model.Decoder's compile_with): decode_all at each of `widths` (the first
+    """A Decoder's compiled step (engine.Decoder's compile_with): decode_all at each of `widths` (the first
     slots; step_widths) and, given a block (the prefix cache's), prefill_block for a block of that many
     tokens. Each is built or loaded on its first call, which Decoder.compile makes at start. Called with the
     decoder's own cache, the one it was bound to."""

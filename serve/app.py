@@ -715,8 +715,10 @@ def memory_text(size):
 def check_kv_cache(model, settings, device):
     """Print the KV cache's memory for serve.max_batch slots; a ServeError when it exceeds
     serve.max_kv_cache_mib or the device's free memory, with the largest max_batch that fits."""
+    from serve import kvcache
+
     slots = settings["max_batch"]
-    per_slot = model.kv_cache_bytes(1, model.embed_tokens.weight.element_size())
+    per_slot = kvcache.kv_cache_bytes(model, 1, model.embed_tokens.weight.element_size())
     needed = slots * per_slot
     print(f"serve: KV cache {slots} slots x {memory_text(per_slot)} = {memory_text(needed)} (serve.max_batch="
           f"{slots}, {model.seq_len} positions per slot)", file=sys.stderr)  # fmt: skip
@@ -781,7 +783,7 @@ def prepare_weights(model, settings, device):
 
 
 def decoding_options(settings, device):
-    """The worker's model.Decoder options for this device: serve.compile as a torch.compile mode (aot: the
+    """The worker's engine.Decoder options for this device: serve.compile as a torch.compile mode (aot: the
     step built ahead of time, serve/aot.py), and serve.prefix_cache."""
     setting, prefix = (
         settings["compile"]["cuda" if device.startswith("cuda") else "cpu"],

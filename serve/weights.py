@@ -108,12 +108,12 @@ def rows_independent(model, rows):
     the other rows: each linear layer a KernelLinear that takes that many rows (the kernel sums each row in
     a fixed order, whatever the number of rows) and each attention layer's step the decode kernel (each row
     over its own keys). torch's products may round a row differently when the number of rows changes
-    (model.Transformer.decode_step)."""
+    (serve/engine.decode_step)."""
     modules = list(model.modules())
     products = [m for m in modules if isinstance(m, (nn.Linear, SplitLinear, KernelLinear))]
     attention = [m for m in modules if isinstance(m, Attention)]
     kernel_only = all(isinstance(m, KernelLinear) and m.takes(rows) for m in products)
-    return kernel_only and all(m.decode_kernel for m in attention)
+    return kernel_only and all(getattr(m, "decode_kernel", None) for m in attention)
 
 
 def with_linears(model, replace):

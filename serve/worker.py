@@ -1,12 +1,12 @@
 """
 serve/app.py's model worker: continuous batching. One decode thread keeps up to serve.max_batch answers going
-at once as the rows of a model.Decoder. Each step samples every row's next token (with the row's own
+at once as the rows of an engine.Decoder. Each step samples every row's next token (with the row's own
 temperature, top_p, top_k, seeded generator and constraint), streams it to the request as whole characters
 (data.StreamDecoder), and feeds the rows that go on their tokens in one batched forward pass. A new job
 joins at the next step (its prompt prefilled on its own into a free slot); a finished, cancelled or failed
 one leaves at once and frees its slot. Jobs wait for a slot in a bounded queue (a full queue raises Busy,
 which the server answers with 503 and Retry-After). A row's tokens do not depend on the other rows
-(model.Transformer.decode_step), so an answer is the one the request gets alone. With max_batch 1 the
+(serve/engine.decode_step), so an answer is the one the request gets alone. With max_batch 1 the
 worker answers one request at a time, as it did before batching.
 
 An agent turn runs agent/tools.py's loop on a thread of its own: each of its generations joins the batch as a
@@ -32,7 +32,7 @@ class Job:
     the next token (its "done" then has finish_reason None). With `turn` = (agent.Agent, messages) the
     answer is an agent turn: the server's tools run between generations (prompt_ids is then only the first
     prompt, already checked against the context). `constraint` (None, or an object with mask(logits) ->
-    logits and accept(token), see model.Decoder.sample) steers every token of the job's generations, in
+    logits and accept(token), see engine.Decoder.sample) steers every token of the job's generations, in
     order: serve/app.py gives one to a plain answer offered client tools. An agent turn without one gets
     agent/grammar.py's for the tools each of its generations offers."""
 
@@ -85,8 +85,18 @@ class CompileFailed(Exception):
     """The compiled decode step could not be built (the cause is chained): the server does not start."""
 
 
+def new_decoder(model, slots, decoding):
+    """An engine.Decoder of the model with every slot's KV cache allocated, or the decoder a stand-in model
+    brings (the tests' scripted models)."""
+    from serve import engine
+
+    if hasattr(model, "decoder"):
+        return model.decoder(slots, allocate=True, **decoding)
+    return engine.Decoder(model, slots, allocate=True, **decoding)
+
+
 class Worker:
-    """decoding: model.Decoder's options beyond the slots (compile_mode, serve.compile's torch.compile
+    """decoding: engine.Decoder's options beyond the slots (compile_mode, serve.compile's torch.compile
     mode, or compile_with); a compiled step is built on the decode thread before the constructor
     returns. threads: torch's threads on the decode thread (None: as many as the calling thread's)."""
 
@@ -97,7 +107,7 @@ class Worker:
         self.model, self.tokenizer = model, tokenizer
         self.queue_size, self.max_batch, self.decoding = queue_size, max_batch, decoding
         self.stop_ids = {tokenizer.special_ids["<|end|>"], tokenizer.eos_id}
-        self.decoder = model.decoder(max_batch, allocate=True, **decoding)  # the KV cache of every slot, now
+        self.decoder = new_decoder(model, max_batch, decoding)  # the KV cache of every slot, now
         self.decoder_of = model
         self.lock = threading.Condition()
         self.waiting = collections.deque()  # jobs not started yet, at most queue_size
@@ -235,7 +245,7 @@ class Worker:
         top_p = job.top_p if job.top_p < 1 else None
         try:
             if self.decoder_of is not self.model and not self.active:  # the model was swapped (tests)
-                self.decoder = self.model.decoder(self.max_batch, allocate=True, **self.decoding)
+                self.decoder = new_decoder(self.model, self.max_batch, self.decoding)
                 self.decoder_of = self.model
             generation.row = self.decoder.add(
                 generation.prompt_ids, job.temperature, job.top_k, top_p,

@@ -320,7 +320,7 @@ class ScriptedRow:
 
 
 class ScriptedDecoder:
-    """model.Decoder's interface over a ScriptedModel."""
+    """engine.Decoder's interface over a ScriptedModel."""
 
     def __init__(self, model):
         self.model = model

@@ -8,6 +8,7 @@ import config
 from agent import dataset, grammar, tools
 from chat import template
 from evaluation import tool_use
+from serve import engine
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +143,9 @@ def test_the_model_policy_reuses_its_cache_and_generates_what_generate_does(
     for prompt in prompts:
         ids, _ = template.render(prompt, tokenizer, for_generation=True)
         constraint = grammar.constraint_for(tokenizer, prompt["tools"], settings, 6, prompt["messages"])
-        expected = list(model.generate(torch.tensor(ids), 6, 0.0, stop_token=end, constraint=constraint))
+        expected = list(
+            engine.generate(model, torch.tensor(ids), 6, 0.0, stop_token=end, constraint=constraint)
+        )
         assert reply(prompt)[0] == tokenizer.decode([t for t in expected if t != end])
 
 

@@ -1,5 +1,5 @@
 """agent/grammar.py: constrained tool calls. A model whose logits are noise (uniform, or adversarial: the
-tokens that break a call made far likelier) generates through the real model.generate loop; every call it
+tokens that break a call made far likelier) generates through the real engine.generate loop; every call it
 writes parses, names a tool on offer and has arguments valid for that tool's schema."""
 
 import contextlib
@@ -16,6 +16,7 @@ import sample
 from agent import dataset, grammar, tools
 from chat import template
 from model import Transformer
+from serve import engine
 
 ROOT_TOOLS = ("buscar_web", "calculadora", "fecha_hora", "recordar", "buscar_recuerdos", "olvidar")
 CLIENT_TOOLS = [
@@ -55,7 +56,7 @@ def settings():
 
 
 class NoisyModel(Transformer):
-    """A Transformer whose logits are noise, generating through the real model.generate (which applies the
+    """A Transformer whose logits are noise, generating through the real engine.generate (which applies the
     constraint): uniform noise, after opening a call at once, or adversarial noise that makes the tokens
     breaking a call (control tokens, tags, braces, quotes, the pieces of a tag) far likelier than the rest."""
 
@@ -113,6 +114,21 @@ class NoisyModel(Transformer):
         return logits
 
 
+@contextlib.contextmanager
+def noisy_forward_passes(model):
+    """The engine's prefills and decode steps answered by the noisy model's methods of the same names."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(
+            engine,
+            "forward_with_cache",
+            lambda _, idx, cache, slot=None: model.forward_with_cache(idx, cache, slot),
+        )
+        patch.setattr(
+            engine, "decode_step", lambda _, tokens, cache, rows: model.decode_step(tokens, cache, rows)
+        )
+        yield
+
+
 def noisy_replies(tokenizer, tools, settings, count, adversarial, budget=400, told=True, messages=None):
     """(text, constraint) of `count` replies of the noisy model, sampled with temperature 1; told: the
     constraint knows the budget, as every generation path tells it; messages: the conversation the calls
@@ -124,11 +140,12 @@ def noisy_replies(tokenizer, tools, settings, count, adversarial, budget=400, to
     for _ in range(count):
         constraint = grammar.constraint_for(tokenizer, tools, settings, budget if told else None, messages)
         out = []
-        for token in model.generate(torch.tensor([1]), budget, 1.0, stop_token=end, generator=generator,
-                                    constraint=constraint):  # fmt: skip
-            if token in (end, tokenizer.eos_id):
-                break
-            out.append(token)
+        with noisy_forward_passes(model):
+            for token in engine.generate(model, torch.tensor([1]), budget, 1.0, stop_token=end, generator=generator,
+                                         constraint=constraint):  # fmt: skip
+                if token in (end, tokenizer.eos_id):
+                    break
+                out.append(token)
         replies.append((tokenizer.decode(out), constraint))
     return replies
 
@@ -183,10 +200,11 @@ def test_without_the_constraint_the_same_noise_writes_broken_calls(tokenizer, se
     assert grammar.constraint_for(tokenizer, CLIENT_TOOLS, settings) is None
     model = NoisyModel(tokenizer, adversarial=True).eval()
     generator = torch.Generator().manual_seed(1)
-    texts = [
-        tokenizer.decode(list(model.generate(torch.tensor([1]), 40, 1.0, generator=generator)))
-        for _ in range(8)
-    ]
+    with noisy_forward_passes(model):
+        texts = [
+            tokenizer.decode(list(engine.generate(model, torch.tensor([1]), 40, 1.0, generator=generator)))
+            for _ in range(8)
+        ]
     assert all(any(call.error for call in tools.parse_reply(text).calls) for text in texts)
 
 
@@ -281,7 +299,8 @@ def test_the_chat_repl_constrains_each_generation_of_the_loop(tokenizer, setting
     model = NoisyModel(tokenizer, adversarial=True, ends=True).eval()
     out = io.StringIO()
     cfg = {"model": model.cfg, "agent": settings}
-    sample.run_chat(model, tokenizer, cfg, args, io.StringIO("hola\nhola otra vez\n/exit\n"), out)
+    with noisy_forward_passes(model):
+        sample.run_chat(model, tokenizer, cfg, args, io.StringIO("hola\nhola otra vez\n/exit\n"), out)
     shown = out.getvalue()
     calls = [line for line in shown.splitlines() if line.startswith("  [tool call] ")]
     errors = [line for line in shown.splitlines() if line.startswith("  [tool error] ")]

@@ -7,8 +7,9 @@ import os
 import pytest
 import torch
 
-from serve import aot, kernel
-from tests.test_model import build, forced_tokens, run_rows, tiny
+from serve import aot, engine, kernel
+from tests.test_engine import forced_tokens, run_rows
+from tests.test_model import build, tiny
 
 PLANS = [(forced_tokens(n, seed=n), first, last, {"temperature": 0})
          for n, first, last in [(7, 0, 20), (12, 0, 9), (2, 1, 16), (25, 5, 12)]]  # fmt: skip
@@ -67,7 +68,7 @@ def test_through_the_kernels_a_narrower_step_gives_each_row_the_full_steps_logit
     net = served_model(name, tmp_path, monkeypatch)
     # These float32 products take up to 4 rows through the kernel (8 go through torch); int8 any number.
     assert aot.step_widths(net, 8) == ([8] if name == "float32" else [1, 2, 4, 8])
-    decoder = net.decoder(4, compile_with=aot.AotStep)
+    decoder = engine.Decoder(net, 4, compile_with=aot.AotStep)
     decoder.compile()
     assert decoder.step_widths() == [1, 2, 4]
     generator = torch.Generator().manual_seed(0)
@@ -125,16 +126,16 @@ def test_a_second_decoder_of_the_same_shapes_loads_the_cached_package_and_writes
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     net = build(tiny(seq_len=32))
     with torch.no_grad():
-        first = net.decoder(2, compile_with=aot.AotStep)
+        first = engine.Decoder(net, 2, compile_with=aot.AotStep)
         first.compile()
-        second = net.decoder(2, compile_with=aot.AotStep)
+        second = engine.Decoder(net, 2, compile_with=aot.AotStep)
         second.compile()
         assert (first.compiled_step.loaded_from_cache, second.compiled_step.loaded_from_cache) == (
             False,
             True,
         )
         assert len(os.listdir(tmp_path / "enlace" / "aot")) == 1  # no temp file left
-        other = net.decoder(1, compile_with=aot.AotStep)  # another shape: another package
+        other = engine.Decoder(net, 1, compile_with=aot.AotStep)  # another shape: another package
         other.compile()
         assert not other.compiled_step.loaded_from_cache
         row = second.add(

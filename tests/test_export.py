@@ -19,6 +19,7 @@ import checkpoint
 import export
 import train
 from chat import template
+from serve import engine
 
 transformers = pytest.importorskip("transformers")
 quiet = lambda *a, **k: None  # noqa: E731
@@ -169,7 +170,7 @@ def test_transformers_gives_enlace_s_logits_within_1e_4_in_float32(hf_dir, enlac
 
 def greedy_32(model, ids, stops):
     """ENLACE's 32 greedy tokens and the part transformers writes: up to the first stop, inclusive."""
-    ours = list(model.generate(torch.tensor(ids), 32, temperature=0))
+    ours = list(engine.generate(model, torch.tensor(ids), 32, temperature=0))
     return ours, ours[: next((i + 1 for i, t in enumerate(ours) if t in stops), len(ours))]
 
 
@@ -661,7 +662,7 @@ def test_llama_cpp_tokenizes_spanish_text_as_sentencepiece(llama, llama_enlace):
 def test_llama_cpp_f32_continues_greedily_as_enlace(llama, llama_enlace):
     model, _, tokenizer = llama_enlace
     ids = prompt(tokenizer)
-    ours = list(model.generate(torch.tensor(ids), 32, temperature=0))
+    ours = list(engine.generate(model, torch.tensor(ids), 32, temperature=0))
     llm = llama["f32"]
     llm.reset()
     llm.eval(ids)
@@ -720,7 +721,9 @@ def test_llama_cpp_decodes_eight_streams_as_enlace_s_eight_slots(llama_enlace, t
     )
     _, theirs = bench_llama_cpp.llama_answers(context, batch, weights.n_vocab(), 8)
     with torch.no_grad():
-        _, ours = bench_llama_cpp.enlace_answers(model.decoder(8, allocate=True), tokenizer.vocab_size, 8)
+        _, ours = bench_llama_cpp.enlace_answers(
+            engine.Decoder(model, 8, allocate=True), tokenizer.vocab_size, 8
+        )
     context.close()
     batch.close()
     weights.close()

@@ -188,7 +188,7 @@ def test_tool_calls_are_constrained_to_the_clients_and_to_the_servers_own_tools(
     chat_model, tmp_path, monkeypatch
 ):
     import jsonschema
-    from test_agent_grammar import CLIENT_TOOLS, MALFORMED, NoisyModel
+    from test_agent_grammar import CLIENT_TOOLS, MALFORMED, NoisyModel, noisy_forward_passes
 
     from agent import dataset, grammar, tools
 
@@ -196,7 +196,10 @@ def test_tool_calls_are_constrained_to_the_clients_and_to_the_servers_own_tools(
     tokenizer = chat_model[1]
     model = NoisyModel(tokenizer, ends=True).eval()  # opens a call at once, then noise; ends where it may
     schemas = {spec["function"]["name"]: spec["function"]["parameters"] for spec in CLIENT_TOOLS}
-    with live_server(chat_model, tmp_path, model=model, context=4096) as (url, server):
+    with (
+        noisy_forward_passes(model),
+        live_server(chat_model, tmp_path, model=model, context=4096) as (url, server),
+    ):
         openai_client = client(url, member(server, "ana"))
         for seed in range(4):
             answer = openai_client.chat.completions.create(

@@ -16,7 +16,7 @@ import torch
 from conftest import ROOT, live_server
 
 from agent import tools
-from serve import app, worker
+from serve import app, kvcache, worker
 
 NO_TOOLS = "serve.tools=false"
 
@@ -359,7 +359,7 @@ def test_the_kv_cache_is_sized_at_start_and_a_max_batch_that_cannot_fit_is_refus
     model = chat_model[0]
     settings = app.load_settings(app.DEFAULT_CONFIG, ["serve.max_batch=64", "serve.max_kv_cache_mib=1"])
     # 2 layers x (keys, values) x 2 kv heads x 256 positions x 8 dims x 4 bytes = 64 KiB per slot
-    assert model.kv_cache_bytes(1) == 64 * 1024
+    assert kvcache.kv_cache_bytes(model, 1) == 64 * 1024
     with pytest.raises(app.ServeError) as refused:
         app.check_kv_cache(model, settings, "cpu")
     assert str(refused.value) == ("serve.max_batch=64: the KV cache needs 4.0 MiB (64 KiB per slot), more than "

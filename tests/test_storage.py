@@ -45,7 +45,7 @@ from corpus import pipeline
 from corpus.docs import docs_path
 from evaluation import plot
 from family import accounts, feedback, memories, store
-from serve import app
+from serve import app, engine
 
 RELEASE = os.path.join(ROOT, "tests", "fixtures", "release-2026-12-02")
 DISK_BYTES = 4 * 2**20
@@ -427,7 +427,7 @@ def test_the_run_of_release_2026_12_02_loads_samples_and_resumes_with_todays_cod
     assert only_torch_and_containers(pickled_globals(old))
     model, cfg, tokenizer, path = checkpoint.load_run(str(run), log=lambda message: None)
     assert (path, tokenizer.name) == (old, "bytes")
-    tokens = list(model.generate(torch.tensor(tokenizer.encode("La ")), 8, temperature=0.0))
+    tokens = list(engine.generate(model, torch.tensor(tokenizer.encode("La ")), 8, temperature=0.0))
     assert len(tokens) == 8 and all(0 <= t < tokenizer.vocab_size for t in tokens)
 
     # Its config.yaml (no config_format: format 0) loads, and training goes on from step 4.
