@@ -20,7 +20,7 @@ from bench.common import ROOT, layer, timed
 from corpus import pipeline
 from serve import engine, kvcache
 from serve.kernel import KernelUnavailable
-from serve.weights import KernelLinear, SplitLinear, int8_weights, split_matvec, with_kernels
+from serve.weights import KernelLinear, SplitLinear, split_matvec, with_kernels
 
 
 def serve_bench_run(folder, shipped=True):
@@ -69,9 +69,6 @@ def step_bytes(net, slots, length):
             weights += module.weight.nbytes
         elif isinstance(module, KernelLinear):  # float32, or int8 with a float32 scale per row
             weights += module.weight.nbytes + (0 if module.scale is None else module.scale.nbytes)
-        elif isinstance(module, torch.ao.nn.quantized.dynamic.Linear):  # int8 weights, a scale per row
-            weight = module.weight()
-            weights += weight.numel() + 4 * weight.shape[0]
     return weights + kvcache.kv_cache_bytes(net, slots) * length // net.seq_len
 
 
@@ -98,49 +95,39 @@ def greedy_answers(decoder, prompts, new_tokens):
     return len(rows) * new_tokens / seconds, tokens
 
 
-def decode_rate(net, streams, new_tokens, **options):
-    """Tokens/s of `streams` greedy answers of new_tokens after 32-token prompts, decoded together by a
-    engine.Decoder of `streams` slots with `options` (compile_mode), prefills excluded."""
-    decoder = engine.Decoder(net, streams, allocate=True, **options)
-    if decoder.compiled_step is not None:
-        decoder.compile()
+def decode_rate(net, streams, new_tokens):
+    """Tokens/s of `streams` greedy answers of new_tokens after 32-token prompts, decoded together by an
+    eager engine.Decoder of `streams` slots, prefills excluded."""
+    decoder = engine.Decoder(net, streams, allocate=True)
     return greedy_answers(decoder, random_prompts(net.cfg["vocab_size"], streams), new_tokens)[0]
 
 
 def bandwidth_table(label, net, bandwidth, new_tokens, repeats):
     """Each decoding configuration's tokens/s at 1 and 8 streams, and as a share of the memory-bandwidth
     limit (bandwidth x streams / bytes per step); configurations interleave, medians and ranges of repeats."""
-    split, compiled = split_matvec(net, torch.get_num_threads(), 8), {"compile_mode": "default"}
-    configurations = {"float32 eager": (net, {}), "float32 compiled (inductor)": (net, compiled),
-                      "float32 split products": (split, {}), "float32 split, compiled": (split, compiled),
-                      "int8 weights eager": (int8_weights(net), {})}  # fmt: skip
-    try:  # serve.matvec_kernel, as the server runs a CPU by default
+    split = split_matvec(net, torch.get_num_threads(), 8)
+    configurations = {"float32 eager": net, "float32 split products": split}
+    try:  # serve.matvec_kernel, as the server runs a CPU by default (the step ahead of time: ARGS=llama)
         for dtype in ("float32", "int8"):
-            served = with_kernels(net, dtype, 8)
-            configurations |= {
-                f"{dtype} kernel": (served, {}),
-                f"{dtype} kernel, compiled": (served, compiled),
-            }
+            configurations[f"{dtype} kernel"] = with_kernels(net, dtype, 8)
     except KernelUnavailable as e:
         print(f"serve: no kernel rows: {e}", flush=True)
     started = time.perf_counter()
-    for weights, options in configurations.values():
-        decode_rate(weights, 1, 2, **options)  # warm-up, and the compile (timed once, here)
-        decode_rate(weights, 8, 2, **options)
-    print(f"serve: {label}: warm-up and compiles {time.perf_counter() - started:.0f} s", flush=True)
+    for weights in configurations.values():
+        decode_rate(weights, 1, 2)  # warm-up
+        decode_rate(weights, 8, 2)
+    print(f"serve: {label}: warm-up {time.perf_counter() - started:.0f} s", flush=True)
     rates = {(name, streams): [] for name in configurations for streams in (1, 8)}
     for _ in range(repeats):
         for name, streams in rates:
-            weights, options = configurations[name]
-            rates[(name, streams)].append(decode_rate(weights, streams, new_tokens, **options))
+            rates[(name, streams)].append(decode_rate(configurations[name], streams, new_tokens))
     print(f"serve: decoding against the memory-bandwidth limit, {label}, answers of {new_tokens} tokens after "
           f"32-token prompts, median [min-max] of {repeats}:")  # fmt: skip
     print(
         "serve:   configuration               | streams | MB per step | tokens/s            | limit tok/s | share"
     )
     for (name, streams), values in rates.items():
-        weights = configurations[name][0]
-        per_step = step_bytes(weights, streams, 32 + new_tokens // 2)
+        per_step = step_bytes(configurations[name], streams, 32 + new_tokens // 2)
         limit = bandwidth * streams / per_step
         rate = statistics.median(values)
         print(f"serve:   {name:27s} | {streams:7d} | {per_step / 1e6:11.1f} | {rate:7.1f} [{min(values):.0f}-"
@@ -220,13 +207,10 @@ def bench_decoding(new_tokens=64, repeats=3):
                   f"{os.path.basename(run)}'s tokenizer), tiny-50m: {1e3 * without:.0f} ms without the prefix cache, "
                   f"{1e3 * with_cache:.0f} ms with it -> {with_cache / without:.2f} (target <= 0.3)")  # fmt: skip
             f32 = held_out_bpb(smoke, cfg, tokenizer, 20_000)
-            int8 = {"torch's dynamic quantization": int8_weights(smoke)}
             with contextlib.suppress(KernelUnavailable):
-                int8["the kernel's"] = with_kernels(smoke, "int8", 8)
-            for name, net in int8.items():
-                bpb = held_out_bpb(net, cfg, tokenizer, 20_000)
+                bpb = held_out_bpb(with_kernels(smoke, "int8", 8), cfg, tokenizer, 20_000)
                 print(f"serve: held-out bpb (val, first 20,000 tokens), {os.path.basename(run)}: float32 {f32:.4f}, "
-                      f"int8 weights ({name}) {bpb:.4f} -> {100 * (bpb / f32 - 1):+.2f}% (target within 1%)")  # fmt: skip
+                      f"int8 weights (the kernel's) {bpb:.4f} -> {100 * (bpb / f32 - 1):+.2f}% (target within 1%)")  # fmt: skip
     print("serve: llama.cpp f32/q8_0 side by side on the same weights: make bench ARGS=llama (needs "
           "llama-cpp-python: make gguf-check)")  # fmt: skip
     print(f"serve: load average {os.getloadavg()[0]:.1f} at the end", flush=True)

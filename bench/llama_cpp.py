@@ -1,15 +1,16 @@
 """
 `make bench ARGS=llama` (also part of ARGS=serve): ENLACE's decoding against llama.cpp on the same weights,
 at 1 and 8 streams, each configuration in a fresh process. ENLACE float32 (eager; with its products split
-over the threads; compiled; both; through ENLACE's own kernel, as the server runs it on a CPU, eager and
-compiled; compiled ahead of time, serve/aot.py) and int8 weights (torch's dynamic quantization; the kernel,
-eager, compiled and ahead of time); llama.cpp (llama-cpp-python, its own batched llama_decode, as many
-threads) on the same weights exported to GGUF f32 and q8_0. Rounds take turns, so that no configuration
-always runs first on a cool machine; ratios are taken round by round. (The aot rows build their package in
-round 1 and load it from the disk cache after, as a server's later starts do.)
+over the threads; through ENLACE's own kernel, eager and compiled ahead of time as the server runs it on a
+CPU, serve/aot.py) and int8 weights (the kernel, eager and ahead of time); llama.cpp (llama-cpp-python, its
+own batched llama_decode, as many threads) on the same weights exported to GGUF f32 and q8_0. (torch.compile
+on a CPU and torch's int8 were retired from the server: docs/rendimiento.md keeps their figures.) Rounds
+take turns, so that no configuration always runs first on a cool machine; ratios are taken round by round.
+(The aot rows build their package in round 1 and load it from the disk cache after, as a server's later
+starts do.)
 
     python -m bench.llama_cpp table --rounds 3            # the table
-    python -m bench.llama_cpp table --only "ENLACE int8 kernel compiled" --only "llama.cpp q8_0"   # some rows
+    python -m bench.llama_cpp table --only "ENLACE int8 kernel aot" --only "llama.cpp q8_0"   # some rows
     python -m bench.llama_cpp rate FOLDER smoke "llama.cpp q8_0"   # one configuration: a JSON line
 """
 
@@ -31,19 +32,14 @@ from bench.decoding import greedy_answers, memory_bandwidth, random_prompts, ste
 from corpus import pipeline
 from serve import engine
 from serve.aot import AotStep
-from serve.weights import int8_weights, split_matvec, with_kernels
+from serve.weights import split_matvec, with_kernels
 
 CONFIGURATIONS = (
     "ENLACE float32",
     "ENLACE float32 split",
-    "ENLACE float32 compiled",
-    "ENLACE float32 split compiled",
     "ENLACE float32 kernel",
-    "ENLACE float32 kernel compiled",
     "ENLACE float32 kernel aot",
-    "ENLACE int8",
     "ENLACE int8 kernel",
-    "ENLACE int8 kernel compiled",
     "ENLACE int8 kernel aot",
     "llama.cpp f32",
     "llama.cpp q8_0",
@@ -121,18 +117,13 @@ def enlace_rates(folder, shape, configuration, profile=False):
     words = configuration.split()
     if "kernel" in words:  # serve.matvec_kernel
         net = with_kernels(net, words[1], max(STREAMS))
-    elif words[1] == "int8":
-        net = int8_weights(net)
     if "split" in words:  # serve.matvec_parts: one block per thread
         net = split_matvec(net, torch.get_num_threads(), max(STREAMS))
-    compile_mode = "default" if configuration.endswith("compiled") else None
     compile_with = AotStep if configuration.endswith("aot") else None  # the package cached after round 1
     result = {"compile_s": 0.0}
     with torch.no_grad():
         for streams in STREAMS:
-            decoder = engine.Decoder(
-                net, streams, allocate=True, compile_mode=compile_mode, compile_with=compile_with
-            )
+            decoder = engine.Decoder(net, streams, allocate=True, compile_with=compile_with)
             if decoder.compiled_step is not None:
                 start = time.perf_counter()
                 decoder.compile()
@@ -300,7 +291,7 @@ def print_table(shape, rows, bandwidth):
     for name, runs in rows.items():
         if "profile" in runs[0]:
             print(f"llama:   where a step of {name} goes, 1 stream: {runs[0]['profile']}")
-    for name in (name for name in rows if name.endswith(("compiled", "aot"))):
+    for name in (name for name in rows if name.endswith("aot")):
         compiles = [run["compile_s"] for run in rows[name]]
         print(
             f"llama:   compiling the step of {name} for 1 and 8 slots took {spread(compiles)} s per process"

@@ -742,17 +742,22 @@ COMPILE_MODES = {"off": None, "inductor": "default", "cuda-graphs": "reduce-over
 
 def prepare_weights(model, settings, device):
     """The model in serve.weights' format for this device: through ENLACE's kernel with serve.matvec_kernel
-    (where it cannot run, the server says why and goes on without it), else float32 with serve.matvec_parts
-    > 1 split for the decode step, or torch's int8 (eager: serve.compile's default aot turned off in
-    `settings`); a ServeError for a combination that cannot run."""
+    (where it cannot run, float32 weights go on without it and the server says why), else float32 with
+    serve.matvec_parts > 1 split for the decode step; a ServeError for int8 without the kernel."""
     from serve import kernel, weights
 
     kind = "cuda" if device.startswith("cuda") else "cpu"
     dtype, parts = settings["weights"][kind], settings["matvec_parts"][kind]
+    if dtype == "int8" and not settings["matvec_kernel"][kind]:
+        raise ServeError(f"serve.weights.{kind}=int8 runs through ENLACE's kernel: set serve.matvec_kernel.{kind}=true "
+                         f"(or serve.weights.{kind}=float32)")  # fmt: skip
     if settings["matvec_kernel"][kind]:
         try:
             served = weights.with_kernels(model, dtype, settings["max_batch"])
         except kernel.KernelUnavailable as e:
+            if dtype == "int8":
+                raise ServeError(f"serve.weights.{kind}=int8 runs through ENLACE's kernel, but {e}; set "
+                                 f"serve.weights.{kind}=float32") from None  # fmt: skip
             print(
                 f"serve: serve.matvec_kernel.{kind} is on but {e}; decoding with torch's products",
                 file=sys.stderr,
@@ -761,25 +766,11 @@ def prepare_weights(model, settings, device):
             print(f"serve: decode products through serve/matvec.cpp, {dtype} weights (serve.matvec_kernel)",
                   file=sys.stderr)  # fmt: skip
             return served
-    if dtype == "float32":
-        if parts == 1:
-            return model
-        split = weights.split_matvec(model, parts, settings["max_batch"])
-        print(f"serve: decode products in {parts} blocks (serve.matvec_parts)", file=sys.stderr)
-        return split
-    if settings["compile"][kind] == "aot":  # the CPU's default: torch's int8 decodes eager
-        print(f"serve: serve.weights.{kind}=int8 without the kernel runs eager (serve.compile.{kind}=aot does not "
-              "apply)", file=sys.stderr)  # fmt: skip
-        settings["compile"][kind] = "off"
-    elif settings["compile"][kind] != "off":
-        raise ServeError(
-            f"serve.weights.{kind}=int8 without serve.matvec_kernel runs eager: set serve.compile.{kind}=off "
-            "(or weights float32)"
-        )
-    quantized = weights.int8_weights(model)
-    quantized.checkpoint_path = model.checkpoint_path
-    print("serve: int8 weights (serve.weights)", file=sys.stderr)
-    return quantized
+    if parts == 1:
+        return model
+    split = weights.split_matvec(model, parts, settings["max_batch"])
+    print(f"serve: decode products in {parts} blocks (serve.matvec_parts)", file=sys.stderr)
+    return split
 
 
 def decoding_options(settings, device):
@@ -811,7 +802,7 @@ def compile_failure(error, settings, device):
         "a working C++ compiler (g++, or the one CXX names)" if kind == "cpu" else "a working CUDA toolchain"
     )
     return (f"serve.compile.{kind}={settings['compile'][kind]}: the decode step did not compile ({reason}); "
-            f"inductor needs {needs}: install it, or set serve.compile.{kind}=off")  # fmt: skip
+            f"compiling needs {needs}: install it, or set serve.compile.{kind}=off")  # fmt: skip
 
 
 def serving_info(run, model, tokenizer, settings, memory_cfg):

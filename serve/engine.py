@@ -243,10 +243,10 @@ class Decoder:
     A row's tokens are those it would get alone in a Decoder of as many slots (decode_step). Windows
     past seq_len restart as generate describes, each row on its own.
 
-    With a compile_mode ("default": inductor; "reduce-overhead": CUDA graphs too) the batched step is
-    decode_all under torch.compile: static shapes (every slot, the whole preallocated cache),
-    so compile() builds the one graph before any row arrives and no later step compiles again. Its logits
-    are the eager step's up to float32 rounding; a row's tokens still do not depend on the other rows.
+    With a compile_mode ("default": inductor; "reduce-overhead": CUDA graphs too; the server's on a GPU) the
+    batched step is decode_all under torch.compile: static shapes (every slot, the whole preallocated
+    cache), so compile() builds the one graph before any row arrives and no later step compiles again. Its
+    logits are the eager step's up to float32 rounding; a row's tokens still do not depend on the other rows.
     compile_with(model, cache, block=...) builds such a step elsewhere instead (serve/aot.py: ahead of
     time), given the prefix cache's block when there is one: a step that also has prefill_block (a block of
     a prompt at static shapes) prefills the prompts' chunks with it.
@@ -276,12 +276,8 @@ class Decoder:
         elif compile_mode:
             for tensor in self.cache.keys + self.cache.values:  # CUDA graphs write into them in place
                 torch._dynamo.mark_static_address(tensor)
-            # On a CPU, inductor's default mode with the wrapper that calls each kernel in C++ rather than
-            # Python: a decode step is ~100 small calls (make bench ARGS=llama: +16% for int8 at tiny-50m).
-            on_cpu = compile_mode == "default" and self.device.type == "cpu"
-            how = {"options": {"cpp_wrapper": True}} if on_cpu else {"mode": compile_mode}
             self.compiled_step = torch.compile(
-                functools.partial(decode_all, model), fullgraph=True, dynamic=False, **how
+                functools.partial(decode_all, model), fullgraph=True, dynamic=False, mode=compile_mode
             )
         self.free = list(range(slots))
         self.rows = {}  # slot -> Row

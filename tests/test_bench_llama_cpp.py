@@ -23,7 +23,7 @@ def test_ratios_to_llama_cpp_are_paired_round_by_round(capsys):
     assert "2.00 (2.00-2.00)x" in one_stream
     assert "200 (100-400)" in one_stream
     assert "20%" in one_stream  # 200 tok/s x 1 MB per step of 1 GB/s
-    q8_0 = next(line for line in lines if "ENLACE int8" in line and "|       8 |" in line)
+    q8_0 = next(line for line in lines if "ENLACE int8 kernel " in line and "|       8 |" in line)
     assert "1.00 (1.00-1.00)x" in q8_0  # int8 beside llama.cpp q8_0, not f32
 
 
@@ -46,11 +46,11 @@ def test_a_table_refuses_a_single_round(capsys):
 
 
 def test_a_table_of_some_configurations_pairs_each_with_its_peer_where_the_peer_ran(capsys):
-    names = ("ENLACE int8 kernel compiled", "llama.cpp q8_0", "ENLACE float32 kernel")
+    names = ("ENLACE int8 kernel aot", "llama.cpp q8_0", "ENLACE float32 kernel")
     bench_llama_cpp.print_table("smoke", {name: [run_of(100), run_of(300)] for name in names}, bandwidth=1e9)
     out = capsys.readouterr().out
     lines = [line for line in out.splitlines() if "|       1 |" in line]
     assert [line.split("|")[0].removeprefix("llama:").strip() for line in lines] == list(names)
     assert lines[0].endswith("1.00 (1.00-1.00)x")  # int8 beside q8_0
     assert lines[2].rstrip().endswith("|")  # llama.cpp f32 did not run: no ratio
-    assert "compiling the step of ENLACE int8 kernel compiled" in out
+    assert "compiling the step of ENLACE int8 kernel aot" in out

@@ -340,28 +340,6 @@ def test_the_prefix_cache_stays_within_its_bytes_and_evicts_the_least_recently_u
     assert tuple(old[:12]) not in {ids for _, ids in decoder.prefix_cache.blocks}
 
 
-def test_int8_weights_hold_every_linear_layer_in_int8_and_move_the_logits_by_about_a_percent():
-    from serve.weights import int8_weights
-
-    for seed in range(3):
-        net = build(tiny(), seed=seed)
-        quantized = int8_weights(net)
-        linears = [m for m in quantized.modules() if isinstance(m, torch.ao.nn.quantized.dynamic.Linear)]
-        assert len(linears) == 7 * net.cfg["n_layers"] + 1  # q, k, v, o, gate, up, down; the LM head
-        assert all(linear.weight().dtype == torch.qint8 for linear in linears)
-        assert all(type(m) is torch.nn.Linear for name, m in net.named_modules() if name.endswith("proj"))
-        x = tokens(2, 16, seed=seed)
-        with torch.no_grad():
-            want, got = net(x)[0], quantized(x)[0]
-        # Over 5 seeds the largest change was 0.9-1.2% of the largest logit; 3% leaves a margin.
-        assert float((got - want).abs().max() / want.abs().max()) < 0.03
-        # The Decoder runs on them as on float weights: its first token is the int8 forward's argmax.
-        assert (
-            engine.Decoder(quantized, 1).add(x[0].tolist(), temperature=0).logits.argmax()
-            == got[0, -1].argmax()
-        )
-
-
 def test_split_matvec_shares_the_weights_and_decodes_the_plain_models_tokens_with_logits_within_1e_5():
     from bench.decoding import step_bytes
     from serve.weights import SplitLinear, split_matvec

@@ -102,11 +102,9 @@ def leave_midway(url, key, body):
 BROKEN_SEED = 666
 
 
-# Eager with one-pass prefills, and the compiled step (torch.compile; ahead of time) with the prefix cache
-# (the shipped default) on. CPU inductor's first compile at the tiny run's shape takes a minute or more on a
-# shared 2-core CPU.
-DECODING = {"eager": ("serve.prefix_cache.mib=0",), "compiled+prefix_cache": ("serve.compile.cpu=inductor",),
-            "aot+prefix_cache": ("serve.compile.cpu=aot",)}  # fmt: skip
+# Eager with one-pass prefills, and the step compiled ahead of time with the prefix cache (the shipped
+# default) on.
+DECODING = {"eager": ("serve.prefix_cache.mib=0",), "aot+prefix_cache": ("serve.compile.cpu=aot",)}
 
 
 @pytest.mark.parametrize("decoding", DECODING.values(), ids=DECODING.keys())
@@ -197,28 +195,20 @@ def test_the_prefix_cache_shares_the_servers_prompt_between_members_and_nothing_
     assert {scope for scope, ids in blocks if len(ids) > shared} == {("member", ana), ("member", ben)}
 
 
-def test_int8_weights_without_the_kernel_answer_requests_and_refuse_a_compiled_step_on_the_same_device(
-    chat_model, tmp_path
+def test_int8_weights_without_the_kernel_and_torch_compile_on_a_cpu_are_refused_naming_what_to_set(
+    chat_model,
 ):
+    # Both were retired (docs/rendimiento.md): the kernel's int8 and the step ahead of time measured faster.
     model = chat_model[0]
     settings = app.load_settings(
         app.DEFAULT_CONFIG, ["serve.weights.cpu=int8", "serve.matvec_kernel.cpu=false"]
     )
-    quantized = app.prepare_weights(model, settings, "cpu")
-    assert quantized is not model and quantized.checkpoint_path == model.checkpoint_path
-    with live_server(chat_model, tmp_path, NO_TOOLS, model=quantized) as (url, server):
-        key = server.store.add_member("ana", "adult")
-        answer = post(url, key, request(1, 6, 0.0, 1))
-    assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] >= 1
-    both = app.load_settings(
-        app.DEFAULT_CONFIG,
-        ["serve.weights.cpu=int8", "serve.matvec_kernel.cpu=false", "serve.compile.cpu=inductor"],
-    )
-    with pytest.raises(
-        app.ServeError,
-        match=r"serve.weights.cpu=int8 without serve.matvec_kernel runs eager: set serve.compile.cpu=off",
-    ):
-        app.prepare_weights(model, both, "cpu")
+    with pytest.raises(app.ServeError, match=r"serve.weights.cpu=int8 runs through ENLACE's kernel: set "
+                                             r"serve.matvec_kernel.cpu=true \(or serve.weights.cpu=float32\)"):  # fmt: skip
+        app.prepare_weights(model, settings, "cpu")
+    with pytest.raises(app.ServeError) as refused:
+        app.load_settings(app.DEFAULT_CONFIG, ["serve.compile.cpu=inductor"])
+    assert "serve.compile.cpu: 'inductor' is not allowed; allowed: 'off', 'aot'" in str(refused.value)
 
 
 def test_without_the_kernel_float32_products_split_in_matvec_parts_blocks_and_one_block_is_the_model(
