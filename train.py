@@ -8,9 +8,10 @@ Train ENLACE from a run file.
     torchrun --nproc_per_node=2 train.py configs/pretrain-2060.yaml
 
 Everything a run writes lives in <train.runs_dir>/<run_name>/: config.yaml (resolved), metrics.jsonl
-and ckpt_<step>.pt (atomic, the last `keep_last` kept). train.objective picks what a step minimizes: the
-next token's cross-entropy (pretraining, SFT), or DPO on preference pairs (objective.py). How boards differ
-is hardware.py's business; the hardware profile (configs/hardware/) is the only config layer that knows.
+and ckpt_<step>.pt (atomic, the last `keep_last` kept). train.objective picks what a step minimizes
+(objective.py: the next token's cross-entropy for pretraining and SFT, or DPO on preference pairs); the
+optimizers and their schedule are optim.py's. How boards differ is hardware.py's business; the hardware
+profile (configs/hardware/) is the only config layer that knows.
 """
 
 import contextlib
@@ -85,6 +86,10 @@ def format_rate(tokens_per_second):
     if tokens_per_second >= 1e3:
         return f"{tokens_per_second / 1e3:.1f}k"
     return f"{tokens_per_second:.0f}"
+
+
+# -----------------------------------------------------------------------------
+# Signals: a stop at a step boundary
 
 
 class StopSignals:
