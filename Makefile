@@ -22,6 +22,7 @@ TRAIN := $(if $(filter 1,$(NPROC)),$(PY),$(VENV)/bin/torchrun --standalone --npr
 	serve kernels bench search agent-data agent-data-16k agent-eval sft-agent agent-ladder agent-ladder-16k agent-ladder-c agent-ladder-digits agent-ladder-table sync \
 	remote-setup remote-smoke-2060 remote-pretrain logs fetch status chat-prepare sft sft-smoke \
 	plot export gguf-check snapshot restore install-service fuzz gpu-check eval-bench report preferences dpo dpo-smoke recipe
+.PHONY: run rehearsal
 
 setup: $(STAMP)
 
@@ -36,6 +37,7 @@ $(STAMP): requirements.txt requirements-dev.txt
 lint: $(STAMP)
 	$(VENV)/bin/yamllint --strict .
 	$(PY) config.py --all configs
+	$(PY) -m chain check
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/clang-format --dry-run --Werror serve/*.cpp
@@ -358,6 +360,22 @@ agent-ladder-digits: agent-data
 
 agent-ladder-table: $(STAMP)
 	$(PY) -m evaluation.ladder $(LADDER_AB) $(LADDER_A16K) $(LADDER_C) --seeds $(LADDER_SEEDS) --table
+
+# --- the whole run in one command (chain/, docs/ejecucion.md) ----------------------------------------
+
+# make run BOARD=2060|5090|h200|cpu [PLAN=1] [BUDGET_MIN=20]: configs/chain/BOARD.yaml's stages in order,
+# each skipped when done and resumed where it was cut. PLAN=1 prints the plan and touches nothing;
+# BUDGET_MIN scales the training stages to fit that many minutes on the board.
+BOARD ?=
+PLAN ?=
+BUDGET_MIN ?=
+run: $(STAMP)
+	$(PY) -m chain run "$(BOARD)" $(if $(filter 1 yes true,$(PLAN)),--plan) \
+		$(if $(BUDGET_MIN),--budget-min $(BUDGET_MIN)) $(ARGS)
+
+# The CPU chain on this machine with the embedded corpus: ends with `ready: make serve RUN=...`.
+rehearsal: $(STAMP)
+	$(PY) -m chain run rehearsal $(if $(filter 1 yes true,$(PLAN)),--plan) $(ARGS)
 
 # --- the family's database ------------------------------------------------------------------------
 

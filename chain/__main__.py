@@ -1,0 +1,124 @@
+"""
+python -m chain: the command line of make run and make rehearsal.
+
+    python -m chain run 2060 --plan                # the plan only: nothing is touched
+    python -m chain run 2060                       # plan, checks, then every stage not done yet
+    python -m chain run h200 --budget-min 20       # each training stage scaled to fit 20 minutes
+    python -m chain run rehearsal chain.folder=runs/x   # chain.key=value overrides, as every command
+    python -m chain check                          # every chain file in configs/chain/
+"""
+
+import argparse
+import sys
+
+import config
+import fileio
+from chain import plan as chain_plan
+from chain import runfile, stages
+
+
+def final_run(chain):
+    """The run a person serves: the one the export stage reads, else the last training stage."""
+    exports = [s["from"] for s in chain["stages"] if s["command"] == "export"]
+    trained = [s["name"] for s in chain["stages"] if s["command"] == "train"]
+    name = exports[-1] if exports else (trained[-1] if trained else None)
+    return runfile.folder_of(chain, name) if name else chain["folder"]
+
+
+def scale_to_budget(chain, plan, minutes):
+    """Set each training stage's steps so that the whole chain fits `minutes` on the board: what the
+    other stages take is kept, the rest shared among the training stages as the plan shares it."""
+    trains = [(s, p) for s, p in zip(chain["stages"], plan["stages"], strict=True) if s["command"] == "train"]
+    fixed = sum(
+        p["hours"] for s, p in zip(chain["stages"], plan["stages"], strict=True) if s["command"] != "train"
+    )
+    left = minutes / 60 - fixed
+    planned = sum(p["hours"] for _, p in trains)
+    if left <= 0 or not planned:
+        raise config.ConfigError(
+            [
+                f"--budget-min {minutes}: the stages other than training alone take {fixed * 60:.0f} min; "
+                "give a larger budget"
+            ]  # fmt: skip
+        )
+    for stage, estimate in trains:
+        cfg = runfile.load_stage_config(chain, stage)
+        t = cfg["train"]
+        per_step = estimate["tokens"] / t["max_steps"]
+        steps = max(4, int(left * estimate["hours"] / planned * 3600 * estimate["rate"] / per_step))
+        steps = min(steps, t["max_steps"])
+        scaled = [f"train.max_steps={steps}", f"train.warmup_steps={min(t['warmup_steps'], steps // 10)}"]
+        scaled.append(f"train.ckpt_interval={max(1, min(t['ckpt_interval'], steps // 2))}")
+        scaled.append(f"train.eval_interval={min(t['eval_interval'], steps)}")
+        stage["args"] = stage.get("args", []) + scaled
+
+
+def run(args):
+    chain, path = runfile.load(args.board, args.overrides)
+    plan = chain_plan.make_plan(chain)
+    if args.budget_min is not None:
+        scale_to_budget(chain, plan, args.budget_min)
+        plan = chain_plan.make_plan(chain)
+    print(chain_plan.format_plan(chain, plan))
+    if args.plan:
+        return 0
+    stamp_of = stages.stamps(chain)
+    refused = chain_plan.refusal(chain, plan, stages.finished(chain, stamp_of))
+    if refused:
+        print(refused, file=sys.stderr)
+        return 2
+    stages.run_chain(chain, plan)
+    print(f"ready: make serve RUN={final_run(chain)}")
+    return 0
+
+
+def check(boards):
+    failures = 0
+    for board in boards or runfile.boards():
+        try:
+            runfile.load(board)
+        except config.ConfigError as e:
+            print(
+                f"{board}: {len(e.problems)} chain problem(s):\n  " + "\n  ".join(e.problems), file=sys.stderr
+            )
+            failures += 1
+    print(f"{len(boards or runfile.boards()) - failures} chain files valid in configs/chain/")
+    return 2 if failures else 0
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(prog="python -m chain", description="The whole run in one command.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    go = commands.add_parser("run", help="plan, check and run a board's chain")
+    go.add_argument("board", help="a chain file's name in configs/chain/ (2060, 5090, h200, cpu, rehearsal)")
+    go.add_argument("overrides", nargs="*", help="chain.key=value")
+    go.add_argument("--plan", action="store_true", help="print the plan and stop: nothing is touched")
+    go.add_argument("--budget-min", type=float, help="scale the training stages to fit this many minutes")
+    checking = commands.add_parser("check", help="check chain files (all of configs/chain/ by default)")
+    checking.add_argument("boards", nargs="*")
+    return parser.parse_args(argv)
+
+
+def main(argv):
+    args = parse_args(argv)
+    try:
+        if args.command == "check":
+            return check(args.boards)
+        return run(args)
+    except config.ConfigError as e:
+        where = f"{args.board}: " if len(e.problems) > 1 else ""
+        print(where + "\n".join(e.problems), file=sys.stderr)
+        return 2
+    except stages.StageFailed as e:
+        print(str(e), file=sys.stderr)
+        return 1
+    except stages.ChainStopped as e:
+        again = "make rehearsal" if args.board == "rehearsal" else f"make run BOARD={args.board}"
+        print(f"stopped by {e} at a safe point; `{again}` resumes where it stopped", file=sys.stderr)
+        return 130
+    except fileio.StorageError as e:
+        return fileio.exit_on_storage_error(e)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

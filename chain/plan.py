@@ -1,0 +1,290 @@
+"""
+The plan of a chain before anything runs: per stage its data (documents, tokens), the hours on the board, the
+disk it holds, the epochs of its data and whether its step fits the board's memory; then the checks that
+refuse a run at start (disk, memory), before any download.
+
+Hours of a training stage come from the hardware profile's measured throughput of the model
+(hardware.measured: {<model layer name>: {tokens_per_s, date, machine}}) where the board has one; otherwise
+they are an estimate, FLOPs per token x tokens / (peak TFLOP/s x the chain's assumed MFU), printed as such.
+Figures a finished stage has written (its manifest) replace the estimates.
+"""
+
+import glob
+import json
+import os
+import shutil
+
+import config
+import microbatch
+from chain import runfile
+
+GB = 1e9
+
+
+def read_json(path):
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
+def model_name(stage):
+    """The model layer's file name (model/tiny-50m.yaml -> tiny-50m): what hardware.measured is keyed by."""
+    run = read_json_yaml(os.path.join(runfile.CONFIGS, stage["config"]))
+    path = (run.get("include") or {}).get("model", "")
+    return os.path.splitext(os.path.basename(path))[0]
+
+
+def read_json_yaml(path):
+    import yaml
+
+    with open(path, encoding="utf-8") as f:
+        return yaml.safe_load(f) or {}
+
+
+def flops_per_token(model_cfg):
+    """6 x parameters (forward and backward) + the attention scores' 12 x layers x d_model x seq_len."""
+    params, _ = microbatch.parameter_counts(model_cfg)
+    return 6 * params + 12 * model_cfg["n_layers"] * model_cfg["d_model"] * model_cfg["seq_len"]
+
+
+def train_tokens(cfg):
+    t = cfg["train"]
+    return t["max_steps"] * t["micro_batch_size"] * t["grad_accum_steps"] * cfg["model"]["seq_len"]
+
+
+def train_rate(cfg, hardware, assume, name):
+    """(tokens per second, how it was found) of a training step of cfg on the board."""
+    measured = (hardware.get("measured") or {}).get(name)
+    if measured:
+        where = f"{measured.get('date', '?')} on {measured.get('machine', '?')}"
+        return measured["tokens_per_s"], f"measured {where}"
+    peak = hardware["peak_tflops"] or assume["peak_tflops"]
+    flops = flops_per_token(cfg["model"])
+    rate = peak * 1e12 * assume["mfu"] / flops
+    return rate, f"estimate: {flops / 1e6:.0f} MFLOP/token, {peak} TFLOP/s x MFU {assume['mfu']}"
+
+
+def memory_fit(cfg, hardware):
+    """(fits, line): the step's estimated peak (microbatch.py) against the board's memory_gib, or on the CPU
+    against this machine's RAM."""
+    hw = cfg["hardware"]
+    need = microbatch.step_peak_bytes(
+        cfg["model"], cfg["train"]["micro_batch_size"], hw["dtype"], hw["loss_chunk_size"]
+    )
+    have = hardware["memory_gib"] * microbatch.GIB if hardware["memory_gib"] else ram_bytes()
+    where = f"{hardware['name']} memory_gib" if hardware["memory_gib"] else "this machine's RAM"
+    return need <= have, f"{need / microbatch.GIB:.1f} of {have / microbatch.GIB:.1f} GiB ({where})"
+
+
+def ram_bytes():
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def file_bytes(pattern):
+    return sum(os.path.getsize(p) for p in glob.glob(pattern) if os.path.isfile(p))
+
+
+def corpus_plan(cfg, assume, manifest):
+    data_cfg = cfg["data"]
+    sources = data_cfg["corpus"]["sources"]
+    hub = sum((s.get("hub") or {}).get("max_bytes") or 0 for s in sources)
+    local = sum(file_bytes(s["path"]) for s in sources if "hub" not in s)
+    text = (hub + local) * assume["text_per_download_byte"]
+    encoded = (manifest.get("encode") or {}).get("train") or {}
+    if encoded.get("complete"):
+        docs, tokens, how = f"{encoded['documents']:,}", encoded["tokens"], "measured"
+    else:
+        mixture = data_cfg["corpus"].get("mixture") or {}
+        tokens = mixture.get("total_tokens") or text / assume["bytes_per_token"]
+        docs, how = "?", f"estimate at {assume['bytes_per_token']} bytes/token"
+    hours = text / (assume["corpus_mb_per_s"] * 1e6) / 3600
+    disk = text + 2 * tokens * 1.05  # filtered text, then uint16 shards (val ~5% more)
+    return {
+        "data": f"{len(sources)} sources, {docs} documents ({how})",
+        "tokens": tokens,
+        "hours": hours,
+        "basis": f"estimate: {assume['corpus_mb_per_s']} MB/s of text",
+        "peak": disk,
+        "end": disk,
+    }
+
+
+def download_plan(cfg, assume):
+    hub = [s["hub"] for s in cfg["data"]["corpus"]["sources"] if s.get("hub")]
+    size = sum(h.get("max_bytes") or 0 for h in hub)
+    have = sum(file_bytes(os.path.join(h["local_dir"], h["files"])) for h in hub)
+    left = max(0, size - have)
+    return {
+        "data": f"{len(hub)} Hub sources, {size / GB:.1f} GB ({have / GB:.1f} GB here)",
+        "hours": left / (assume["download_mb_per_s"] * 1e6) / 3600,
+        "basis": f"estimate: {assume['download_mb_per_s']} MB/s",
+        "peak": left,
+        "end": left,
+    }
+
+
+def train_plan(chain, stage, cfg, hardware, assume):
+    tokens = train_tokens(cfg)
+    rate, basis = train_rate(cfg, hardware, assume, model_name(stage))
+    params, _ = microbatch.parameter_counts(cfg["model"])
+    checkpoint_bytes = 12 * params  # float32 weights and the optimizer's two moments
+    keep = cfg["train"]["keep_last"]
+    fits, memory = memory_fit(cfg, hardware)
+    return {
+        "data": f"{cfg['train']['max_steps']:,} steps x {tokens // cfg['train']['max_steps']:,} tokens",
+        "tokens": tokens,
+        "hours": tokens / rate / 3600,
+        "basis": basis,
+        "rate": rate,
+        "peak": (keep + 1) * checkpoint_bytes,
+        "end": keep * checkpoint_bytes,
+        "epochs": epochs_of(chain, stage, cfg, tokens),
+        "fits": fits,
+        "memory": memory,
+    }
+
+
+def epochs_of(chain, stage, cfg, tokens):
+    """The passes a training stage makes over its data: from the data stage's manifest when it has run,
+    else from what its config says (the corpus mixture's tokens; the conversations' count)."""
+    data_dir = runfile.folder_of(chain, stage["data"])
+    manifest = read_json(os.path.join(data_dir, "manifest.json"))
+    if cfg["data"]["format"] == "shards":
+        encoded = (manifest.get("encode") or {}).get("train") or {}
+        mixture = (cfg["data"].get("corpus") or {}).get("mixture") or {}
+        held = encoded.get("tokens") or mixture.get("total_tokens")
+        return f"{tokens / held:.2f} passes" if held else "known after the corpus stage"
+    rows = ((manifest.get("prepare") or {}).get("train") or {}).get("rows")
+    read = cfg["train"]["max_steps"] * cfg["train"]["micro_batch_size"] * cfg["train"]["grad_accum_steps"]
+    if rows:
+        return f"{read / rows:.1f} epochs of {rows:,} rows"
+    return f"{read:,} rows read; rows known after {stage['data']}"
+
+
+def chat_plan(cfg):
+    conversations, size, later = 0, 0, 0
+    for pattern in cfg["data"]["chat"]["train"]:
+        later += not glob.glob(pattern)
+        for path in glob.glob(pattern):
+            size += os.path.getsize(path)
+            with open(path, "rb") as f:
+                conversations += sum(1 for _ in f)
+    made = f" + {later} file(s) made by an earlier stage" if later else ""
+    found = f"{conversations:,} conversations{made}"
+    return {"data": found, "hours": 0.0, "basis": "minutes", "peak": 2 * size, "end": 2 * size}
+
+
+def stage_plan(chain, stage, hardware):
+    assume, command = chain["assume"], stage["command"]
+    cfg = runfile.load_stage_config(chain, stage) if "config" in stage else None
+    if command == "corpus-download":
+        return download_plan(cfg, assume)
+    if command == "corpus":
+        manifest = read_json(os.path.join(runfile.folder_of(chain, stage["name"]), "manifest.json"))
+        return corpus_plan(cfg, assume, manifest)
+    if command == "train":
+        return train_plan(chain, stage, cfg, hardware, assume)
+    if command == "chat-prepare":
+        return chat_plan(cfg)
+    if command == "export":
+        run = runfile.stage_by_name(chain, stage["from"])
+        params, _ = microbatch.parameter_counts(runfile.load_stage_config(chain, run)["model"])
+        size = 4 * params if stage["to"] == "hf" else 2 * params
+        return {"data": f"{stage['to']}", "hours": 0.0, "basis": "minutes", "peak": 2 * size, "end": size}
+    return {"data": stage.get("tasks", "-"), "hours": 0.0, "basis": "minutes", "peak": 0, "end": 0}
+
+
+def make_plan(chain):
+    hardware = config.load_layer("hardware", os.path.join(runfile.CONFIGS, chain["hardware"]))
+    stages = [dict(stage_plan(chain, s, hardware), name=s["name"]) for s in chain["stages"]]
+    return {"hardware": hardware, "stages": stages}
+
+
+def disk_totals(stages):
+    """(peak, end) bytes of the whole run: the stages' outputs add up; each stage's temporary excess
+    (a checkpoint being written, an export's staging folder) comes on top of what is there before it."""
+    held, peak = 0, 0
+    for s in stages:
+        peak = max(peak, held + s["peak"])
+        held += s["end"]
+    return peak, held
+
+
+def human_count(n):
+    for size, unit in ((1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if n >= size:
+            return f"{n / size:.1f}{unit}"
+    return f"{n:.0f}"
+
+
+def human_hours(hours):
+    if hours < 1 / 60:
+        return "<1 min"
+    if hours < 1:
+        return f"{hours * 60:.0f} min"
+    return f"{hours:.1f} h" if hours < 48 else f"{hours / 24:.1f} days"
+
+
+def format_plan(chain, plan):
+    hardware = plan["hardware"]
+    lines = [f"plan of {chain['board']} ({hardware['name']}): run folder {chain['folder']}/"]
+    lines.append(f"{'':3}{'stage':14}{'data':52}{'tokens':>10}  {'hours':>9}  basis")
+    for n, s in enumerate(plan["stages"], 1):
+        tokens = human_count(s["tokens"]) if s.get("tokens") else "-"
+        lines.append(
+            f"{n:>2} {s['name']:14}{s['data'][:51]:52}{tokens:>10}  {human_hours(s['hours']):>9}  {s['basis']}"
+        )
+    for s in plan["stages"]:
+        if "epochs" in s:
+            verdict = "fits" if s["fits"] else "DOES NOT FIT"
+            lines.append(f"   {s['name']}: epochs {s['epochs']}; memory {verdict}: {s['memory']}")
+    peak, end = disk_totals(plan["stages"])
+    total = sum(s["hours"] for s in plan["stages"])
+    lines.append(
+        f"total: {human_hours(total)}; disk {peak / GB:.2f} GB at peak, {end / GB:.2f} GB at the end"
+    )
+    lines.extend(throughput_lines(hardware))
+    return "\n".join(lines)
+
+
+def throughput_lines(hardware):
+    measured = hardware.get("measured") or {}
+    if not measured:
+        peak = hardware["peak_tflops"] or "measured at start"
+        return [
+            f"throughput of {hardware['name']}: none measured yet (peak {peak} TFLOP/s; hours are estimates)"
+        ]
+    lines = [f"throughput of {hardware['name']} (hardware.measured):"]
+    for name, m in sorted(measured.items()):
+        lines.append(
+            f"  {name:16}{m['tokens_per_s']:>12,.0f} tokens/s  {m.get('date', '?')}  {m.get('machine', '?')}"
+        )
+    return lines
+
+
+def refusal(chain, plan, done):
+    """One line when the run cannot fit this machine's free disk or the board's memory; None when it can.
+    `done` names the stages already finished (what they hold is on disk already)."""
+    for s in plan["stages"]:
+        if s.get("fits") is False and s["name"] not in done:
+            return f"refused: stage {s['name']} needs {s['memory']}; lower train.micro_batch_size in its run file"
+    left = [s for s in plan["stages"] if s["name"] not in done]
+    peak, _ = disk_totals(left)
+    need = peak + chain["assume"]["min_free_gib"] * microbatch.GIB
+    where = existing_parent(chain["folder"])
+    free = shutil.disk_usage(where).free
+    if need > free:
+        return (
+            f"refused: the run needs {need / GB:.2f} GB of disk ({peak / GB:.2f} GB at peak + min_free_gib "
+            f"{chain['assume']['min_free_gib']}), {free / GB:.2f} GB are free on {where}"
+        )
+    return None
+
+
+def existing_parent(path):
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return path

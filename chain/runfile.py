@@ -1,0 +1,164 @@
+"""
+A chain file and the command line of each of its stages.
+
+    chain:
+      board: cpu
+      folder: runs/run-cpu
+      hardware: hardware/cpu.yaml
+      assume: {...}               # what the plan assumes where nothing was measured
+      stages:
+        - {name: corpus, command: corpus, config: smoke-corpus-cpu.yaml}
+        - {name: pretrain, command: train, config: smoke-corpus-cpu.yaml, data: corpus}
+        ...
+
+Each stage writes <folder>/<name>/ (downloads go to the data layer's shared hub folder); the chain wires the
+folders with the one override syntax (data.dir=..., train.runs_dir=..., run_name=..., train.init_from=...),
+so a stage's command line is also what reruns it alone. The whole file is checked at start, every stage's
+run file with it, and every problem reported at once.
+"""
+
+import os
+import sys
+
+import config
+
+CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+CHAIN_DIR = os.path.join(CONFIGS, "chain")
+# Commands whose output is the stage's own folder (cleared when the stage starts afresh).
+OWN_FOLDER = ("corpus", "agent-data", "chat-prepare", "train")
+NEEDS = {
+    "corpus-download": ("config",),
+    "corpus": ("config",),
+    "eval-download": ("tasks",),
+    "agent-data": (),
+    "chat-prepare": ("config", "data"),
+    "train": ("config", "data"),
+    "evaluate": ("from", "tasks"),
+    "report": ("from",),
+    "export": ("from", "to"),
+}
+
+
+def boards():
+    return sorted(name[:-5] for name in os.listdir(CHAIN_DIR) if name.endswith(".yaml"))
+
+
+def chain_path(board):
+    """configs/chain/<board>.yaml, or a ConfigError of one line that lists the boards."""
+    if board.endswith(".yaml") and os.path.isfile(board):
+        return board
+    path = os.path.join(CHAIN_DIR, f"{board}.yaml")
+    if not os.path.isfile(path):
+        raise config.ConfigError([f"BOARD={board}: unknown board; boards: {', '.join(boards())}"])
+    return path
+
+
+def load(board, overrides=()):
+    """The chain section of a board's file (checked, its stages' run files with it) and that file's path."""
+    path = chain_path(board)
+    chain = config.load_layer("chain", path, overrides)
+    problems = stage_problems(chain, path)
+    if problems:
+        raise config.ConfigError(problems)
+    return chain, path
+
+
+def stage_problems(chain, path):
+    """Every problem of the stages beyond the schema: what each command needs, the stages it names, and
+    each stage's run file loaded with the overrides it will get."""
+    problems, seen = [], set()
+    for index, stage in enumerate(chain["stages"]):
+        where = f"{path}: stages.{index} ({stage['name']})"
+        if stage["name"] in seen:
+            problems.append(f"{where}: name: {stage['name']!r} is used twice; each stage needs its own")
+        for key in NEEDS[stage["command"]]:
+            if key not in stage:
+                problems.append(f"{where}: {key}: required by command {stage['command']}")
+        for key in ("data", "from"):
+            if key in stage and stage[key] not in seen:
+                problems.append(
+                    f"{where}: {key}: {stage[key]!r} is not an earlier stage; earlier: {', '.join(seen) or 'none'}"
+                )
+        seen.add(stage["name"])
+        if "config" in stage and not any(p.startswith(where) for p in problems):
+            try:
+                load_stage_config(chain, stage)
+            except config.ConfigError as e:
+                problems.extend(f"{where}: {line}" for line in e.problems)
+    return problems
+
+
+def stage_by_name(chain, name):
+    return next(s for s in chain["stages"] if s["name"] == name)
+
+
+def folder_of(chain, name):
+    return os.path.join(chain["folder"], name)
+
+
+def wiring(chain, stage):
+    """The overrides that put a stage's output in its folder and point it at its upstream stages."""
+    command, own = stage["command"], folder_of(chain, stage["name"])
+    if command == "corpus":
+        return [f"data.dir={own}"]
+    if command == "corpus-download":
+        return []
+    if command == "chat-prepare":
+        tokenizer = os.path.join(folder_of(chain, stage["data"]), "tokenizer.model")
+        return [f"data.dir={own}", f"data.chat.tokenizer={tokenizer}"]
+    if command == "train":
+        words = [f"data.dir={folder_of(chain, stage['data'])}", f"train.runs_dir={chain['folder']}"]
+        words.append(f"run_name={stage['name']}")
+        if "from" in stage:
+            words.append(f"train.init_from={folder_of(chain, stage['from'])}")
+        return words
+    return []
+
+
+def stage_args(chain, stage):
+    """The stage's own words with {run} replaced by the run folder."""
+    return [word.replace("{run}", chain["folder"]) for word in stage.get("args", [])]
+
+
+def config_overrides(chain, stage):
+    return [w for w in stage_args(chain, stage) if config.is_override(w)] + wiring(chain, stage)
+
+
+def load_stage_config(chain, stage):
+    """The stage's resolved config (its run file with the chain's overrides), as its command reads it."""
+    return config.load(os.path.join(CONFIGS, stage["config"]), config_overrides(chain, stage))
+
+
+def command_line(chain, stage, resume=False):
+    """The argv that runs the stage alone (sys.executable for python)."""
+    py, name, command = sys.executable, stage["name"], stage["command"]
+    run_file = os.path.join("configs", stage["config"]) if "config" in stage else None
+    extra = stage_args(chain, stage)
+    if command == "corpus-download":
+        return [py, "-m", "corpus", "download", run_file, *extra]
+    if command == "corpus":
+        return [py, "-m", "corpus", "all", run_file, *extra, *wiring(chain, stage)]
+    if command == "eval-download":
+        return [py, "-m", "evaluation", "download", stage["tasks"], *extra]
+    if command == "agent-data":
+        settings = ["--settings", os.path.join("configs", stage["settings"])] if "settings" in stage else []
+        return [py, "-m", "agent.dataset", "generate", folder_of(chain, name), *settings, *extra]
+    if command == "chat-prepare":
+        return [py, "-m", "chat", "prepare", run_file, *extra, *wiring(chain, stage)]
+    if command == "train":
+        return [py, "train.py", run_file, *extra, *wiring(chain, stage)] + (["--resume"] if resume else [])
+    run = folder_of(chain, stage["from"])
+    if command == "evaluate":
+        return [py, "-m", "evaluation", run, "--tasks", stage["tasks"], *extra]
+    if command == "report":
+        return [py, "-m", "evaluation", "report", run, *extra]
+    return [
+        py,
+        "export.py",
+        run,
+        os.path.join(run, f"export-{stage['to']}"),
+        "--to",
+        stage["to"],
+        "--force",
+        *extra,
+    ]

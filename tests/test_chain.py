@@ -1,0 +1,230 @@
+"""The chain (python -m chain, make run / make rehearsal): its file checked whole at start, the plan of every
+board, the refusals before anything runs, and the tiny chain (configs/chain/rehearsal-tiny.yaml) run for real:
+a second run that skips everything, a changed config that reruns only what follows it, and a SIGKILL in the
+middle of pretraining whose resume ends in the same checkpoint as a run that was never killed."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import yaml
+from conftest import ROOT
+
+import config
+from chain import __main__ as chain_main
+from chain import plan as chain_plan
+from chain import runfile, stages
+
+TINY = os.path.join(ROOT, "configs", "chain", "rehearsal-tiny.yaml")
+
+
+def run_main(argv, capsys):
+    code = chain_main.main(argv)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def chain_command(board, folder, *extra):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    argv = [sys.executable, "-m", "chain", "run", board, f"chain.folder={folder}", *extra]
+    return subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+
+
+def tiny_file(tmp_path, name, change):
+    """The tiny chain file with `change(chain)` applied, written under tmp_path/chain/."""
+    with open(TINY, encoding="utf-8") as f:
+        content = yaml.safe_load(f)
+    change(content["chain"])
+    path = tmp_path / "chain" / f"{name}.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(content), encoding="utf-8")
+    return str(path)
+
+
+def stage_lines(output, verb):
+    return [
+        line.split()[2].rstrip(":")
+        for line in output.splitlines()
+        if line.startswith("stage ") and verb in line
+    ]
+
+
+def test_unknown_board_is_one_line_listing_the_boards(capsys):
+    code, out, err = run_main(["run", "tpu"], capsys)
+    assert code == 2
+    assert err.strip().splitlines() == [f"BOARD=tpu: unknown board; boards: {', '.join(runfile.boards())}"]
+    assert {"2060", "5090", "h200", "cpu", "rehearsal"} <= set(runfile.boards())
+
+
+def test_every_shipped_chain_file_is_valid(capsys):
+    assert run_main(["check"], capsys)[0] == 0
+
+
+def test_every_problem_of_a_chain_file_is_reported_at_once(tmp_path, capsys):
+    def spoil(chain):
+        chain["stages"][1]["data"] = "later"  # not an earlier stage
+        chain["stages"][3]["args"] = ["train.max_steps=-1"]  # the SFT run file refuses it
+        chain["stages"][4]["command"] = "evaluate-all"  # not a command
+        chain["assume"]["mfu"] = 2
+
+    code, _, err = run_main(["run", tiny_file(tmp_path, "bad", spoil), "--plan"], capsys)
+    assert code == 2
+    text = err.lower()
+    assert "stages.4.command" in text and "'evaluate-all' is not allowed" in text
+    assert "mfu" in text and "expected <= 1" in text
+    # The schema's problems come first and stop there; the stages' own problems come all at once too.
+    code, _, err = run_main(["run", tiny_file(tmp_path, "bad2", lambda c: spoil(c) or c["assume"].update(mfu=0.5)
+                                              or c["stages"][4].update(command="evaluate")), "--plan"], capsys)  # fmt: skip
+    assert code == 2
+    assert "stages.1 (pretrain): data: 'later' is not an earlier stage" in err
+    assert "stages.3 (sft)" in err and "train.max_steps" in err
+
+
+@pytest.mark.parametrize("board", ["2060", "5090", "h200"])
+def test_plan_prints_every_stage_and_touches_nothing(board, capsys):
+    chain, _ = runfile.load(board)
+    code, out, _ = run_main(["run", board, "--plan"], capsys)
+    assert code == 0
+    for stage in chain["stages"]:
+        assert f" {stage['name']} " in out
+    assert "pretrain: epochs 1.00 passes; memory fits" in out
+    assert "disk" in out and "at peak" in out and "throughput of" in out
+    assert "estimate:" in out and "TFLOP/s x MFU" in out
+    assert not os.path.exists(os.path.join(ROOT, chain["folder"]))
+
+
+def test_a_measured_throughput_replaces_the_estimate():
+    cfg = config.load(os.path.join(ROOT, "configs", "pretrain-2060.yaml"))
+    hardware = dict(
+        cfg["hardware"], measured={"tiny-50m": {"tokens_per_s": 50000, "date": "2026-12-04", "machine": "x"}}
+    )
+    assume = {"mfu": 0.35, "peak_tflops": None}
+    rate, basis = chain_plan.train_rate(cfg, hardware, assume, "tiny-50m")
+    assert (rate, basis) == (50000, "measured 2026-12-04 on x")
+    rate, basis = chain_plan.train_rate(cfg, cfg["hardware"], assume, "tiny-50m")
+    assert basis.startswith("estimate") and rate == pytest.approx(
+        28.7e12 * 0.35 / chain_plan.flops_per_token(cfg["model"])
+    )
+
+
+def test_a_model_that_does_not_fit_the_board_is_refused(capsys):
+    chain, _ = runfile.load("2060")
+    chain["stages"][3]["args"] = ["train.micro_batch_size=128", "train.grad_accum_steps=1"]
+    plan = chain_plan.make_plan(chain)
+    line = chain_plan.refusal(chain, plan, done=set())
+    assert line.startswith("refused: stage pretrain needs") and "of 10.5 GiB (turing-2060 memory_gib)" in line
+
+
+def test_a_too_small_disk_is_refused_before_anything_runs(tmp_path, capsys, monkeypatch):
+    free = type("Usage", (), {"free": 10_000_000, "total": 0, "used": 0})
+    monkeypatch.setattr(chain_plan.shutil, "disk_usage", lambda path: free)
+    folder = tmp_path / "run"
+    code, _, err = run_main(["run", "rehearsal-tiny", f"chain.folder={folder}"], capsys)
+    assert code == 2
+    assert err.startswith("refused: the run needs ") and "0.01 GB are free on" in err
+    assert len(err.strip().splitlines()) == 1
+    assert not folder.exists()
+
+
+def test_a_budget_scales_the_training_stages(capsys):
+    code, out, _ = run_main(["run", "h200", "--plan", "--budget-min", "60"], capsys)
+    assert code == 0
+    steps = [line for line in out.splitlines() if line.split()[1:2] == ["pretrain"]][0]
+    assert "20,000 steps" not in steps
+    code, _, err = run_main(["run", "h200", "--plan", "--budget-min", "5"], capsys)
+    assert code == 2 and "give a larger budget" in err
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("chain") / "tiny"
+    first = chain_command("rehearsal-tiny", folder)
+    return folder, first
+
+
+def test_the_tiny_chain_ends_in_a_served_model_with_a_report_card_and_a_gguf(tiny_run):
+    folder, first = tiny_run
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert first.stdout.strip().splitlines()[-1] == f"ready: make serve RUN={folder}/sft"
+    assert (folder / "sft" / "report.md").is_file()
+    assert (folder / "sft" / "export-gguf" / "model.gguf").is_file() or list(
+        (folder / "sft" / "export-gguf").glob("*.gguf")
+    )
+    assert stage_lines(first.stdout, "starting") == [
+        s["name"] for s in runfile.load("rehearsal-tiny")[0]["stages"]
+    ]
+
+
+def test_a_second_run_with_nothing_changed_skips_every_stage(tiny_run):
+    folder, _ = tiny_run
+    again = chain_command("rehearsal-tiny", folder)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert stage_lines(again.stdout, "starting") == []
+    assert len(stage_lines(again.stdout, "done already")) == 7
+
+
+def test_a_changed_config_reruns_only_the_stages_after_it(tiny_run, tmp_path):
+    folder, _ = tiny_run
+    changed = tiny_file(
+        tmp_path, "lr", lambda c: c["stages"][3].setdefault("args", []).append("train.lr=2.0e-3")
+    )
+    rerun = chain_command(changed, folder)
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    assert stage_lines(rerun.stdout, "done already") == ["corpus", "pretrain", "chat-data"]
+    assert stage_lines(rerun.stdout, "starting") == ["sft", "evaluation", "report", "export"]
+
+
+def test_a_failing_stage_names_itself_its_log_and_the_command_that_reruns_it(tiny_run, tmp_path):
+    def spoil(chain):  # the previous test's chain (then only the evaluation runs), with a task that is not
+        chain["stages"][3].setdefault("args", []).append("train.lr=2.0e-3")
+        chain["stages"][4]["tasks"] = "no-such-task"
+
+    folder, _ = tiny_run
+    result = chain_command(tiny_file(tmp_path, "fail", spoil), folder)
+    assert result.returncode == 1
+    line = result.stderr.strip().splitlines()[-1]
+    log = os.path.join(folder, "chain", "evaluation.log")
+    assert line.startswith(f"stage evaluation failed (exit 2); log: {log}; rerun it alone: ")
+    assert "-m evaluation" in line and "--tasks no-such-task" in line
+    # What the finished stages wrote is still there and stamped.
+    assert stages.read_mark({"folder": str(folder)}, "sft", "done") is not None
+
+
+def pretrain_only(chain):
+    chain["stages"] = chain["stages"][:2]
+    chain["stages"][1]["args"] = ["train.max_steps=40", "train.ckpt_interval=4", "train.eval_interval=40"]
+
+
+def model_of(path):
+    return torch.load(path, map_location="cpu", weights_only=False)["model"]
+
+
+def test_a_run_killed_in_pretraining_resumes_to_the_same_checkpoint(tmp_path):
+    chain_file = tiny_file(tmp_path, "kill", pretrain_only)
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    assert chain_command(chain_file, whole).returncode == 0
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    argv = [sys.executable, "-m", "chain", "run", chain_file, f"chain.folder={killed}"]
+    child = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             start_new_session=True)  # fmt: skip
+    deadline = time.time() + 600
+    while not list((killed / "pretrain").glob("ckpt_*.pt")):
+        assert child.poll() is None and time.time() < deadline, "the chain ended before a checkpoint"
+        time.sleep(0.05)
+    os.killpg(child.pid, signal.SIGKILL)
+    child.wait()
+    assert stages.read_mark({"folder": str(killed)}, "pretrain", "done") is None
+    resumed = chain_command(chain_file, killed)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "stage 2/2 pretrain: resuming" in resumed.stdout
+    expected, got = (
+        model_of(whole / "pretrain" / "ckpt_0000040.pt"),
+        model_of(killed / "pretrain" / "ckpt_0000040.pt"),
+    )
+    assert expected.keys() == got.keys()
+    for name in expected:
+        assert torch.equal(expected[name], got[name]), name
