@@ -98,11 +98,16 @@ def corpus_plan(cfg, assume, manifest):
     else:
         mixture = data_cfg["corpus"].get("mixture") or {}
         tokens = mixture.get("total_tokens") or text / assume["bytes_per_token"]
-        docs, how = "?", f"estimate at {assume['bytes_per_token']} bytes/token"
+        how = (
+            "the mixture's total"
+            if mixture.get("total_tokens")
+            else f"at {assume['bytes_per_token']} bytes each"
+        )
+        docs = "?"
     hours = text / (assume["corpus_mb_per_s"] * 1e6) / 3600
     disk = text + 2 * tokens * 1.05  # filtered text, then uint16 shards (val ~5% more)
     return {
-        "data": f"{len(sources)} sources, {docs} documents ({how})",
+        "data": f"{len(sources)} sources, {docs} documents, tokens {how}",
         "tokens": tokens,
         "hours": hours,
         "basis": f"estimate: {assume['corpus_mb_per_s']} MB/s of text",
@@ -230,11 +235,11 @@ def human_hours(hours):
 def format_plan(chain, plan):
     hardware = plan["hardware"]
     lines = [f"plan of {chain['board']} ({hardware['name']}): run folder {chain['folder']}/"]
-    lines.append(f"{'':3}{'stage':14}{'data':52}{'tokens':>10}  {'hours':>9}  basis")
+    lines.append(f"{'':3}{'stage':14}{'data':56}{'tokens':>7}  {'hours':>9}  basis")
     for n, s in enumerate(plan["stages"], 1):
         tokens = human_count(s["tokens"]) if s.get("tokens") else "-"
         lines.append(
-            f"{n:>2} {s['name']:14}{s['data'][:51]:52}{tokens:>10}  {human_hours(s['hours']):>9}  {s['basis']}"
+            f"{n:>2} {s['name']:14}{s['data']:56}{tokens:>7}  {human_hours(s['hours']):>9}  {s['basis']}"
         )
     for s in plan["stages"]:
         if "epochs" in s:
