@@ -155,16 +155,23 @@ def run_stage(chain, stage, resuming, log_path):
 
     previous = {sig: signal.signal(sig, note) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        with open(log_path, "a", encoding="utf-8") as log_file:
-            log_file.write(f"$ {shell_line(argv)}\n")
+        with open(log_path, "ab") as log_file:
+            log_file.write(f"$ {shell_line(argv)}\n".encode())
             log_file.flush()
-            child = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-            for raw in child.stdout:
-                line = raw.decode("utf-8", "replace")
-                log_file.write(line)
+            env = dict(os.environ, PYTHONUNBUFFERED="1")  # each line as it is printed, not at exit
+            child = subprocess.Popen(
+                argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+            )
+            # Bytes as they come, not lines: the progress bars of the data commands redraw with \r.
+            last = b"\n"
+            while chunk := child.stdout.read1(65536):
+                log_file.write(chunk)
                 log_file.flush()
-                sys.stdout.write("    " + line)
+                sys.stdout.buffer.write(chunk)
                 sys.stdout.flush()
+                last = chunk
+            if not last.endswith(b"\n"):  # the chain's next line starts a line of its own
+                sys.stdout.write("\n")
             code = child.wait()
     finally:
         for sig, handler in previous.items():

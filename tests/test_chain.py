@@ -203,28 +203,40 @@ def model_of(path):
     return torch.load(path, map_location="cpu", weights_only=False)["model"]
 
 
-def test_a_run_killed_in_pretraining_resumes_to_the_same_checkpoint(tmp_path):
-    chain_file = tiny_file(tmp_path, "kill", pretrain_only)
-    whole, killed = tmp_path / "whole", tmp_path / "killed"
-    assert chain_command(chain_file, whole).returncode == 0
+@pytest.fixture(scope="module")
+def unkilled(tmp_path_factory):
+    """The corpus and pretraining stages of the tiny chain with a longer pretraining, never interrupted."""
+    root = tmp_path_factory.mktemp("unkilled")
+    chain_file = tiny_file(root, "kill", pretrain_only)
+    assert chain_command(chain_file, root / "run").returncode == 0
+    return chain_file, model_of(root / "run" / "pretrain" / "ckpt_0000040.pt")
+
+
+@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGINT], ids=["sigkill", "ctrl-c"])
+def test_a_run_stopped_in_pretraining_resumes_to_the_same_checkpoint(unkilled, signum, tmp_path):
+    chain_file, expected = unkilled
+    killed = tmp_path / "killed"
     env = dict(os.environ, OMP_NUM_THREADS="1")
     argv = [sys.executable, "-m", "chain", "run", chain_file, f"chain.folder={killed}"]
-    child = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                             start_new_session=True)  # fmt: skip
+    child = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                             text=True, start_new_session=True)  # fmt: skip
     deadline = time.time() + 600
     while not list((killed / "pretrain").glob("ckpt_*.pt")):
         assert child.poll() is None and time.time() < deadline, "the chain ended before a checkpoint"
         time.sleep(0.05)
-    os.killpg(child.pid, signal.SIGKILL)
-    child.wait()
+    os.killpg(child.pid, signum)  # SIGINT to the group: what Ctrl-C in a terminal does
+    _, err = child.communicate(timeout=600)
     assert stages.read_mark({"folder": str(killed)}, "pretrain", "done") is None
+    if signum == signal.SIGINT:
+        assert child.returncode == 130
+        assert err.strip().splitlines()[-1] == (
+            f"stopped by SIGINT at a safe point; `make run BOARD={chain_file}` resumes where it stopped"
+        )
     resumed = chain_command(chain_file, killed)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "stage 1/2 corpus: done already" in resumed.stdout
     assert "stage 2/2 pretrain: resuming" in resumed.stdout
-    expected, got = (
-        model_of(whole / "pretrain" / "ckpt_0000040.pt"),
-        model_of(killed / "pretrain" / "ckpt_0000040.pt"),
-    )
+    got = model_of(killed / "pretrain" / "ckpt_0000040.pt")
     assert expected.keys() == got.keys()
     for name in expected:
         assert torch.equal(expected[name], got[name]), name
