@@ -3,7 +3,7 @@ python -m chain: the command line of make run and make rehearsal.
 
     python -m chain run 2060 --plan                # the plan only: nothing is touched
     python -m chain run 2060                       # plan, checks, then every stage not done yet
-    python -m chain run h200 --budget-min 20       # each training stage scaled to fit 20 minutes
+    python -m chain run h200 --budget-min 20       # download, corpus and training scaled to fit 20 min
     python -m chain run rehearsal chain.folder=runs/x   # chain.key=value overrides, as every command
     python -m chain check                          # every chain file in configs/chain/
 """
@@ -13,8 +13,8 @@ import sys
 
 import config
 import fileio
+from chain import budget, runfile, stages
 from chain import plan as chain_plan
-from chain import runfile, stages
 
 
 def final_run(chain):
@@ -25,40 +25,17 @@ def final_run(chain):
     return runfile.folder_of(chain, name) if name else chain["folder"]
 
 
-def scale_to_budget(chain, plan, minutes):
-    """Set each training stage's steps so that the whole chain fits `minutes` on the board: what the
-    other stages take is kept, the rest shared among the training stages as the plan shares it."""
-    trains = [(s, p) for s, p in zip(chain["stages"], plan["stages"], strict=True) if s["command"] == "train"]
-    fixed = sum(
-        p["hours"] for s, p in zip(chain["stages"], plan["stages"], strict=True) if s["command"] != "train"
-    )
-    left = minutes / 60 - fixed
-    planned = sum(p["hours"] for _, p in trains)
-    if left <= 0 or not planned:
-        raise config.ConfigError(
-            [
-                f"--budget-min {minutes}: the stages other than training alone take {fixed * 60:.0f} min; "
-                "give a larger budget"
-            ]  # fmt: skip
-        )
-    for stage, estimate in trains:
-        cfg = runfile.load_stage_config(chain, stage)
-        t = cfg["train"]
-        per_step = estimate["tokens"] / t["max_steps"]
-        steps = max(4, int(left * estimate["hours"] / planned * 3600 * estimate["rate"] / per_step))
-        steps = min(steps, t["max_steps"])
-        scaled = [f"train.max_steps={steps}", f"train.warmup_steps={min(t['warmup_steps'], steps // 10)}"]
-        scaled.append(f"train.ckpt_interval={max(1, min(t['ckpt_interval'], steps // 2))}")
-        scaled.append(f"train.eval_interval={min(t['eval_interval'], steps)}")
-        stage["args"] = stage.get("args", []) + scaled
-
-
 def run(args):
     chain, path = runfile.load(args.board, args.overrides)
     plan = chain_plan.make_plan(chain)
     if args.budget_min is not None:
-        scale_to_budget(chain, plan, args.budget_min)
+        factor = budget.scale(chain, plan, args.budget_min)
+        if factor is None:
+            raise config.ConfigError([f"--budget-min {args.budget_min}: the stages that do not scale (data, "
+                                      "evaluation, export) alone take longer; give a larger budget"])  # fmt: skip
         plan = chain_plan.make_plan(chain)
+        scaled = f"scaled by {factor:.3f}" if factor < 1 else "fit without scaling"
+        print(f"budget: {args.budget_min:g} min; the download, the corpus and the training {scaled}")
     print(chain_plan.format_plan(chain, plan))
     if args.plan:
         return 0
@@ -93,7 +70,11 @@ def parse_args(argv):
     go.add_argument("board", help="a chain file's name in configs/chain/ (2060, 5090, h200, cpu, rehearsal)")
     go.add_argument("overrides", nargs="*", help="chain.key=value")
     go.add_argument("--plan", action="store_true", help="print the plan and stop: nothing is touched")
-    go.add_argument("--budget-min", type=float, help="scale the training stages to fit this many minutes")
+    go.add_argument(
+        "--budget-min",
+        type=float,
+        help="scale the download, the corpus and the training to fit this many minutes",
+    )
     checking = commands.add_parser("check", help="check chain files (all of configs/chain/ by default)")
     checking.add_argument("boards", nargs="*")
     return parser.parse_args(argv)

@@ -130,12 +130,14 @@ def test_a_too_small_disk_is_refused_before_anything_runs(tmp_path, capsys, monk
     assert not folder.exists()
 
 
-def test_a_budget_scales_the_training_stages(capsys):
-    code, out, _ = run_main(["run", "h200", "--plan", "--budget-min", "60"], capsys)
+def test_a_budget_scales_the_download_the_corpus_and_the_training(capsys):
+    code, out, _ = run_main(["run", "h200", "--plan", "--budget-min", "20"], capsys)
     assert code == 0
-    steps = [line for line in out.splitlines() if line.split()[1:2] == ["pretrain"]][0]
-    assert "20,000 steps" not in steps
-    code, _, err = run_main(["run", "h200", "--plan", "--budget-min", "5"], capsys)
+    assert out.startswith("budget: 20 min; the download, the corpus and the training scaled by 0.")
+    rows = {line.split()[1]: line for line in out.splitlines() if line[:3].strip().isdigit()}
+    assert "20,000 steps" not in rows["pretrain"] and "5.7 GB" not in rows["download"]
+    assert "total: 20 min;" in out
+    code, _, err = run_main(["run", "h200", "--plan", "--budget-min", "0"], capsys)
     assert code == 2 and "give a larger budget" in err
 
 
