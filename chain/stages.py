@@ -200,7 +200,7 @@ def unfinished_training(chain, stage, log_path):
 
 
 def run_chain(chain, plan, log=print):
-    """Run the stages in order, skipping what is done; returns the seconds each stage took."""
+    """Run the stages in order: skip what is done, resume what was cut, stamp what finishes."""
     stamp_of = stamps(chain)
     done = finished(chain, stamp_of)
     total = len(chain["stages"])
