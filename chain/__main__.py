@@ -9,6 +9,7 @@ python -m chain: the command line of make run and make rehearsal.
 """
 
 import argparse
+import os
 import sys
 
 import config
@@ -36,7 +37,8 @@ def run(args):
         plan = chain_plan.make_plan(chain)
         scaled = f"scaled by {factor:.3f}" if factor < 1 else "fit without scaling"
         print(f"budget: {args.budget_min:g} min; the download, the corpus and the training {scaled}")
-    print(chain_plan.format_plan(chain, plan))
+    text = chain_plan.format_plan(chain, plan)
+    print(text)
     if args.plan:
         return 0
     stamp_of = stages.stamps(chain)
@@ -44,6 +46,10 @@ def run(args):
     if refused:
         print(refused, file=sys.stderr)
         return 2
+    os.makedirs(os.path.join(chain["folder"], "chain"), exist_ok=True)  # the plan stays with the run
+    fileio.write_atomic(
+        os.path.join(chain["folder"], "chain", "plan.txt"), lambda f: f.write(text.encode() + b"\n")
+    )
     stages.run_chain(chain, plan)
     print(f"ready: make serve RUN={final_run(chain)}")
     return 0

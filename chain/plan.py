@@ -107,6 +107,7 @@ def corpus_plan(cfg, assume, manifest):
     hours = text / (assume["corpus_mb_per_s"] * 1e6) / 3600
     disk = text + 2 * tokens * 1.05  # filtered text, then uint16 shards (val ~5% more)
     return {
+        "licences": [(source["name"], source["licence"]) for source in sources],
         "data": f"{len(sources)} sources, {docs} documents, tokens {how}",
         "tokens": tokens,
         "hours": hours,
@@ -251,7 +252,16 @@ def format_plan(chain, plan):
         f"total: {human_hours(total)}; disk {peak / GB:.2f} GB at peak, {end / GB:.2f} GB at the end"
     )
     lines.extend(throughput_lines(hardware))
+    lines.extend(licence_lines(plan["stages"]))
     return "\n".join(lines)
+
+
+def licence_lines(stages):
+    """Each corpus source once, with its licence (what the run's model was trained on)."""
+    licences = dict(pair for s in stages for pair in s.get("licences", []))
+    if not licences:
+        return []
+    return ["data sources and their licences:"] + [f"  {name}: {text}" for name, text in licences.items()]
 
 
 def throughput_lines(hardware):

@@ -94,6 +94,7 @@ def test_plan_prints_every_stage_and_touches_nothing(board, capsys):
     assert "pretrain: epochs 1.00 passes; memory fits" in out
     assert "disk" in out and "at peak" in out and "throughput of" in out
     assert "estimate:" in out and "TFLOP/s x MFU" in out
+    assert "data sources and their licences:\n  fineweb2-spa: ODC-By 1.0" in out
     assert not os.path.exists(os.path.join(ROOT, chain["folder"]))
 
 
@@ -153,6 +154,7 @@ def test_the_tiny_chain_ends_in_a_served_model_with_a_report_card_and_a_gguf(tin
     assert first.returncode == 0, first.stderr[-2000:]
     assert first.stdout.strip().splitlines()[-1] == f"ready: make serve RUN={folder}/sft"
     assert (folder / "sft" / "report.md").is_file()
+    assert "fortunes-es: public domain" in (folder / "chain" / "plan.txt").read_text(encoding="utf-8")
     assert (folder / "sft" / "export-gguf" / "model.gguf").is_file() or list(
         (folder / "sft" / "export-gguf").glob("*.gguf")
     )
