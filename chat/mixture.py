@@ -37,7 +37,6 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-import config
 import fileio
 from chat import sources, template
 from corpus import filters
@@ -62,7 +61,7 @@ def turn_problem(message, checks):
     """The reason a message cannot be trained on, or None. checks: (language stage, cfg) or None for a
     source without filters (markup is checked for every source)."""
     text = message["content"]
-    if config.text_problem(text):
+    if fileio.text_problem(text):
         return "markup"
     if any(unicodedata.category(c) == "Cc" and c not in "\n\t\r" for c in text):
         return "markup"
