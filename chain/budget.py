@@ -10,6 +10,7 @@ import yaml
 
 from chain import runfile
 
+# Not chat-download: its sources are tens of MB (minutes at most) and the mixture needs each whole.
 SCALED = ("corpus-download", "corpus", "train")
 
 

@@ -15,8 +15,10 @@ import os
 import shutil
 
 import config
+import data
 import microbatch
 from chain import runfile
+from corpus import budget
 
 GB = 1e9
 
@@ -154,7 +156,8 @@ def train_plan(chain, stage, cfg, hardware, assume):
 
 def epochs_of(chain, stage, cfg, tokens):
     """The passes a training stage makes over its data: from the data stage's manifest when it has run,
-    else from what its config says (the corpus mixture's tokens; the conversations' count)."""
+    else from what its config says (the corpus mixture's tokens; the conversations' count). For an SFT
+    mixture, each source's epochs (passes x its epochs in the mixture) once the mixture is built."""
     data_dir = runfile.folder_of(chain, stage["data"])
     manifest = read_json(os.path.join(data_dir, "manifest.json"))
     if cfg["data"]["format"] == "shards":
@@ -162,16 +165,33 @@ def epochs_of(chain, stage, cfg, tokens):
         mixture = (cfg["data"].get("corpus") or {}).get("mixture") or {}
         held = encoded.get("tokens") or mixture.get("total_tokens")
         return f"{tokens / held:.2f} passes" if held else "known after the corpus stage"
-    rows = ((manifest.get("prepare") or {}).get("train") or {}).get("rows")
-    read = cfg["train"]["max_steps"] * cfg["train"]["micro_batch_size"] * cfg["train"]["grad_accum_steps"]
-    if rows:
-        return f"{read / rows:.1f} epochs of {rows:,} rows"
-    return f"{read:,} rows read; rows known after {stage['data']}"
+    read = budget.sequences_per_run(cfg)
+    data_stage = runfile.stage_by_name(chain, stage["data"])  # the mixture is what that stage built
+    data_cfg = runfile.load_stage_config(chain, data_stage)["data"] if "config" in data_stage else {}
+    mix_cfg = (data_cfg.get("chat") or {}).get("mixture")
+    try:
+        passes = budget.run_epochs(cfg)[budget.PACKED[cfg["data"]["format"]]]
+    except data.DataError:
+        text = f"{read:,} rows read; rows known after {stage['data']}"
+        if mix_cfg:  # the epochs per source need the mixture's counts
+            shares = ", ".join(f"{s['name']} {s['share']:g}" for s in mix_cfg["sources"])
+            text += f", each source's epochs (max {mix_cfg['max_epochs']:g}) after it; shares {shares}"
+        return text
+    text = f"{passes:.1f} epochs of {round(read / passes):,} rows"
+    if mix_cfg:
+        built = read_json(os.path.join(mix_cfg["dir"], "manifest.json")).get("sources") or {}
+        mixed = {name: stats["mixture"]["epochs"] for name, stats in built.items() if "mixture" in stats}
+        per_source = [f"{name} {passes * epochs:.2f}" for name, epochs in mixed.items()]
+        text += f"; per source: {', '.join(per_source)}" if per_source else ""
+    return text
 
 
 def chat_plan(cfg):
+    """A chat-prepare stage: its conversations; with a mixture its sources, shares and licences, else the
+    local files it packs (the rehearsal: no Hub conversation source)."""
     conversations, size, later = 0, 0, 0
-    for pattern in cfg["data"]["chat"]["train"]:
+    patterns = cfg["data"]["chat"]["train"]
+    for pattern in patterns:
         later += not glob.glob(pattern)
         for path in glob.glob(pattern):
             size += os.path.getsize(path)
@@ -179,7 +199,38 @@ def chat_plan(cfg):
                 conversations += sum(1 for _ in f)
     made = f" + {later} file(s) made by an earlier stage" if later else ""
     found = f"{conversations:,} conversations{made}"
-    return {"data": found, "hours": 0.0, "basis": "minutes", "peak": 2 * size, "end": 2 * size}
+    plan = {"data": found, "hours": 0.0, "basis": "minutes", "peak": 2 * size, "end": 2 * size}
+    mix_cfg = cfg["data"]["chat"].get("mixture")
+    if mix_cfg:
+        total = f"{mix_cfg['conversations']:,}" if mix_cfg["conversations"] else "all"
+        plan["data"] = f"mixture: {total} conversations of {len(mix_cfg['sources'])} sources"
+        plan["licences"] = [(s["name"], s["licence"]) for s in mix_cfg["sources"]]
+    else:
+        plan["note"] = (
+            f"local conversations only ({', '.join(patterns)}); the Hub conversation sources of the "
+            "boards' SFT mixture are left out"
+        )
+    return plan
+
+
+def chat_download_plan(cfg, assume):
+    """The SFT mixture's Hub sources: their hub.max_bytes, else the chain's assume.chat_download_mb."""
+    mix_cfg = cfg["data"].get("chat", {}).get("mixture") or {"sources": []}
+    hub = [s for s in mix_cfg["sources"] if s.get("hub")]
+    bounded = all(s["hub"].get("max_bytes") for s in hub)
+    size = sum(s["hub"]["max_bytes"] for s in hub) if bounded else assume["chat_download_mb"] * 1e6
+    have = sum(file_bytes(os.path.join(s["hub"]["local_dir"], s["hub"]["files"])) for s in hub)
+    left = max(0, size - have)
+    how = "hub.max_bytes" if bounded else "assumed"
+    names = ", ".join(s["name"] for s in hub)
+    return {
+        "data": f"{names}: {size / 1e6:.0f} MB {how} ({have / 1e6:.0f} MB here)",
+        "hours": left / (assume["download_mb_per_s"] * 1e6) / 3600,
+        "basis": f"estimate: {assume['download_mb_per_s']} MB/s",
+        "peak": left,
+        "end": left,
+        "licences": [(s["name"], s["licence"]) for s in hub],
+    }
 
 
 def stage_plan(chain, stage, hardware):
@@ -192,6 +243,8 @@ def stage_plan(chain, stage, hardware):
         return corpus_plan(cfg, assume, manifest)
     if command == "train":
         return train_plan(chain, stage, cfg, hardware, assume)
+    if command == "chat-download":
+        return chat_download_plan(cfg, assume)
     if command == "chat-prepare":
         return chat_plan(cfg)
     if command == "export":
@@ -253,11 +306,13 @@ def format_plan(chain, plan):
     )
     lines.extend(throughput_lines(hardware))
     lines.extend(licence_lines(plan["stages"]))
+    if not any(stage["command"] == "chat-download" for stage in chain["stages"]):
+        lines.extend(f"{s['name']}: {s['note']}" for s in plan["stages"] if "note" in s)
     return "\n".join(lines)
 
 
 def licence_lines(stages):
-    """Each corpus source once, with its licence (what the run's model was trained on)."""
+    """Each corpus and conversation source once, with its licence (what the run's model was trained on)."""
     licences = dict(pair for s in stages for pair in s.get("licences", []))
     if not licences:
         return []

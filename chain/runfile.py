@@ -29,6 +29,7 @@ OWN_FOLDER = ("corpus", "agent-data", "chat-prepare", "train")
 NEEDS = {
     "corpus-download": ("config",),
     "corpus": ("config",),
+    "chat-download": ("config",),
     "eval-download": ("tasks",),
     "agent-data": (),
     "chat-prepare": ("config", "data"),
@@ -74,6 +75,8 @@ def stage_problems(chain, path):
         for key in NEEDS[stage["command"]]:
             if key not in stage:
                 problems.append(f"{where}: {key}: required by command {stage['command']}")
+        if stage["command"] == "chat-download" and "chat_download_mb" not in chain["assume"]:
+            problems.append(f"{path}: assume.chat_download_mb: required by command chat-download")
         for key in ("data", "from"):
             if key in stage and stage[key] not in seen:
                 problems.append(
@@ -138,6 +141,8 @@ def command_line(chain, stage, resume=False):
         return [py, "-m", "corpus", "download", run_file, *extra]
     if command == "corpus":
         return [py, "-m", "corpus", "all", run_file, *extra, *wiring(chain, stage)]
+    if command == "chat-download":
+        return [py, "-m", "chat", "download", run_file, *extra]
     if command == "eval-download":
         return [py, "-m", "evaluation", "download", stage["tasks"], *extra]
     if command == "agent-data":

@@ -57,7 +57,8 @@ def stage_inputs(chain, stage):
     record["args"] = runfile.stage_args(chain, stage)
     if "config" in stage:
         cfg = runfile.load_stage_config(chain, stage)
-        sections = ("data",) if stage["command"] in ("corpus-download", "corpus") else tuple(cfg)
+        downloads = ("corpus-download", "corpus", "chat-download")
+        sections = ("data",) if stage["command"] in downloads else tuple(cfg)
         if stage["command"] == "chat-prepare":
             sections = ("data", "model")
         record["config"] = {name: cfg[name] for name in sections}

@@ -3,6 +3,7 @@ board, the refusals before anything runs, and the tiny chain (configs/chain/rehe
 a second run that skips everything, a changed config that reruns only what follows it, and a SIGKILL in the
 middle of pretraining whose resume ends in the same checkpoint as a run that was never killed."""
 
+import json
 import os
 import signal
 import subprocess
@@ -94,7 +95,7 @@ def test_plan_prints_every_stage_and_touches_nothing(board, capsys):
     assert "pretrain: epochs 1.00 passes; memory fits" in out
     assert "disk" in out and "at peak" in out and "throughput of" in out
     assert "estimate:" in out and "TFLOP/s x MFU" in out
-    assert "data sources and their licences:\n  fineweb2-spa: ODC-By 1.0" in out
+    assert "data sources and their licences:\n" in out and "\n  fineweb2-spa: ODC-By 1.0" in out
     assert not os.path.exists(os.path.join(ROOT, chain["folder"]))
 
 
@@ -114,7 +115,8 @@ def test_a_measured_throughput_replaces_the_estimate():
 
 def test_a_model_that_does_not_fit_the_board_is_refused(capsys):
     chain, _ = runfile.load("2060")
-    chain["stages"][3]["args"] = ["train.micro_batch_size=128", "train.grad_accum_steps=1"]
+    pretrain = runfile.stage_by_name(chain, "pretrain")
+    pretrain["args"] = ["train.micro_batch_size=128", "train.grad_accum_steps=1"]
     plan = chain_plan.make_plan(chain)
     line = chain_plan.refusal(chain, plan, done=set())
     assert line.startswith("refused: stage pretrain needs") and "of 10.5 GiB (turing-2060 memory_gib)" in line
@@ -244,3 +246,67 @@ def test_a_run_stopped_in_pretraining_resumes_to_the_same_checkpoint(unkilled, s
     assert expected.keys() == got.keys()
     for name in expected:
         assert torch.equal(expected[name], got[name]), name
+
+
+def test_the_2060_plan_downloads_the_conversations_and_tunes_tool_use_with_its_own_run_file(capsys):
+    chain, _ = runfile.load("2060")
+    names = [s["name"] for s in chain["stages"]]
+    assert names.index("chat-download") < names.index("chat-data")
+    download = runfile.stage_by_name(chain, "chat-download")
+    assert runfile.command_line(chain, download)[1:] == ["-m", "chat", "download", "configs/sft-2060.yaml"]
+    tools = runfile.stage_by_name(chain, "sft-tools")
+    assert tools["config"] == "sft-agent-2060.yaml" and "args" not in tools
+    assert runfile.stage_by_name(chain, "tools-data")["config"] == "sft-agent-2060.yaml"
+    code, out, _ = run_main(["run", "2060", "--plan"], capsys)
+    assert code == 0
+    rows = {line.split()[1]: line for line in out.splitlines() if line[:3].strip().isdigit()}
+    assert "oasst2-es, aya-es: 200 MB assumed (0 MB here)" in rows["chat-download"]
+    assert "10 MB/s" in rows["chat-download"]
+    assert "mixture: 12,000 conversations of 4 sources" in rows["chat-data"]
+    assert "375 steps x 65,536 tokens" in rows["sft-tools"]  # train/sft-agent.yaml's schedule
+    assert "   sft: epochs 10,880 rows read; rows known after chat-data, each source's epochs (max 4)" in out
+    assert "shares seed 0.05, oasst2-es 0.4, aya-es 0.25, tools 0.3" in out
+    assert "   sft-tools: epochs 12,000 rows read; rows known after tools-data" in out
+    assert "  oasst2-es: Apache-2.0" in out and "  aya-es: Apache-2.0" in out
+    assert "left out" not in out
+
+
+def test_the_sft_epochs_per_source_come_from_the_built_mixture(tmp_path):
+    chain, _ = runfile.load("2060", [f"chain.folder={tmp_path}"])
+    sft = runfile.stage_by_name(chain, "sft")
+    mixture_dir = tmp_path / "mixture"
+    runfile.stage_by_name(chain, "chat-data")["args"] = [f"data.chat.mixture.dir={mixture_dir}"]
+    cfg = runfile.load_stage_config(chain, sft)
+    chat_data = tmp_path / "chat-data"
+    chat_data.mkdir()
+    shards = [{"rows": 5440}]  # 10,880 rows read: two passes
+    prepared = {"prepare": {"train": {"complete": True, "shards": shards}}}
+    (chat_data / "manifest.json").write_text(json.dumps(prepared), encoding="utf-8")
+    mixture_dir.mkdir()
+    built = {"sources": {"seed": {"mixture": {"epochs": 1.5}}, "tools": {"mixture": {"epochs": 0.25}}}}
+    (mixture_dir / "manifest.json").write_text(json.dumps(built), encoding="utf-8")
+    epochs = chain_plan.epochs_of(chain, sft, cfg, 0)
+    assert epochs == "2.0 epochs of 5,440 rows; per source: seed 3.00, tools 0.50"
+
+
+def test_the_cpu_plan_says_its_sft_data_is_local_and_leaves_the_hub_conversations_out(capsys):
+    code, out, _ = run_main(["run", "cpu", "--plan"], capsys)
+    assert code == 0 and " chat-download " not in out
+    assert "chat-data: local conversations only (conversations/seed/*.jsonl); the Hub conversation" in out
+    assert "left out" in out
+
+
+def test_the_schema_accepts_chat_download_and_a_misspelt_command_is_one_line(tmp_path, capsys):
+    def add(command):
+        def change(chain):
+            chain["assume"]["chat_download_mb"] = 1
+            stage = {"name": "chat-download", "command": command, "config": "rehearsal-tiny-sft-cpu.yaml"}
+            chain["stages"].insert(0, stage)
+
+        return change
+
+    assert run_main(["check", tiny_file(tmp_path, "good", add("chat-download"))], capsys)[0] == 0
+    code, _, err = run_main(["check", tiny_file(tmp_path, "bad", add("chat-downlaod"))], capsys)
+    assert code == 2
+    lines = [line for line in err.strip().splitlines() if "chat-downlaod" in line]
+    assert len(lines) == 1 and "stages.0.command" in lines[0]
