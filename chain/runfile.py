@@ -20,6 +20,8 @@ run file with it, and every problem reported at once.
 import os
 import sys
 
+import yaml
+
 import config
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
@@ -77,10 +79,12 @@ def stage_problems(chain, path):
                 problems.append(f"{where}: {key}: required by command {stage['command']}")
         if stage["command"] == "chat-download" and "chat_download_mb" not in chain["assume"]:
             problems.append(f"{path}: assume.chat_download_mb: required by command chat-download")
-        for key in ("data", "from"):
-            if key in stage and stage[key] not in seen:
+        named = [(key, stage[key]) for key in ("data", "from") if key in stage]
+        named += [(f"mixture_from.{source}", name) for source, name in stage.get("mixture_from", {}).items()]
+        for key, name in named:
+            if name not in seen:
                 problems.append(
-                    f"{where}: {key}: {stage[key]!r} is not an earlier stage; earlier: {', '.join(seen) or 'none'}"
+                    f"{where}: {key}: {name!r} is not an earlier stage; earlier: {', '.join(seen) or 'none'}"
                 )
         seen.add(stage["name"])
         if "config" in stage and not any(p.startswith(where) for p in problems):
@@ -108,7 +112,7 @@ def wiring(chain, stage):
         return []
     if command == "chat-prepare":
         tokenizer = os.path.join(folder_of(chain, stage["data"]), "tokenizer.model")
-        return [f"data.dir={own}", f"data.chat.tokenizer={tokenizer}"]
+        return [f"data.dir={own}", f"data.chat.tokenizer={tokenizer}"] + mixture_wiring(chain, stage)
     if command == "train":
         words = [f"data.dir={folder_of(chain, stage['data'])}", f"train.runs_dir={chain['folder']}"]
         words.append(f"run_name={stage['name']}")
@@ -116,6 +120,24 @@ def wiring(chain, stage):
             words.append(f"train.init_from={folder_of(chain, stage['from'])}")
         return words
     return []
+
+
+def mixture_wiring(chain, stage):
+    """The override that points the mixture sources of stage["mixture_from"] at the earlier stages' folders
+    (the list is given whole: the override syntax names keys, not list items)."""
+    moved = stage.get("mixture_from")
+    if not moved:
+        return []
+    own = [w for w in stage_args(chain, stage) if config.is_override(w)]
+    mix_cfg = config.load(os.path.join(CONFIGS, stage["config"]), own)["data"]["chat"].get("mixture") or {}
+    sources = []
+    for source in mix_cfg.get("sources", []):
+        if source["name"] in moved:
+            name = os.path.basename(source["path"])
+            source = dict(source, path=os.path.join(folder_of(chain, moved[source["name"]]), name))
+        sources.append(source)
+    flow = yaml.safe_dump(sources, default_flow_style=True, width=float("inf"), allow_unicode=True).strip()
+    return [f"data.chat.mixture.sources={flow}"]
 
 
 def stage_args(chain, stage):

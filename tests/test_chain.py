@@ -257,6 +257,14 @@ def test_the_2060_plan_downloads_the_conversations_and_tunes_tool_use_with_its_o
     tools = runfile.stage_by_name(chain, "sft-tools")
     assert tools["config"] == "sft-agent-2060.yaml" and "args" not in tools
     assert runfile.stage_by_name(chain, "tools-data")["config"] == "sft-agent-2060.yaml"
+    # The mixture's tool conversations are the ones this run generates, not a folder a clone lacks.
+    assert names.index("agent-16k") < names.index("chat-data")
+    mix_cfg = runfile.load_stage_config(chain, runfile.stage_by_name(chain, "chat-data"))["data"]["chat"][
+        "mixture"
+    ]
+    paths = {s["name"]: s.get("path") for s in mix_cfg["sources"]}
+    assert paths["tools"] == "runs/run-2060/agent-16k/train.jsonl"
+    assert paths["seed"] == "conversations/seed/*.jsonl" and paths["oasst2-es"] is None
     code, out, _ = run_main(["run", "2060", "--plan"], capsys)
     assert code == 0
     rows = {line.split()[1]: line for line in out.splitlines() if line[:3].strip().isdigit()}
