@@ -483,8 +483,8 @@ def test_each_boards_tool_use_run_follows_its_general_sft_run_with_room_for_the_
     base = config.load(os.path.join(ROOT, "configs", f"sft-{board}.yaml"))
     assert cfg["train"]["init_from"] == os.path.join(base["train"]["runs_dir"], base["run_name"])
     assert cfg["hardware"] == base["hardware"]
-    assert {k: v for k, v in cfg["model"].items() if k not in train.INIT_FREE_MODEL_KEYS} == {
-        k: v for k, v in base["model"].items() if k not in train.INIT_FREE_MODEL_KEYS
+    assert {k: v for k, v in cfg["model"].items() if k not in checkpoint.INIT_FREE_MODEL_KEYS} == {
+        k: v for k, v in base["model"].items() if k not in checkpoint.INIT_FREE_MODEL_KEYS
     }
     assert cfg["data"]["chat"]["tokenizer"] == base["data"]["chat"]["tokenizer"]
     # The system turn with the six tools and a member's memories: at most 1,587 tokens of the 4k BPE and
