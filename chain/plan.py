@@ -252,6 +252,9 @@ def stage_plan(chain, stage, hardware):
         params, _ = microbatch.parameter_counts(runfile.load_stage_config(chain, run)["model"])
         size = 4 * params if stage["to"] == "hf" else 2 * params
         return {"data": f"{stage['to']}", "hours": 0.0, "basis": "minutes", "peak": 2 * size, "end": size}
+    if command == "ask":
+        return {"data": "the served model asked (serve layer's ask)", "hours": 0.0, "basis": "minutes",
+                "peak": 0, "end": 0}  # fmt: skip
     return {"data": stage.get("tasks", "-"), "hours": 0.0, "basis": "minutes", "peak": 0, "end": 0}
 
 

@@ -64,6 +64,10 @@ def stage_inputs(chain, stage):
         record["config"] = {name: cfg[name] for name in sections}
     if "settings" in stage:
         record["settings"] = config.load_layer("agent", os.path.join(runfile.CONFIGS, stage["settings"]))
+    if stage["command"] == "ask":  # the questions are the serve layer's, and so is the server
+        record["settings"] = config.load_layer(
+            "serve", os.path.join(runfile.CONFIGS, "serve", "default.yaml")
+        )
     if "config" in record:
         record["files"] = local_files(input_patterns(record["config"].get("data", {})), chain["folder"])
     return record

@@ -165,12 +165,26 @@ def test_the_tiny_chain_ends_in_a_served_model_with_a_report_card_and_a_gguf(tin
     ]
 
 
+def test_the_tiny_chain_ends_by_asking_its_served_model_the_serve_layers_questions(tiny_run):
+    folder, first = tiny_run
+    asked = config.load_layer("serve", os.path.join(ROOT, "configs", "serve", "default.yaml"))["ask"]
+    with open(folder / "ask" / "answers.json", encoding="utf-8") as f:
+        answers = json.load(f)["answers"]
+    assert [a["question"] for a in answers] == [q["question"] for q in asked["questions"]]
+    for answer, question in zip(answers, asked["questions"], strict=True):
+        assert isinstance(answer["answer"], str)  # the tiny model's words: what it says is not judged here
+        expect = question.get("expect")
+        assert answer["found"] == (None if expect is None else expect in answer["answer"])
+    assert "¿Cuánto es 1234 por 56?" in (folder / "ask" / "answers.md").read_text(encoding="utf-8")
+    assert " expected answers found; " in first.stdout
+
+
 def test_a_second_run_with_nothing_changed_skips_every_stage(tiny_run):
     folder, _ = tiny_run
     again = chain_command("rehearsal-tiny", folder)
     assert again.returncode == 0, again.stderr[-2000:]
     assert stage_lines(again.stdout, "starting") == []
-    assert len(stage_lines(again.stdout, "done already")) == 7
+    assert len(stage_lines(again.stdout, "done already")) == 8
 
 
 def test_a_changed_config_reruns_only_the_stages_after_it(tiny_run, tmp_path):
@@ -181,7 +195,7 @@ def test_a_changed_config_reruns_only_the_stages_after_it(tiny_run, tmp_path):
     rerun = chain_command(changed, folder)
     assert rerun.returncode == 0, rerun.stderr[-2000:]
     assert stage_lines(rerun.stdout, "done already") == ["corpus", "pretrain", "chat-data"]
-    assert stage_lines(rerun.stdout, "starting") == ["sft", "evaluation", "report", "export"]
+    assert stage_lines(rerun.stdout, "starting") == ["sft", "evaluation", "report", "export", "ask"]
 
 
 def test_a_failing_stage_names_itself_its_log_and_the_command_that_reruns_it(tiny_run, tmp_path):
@@ -200,9 +214,17 @@ def test_a_failing_stage_names_itself_its_log_and_the_command_that_reruns_it(tin
     assert stages.read_mark({"folder": str(folder)}, "sft", "done") is not None
 
 
+LONGER = ["train.max_steps=40", "train.ckpt_interval=4", "train.eval_interval=40"]
+
+
 def pretrain_only(chain):
     chain["stages"] = chain["stages"][:2]
-    chain["stages"][1]["args"] = ["train.max_steps=40", "train.ckpt_interval=4", "train.eval_interval=40"]
+    chain["stages"][1]["args"] = list(LONGER)
+
+
+def through_sft(chain):
+    chain["stages"] = chain["stages"][:4]
+    chain["stages"][3]["args"] = list(LONGER)
 
 
 def model_of(path):
@@ -211,28 +233,35 @@ def model_of(path):
 
 @pytest.fixture(scope="module")
 def unkilled(tmp_path_factory):
-    """The corpus and pretraining stages of the tiny chain with a longer pretraining, never interrupted."""
-    root = tmp_path_factory.mktemp("unkilled")
-    chain_file = tiny_file(root, "kill", pretrain_only)
-    assert chain_command(chain_file, root / "run").returncode == 0
-    return chain_file, model_of(root / "run" / "pretrain" / "ckpt_0000040.pt")
+    """{stage: (chain file, its last checkpoint)}: the tiny chain up to a longer pretraining, and up to a
+    longer SFT, never interrupted."""
+    root, ends = tmp_path_factory.mktemp("unkilled"), {}
+    for stage, change in (("pretrain", pretrain_only), ("sft", through_sft)):
+        chain_file = tiny_file(root, f"kill-{stage}", change)
+        assert chain_command(chain_file, root / stage).returncode == 0
+        ends[stage] = chain_file, model_of(root / stage / stage / "ckpt_0000040.pt")
+    return ends
 
 
-@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGINT], ids=["sigkill", "ctrl-c"])
-def test_a_run_stopped_in_pretraining_resumes_to_the_same_checkpoint(unkilled, signum, tmp_path):
-    chain_file, expected = unkilled
+@pytest.mark.parametrize(
+    "stage,signum",
+    [("pretrain", signal.SIGKILL), ("pretrain", signal.SIGINT), ("sft", signal.SIGKILL)],
+    ids=["pretrain-sigkill", "pretrain-ctrl-c", "sft-sigkill"],
+)
+def test_a_run_stopped_in_training_resumes_to_the_same_checkpoint(unkilled, stage, signum, tmp_path):
+    chain_file, expected = unkilled[stage]
     killed = tmp_path / "killed"
     env = dict(os.environ, OMP_NUM_THREADS="1")
     argv = [sys.executable, "-m", "chain", "run", chain_file, f"chain.folder={killed}"]
     child = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                              text=True, start_new_session=True)  # fmt: skip
     deadline = time.time() + 600
-    while not list((killed / "pretrain").glob("ckpt_*.pt")):
+    while not list((killed / stage).glob("ckpt_*.pt")):
         assert child.poll() is None and time.time() < deadline, "the chain ended before a checkpoint"
         time.sleep(0.05)
     os.killpg(child.pid, signum)  # SIGINT to the group: what Ctrl-C in a terminal does
     _, err = child.communicate(timeout=600)
-    assert stages.read_mark({"folder": str(killed)}, "pretrain", "done") is None
+    assert stages.read_mark({"folder": str(killed)}, stage, "done") is None
     if signum == signal.SIGINT:
         assert child.returncode == 130
         assert err.strip().splitlines()[-1] == (
@@ -240,9 +269,9 @@ def test_a_run_stopped_in_pretraining_resumes_to_the_same_checkpoint(unkilled, s
         )
     resumed = chain_command(chain_file, killed)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert "stage 1/2 corpus: done already" in resumed.stdout
-    assert "stage 2/2 pretrain: resuming" in resumed.stdout
-    got = model_of(killed / "pretrain" / "ckpt_0000040.pt")
+    assert "corpus: done already" in resumed.stdout
+    assert f"{stage}: resuming" in resumed.stdout
+    got = model_of(killed / stage / "ckpt_0000040.pt")
     assert expected.keys() == got.keys()
     for name in expected:
         assert torch.equal(expected[name], got[name]), name
