@@ -9,7 +9,8 @@ model writes parses and passes agent.argument_problem, whatever its logits say.
 
 Grounded calls (agent.grounding.mode "constrained", given the conversation's messages): the values of our
 own tools' arguments can only be the conversation's (agent/grounding.py): calculadora's numbers those said
-(digits or words) or configured constants, with operators and parentheses free; fecha_hora's dias a
+(digits or words) or configured constants, an expression's first number one said (when any is), with
+operators and parentheses free; fecha_hora's dias a
 number said (either sign) or a constant, its zona that of a place named (left out when none is);
 a search's or a memory's text the user's recent words in order, with configured joining words between;
 olvidar's id a memory shown. A tool with no value for a required argument is not callable, and with none
@@ -357,13 +358,16 @@ def words_rules(words, joining):
 
 
 def calculation_rules(depth):
-    """EBNF `c_e0`: numbers `c_n` with operators between, parentheses nested at most `depth` deep (so
-    that a budget's last tokens can always close them)."""
+    """EBNF `c_e0`: numbers with operators between, parentheses nested at most `depth` deep (so that a
+    budget's last tokens can always close them). The first number of each (parenthesised) expression is
+    one the conversation said (`c_s`), the later ones may be constants too (`c_n`): a small model that has
+    not learnt to copy otherwise starts "1234 por 56" with a constant ("2**1*1")."""
     rules = ['c_sp ::= " " | ""', 'c_o ::= "**" | "//" | "+" | "-" | "*" | "/" | "%"']
     for level in range(depth + 1):
         inner = f' | "(" c_sp c_e{level + 1} c_sp ")"' if level < depth else ""
-        rules.append(f"c_e{level} ::= c_t{level} (c_sp c_o c_sp c_t{level})*")
-        rules.append(f'c_t{level} ::= ("-" | "+")? (c_n ("%" | " %")?{inner})')
+        rules.append(f"c_e{level} ::= c_f{level} (c_sp c_o c_sp c_t{level})*")
+        for term, number in ((f"c_f{level}", "c_s"), (f"c_t{level}", "c_n")):
+            rules.append(f'{term} ::= ("-" | "+")? ({number} ("%" | " %")?{inner})')
     return rules
 
 
@@ -382,9 +386,10 @@ def grounded_ebnf(names, found, settings):
         return literal(f'"{name}": ')
 
     if "calculadora" in names:
-        numbers = [form for number in found.numbers for form in (number, number.replace(".", ","))]
+        forms = lambda numbers: [f for n in numbers for f in (n, n.replace(".", ","))]  # noqa: E731
         rules += calculation_rules(settings["grounding"]["max_parentheses"])
-        rules.append(f"c_n ::= {alternatives(numbers)}")
+        rules.append(f"c_n ::= {alternatives(forms(found.numbers))}")
+        rules.append(f"c_s ::= {alternatives(forms(found.said or found.numbers))}")
         call("calculadora", f'{key("expresion")} "\\"" c_e0 "\\""')
     if "fecha_hora" in names:
         days = [str(day) for day in sorted({abs(day) for day in found.days}) if day]

@@ -6,6 +6,7 @@ the same numbers.
     found = grounding.candidates(conversation["messages"], settings)
     found.numbers   calculadora's number literals: said with digits ("1.234,5", "6,2", "15 %") or in
                     words ("doce", "media docena", "un cuarto", "dos mil"), then grounding.numbers
+    found.said      the numbers said, without the constants: what a calculation starts with
     found.days      fecha_hora's dias: whole numbers said ("dos semanas" is 14 with grounding.units), then
                     grounding.days; either sign may be written
     found.zones     IANA zones of the places named (grounding.places, or a tzdata city spelled out);
@@ -14,7 +15,8 @@ the same numbers.
                     search or a memory is made of
     found.ids       the memory numbers shown ("- [12] ..." lines of the system turn and tool results)
 
-The sources are the user turns, the tool results and the system turn (the memories), most recent first;
+The sources are the user turns, the tool results and the system turn's memories (not its date line: "Hoy es
+sábado, 5 de diciembre de 2026" would offer 5 and 2026 to every calculation), most recent first;
 each kind holds at most grounding.max_candidates values, so a conversation with thousands of numbers
 costs no more than one with a few. A word is letters and digits only ("tool_call", quotes, tags and
 control characters never make one), so nothing copied can close a string or spell a protocol tag.
@@ -30,6 +32,7 @@ from decimal import Decimal
 WORD = re.compile(r"[^\W_]+(?:[.,:/'-][^\W_]+)*")
 DIGITS = re.compile(r"\d+(?:[.,]\d+)*")
 MEMORY_LINE = re.compile(r"^- \[(\d{1,18})\]", re.MULTILINE)  # family/memories.py's memory_line
+MEMORY_TEXT = re.compile(r"^- \[\d{1,18}\] ?(.*)$", re.MULTILINE)  # the memory itself, after its number
 
 UNITS = dict(zip("cero un uno una dos tres cuatro cinco seis siete ocho nueve".split(),
                  (0, 1, 1, 1, 2, 3, 4, 5, 6, 7, 8, 9), strict=True))  # fmt: skip
@@ -226,6 +229,7 @@ def callable_tool(name, found):
 @dataclasses.dataclass(frozen=True)
 class Candidates:
     numbers: tuple
+    said: tuple
     days: tuple
     zones: tuple
     words: tuple
@@ -257,19 +261,23 @@ def candidates(messages, settings):
     numbers, days, zones, ids = [], [], [], []
     for message in told:
         text = message["content"]
+        ids += [int(number) for number in MEMORY_LINE.findall(text)]
+        if message["role"] == "system":  # its memories only: not today's date nor the family's own zone
+            text = "\n".join(MEMORY_TEXT.findall(text))
+        else:
+            zones += named_zones(text, grounding["places"])
         numbers += [number_text(value) for value in spoken_numbers(text)]
         days += counted_days(text, grounding["units"])
-        if message["role"] != "system":  # the system turn names the family's own zone, not a question's
-            zones += named_zones(text, grounding["places"])
-        ids += [int(number) for number in MEMORY_LINE.findall(text)]
     limit = settings["date"]["max_days"]
-    numbers = recent_first(numbers, bound) + [number_text(Decimal(str(n))) for n in grounding["numbers"]]
+    said = recent_first(numbers, bound)
+    numbers = said + [number_text(Decimal(str(n))) for n in grounding["numbers"]]
     days = [day for day in recent_first(days, bound) if abs(day) <= limit] + list(grounding["days"])
     words = []
     for text in reversed(users):  # the latest turn's words first ("tiempo" asked now, "Albarracín" before)
         words += WORD.findall(text)[-(bound - len(words)) :] if len(words) < bound else []
     return Candidates(
         numbers=tuple(sorted(set(numbers), key=numbers.index)),
+        said=tuple(said),
         days=tuple(sorted(set(days), key=days.index)),
         zones=tuple(recent_first(zones, bound)),
         words=tuple(words),

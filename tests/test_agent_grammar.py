@@ -402,6 +402,9 @@ def accepts(tokenizer, settings, messages, name, arguments, specs=None):
         ("calculadora", {"expresion": "15 % * 23"}, False),
         ("calculadora", {"expresion": "1723"}, False),  # two numbers said are not one
         ("calculadora", {"expresion": "17*28"}, False),
+        ("calculadora", {"expresion": "23 * 100"}, True),  # a constant after a number said
+        ("calculadora", {"expresion": "100 * 23"}, False),  # never first: a calculation starts from one said
+        ("calculadora", {"expresion": "(100 + 17) * 2"}, False),
         ("fecha_hora", {"zona": "Asia/Tokyo", "dias": 14}, True),  # "dos semanas"
         ("fecha_hora", {"dias": -14}, True),
         ("fecha_hora", {}, True),

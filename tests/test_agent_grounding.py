@@ -101,6 +101,17 @@ def test_candidates_hold_the_conversations_values_and_the_constants(settings):
     assert "Son" not in found.words
 
 
+def test_the_system_turns_date_offers_no_number_but_its_memories_do(settings):
+    messages = conversation("¿Cuánto es 1234 por 56?")
+    messages[0]["content"] = (
+        "Eres ENLACE.\nHoy es sábado, 5 de diciembre de 2026.\n\nRecuerdos:\n- [9] Pago 300 euros"
+    )
+    found = grounding.candidates(messages, settings)
+    assert found.said == ("56", "1234", "300")  # most recent first; the memory's 300, not its id 9
+    assert not {"5", "2026", "9"} & set(found.said) and 5 not in found.days
+    assert found.ids == (9,)
+
+
 def test_thousands_of_numbers_keep_only_the_most_recent_within_the_bound(settings):
     bound = settings["grounding"]["max_candidates"]
     flood = " ".join(str(n) for n in range(10_000, 15_000))
