@@ -325,10 +325,9 @@ def licence_lines(stages):
 def throughput_lines(hardware):
     measured = hardware.get("measured") or {}
     if not measured:
-        peak = hardware["peak_tflops"] or "measured at start"
-        return [
-            f"throughput of {hardware['name']}: none measured yet (peak {peak} TFLOP/s; hours are estimates)"
-        ]
+        peak = hardware["peak_tflops"]
+        peak = f"peak {peak} TFLOP/s" if peak else "the profile has no peak: the chain's assume.peak_tflops"
+        return [f"throughput of {hardware['name']}: none measured yet ({peak}; hours are estimates)"]
     lines = [f"throughput of {hardware['name']} (hardware.measured):"]
     for name, m in sorted(measured.items()):
         lines.append(

@@ -39,6 +39,7 @@ NEEDS = {
     "evaluate": ("from", "tasks"),
     "report": ("from",),
     "export": ("from", "to"),
+    "tool-eval": ("from",),
     "ask": ("from",),
 }
 
@@ -180,6 +181,8 @@ def command_line(chain, stage, resume=False):
         return [py, "-m", "evaluation", run, "--tasks", stage["tasks"], *extra]
     if command == "report":
         return [py, "-m", "evaluation", "report", run, *extra]
+    if command == "tool-eval":
+        return [py, "-m", "evaluation.tool_use", run, *extra]
     if command == "ask":
         return [py, "-m", "serve.ask", run, folder_of(chain, name), *extra]
     return [
