@@ -357,15 +357,17 @@ def words_rules(words, joining):
     return rules
 
 
-def calculation_rules(depth):
+def calculation_rules(depth, lead=1):
     """EBNF `c_e0`: numbers with operators between, parentheses nested at most `depth` deep (so that a
     budget's last tokens can always close them). The first number of each (parenthesised) expression is
-    one the conversation said (`c_s`), the later ones may be constants too (`c_n`): a small model that has
-    not learnt to copy otherwise starts "1234 por 56" with a constant ("2**1*1")."""
+    one the conversation said (`c_s`), and so are the first `lead` of the whole; the later ones may be
+    constants too (`c_n`): a small model that has not learnt to copy otherwise writes "1234 por 56" with
+    constants ("2**1*1", then "1234*2")."""
     rules = ['c_sp ::= " " | ""', 'c_o ::= "**" | "//" | "+" | "-" | "*" | "/" | "%"']
     for level in range(depth + 1):
         inner = f' | "(" c_sp c_e{level + 1} c_sp ")"' if level < depth else ""
-        rules.append(f"c_e{level} ::= c_f{level} (c_sp c_o c_sp c_t{level})*")
+        said = " c_sp c_o c_sp c_f0" * (lead - 1) if level == 0 else ""  # the top level's first `lead`
+        rules.append(f"c_e{level} ::= c_f{level}{said} (c_sp c_o c_sp c_t{level})*")
         for term, number in ((f"c_f{level}", "c_s"), (f"c_t{level}", "c_n")):
             rules.append(f'{term} ::= ("-" | "+")? ({number} ("%" | " %")?{inner})')
     return rules
@@ -387,7 +389,7 @@ def grounded_ebnf(names, found, settings):
 
     if "calculadora" in names:
         forms = lambda numbers: [f for n in numbers for f in (n, n.replace(".", ","))]  # noqa: E731
-        rules += calculation_rules(settings["grounding"]["max_parentheses"])
+        rules += calculation_rules(settings["grounding"]["max_parentheses"], max(found.lead, 1))
         rules.append(f"c_n ::= {alternatives(forms(found.numbers))}")
         rules.append(f"c_s ::= {alternatives(forms(found.said or found.numbers))}")
         call("calculadora", f'{key("expresion")} "\\"" c_e0 "\\""')

@@ -7,6 +7,8 @@ the same numbers.
     found.numbers   calculadora's number literals: said with digits ("1.234,5", "6,2", "15 %") or in
                     words ("doce", "media docena", "un cuarto", "dos mil"), then grounding.numbers
     found.said      the numbers said, without the constants: what a calculation starts with
+    found.lead      how many of a calculation's first numbers must be said ones: as many as the latest user
+                    turn says, at most grounding.said_first ("1250 y gasté 487" computes with both)
     found.days      fecha_hora's dias: whole numbers said ("dos semanas" is 14 with grounding.units), then
                     grounding.days; either sign may be written
     found.zones     IANA zones of the places named (grounding.places, or a tzdata city spelled out);
@@ -230,6 +232,7 @@ def callable_tool(name, found):
 class Candidates:
     numbers: tuple
     said: tuple
+    lead: int
     days: tuple
     zones: tuple
     words: tuple
@@ -270,6 +273,7 @@ def candidates(messages, settings):
         days += counted_days(text, grounding["units"])
     limit = settings["date"]["max_days"]
     said = recent_first(numbers, bound)
+    latest = recent_first([number_text(v) for v in spoken_numbers(users[-1])], bound) if users else []
     numbers = said + [number_text(Decimal(str(n))) for n in grounding["numbers"]]
     days = [day for day in recent_first(days, bound) if abs(day) <= limit] + list(grounding["days"])
     words = []
@@ -278,6 +282,7 @@ def candidates(messages, settings):
     return Candidates(
         numbers=tuple(sorted(set(numbers), key=numbers.index)),
         said=tuple(said),
+        lead=min(len(latest), grounding["said_first"]),
         days=tuple(sorted(set(days), key=days.index)),
         zones=tuple(recent_first(zones, bound)),
         words=tuple(words),

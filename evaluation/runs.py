@@ -252,24 +252,36 @@ def stored_tables(run):
     return tables
 
 
+AGENT_COLUMNS = (("right", "all", "right tool"), ("valid", "called", "valid syntax"),
+                 ("arguments", "needing", "key values"), ("uses", "answered", "result used"))  # fmt: skip
+
+
 def agent_rates(run):
+    """The Markdown table of RUN/agent_eval.json (evaluation/tool_use.py): per held-out set, the rates
+    with their counts and calculadora's value right; a flat file of an older release as it was."""
     path = os.path.join(run, "agent_eval.json")
     if not os.path.isfile(path):
         return None
     with open(path, encoding="utf-8") as f:
         report = json.load(f)
-    rates = {k: v for k, v in report.items() if k.endswith("_rate")}
-    head = "| conversations | " + " | ".join(k[: -len("_rate")].replace("_", " ") for k in rates) + " |"
-    rule = "|---:|" + "---:|" * len(rates)
-    values = (
-        f"| {report.get('conversations', '–')} | "
-        + " | ".join(harness.fmt(v, 3) for v in rates.values())
-        + " |"
-    )
-    return (
-        "\n".join([head, rule, values])
-        + f"\n\n(from `{os.path.basename(path)}`, {report.get('data', 'held-out conversations')})\n"
-    )
+    if "sets" not in report:  # an older release's flat rates
+        rates = {k: v for k, v in report.items() if k.endswith("_rate")}
+        head = "| conversations | " + " | ".join(k[: -len("_rate")].replace("_", " ") for k in rates) + " |"
+        values = " | ".join(harness.fmt(v, 3) for v in rates.values())
+        rows = [head, "|---:|" + "---:|" * len(rates), f"| {report.get('conversations', '–')} | {values} |"]
+        return "\n".join(rows) + f"\n\n(from `{os.path.basename(path)}`)\n"
+    head = "| set | " + " | ".join(label for _, _, label in AGENT_COLUMNS) + " | calculadora value right |"
+    rows = [head, "|---|" + "---:|" * (len(AGENT_COLUMNS) + 1)]
+    for name, figures in report["sets"].items():
+        counts, cells = figures["counts"], []
+        for part, whole, _ in AGENT_COLUMNS:
+            rate = figures.get(part + "_rate")
+            cells.append("–" if rate is None else f"{100 * rate:.1f}% ({counts[part]}/{counts[whole]})")
+        calc = figures["by_tool"].get("calculadora")
+        cells.append("–" if calc is None else f"{calc['value']}/{calc['prompts']}")
+        rows.append(f"| {name} | " + " | ".join(cells) + " |")
+    mode = report.get("grounding", "?")
+    return "\n".join(rows) + f"\n\n(from `{os.path.basename(path)}`, grounding {mode})\n"
 
 
 def samples(model, tokenizer, chat_run, settings):

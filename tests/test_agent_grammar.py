@@ -426,6 +426,18 @@ def test_a_grounded_call_takes_the_conversations_values_and_no_others(
     assert accepts(tokenizer, settings, GROUNDED, name, arguments) is allowed
 
 
+@pytest.mark.parametrize(
+    ("expression", "allowed"),
+    [("1250-487", True), ("487 - 1250", True), ("1250 - 487 + 100", True), ("1250/2", False),
+     ("1250", False), ("2*1250-487", False)],
+)  # fmt: skip
+def test_a_question_with_two_numbers_computes_with_both_before_any_constant(
+    tokenizer, settings, expression, allowed
+):
+    asked = [{"role": "user", "content": "Tenía 1250 pesos y gasté 487, ¿cuánto me queda?"}]
+    assert accepts(tokenizer, settings, asked, "calculadora", {"expresion": expression}) is allowed
+
+
 def test_hint_and_off_keep_todays_schema_grammar(tokenizer, settings):
     specs = tools.tool_specs(settings, list(ROOT_TOOLS))
     for mode in ("hint", "off"):
