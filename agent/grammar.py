@@ -357,19 +357,35 @@ def words_rules(words, joining):
     return rules
 
 
-def calculation_rules(depth, lead=1):
+def calculation_rules(depth, paired=False):
     """EBNF `c_e0`: numbers with operators between, parentheses nested at most `depth` deep (so that a
     budget's last tokens can always close them). The first number of each (parenthesised) expression is
-    one the conversation said (`c_s`), and so are the first `lead` of the whole; the later ones may be
-    constants too (`c_n`): a small model that has not learnt to copy otherwise writes "1234 por 56" with
-    constants ("2**1*1", then "1234*2")."""
+    one the conversation said (`c_s`), or with `paired` the whole starts with two different numbers of
+    the latest user turn (`c_pair`, pair_rules); the later ones may be constants too (`c_n`): a small
+    model that has not learnt to copy otherwise writes "1234 por 56" with constants ("2**1*1", then
+    "1234*2", then "1234*1234")."""
     rules = ['c_sp ::= " " | ""', 'c_o ::= "**" | "//" | "+" | "-" | "*" | "/" | "%"']
     for level in range(depth + 1):
         inner = f' | "(" c_sp c_e{level + 1} c_sp ")"' if level < depth else ""
-        said = " c_sp c_o c_sp c_f0" * (lead - 1) if level == 0 else ""  # the top level's first `lead`
-        rules.append(f"c_e{level} ::= c_f{level}{said} (c_sp c_o c_sp c_t{level})*")
+        first = "c_pair" if paired and level == 0 else f"c_f{level}"
+        rules.append(f"c_e{level} ::= {first} (c_sp c_o c_sp c_t{level})*")
         for term, number in ((f"c_f{level}", "c_s"), (f"c_t{level}", "c_n")):
             rules.append(f'{term} ::= ("-" | "+")? ({number} ("%" | " %")?{inner})')
+    return rules
+
+
+def pair_rules(numbers, forms):
+    """EBNF `c_pair`: one of `numbers`, an operator, another of them (each signed, each maybe a
+    percentage). Quadratic in the numbers: the latest turn's, at most grounding.max_candidates."""
+    signed, percent = '("-" | "+")?', '("%" | " %")?'
+    rules = []
+    for index, number in enumerate(numbers):
+        others = alternatives(forms([n for n in numbers if n != number]))
+        first = alternatives(forms([number]))
+        rules.append(
+            f"c_q{index} ::= {signed} ({first}) {percent} c_sp c_o c_sp {signed} ({others}) {percent}"
+        )
+    rules.append("c_pair ::= " + " | ".join(f"c_q{index}" for index in range(len(numbers))))
     return rules
 
 
@@ -389,7 +405,9 @@ def grounded_ebnf(names, found, settings):
 
     if "calculadora" in names:
         forms = lambda numbers: [f for n in numbers for f in (n, n.replace(".", ","))]  # noqa: E731
-        rules += calculation_rules(settings["grounding"]["max_parentheses"], max(found.lead, 1))
+        paired = settings["grounding"]["said_first"] > 1 and len(found.latest) > 1
+        rules += calculation_rules(settings["grounding"]["max_parentheses"], paired)
+        rules += pair_rules(found.latest, forms) if paired else []
         rules.append(f"c_n ::= {alternatives(forms(found.numbers))}")
         rules.append(f"c_s ::= {alternatives(forms(found.said or found.numbers))}")
         call("calculadora", f'{key("expresion")} "\\"" c_e0 "\\""')

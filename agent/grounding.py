@@ -7,8 +7,8 @@ the same numbers.
     found.numbers   calculadora's number literals: said with digits ("1.234,5", "6,2", "15 %") or in
                     words ("doce", "media docena", "un cuarto", "dos mil"), then grounding.numbers
     found.said      the numbers said, without the constants: what a calculation starts with
-    found.lead      how many of a calculation's first numbers must be said ones: as many as the latest user
-                    turn says, at most grounding.said_first ("1250 y gasté 487" computes with both)
+    found.latest    the numbers the latest user turn says: with two or more (and grounding.said_first 2), a
+                    calculation starts with two different ones ("1250 y gasté 487" computes with both)
     found.days      fecha_hora's dias: whole numbers said ("dos semanas" is 14 with grounding.units), then
                     grounding.days; either sign may be written
     found.zones     IANA zones of the places named (grounding.places, or a tzdata city spelled out);
@@ -232,7 +232,7 @@ def callable_tool(name, found):
 class Candidates:
     numbers: tuple
     said: tuple
-    lead: int
+    latest: tuple
     days: tuple
     zones: tuple
     words: tuple
@@ -282,7 +282,7 @@ def candidates(messages, settings):
     return Candidates(
         numbers=tuple(sorted(set(numbers), key=numbers.index)),
         said=tuple(said),
-        lead=min(len(latest), grounding["said_first"]),
+        latest=tuple(latest),
         days=tuple(sorted(set(days), key=days.index)),
         zones=tuple(recent_first(zones, bound)),
         words=tuple(words),

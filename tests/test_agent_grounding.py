@@ -110,8 +110,8 @@ def test_the_system_turns_date_offers_no_number_but_its_memories_do(settings):
     assert found.said == ("56", "1234", "300")  # most recent first; the memory's 300, not its id 9
     assert not {"5", "2026", "9"} & set(found.said) and 5 not in found.days
     assert found.ids == (9,)
-    assert found.lead == 2  # the latest turn says two numbers: a calculation starts with both
-    assert grounding.candidates(conversation("¿Y en horas?"), settings).lead == 0
+    assert found.latest == ("56", "1234")  # the latest turn's: a calculation starts with both
+    assert grounding.candidates(conversation("¿Y en horas?"), settings).latest == ()
 
 
 def test_thousands_of_numbers_keep_only_the_most_recent_within_the_bound(settings):
