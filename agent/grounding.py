@@ -88,8 +88,9 @@ def plain(text):
 
 
 def digit_values(number):
-    """The values a number written with digits may mean: "2,35" is 2.35 (or 235 where a comma groups
-    thousands), "1.250" is 1.25 or 1250, "1.234,5" and "1,234.5" are 1234.5, "1.000.000" is 1000000."""
+    """The values a number written with digits may mean: "2,35" is 2.35 (a mark groups thousands only
+    before three digits), "1.250" is 1.25 or 1250, "1.234,5" and "1,234.5" are 1234.5, "1.000.000" is
+    1000000."""
     marks = [ch for ch in number if ch in ".,"]
     whole = number.replace(".", "").replace(",", "")
     if not marks:
@@ -99,7 +100,8 @@ def digit_values(number):
         return [Decimal(whole[: cut - len(marks) + 1] + "." + number[cut + 1 :])]
     if len(marks) > 1:
         return [Decimal(whole)]
-    return [Decimal(number.replace(",", ".")), Decimal(whole)]
+    grouped = len(number) - number.index(marks[0]) - 1 == 3
+    return [Decimal(number.replace(",", "."))] + ([Decimal(whole)] if grouped else [])
 
 
 def read_words(words, start):
