@@ -307,13 +307,13 @@ $(AGENT_DATA)/eval.jsonl: $(AGENT_DATA_SOURCES)
 agent-eval: agent-data
 	$(PY) -m evaluation.tool_use $(RUN) --generated $(AGENT_DATA)/eval.jsonl $(ARGS)
 
-# corpus-smoke tokenizer -> the generated tool-use conversations and the seed set, packed -> the tiny
-# agent model trained on them from scratch (one epoch, minutes; a second run replaces the first) -> the
-# tool-use rates on every held-out conversation.
-sft-agent: corpus-smoke agent-data
-	$(PY) -m chat prepare configs/sft-agent-cpu.yaml
-	$(PY) train.py configs/sft-agent-tiny-cpu.yaml $(ARGS)
-	$(PY) -m evaluation.tool_use runs/sft-agent-tiny-cpu --generated $(AGENT_DATA)/eval.jsonl
+# corpus-smoke tokenizer -> the 16k generated tool-use conversations and the seed set, packed -> the tiny
+# agent model trained on them from scratch: the ladder's best rung, a16k (one epoch, ~21 min; a second run
+# replaces the first) -> the tool-use rates on every held-out conversation.
+sft-agent: corpus-smoke agent-data agent-data-16k
+	$(PY) -m chat prepare configs/sft-agent-tiny-16k-cpu.yaml
+	$(PY) train.py configs/sft-agent-tiny-16k-cpu.yaml $(ARGS)
+	$(PY) -m evaluation.tool_use runs/sft-agent-tiny-16k-cpu --generated $(AGENT_DATA)/eval.jsonl
 
 # The agent on a size ladder (evaluation/ladder.py): each rung trained on the same tool data with SFT
 # seeds LADDER_SEEDS, then one table of the mean and min-max over seeds on both sets. A seed already
