@@ -51,6 +51,9 @@ def run(args):
         os.path.join(chain["folder"], "chain", "plan.txt"), lambda f: f.write(text.encode() + b"\n")
     )
     stages.run_chain(chain, plan)
+    print(
+        f"the run's report: {stages.write_run_report(chain, chain_plan.make_plan(chain), final_run(chain))}"
+    )
     print(f"ready: make serve RUN={final_run(chain)}")
     return 0
 

@@ -228,3 +228,33 @@ def run_chain(chain, plan, log=print):
             f"stage {n}/{total} {name}: done in {chain_plan.human_hours(took / 3600)} "
             f"({took:.0f} s; plan {chain_plan.human_hours(estimate['hours'])})"
         )
+
+
+def write_run_report(chain, plan, final_run):
+    """<folder>/report.md, the run's own report: each stage's measured time beside the plan's estimate,
+    the data sources with their licences, and where the report card, the export and the answers are."""
+    lines = [
+        f"# Run {chain['board']} ({plan['hardware']['name']})",
+        "",
+        "| stage | took | plan |",
+        "|---|---:|---:|",
+    ]
+    for stage, estimate in zip(chain["stages"], plan["stages"], strict=True):
+        seconds = (read_mark(chain, stage["name"], "done") or {}).get("seconds")
+        took = "–" if seconds is None else f"{seconds:.0f} s"
+        lines.append(f"| {stage['name']} | {took} | {chain_plan.human_hours(estimate['hours'])} |")
+    lines += ["", "## Data sources and their licences", ""]
+    lines += [f"- {line.strip()}" for line in chain_plan.licence_lines(plan["stages"])[1:]]
+    lines += ["", "## What it made", "", f"- the model: `{final_run}` (`make serve RUN={final_run}`)"]
+    for name, path in (("report card", os.path.join(final_run, "report.md")),
+                       ("answers of the served model", os.path.join(chain["folder"], "ask", "answers.md"))):  # fmt: skip
+        if os.path.isfile(path):
+            lines.append(f"- the {name}: `{path}`")
+    exports = sorted(glob.glob(os.path.join(final_run, "export-*")))
+    lines += [f"- an export: `{path}`" for path in exports]
+    lines.append(
+        f"- the plan as printed at the start: `{os.path.join(chain['folder'], 'chain', 'plan.txt')}`"
+    )
+    path = os.path.join(chain["folder"], "report.md")
+    fileio.write_atomic(path, lambda f: f.write(("\n".join(lines) + "\n").encode()))
+    return path

@@ -157,6 +157,9 @@ def test_the_tiny_chain_ends_in_a_served_model_with_a_report_card_and_a_gguf(tin
     assert first.stdout.strip().splitlines()[-1] == f"ready: make serve RUN={folder}/sft"
     assert (folder / "sft" / "report.md").is_file()
     assert "fortunes-es: public domain" in (folder / "chain" / "plan.txt").read_text(encoding="utf-8")
+    run_report = (folder / "report.md").read_text(encoding="utf-8")  # the run's own, beside the card
+    assert "| pretrain | " in run_report and "- fortunes-es: public domain" in run_report
+    assert f"`{folder}/sft/report.md`" in run_report and f"`{folder}/ask/answers.md`" in run_report
     assert (folder / "sft" / "export-gguf" / "model.gguf").is_file() or list(
         (folder / "sft" / "export-gguf").glob("*.gguf")
     )
