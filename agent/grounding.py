@@ -15,7 +15,10 @@ the same numbers.
                     empty when none is named, and then zona is left out (the family's zone)
     found.words     the words of the user's recent turns, the latest turn first, each in its order: what a
                     search or a memory is made of
-    found.ids       the memory numbers shown ("- [12] ..." lines of the system turn and tool results)
+    found.ids       the numbers the latest user turn gives right after a grounding.id_words word ("borra el
+                    recuerdo 7", "el recuerdo número tres": a memory named though not shown; olvidar itself
+                    refuses another member's), then the memory numbers shown ("- [12] ..." lines of the
+                    system turn and tool results)
 
 The sources are the user turns, the tool results and the system turn's memories (not its date line: "Hoy es
 sábado, 5 de diciembre de 2026" would offer 5 and 2026 to every calculation), most recent first;
@@ -176,6 +179,23 @@ def spoken_numbers(text):
     return [value for values, _ in said(text) for value in values]
 
 
+def named_ids(text, id_words):
+    """The whole numbers a text says right after one of `id_words` ("recuerdo 7", "número tres")."""
+    words = [plain(word) for word in WORD.findall(text)]
+    naming = {plain(word) for word in id_words}
+    ids = []
+    for index in range(1, len(words)):
+        if words[index - 1] not in naming:
+            continue
+        if DIGITS.fullmatch(words[index]):
+            values = digit_values(words[index])
+        else:
+            value, used = read_words(words, index)
+            values = [value] if used else []
+        ids += [int(v) for v in values if v == int(v) and 0 < v < 10**18]
+    return ids
+
+
 def counted_days(text, units):
     """Whole numbers of days a text says: '45 días' is 45, 'dos semanas' is 14 (units: a word -> days)."""
     units = {plain(name): days for name, days in units.items()}
@@ -275,7 +295,9 @@ def candidates(messages, settings):
         days += counted_days(text, grounding["units"])
     limit = settings["date"]["max_days"]
     said = recent_first(numbers, bound)
-    latest = recent_first([number_text(v) for v in spoken_numbers(users[-1])], bound) if users else []
+    latest_values = spoken_numbers(users[-1]) if users else []
+    latest = recent_first([number_text(v) for v in latest_values], bound)
+    ids += reversed(named_ids(users[-1], grounding["id_words"])) if users else []  # the first named leads
     numbers = said + [number_text(Decimal(str(n))) for n in grounding["numbers"]]
     days = [day for day in recent_first(days, bound) if abs(day) <= limit] + list(grounding["days"])
     words = []

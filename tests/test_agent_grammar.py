@@ -438,6 +438,13 @@ def test_a_question_with_two_numbers_computes_with_both_before_any_constant(
     assert accepts(tokenizer, settings, asked, "calculadora", {"expresion": expression}) is allowed
 
 
+def test_a_memory_named_by_its_number_is_forgotten_by_that_number_only(tokenizer, settings):
+    asked = [{"role": "user", "content": "Borra el recuerdo 7, por favor"}]  # no memory shown
+    specs = tools.tool_specs(settings, ["olvidar", "buscar_recuerdos"])
+    assert accepts(tokenizer, settings, asked, "olvidar", {"id": 7}, specs)
+    assert not accepts(tokenizer, settings, asked, "olvidar", {"id": 1}, specs)
+
+
 def test_hint_and_off_keep_todays_schema_grammar(tokenizer, settings):
     specs = tools.tool_specs(settings, list(ROOT_TOOLS))
     for mode in ("hint", "off"):

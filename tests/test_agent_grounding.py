@@ -111,9 +111,21 @@ def test_the_system_turns_date_offers_no_number_but_its_memories_do(settings):
     found = grounding.candidates(messages, settings)
     assert found.said == ("56", "1234", "300")  # most recent first; the memory's 300, not its id 9
     assert not {"5", "2026", "9"} & set(found.said) and 5 not in found.days
-    assert found.ids == (9,)
+    assert found.ids == (9,)  # no number said after a word that names a memory ("recuerdo 9")
     assert found.latest == ("56", "1234")  # the latest turn's: a calculation starts with both
     assert grounding.candidates(conversation("¿Y en horas?"), settings).latest == ()
+
+
+@pytest.mark.parametrize(
+    ("asked", "ids"),
+    [("Borra el recuerdo 7, por favor", (7,)), ("Borra el recuerdo número tres", (3,)),
+     ("Elimina el recuerdo número 12", (12,)), ("Quita los recuerdos 4 y 5", (4,)),
+     ("Olvida el dentista del 14", ()), ("Busca una farmacia de guardia", ())],
+)  # fmt: skip
+def test_a_memory_the_user_names_by_its_number_can_be_forgotten_though_not_shown(settings, asked, ids):
+    found = grounding.candidates([{"role": "user", "content": asked}], settings)
+    assert found.ids == ids  # a number after a grounding.id_words word only
+    assert grounding.callable_tool("olvidar", found) is bool(ids)
 
 
 def test_thousands_of_numbers_keep_only_the_most_recent_within_the_bound(settings):
