@@ -53,6 +53,7 @@ HUNDREDS = {"cien": 100, "ciento": 100, "quinientos": 500, "quinientas": 500, "s
 for _word, _value in (("dos", 2), ("tres", 3), ("cuatro", 4), ("seis", 6), ("ocho", 8)):
     HUNDREDS[_word + "cientos"] = HUNDREDS[_word + "cientas"] = 100 * _value
 HALF = ("medio", "media")
+ARTICLES = ("un", "una", "uno")
 
 
 SPELLED_UNITS = "cero uno dos tres cuatro cinco seis siete ocho nueve".split()
@@ -151,8 +152,9 @@ def read_words(words, start):
 
 
 def said(text):
-    """(values, next word) of each number a text says, with digits or in Spanish words, in the order
-    said: a number written with digits may stand for several values (see digit_values)."""
+    """(values, next word, whether it is a lone "un"/"una"/"uno") of each number a text says, with digits
+    or in Spanish words, in the order said: a number written with digits may stand for several values (see
+    digit_values)."""
     words = [plain(word) for word in WORD.findall(text)]
     found, index = [], 0
     while index < len(words):
@@ -168,15 +170,17 @@ def said(text):
         else:
             value, used = read_words(words, index)
             values, used = ([value], used) if used else ([], 1)
+        article = used == 1 and word in ARTICLES  # "una cena", "cada uno": no 1 to compute with
         index += used
         if values:
-            found.append((values, words[index] if index < len(words) else ""))
+            found.append((values, words[index] if index < len(words) else "", article))
     return found
 
 
 def spoken_numbers(text):
-    """Every value of the numbers a text says (see said)."""
-    return [value for values, _ in said(text) for value in values]
+    """Every value of the numbers a text says (see said), but a lone "un", "una" or "uno": an article or
+    a pronoun far more often than a number (1 is among grounding.numbers anyway)."""
+    return [value for values, _, article in said(text) if not article for value in values]
 
 
 def named_ids(text, id_words):
@@ -201,7 +205,7 @@ def counted_days(text, units):
     units = {plain(name): days for name, days in units.items()}
     return [
         int(value) * units.get(after, 1)
-        for values, after in said(text)
+        for values, after, _ in said(text)  # "una semana" is 7 days
         for value in values
         if value == value.to_integral_value()
     ]

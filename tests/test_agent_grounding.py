@@ -154,6 +154,17 @@ def test_every_place_the_generator_asks_about_names_its_zone(settings):
 
 
 def test_a_number_spelled_out_in_words_reads_back_as_itself():
-    for number in [*range(0, 1200), 1999, 2021, 21000, 31000, 101000, 500500, 999999]:
+    for number in [0, *range(2, 1200), 1999, 2021, 21000, 31000, 101000, 500500, 999999]:
         assert grounding.spoken_numbers(grounding.number_words(number)) == [number], number
+    assert grounding.spoken_numbers("uno") == []  # a lone "uno" is "cada uno" far more often than 1
+
+
+@pytest.mark.parametrize(
+    ("text", "said"),
+    [("Somos 7 para pagar una cena de 186 euros", ["7", "186"]), ("a 0,35 cada uno", ["0.35"]),
+     ("Un pantalón de 64 dólares con un 30% de descuento", ["64", "30"]), ("cuarenta y uno", ["41"]),
+     ("un cuarto de kilo", ["0.25"]), ("una docena", ["12"]), ("un millón", ["1000000"])],
+)  # fmt: skip
+def test_a_lone_article_is_no_number_to_compute_with(text, said):
+    assert numbers(text) == said
     assert grounding.number_words(21000) == "veintiún mil" and grounding.number_words(1001) == "mil uno"
