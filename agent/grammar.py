@@ -357,14 +357,15 @@ def words_rules(words, joining):
     return rules
 
 
-def calculation_rules(depth, paired=False):
+def calculation_rules(depth, operators, paired=False):
     """EBNF `c_e0`: numbers with operators between, parentheses nested at most `depth` deep (so that a
     budget's last tokens can always close them). The first number of each (parenthesised) expression is
     one the conversation said (`c_s`), or with `paired` the whole starts with two different numbers of
-    the latest user turn (`c_pair`, pair_rules); the later ones may be constants too (`c_n`): a small
+    the latest user turn (`c_pair`, pair_rules); the later ones may be constants too (`c_n`). `operators`
+    between them (see said_operators). A small
     model that has not learnt to copy otherwise writes "1234 por 56" with constants ("2**1*1", then
     "1234*2", then "1234*1234")."""
-    rules = ['c_sp ::= " " | ""', 'c_o ::= "**" | "//" | "+" | "-" | "*" | "/" | "%"']
+    rules = ['c_sp ::= " " | ""', f"c_o ::= {alternatives(operators)}"]
     for level in range(depth + 1):
         inner = f' | "(" c_sp c_e{level + 1} c_sp ")"' if level < depth else ""
         first = "c_pair" if paired and level == 0 else f"c_f{level}"
@@ -372,6 +373,16 @@ def calculation_rules(depth, paired=False):
         for term, number in ((f"c_f{level}", "c_s"), (f"c_t{level}", "c_n")):
             rules.append(f'{term} ::= ("-" | "+")? ({number} ("%" | " %")?{inner})')
     return rules
+
+
+def said_operators(found, settings):
+    """The calculator's operators a constrained expression may use: + - * / % always, "**" and "//" only
+    where a recent user turn says one of their grounding.said_operators words ("elevado", "potencia"):
+    a small model writes "12**15" for "doce por quince" when "**" is one more "*" away."""
+    said = {grounding.plain(word) for word in found.words}
+    extra = [op for op, words in settings["grounding"]["said_operators"].items()
+             if said & {grounding.plain(word) for word in words}]  # fmt: skip
+    return [*extra, "+", "-", "*", "/", "%"]
 
 
 def pair_rules(numbers, forms):
@@ -406,7 +417,9 @@ def grounded_ebnf(names, found, settings):
     if "calculadora" in names:
         forms = lambda numbers: [f for n in numbers for f in (n, n.replace(".", ","))]  # noqa: E731
         paired = settings["grounding"]["said_first"] > 1 and len(found.latest) > 1
-        rules += calculation_rules(settings["grounding"]["max_parentheses"], paired)
+        rules += calculation_rules(
+            settings["grounding"]["max_parentheses"], said_operators(found, settings), paired
+        )
         rules += pair_rules(found.latest, forms) if paired else []
         rules.append(f"c_n ::= {alternatives(forms(found.numbers))}")
         rules.append(f"c_s ::= {alternatives(forms(found.said or found.numbers))}")

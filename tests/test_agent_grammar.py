@@ -438,6 +438,19 @@ def test_a_question_with_two_numbers_computes_with_both_before_any_constant(
     assert accepts(tokenizer, settings, asked, "calculadora", {"expresion": expression}) is allowed
 
 
+@pytest.mark.parametrize(
+    ("asked", "expression", "allowed"),
+    [("cuanto es 2 elevado a 16", "2**16", True), ("¿Cuánto son doce por quince?", "12**15", False),
+     ("¿Cuánto son doce por quince?", "12*15", True), ("Divide 17 entre 5, la parte entera", "17//5", True),
+     ("Divide 17 entre 5", "17//5", False)],
+)  # fmt: skip
+def test_a_power_or_a_whole_division_needs_words_that_ask_for_it(
+    tokenizer, settings, asked, expression, allowed
+):
+    asked = [{"role": "user", "content": asked}]
+    assert accepts(tokenizer, settings, asked, "calculadora", {"expresion": expression}) is allowed
+
+
 def test_a_memory_named_by_its_number_is_forgotten_by_that_number_only(tokenizer, settings):
     asked = [{"role": "user", "content": "Borra el recuerdo 7, por favor"}]  # no memory shown
     specs = tools.tool_specs(settings, ["olvidar", "buscar_recuerdos"])
