@@ -400,6 +400,28 @@ def pair_rules(numbers, forms):
     return rules
 
 
+def date_arguments(found, key):
+    """EBNF of fecha_hora's arguments: dias among the days said (or 0), zona among the places named (left
+    out when none is: the family's own zone); what the latest user turn asks about (found.asked_days,
+    found.asked_zones) must be there."""
+
+    def offsets(days):
+        return alternatives(str(day) for day in sorted({abs(day) for day in days}) if day)
+
+    days = offsets(found.days)
+    day = f'{key("dias")} ("0" | "-"? ({days}))' if days else f'{key("dias")} "0"'
+    if found.asked_days:
+        day = f'{key("dias")} "-"? ({offsets(found.asked_days)})'
+    comma = literal(", ")
+    zones = found.asked_zones or found.zones  # else no place is named: zona is left out, the family's own
+    zone = f"{key('zona')} ({alternatives(json.dumps(zone) for zone in zones)})" if zones else None
+    if found.asked_zones:
+        return f"{zone} ({comma} {day})" if found.asked_days else f"{zone} ({comma} {day})?"
+    if found.asked_days:
+        return f"({zone} {comma})? {day}" if zone else day
+    return f"(({zone}) ({comma} {day})? | {day})?" if zone else f"({day})?"
+
+
 def grounded_ebnf(names, found, settings):
     """EBNF of a call to one of our own tools `names` with the values in `found` (grounding.Candidates),
     laid out as chat.render writes it; a tool with a required argument and no value for it is left out.
@@ -425,12 +447,7 @@ def grounded_ebnf(names, found, settings):
         rules.append(f"c_s ::= {alternatives(forms(found.said or found.numbers))}")
         call("calculadora", f'{key("expresion")} "\\"" c_e0 "\\""')
     if "fecha_hora" in names:
-        days = [str(day) for day in sorted({abs(day) for day in found.days}) if day]
-        day = f'{key("dias")} ("0" | "-"? ({alternatives(days)}))' if days else f'{key("dias")} "0"'
-        if found.zones:  # else no place is named: zona is left out, the family's own
-            zone = f"{key('zona')} ({alternatives(json.dumps(zone) for zone in found.zones)})"
-            day = f"({zone}) ({literal(', ')} {day})? | {day}"
-        call("fecha_hora", f"({day})?")
+        call("fecha_hora", date_arguments(found, key))
     if {"buscar_web", "recordar", "buscar_recuerdos"} & set(names):
         rules += words_rules(found.words, settings["grounding"]["joining_words"])
         text = '"\\"" w "\\""'

@@ -9,10 +9,16 @@ the same numbers.
     found.said      the numbers said, without the constants: what a calculation starts with
     found.latest    the numbers the latest user turn says: with two or more (and grounding.said_first 2), a
                     calculation starts with two different ones ("1250 y gasté 487" computes with both)
-    found.days      fecha_hora's dias: whole numbers said ("dos semanas" is 14 with grounding.units), then
-                    grounding.days; either sign may be written
+    found.days      fecha_hora's dias: whole numbers said ("dos semanas" is 14 with grounding.units), the
+                    day words said ("mañana" is 1 with grounding.day_words), then grounding.days; either
+                    sign may be written
     found.zones     IANA zones of the places named (grounding.places, or a tzdata city spelled out);
                     empty when none is named, and then zona is left out (the family's zone)
+    found.asked_days, found.asked_zones
+                    what the latest user turn asks about: days counted with their unit ("dentro de 45
+                    días", "hace tres semanas") or named by a day word ("mañana"), places named; a
+                    fecha_hora call must then take one of them ("¿Qué hora es en Bogotá?" is no call
+                    without Bogotá's zone, "dentro de 45 días" none without 45)
     found.words     the words of the user's recent turns, the latest turn first, each in its order: what a
                     search or a memory is made of
     found.ids       the numbers the latest user turn gives right after a grounding.id_words word ("borra el
@@ -183,6 +189,17 @@ def spoken_numbers(text):
     return [value for values, _, article in said(text) if not article for value in values]
 
 
+def asked_days(text, units, day_words):
+    """The day offsets a text asks about in so many words: a whole number before a unit ("45 días", "tres
+    semanas": units) or a word that is one on its own ("mañana", "anteayer": day_words). "a las 10" is
+    none: a number without its unit is not a day count."""
+    units = {plain(name): days for name, days in units.items()}
+    counted = [int(value) * units[after] for values, after, _ in said(text) if after in units
+               for value in values if value == value.to_integral_value()]  # fmt: skip
+    day_words = {plain(word): days for word, days in day_words.items()}
+    return counted + [day_words[word] for word in map(plain, WORD.findall(text)) if word in day_words]
+
+
 def named_ids(text, id_words):
     """The whole numbers a text says right after one of `id_words` ("recuerdo 7", "número tres")."""
     words = [plain(word) for word in WORD.findall(text)]
@@ -261,6 +278,8 @@ class Candidates:
     latest: tuple
     days: tuple
     zones: tuple
+    asked_days: tuple
+    asked_zones: tuple
     words: tuple
     ids: tuple
 
@@ -296,12 +315,14 @@ def candidates(messages, settings):
         else:
             zones += named_zones(text, grounding["places"])
         numbers += [number_text(value) for value in spoken_numbers(text)]
-        days += counted_days(text, grounding["units"])
+        days += counted_days(text, grounding["units"]) + asked_days(text, {}, grounding["day_words"])
     limit = settings["date"]["max_days"]
     said = recent_first(numbers, bound)
     latest_values = spoken_numbers(users[-1]) if users else []
     latest = recent_first([number_text(v) for v in latest_values], bound)
     ids += reversed(named_ids(users[-1], grounding["id_words"])) if users else []  # the first named leads
+    asked = asked_days(users[-1], grounding["units"], grounding["day_words"]) if users else []
+    asked_zones = named_zones(users[-1], grounding["places"]) if users else []
     numbers = said + [number_text(Decimal(str(n))) for n in grounding["numbers"]]
     days = [day for day in recent_first(days, bound) if abs(day) <= limit] + list(grounding["days"])
     words = []
@@ -313,6 +334,8 @@ def candidates(messages, settings):
         latest=tuple(latest),
         days=tuple(sorted(set(days), key=days.index)),
         zones=tuple(recent_first(zones, bound)),
+        asked_days=tuple(recent_first([day for day in asked if abs(day) <= limit], bound)),
+        asked_zones=tuple(recent_first(asked_zones, bound)),
         words=tuple(words),
         ids=tuple(recent_first(ids, bound)),
     )

@@ -626,12 +626,14 @@ def canonical(number):
 
 def ungrounded(call, texts, settings):
     """The numbers of a calculadora expression or a fecha_hora offset that none of the texts says and
-    that are not among the grounding constants (grounding.numbers, grounding.days), in the call's
-    order."""
+    that are not among the grounding constants (grounding.numbers, grounding.days, the day words said), in
+    the call's order."""
     if call.name == "calculadora" and isinstance(call.arguments.get("expresion"), str):
         numbers, known = NUMBER.findall(call.arguments["expresion"]), settings["grounding"]["numbers"]
     elif call.name == "fecha_hora" and isinstance(call.arguments.get("dias"), int):
-        numbers, known = [str(abs(call.arguments["dias"]))], [0, *settings["grounding"]["days"]]
+        words = settings["grounding"]["day_words"]  # "mañana" says 1
+        told = [day for text in texts for day in grounding.asked_days(text, {}, words)]
+        numbers, known = [str(abs(call.arguments["dias"]))], [0, *settings["grounding"]["days"], *told]
     else:
         return []
     said = set().union(*map(said_numbers, texts)) | {canonical(str(n)) for n in known}

@@ -451,6 +451,23 @@ def test_a_power_or_a_whole_division_needs_words_that_ask_for_it(
     assert accepts(tokenizer, settings, asked, "calculadora", {"expresion": expression}) is allowed
 
 
+@pytest.mark.parametrize(
+    ("asked", "arguments", "allowed"),
+    [("¿Qué hora es en Bogotá ahora mismo?", {"zona": "America/Bogota"}, True),
+     ("¿Qué hora es en Bogotá ahora mismo?", {}, False),  # the family's zone is not Bogotá's
+     ("¿Qué hora es en Bogotá ahora mismo?", {"dias": -1}, False),
+     ("¿Qué fecha será dentro de 45 días?", {"dias": 45}, True), ("¿Qué fecha será dentro de 45 días?", {}, False),
+     ("¿Qué fecha será dentro de 45 días?", {"dias": -1}, False), ("¿Qué día es mañana?", {"dias": 1}, True),
+     ("¿Qué día es mañana?", {}, False), ("¿Me dices qué hora es?", {}, True),
+     ("¿Me dices qué hora es?", {"dias": -1}, False), ("¿Qué hora es en Lima? Salgo a las 10", {"zona": "America/Lima"}, True)],
+)  # fmt: skip
+def test_a_date_call_takes_the_day_count_or_place_the_question_asks_about(
+    tokenizer, settings, asked, arguments, allowed
+):
+    asked = [{"role": "user", "content": asked}]
+    assert accepts(tokenizer, settings, asked, "fecha_hora", arguments) is allowed
+
+
 def test_a_memory_named_by_its_number_is_forgotten_by_that_number_only(tokenizer, settings):
     asked = [{"role": "user", "content": "Borra el recuerdo 7, por favor"}]  # no memory shown
     specs = tools.tool_specs(settings, ["olvidar", "buscar_recuerdos"])

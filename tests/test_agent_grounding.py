@@ -66,6 +66,16 @@ def test_days_are_whole_numbers_said_and_units_multiply_them(settings):
     assert grounding.counted_days("dentro de un año", units) == [365]
 
 
+def test_a_day_count_is_asked_with_its_unit_or_a_day_word(settings):
+    units, words = settings["grounding"]["units"], settings["grounding"]["day_words"]
+    assert grounding.asked_days("¿Qué fecha será dentro de 45 días?", units, words) == [45]
+    assert grounding.asked_days("¿Qué fecha era hace tres semanas?", units, words) == [21]
+    assert grounding.asked_days("¿Qué día fue anteayer?", units, words) == [2]
+    assert grounding.asked_days("Salgo a las 10, ¿qué hora es en Lima?", units, words) == []
+    found = grounding.candidates([{"role": "user", "content": "¿Qué día es mañana en Tokio?"}], settings)
+    assert found.asked_days == (1,) and found.asked_zones == ("Asia/Tokyo",) and 1 in found.days
+
+
 def test_a_named_place_gives_its_zone_and_tzdata_cities_count_without_a_table(settings):
     places = settings["grounding"]["places"]
     assert grounding.named_zones("¿Qué hora es en Nueva York?", places) == ["America/New_York"]
