@@ -40,7 +40,7 @@ lint: $(STAMP)
 	$(PY) -m chain check
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/clang-format --dry-run --Werror serve/*.cpp
+	$(VENV)/bin/clang-format --dry-run --Werror decode/*.cpp
 
 check-configs: $(STAMP)
 	$(PY) config.py --all configs
@@ -288,10 +288,10 @@ serve: $(STAMP)
 	@test -e $(SERVE_RUN) || test "$(SERVE_RUN)" != runs/smoke-corpus-cpu || $(MAKE) smoke-corpus ARGS=
 	$(PY) -m serve $(SERVE_RUN) --device $(SERVE_DEVICE) $(ARGS)
 
-# ENLACE's own CPU kernels (serve/matvec.cpp, serve/attention.cpp), built once into ~/.cache/enlace/kernels/
+# ENLACE's own CPU kernels (decode/matvec.cpp, decode/attention.cpp), built once into ~/.cache/enlace/kernels/
 # (the server otherwise builds them on its first start): the compiler's output shown, then where they are.
 kernels: $(STAMP)
-	$(PY) -m serve.kernel
+	$(PY) -m decode.kernel
 
 # --- tools (agent/tools.py) -----------------------------------------------------------------------------
 

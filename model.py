@@ -15,7 +15,7 @@ sets head_dim = d_model / n_heads, tie_word_embeddings = true, rms_norm_eps = no
 rope_theta = rope_base; the weights then map one to one and give the same logits.
 
 The model knows nothing about devices, dtypes, files or serving: the caller moves it and picks autocast;
-serve/engine.py decodes with it (KV cache, batched steps, sampling).
+decode/engine.py decodes with it (KV cache, batched steps, sampling).
 """
 
 import math

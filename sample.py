@@ -28,7 +28,7 @@ import fileio
 from agent import grammar, tools
 from chat import template
 from checkpoint import CheckpointError
-from serve import engine
+from decode import engine
 
 
 class SampleError(Exception):

@@ -585,7 +585,7 @@ def _truncate_metrics(path, step):
 
 
 def sample_text(model, tokenizer, train_cfg, hardware, chat_run=False):
-    from serve import engine
+    from decode import engine
 
     stop_token = tokenizer.eos_id
     if chat_run:  # a fine-tuned run answers sample_prompt as a user message

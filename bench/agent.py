@@ -25,8 +25,8 @@ import model
 from agent import dataset, grammar, tools
 from bench.common import ROOT, layer
 from corpus import encode
+from decode import engine
 from evaluation import tool_use
-from serve import engine
 
 ROUNDS = 5  # alternate rounds over the calls; the median is kept
 

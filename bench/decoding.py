@@ -18,9 +18,9 @@ import model
 import train
 from bench.common import ROOT, layer, timed
 from corpus import pipeline
-from serve import engine, kvcache
-from serve.kernel import KernelUnavailable
-from serve.weights import KernelLinear, SplitLinear, split_matvec, with_kernels
+from decode import engine, kvcache
+from decode.kernel import KernelUnavailable
+from decode.weights import KernelLinear, SplitLinear, split_matvec, with_kernels
 
 
 def serve_bench_run(folder, shipped=True):

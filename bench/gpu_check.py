@@ -447,7 +447,7 @@ def step_export(check, cfg):
 
     import export
     from checkpoint import load_run
-    from serve import engine
+    from decode import engine
 
     args = check.args
     run_dir = train.run_dir_of(cfg)

@@ -2,7 +2,7 @@
 `make bench ARGS=llama` (also part of ARGS=serve): ENLACE's decoding against llama.cpp on the same weights,
 at 1 and 8 streams, each configuration in a fresh process. ENLACE float32 (eager; with its products split
 over the threads; through ENLACE's own kernel, eager and compiled ahead of time as the server runs it on a
-CPU, serve/aot.py) and int8 weights (the kernel, eager and ahead of time); llama.cpp (llama-cpp-python, its
+CPU, decode/aot.py) and int8 weights (the kernel, eager and ahead of time); llama.cpp (llama-cpp-python, its
 own batched llama_decode, as many threads) on the same weights exported to GGUF f32 and q8_0. (torch.compile
 on a CPU and torch's int8 were retired from the server: docs/rendimiento.md keeps their figures.) Rounds
 take turns, so that no configuration always runs first on a cool machine; ratios are taken round by round.
@@ -30,9 +30,9 @@ import model
 from bench.common import ROOT, in_turns, layer, run_fresh, spread
 from bench.decoding import greedy_answers, memory_bandwidth, random_prompts, step_bytes
 from corpus import pipeline
-from serve import engine
-from serve.aot import AotStep
-from serve.weights import split_matvec, with_kernels
+from decode import engine
+from decode.aot import AotStep
+from decode.weights import split_matvec, with_kernels
 
 CONFIGURATIONS = (
     "ENLACE float32",

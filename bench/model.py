@@ -28,7 +28,7 @@ import hardware
 import model
 import optim
 from bench.common import ROOT, in_turns, layer, run_fresh, spread
-from serve import engine
+from decode import engine
 
 # -----------------------------------------------------------------------------
 # model: training throughput and memory against nanoGPT and transformers' Qwen3, a fresh process each

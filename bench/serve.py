@@ -23,7 +23,7 @@ import search
 from bench.common import ROOT, layer, per_call_seconds, percentile
 from bench.decoding import bench_decoding, serve_bench_run
 from bench.llama_cpp import bench_llama
-from serve import engine
+from decode import engine
 
 # -----------------------------------------------------------------------------
 # search: parse time per page, and what the provider chain costs when the primary answers

@@ -57,7 +57,7 @@ import config
 import data
 import fileio
 from chat import template
-from serve import engine
+from decode import engine
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_SETTINGS = os.path.join(ROOT, "configs", "eval", "default.yaml")

@@ -38,9 +38,9 @@ import data
 import fileio
 from chat import template
 from checkpoint import CheckpointError
+from decode import engine
 from evaluation import harness, plot
 from evaluation.harness import EvalError
-from serve import engine
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -262,7 +262,7 @@ def model_reply(model, tokenizer, max_new_tokens, settings):
     import torch
 
     from agent import grammar
-    from serve import engine, kvcache
+    from decode import engine, kvcache
 
     end = tokenizer.special_ids["<|end|>"]
     state = {"ids": [], "cache": kvcache.new_kv_cache(model)}

@@ -715,7 +715,7 @@ def memory_text(size):
 def check_kv_cache(model, settings, device):
     """Print the KV cache's memory for serve.max_batch slots; a ServeError when it exceeds
     serve.max_kv_cache_mib or the device's free memory, with the largest max_batch that fits."""
-    from serve import kvcache
+    from decode import kvcache
 
     slots = settings["max_batch"]
     per_slot = kvcache.kv_cache_bytes(model, 1, model.embed_tokens.weight.element_size())
@@ -744,7 +744,7 @@ def prepare_weights(model, settings, device):
     """The model in serve.weights' format for this device: through ENLACE's kernel with serve.matvec_kernel
     (where it cannot run, float32 weights go on without it and the server says why), else float32 with
     serve.matvec_parts > 1 split for the decode step; a ServeError for int8 without the kernel."""
-    from serve import kernel, weights
+    from decode import kernel, weights
 
     kind = "cuda" if device.startswith("cuda") else "cpu"
     dtype, parts = settings["weights"][kind], settings["matvec_parts"][kind]
@@ -763,7 +763,7 @@ def prepare_weights(model, settings, device):
                 file=sys.stderr,
             )
         else:
-            print(f"serve: decode products through serve/matvec.cpp, {dtype} weights (serve.matvec_kernel)",
+            print(f"serve: decode products through decode/matvec.cpp, {dtype} weights (serve.matvec_kernel)",
                   file=sys.stderr)  # fmt: skip
             return served
     if parts == 1:
@@ -775,13 +775,13 @@ def prepare_weights(model, settings, device):
 
 def decoding_options(settings, device):
     """The worker's engine.Decoder options for this device: serve.compile as a torch.compile mode (aot: the
-    step built ahead of time, serve/aot.py), and serve.prefix_cache."""
+    step built ahead of time, decode/aot.py), and serve.prefix_cache."""
     setting, prefix = (
         settings["compile"]["cuda" if device.startswith("cuda") else "cpu"],
         settings["prefix_cache"],
     )
     if setting == "aot":
-        from serve.aot import AotStep
+        from decode.aot import AotStep
 
         compiled = {"compile_with": AotStep}
     else:

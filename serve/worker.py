@@ -6,7 +6,7 @@ temperature, top_p, top_k, seeded generator and constraint), streams it to the r
 joins at the next step (its prompt prefilled on its own into a free slot); a finished, cancelled or failed
 one leaves at once and frees its slot. Jobs wait for a slot in a bounded queue (a full queue raises Busy,
 which the server answers with 503 and Retry-After). A row's tokens do not depend on the other rows
-(serve/engine.decode_step), so an answer is the one the request gets alone. With max_batch 1 the
+(decode/engine.decode_step), so an answer is the one the request gets alone. With max_batch 1 the
 worker answers one request at a time, as it did before batching.
 
 An agent turn runs agent/tools.py's loop on a thread of its own: each of its generations joins the batch as a
@@ -88,7 +88,7 @@ class CompileFailed(Exception):
 def new_decoder(model, slots, decoding):
     """An engine.Decoder of the model with every slot's KV cache allocated, or the decoder a stand-in model
     brings (the tests' scripted models)."""
-    from serve import engine
+    from decode import engine
 
     if hasattr(model, "decoder"):
         return model.decoder(slots, allocate=True, **decoding)

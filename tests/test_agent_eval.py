@@ -7,8 +7,8 @@ import pytest
 import config
 from agent import dataset, grammar, tools
 from chat import template
+from decode import engine
 from evaluation import tool_use
-from serve import engine
 
 
 @pytest.fixture(scope="module")

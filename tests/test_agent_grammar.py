@@ -15,8 +15,8 @@ import data
 import sample
 from agent import dataset, grammar, tools
 from chat import template
+from decode import engine
 from model import Transformer
-from serve import engine
 
 ROOT_TOOLS = ("buscar_web", "calculadora", "fecha_hora", "recordar", "buscar_recuerdos", "olvidar")
 CLIENT_TOOLS = [

@@ -1,4 +1,4 @@
-"""The decode step compiled ahead of time (serve/aot.py, serve.compile.cpu: aot): the eager step's tokens
+"""The decode step compiled ahead of time (decode/aot.py, serve.compile.cpu: aot): the eager step's tokens
 with logits within float32 rounding, rows coming and going; built once per shape and then loaded from the
 disk cache; the KV cache and the weights bound in place, not copied."""
 
@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from serve import aot, engine, kernel
+from decode import aot, engine, kernel
 from tests.test_engine import forced_tokens, run_rows
 from tests.test_model import build, tiny
 
@@ -19,7 +19,7 @@ def served_models():
     """The plain model, and through ENLACE's kernels (float32 and int8) where this CPU runs them."""
     models = {"plain": build(tiny(seq_len=32))}
     if torch.backends.cpu.get_cpu_capability() in kernel.CAPABILITIES:
-        from serve.weights import with_kernels
+        from decode.weights import with_kernels
 
         models |= {dtype: with_kernels(build(tiny(seq_len=32)), dtype, 4) for dtype in ("float32", "int8")}
     return models

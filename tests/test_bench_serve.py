@@ -4,7 +4,7 @@ compiled step of configs/serve/default.yaml, built once per slot count."""
 import torch
 
 from bench import serve as bench_serve
-from serve import aot, kernel, weights
+from decode import aot, kernel, weights
 from tests.test_model import build, tiny
 
 

@@ -1,4 +1,4 @@
-"""The serving engine in serve/engine.py: the KV cache, generation, sampling, and the Decoder's batched rows
+"""The serving engine in decode/engine.py: the KV cache, generation, sampling, and the Decoder's batched rows
 (each row bit for bit its own), compiled steps and prefix cache."""
 
 import copy
@@ -6,7 +6,7 @@ import copy
 import pytest
 import torch
 
-from serve import engine, kvcache
+from decode import engine, kvcache
 from tests.test_model import build, tiny, tokens
 
 # ---- KV cache and generation ----
@@ -233,8 +233,8 @@ def seeded(temperature, seed):
     ids=["eager", "compiled", "split products", "kernel", "kernel int8 compiled"],
 )
 def test_a_rows_tokens_and_logits_are_bit_for_bit_its_own_whatever_the_other_rows_do(compile_mode, products):
-    from serve import kernel
-    from serve.weights import split_matvec, with_kernels
+    from decode import kernel
+    from decode.weights import split_matvec, with_kernels
 
     net = build(tiny(seq_len=32))
     if products == "split":
@@ -342,7 +342,7 @@ def test_the_prefix_cache_stays_within_its_bytes_and_evicts_the_least_recently_u
 
 def test_split_matvec_shares_the_weights_and_decodes_the_plain_models_tokens_with_logits_within_1e_5():
     from bench.decoding import step_bytes
-    from serve.weights import SplitLinear, split_matvec
+    from decode.weights import SplitLinear, split_matvec
 
     net = build(tiny(seq_len=32))
     split = split_matvec(net, parts=2, max_rows=4)

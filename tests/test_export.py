@@ -19,7 +19,7 @@ import checkpoint
 import export
 import train
 from chat import template
-from serve import engine
+from decode import engine
 
 transformers = pytest.importorskip("transformers")
 quiet = lambda *a, **k: None  # noqa: E731

@@ -1,4 +1,4 @@
-"""ENLACE's own decode-step kernels (serve/matvec.cpp and serve/attention.cpp through serve/kernel.py): the
+"""ENLACE's own decode-step kernels (decode/matvec.cpp and decode/attention.cpp through decode/kernel.py): the
 same sums as torch's, each row its own whatever else is in the step, int8 weights within their rounding,
 attention over a slot's filled keys only, and a clear way out on a machine that cannot build or run them."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from serve import kernel
+from decode import kernel
 from tests.test_engine import assert_decodes_the_plain_models_tokens, forced_tokens, run_rows
 from tests.test_model import build, tiny, tokens
 
@@ -147,7 +147,7 @@ def test_bad_arguments_get_a_message_naming_what_is_wrong():
 @needs_avx2
 def test_with_kernels_share_float32_weights_and_decode_the_plain_models_tokens_with_logits_within_1e_5():
     from bench.decoding import step_bytes
-    from serve.weights import KernelLinear, with_kernels
+    from decode.weights import KernelLinear, with_kernels
 
     net = build(tiny(seq_len=32))
     served = with_kernels(net, "float32", max_rows=4)
@@ -186,7 +186,7 @@ def huge_page_eligible(address):
 
 @needs_avx2
 def test_the_kernels_float32_weights_move_into_one_block_on_huge_pages_with_the_same_values_and_tensors():
-    from serve.weights import KernelLinear, huge_page_bytes, with_kernels
+    from decode.weights import KernelLinear, huge_page_bytes, with_kernels
 
     net = build(tiny(d_model=256, ffn_hidden=768, seq_len=32))  # weights past one 2 MiB page
     before = {name: tensor.clone() for name, tensor in net.state_dict().items()}
@@ -208,7 +208,7 @@ def test_the_kernels_float32_weights_move_into_one_block_on_huge_pages_with_the_
 @needs_avx2
 def test_int8_with_kernels_hold_a_quarter_of_the_bytes_move_the_logits_by_about_a_percent_and_compile():
     from bench.decoding import step_bytes
-    from serve.weights import KernelLinear, with_kernels
+    from decode.weights import KernelLinear, with_kernels
 
     for seed in range(3):
         net = build(tiny(seq_len=32), seed=seed)
@@ -287,7 +287,7 @@ def test_a_compiler_that_fails_names_itself_and_its_last_line_and_leaves_no_file
     monkeypatch.setenv("CXX", str(failing))
     with pytest.raises(kernel.KernelUnavailable) as raised:
         kernel.build(folder=str(tmp_path / "cache"))
-    assert str(raised.value) == f"{failing} could not build serve/*.cpp: matvec.cpp:1: error: out of memory"
+    assert str(raised.value) == f"{failing} could not build decode/*.cpp: matvec.cpp:1: error: out of memory"
     assert os.listdir(tmp_path / "cache") == []
 
 

@@ -16,7 +16,8 @@ import torch
 from conftest import ROOT, live_server
 
 from agent import tools
-from serve import app, kvcache, worker
+from decode import kvcache
+from serve import app, worker
 
 NO_TOOLS = "serve.tools=false"
 
@@ -125,7 +126,7 @@ def test_answers_decoded_together_are_token_for_token_their_solo_answers(
     settings = (NO_TOOLS, "serve.max_batch=8", "serve.max_pending_per_member=16", *decoding)
     with live_server(chat_model, tmp_path, *settings) as (url, server):
         graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]  # compiled at start, if at all
-        builds = getattr(server.worker.decoder.compiled_step, "builds", None)  # serve/aot.py's
+        builds = getattr(server.worker.decoder.compiled_step, "builds", None)  # decode/aot.py's
         key = server.store.add_member("ana", "adult")
         tokens = record_tokens(server.worker)
         alone = [post(url, key, body).json() for body in bodies]
@@ -214,7 +215,7 @@ def test_int8_weights_without_the_kernel_and_torch_compile_on_a_cpu_are_refused_
 def test_without_the_kernel_float32_products_split_in_matvec_parts_blocks_and_one_block_is_the_model(
     chat_model,
 ):
-    from serve.weights import SplitLinear
+    from decode.weights import SplitLinear
 
     model = chat_model[0]
     plain = app.load_settings(
@@ -235,7 +236,7 @@ def test_without_the_kernel_float32_products_split_in_matvec_parts_blocks_and_on
 def test_by_default_a_cpu_decodes_through_the_kernel_compiled_or_not_and_answers_requests(
     chat_model, tmp_path, dtype
 ):
-    from serve.weights import KernelLinear
+    from decode.weights import KernelLinear
 
     model = chat_model[0]
     settings = app.load_settings(app.DEFAULT_CONFIG, [f"serve.weights.cpu={dtype}"])

@@ -43,9 +43,10 @@ import fileio
 import train
 from corpus import pipeline
 from corpus.docs import docs_path
+from decode import engine
 from evaluation import plot
 from family import accounts, feedback, memories, store
-from serve import app, engine
+from serve import app
 
 RELEASE = os.path.join(ROOT, "tests", "fixtures", "release-2026-12-02")
 DISK_BYTES = 4 * 2**20

@@ -13,8 +13,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from decode import kernel
 from model import MLP, Attention
-from serve import kernel
 
 
 class SplitLinear(nn.Module):
@@ -44,7 +44,7 @@ class SplitLinear(nn.Module):
 
 class KernelLinear(nn.Module):
     """nn.Linear without bias whose product with a decode step's rows (at most max_rows) runs through ENLACE's
-    own AVX2 kernel (serve/matvec.cpp, enlace::matvec), which reads the weights at close to the machine's
+    own AVX2 kernel (decode/matvec.cpp, enlace::matvec), which reads the weights at close to the machine's
     bandwidth on every core. float32 holds the same Parameter as the layer it replaces; int8 holds the
     weights rounded per output row (absmax / 127) and those scales: a quarter of the bytes per token. More
     float32 rows (a prefill) go through F.linear; int8 rows always go through the kernel, which on 2 cores
@@ -98,7 +98,7 @@ def rows_independent(model, rows):
     the other rows: each linear layer a KernelLinear that takes that many rows (the kernel sums each row in
     a fixed order, whatever the number of rows) and each attention layer's step the decode kernel (each row
     over its own keys). torch's products may round a row differently when the number of rows changes
-    (serve/engine.decode_step)."""
+    (decode/engine.decode_step)."""
     modules = list(model.modules())
     products = [m for m in modules if isinstance(m, (nn.Linear, SplitLinear, KernelLinear))]
     attention = [m for m in modules if isinstance(m, Attention)]
@@ -172,7 +172,7 @@ def move_to_huge_pages(tensors):
 def with_kernels(model, dtype, max_rows):
     """A copy of the model that decodes through ENLACE's CPU kernels: its linear layers (the LM head included)
     KernelLinear layers in dtype (float32: sharing the weights; int8), q, k and v (and gate and up) in one
-    call each, each attention layer's decode step over its filled keys only (serve/attention.cpp), and
+    call each, each attention layer's decode step over its filled keys only (decode/attention.cpp), and
     float32 weights on huge pages (move_to_huge_pages); kernel.KernelUnavailable when they cannot run
     here."""
     kernel.load()

@@ -1,7 +1,7 @@
 // The decode step's matrix products on a CPU with AVX2 and FMA: y = x @ weight.T for the few rows of a
 // decode step (one per stream), over float32 or int8 weights. Decoding reads every weight once per token,
 // so the product is bound by memory bandwidth; torch's kernels for one row read at about half of it here
-// (docs/rendimiento.md). Built and loaded by serve/kernel.py as the torch operator enlace::matvec.
+// (docs/rendimiento.md). Built and loaded by decode/kernel.py as the torch operator enlace::matvec.
 //
 // Each output row's sum is computed in the same order whatever the other rows of the step and the number
 // of threads: a stream's answer does not depend on who else is decoding.

@@ -1,6 +1,6 @@
 """
-ENLACE's own decode-step kernels on a CPU (serve/matvec.cpp: enlace::matvec and enlace::matvecs; serve/
-attention.cpp: enlace::decode_attention), built by torch.utils.cpp_extension with $CXX (else c++) into a
+ENLACE's own decode-step kernels on a CPU (decode/matvec.cpp: enlace::matvec and enlace::matvecs;
+decode/attention.cpp: enlace::decode_attention), built by torch.utils.cpp_extension with $CXX (else c++) into a
 cache folder per build key and loaded as torch operators. `make kernels` builds them ahead of a server.
 """
 
@@ -28,7 +28,7 @@ class KernelUnavailable(Exception):
 
 
 def cache_dir(kind="kernels"):
-    """ENLACE's folder of built things of one kind (kernels; aot: serve/aot.py's packages)."""
+    """ENLACE's folder of built things of one kind (kernels; aot: decode/aot.py's packages)."""
     return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "enlace", kind)
 
 
@@ -89,7 +89,7 @@ def build(folder=None, verbose=False):
         if not str(e).startswith("Error building extension"):
             raise KernelUnavailable(f"cannot load the kernel built in {directory}: {e}") from None
         shutil.rmtree(directory, ignore_errors=True)  # no half-built folder left behind
-        raise KernelUnavailable(f"{cxx} could not build serve/*.cpp: {last_compiler_line(str(e))}") from None
+        raise KernelUnavailable(f"{cxx} could not build decode/*.cpp: {last_compiler_line(str(e))}") from None
     except OSError as e:
         raise KernelUnavailable(f"cannot load the kernel built in {directory}: {e}") from None
 

@@ -18,8 +18,8 @@ import torch
 import torch.nn as nn
 
 import fileio
-from serve import engine, kernel
-from serve.weights import rows_independent
+from decode import engine, kernel
+from decode.weights import rows_independent
 
 
 class Bound(nn.Module):
@@ -108,7 +108,7 @@ def narrowed(cache, width):
 
 def step_widths(model, slots):
     """The widths to build decode steps for: every slot, and where each row is computed on its own (ENLACE's
-    kernels: serve/weights.rows_independent) also 1, 2, 4, ... below it, run over the first slots, so a
+    kernels: decode/weights.rows_independent) also 1, 2, 4, ... below it, run over the first slots, so a
     step with few rows in use costs their width and not every slot's (smoke, 2 cores: 0.52 ms at width 1,
     0.96 ms at 8) with each row's logits the same bit for bit."""
     narrower = [2**power for power in range(slots.bit_length()) if 2**power < slots]

@@ -1,7 +1,7 @@
 // A decode step's attention on a CPU with AVX2 and FMA: each slot's one query per head against the keys
 // and values its cache has filled, and no further. The compiled step (model.Attention.decode_all) keeps
 // static shapes, so in torch it attends over the whole preallocated cache, masked: at tiny-50m that reads
-// 25 MB per slot and step for ~100 filled positions out of 1,024. Built and loaded by serve/kernel.py as
+// 25 MB per slot and step for ~100 filled positions out of 1,024. Built and loaded by decode/kernel.py as
 // the torch operator enlace::decode_attention.
 //
 // A slot's result depends only on its own query, cache and length: the same whatever the other slots

@@ -1,6 +1,6 @@
 """
 The decoder's caches of keys and values: KVCache, every layer's keys and values for a Decoder's slots
-(serve/engine.py), and PrefixCache, prompt prefixes kept between requests with its member-scope rule (PUBLIC
+(decode/engine.py), and PrefixCache, prompt prefixes kept between requests with its member-scope rule (PUBLIC
 blocks are everyone's, the others only their member's).
 """
 

@@ -1,9 +1,9 @@
 """
-The serving engine over model.py's Transformer: forward passes with a KV cache (serve/kvcache.py), the
+The serving engine over model.py's Transformer: forward passes with a KV cache (decode/kvcache.py), the
 batched decode step, its static-shape forms for a compiled step (decode_all, prefill_block), the Decoder
 (continuous batching: rows join and leave between steps), generate, and the sampling of a token.
 
-serve/weights.with_kernels may hang ENLACE's CPU kernels on the model's modules, which the functions here
+decode/weights.with_kernels may hang ENLACE's CPU kernels on the model's modules, which the functions here
 call instead of the torch code: an Attention's qkv_kernel (x -> (q, k, v) in one operator) and
 decode_kernel (a decode step's attention: (q, keys, values, ends) -> y), an MLP's gate_up_kernel (x ->
 (gate, up)). The model's own forward (training) never reads them.
@@ -14,7 +14,7 @@ import functools
 import torch
 from torch.nn.attention import SDPBackend
 
-from serve import kvcache
+from decode import kvcache
 
 # ---- the model's layers with a KV cache ----
 
@@ -247,7 +247,7 @@ class Decoder:
     batched step is decode_all under torch.compile: static shapes (every slot, the whole preallocated
     cache), so compile() builds the one graph before any row arrives and no later step compiles again. Its
     logits are the eager step's up to float32 rounding; a row's tokens still do not depend on the other rows.
-    compile_with(model, cache, block=...) builds such a step elsewhere instead (serve/aot.py: ahead of
+    compile_with(model, cache, block=...) builds such a step elsewhere instead (decode/aot.py: ahead of
     time), given the prefix cache's block when there is one: a step that also has prefill_block (a block of
     a prompt at static shapes) prefills the prompts' chunks with it.
 
@@ -270,7 +270,7 @@ class Decoder:
             else None
         )
         self.compiled_step = None
-        if compile_with is not None:  # built elsewhere (serve/aot.py), with decode_all's contract
+        if compile_with is not None:  # built elsewhere (decode/aot.py), with decode_all's contract
             block = self.prefix_cache.block if self.prefix_cache else None
             self.compiled_step = compile_with(model, self.cache, block=block)
         elif compile_mode:
@@ -331,7 +331,7 @@ class Decoder:
         row.logits = logits
 
     def compiled_prefill(self):
-        """Whether the compiled step prefills blocks too (serve/aot.py's AotStep given the prefix block)."""
+        """Whether the compiled step prefills blocks too (decode/aot.py's AotStep given the prefix block)."""
         return getattr(self.compiled_step, "prefill", None) is not None
 
     def prefill_chunk(self, slot, start, chunk):
@@ -403,7 +403,7 @@ class Decoder:
                 row.logits = logits[row.slot]
 
     def step_widths(self):
-        """The numbers of first slots the compiled step runs over (serve/aot.py's AotStep builds narrower
+        """The numbers of first slots the compiled step runs over (decode/aot.py's AotStep builds narrower
         steps where each row's logits do not depend on the width); every slot otherwise."""
         return getattr(self.compiled_step, "widths", [self.slots])
 
