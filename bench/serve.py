@@ -142,12 +142,12 @@ def bench_serve(clients=20, requests_per_client=10, max_tokens=8, new_tokens=64,
 
 def served_decoders(net, slot_counts):
     """{slots: an empty, compiled engine.Decoder} of net as the server decodes it on this CPU: the weights
-    (serve/app.py prepare_weights) and decode step (decoding_options) of configs/serve/default.yaml."""
-    from serve import app
+    (decode/load.py prepare_weights) and decode step (decoding_options) of configs/serve/default.yaml."""
+    from decode import load
 
     settings = config.load_layer("serve", os.path.join(ROOT, "configs", "serve", "default.yaml"))
-    served = app.prepare_weights(net, settings, "cpu")
-    decoding = app.decoding_options(settings, "cpu")
+    served = load.prepare_weights(net, settings, "cpu")
+    decoding = load.decoding_options(settings, "cpu")
     decoders = {}
     for slots in slot_counts:
         decoders[slots] = engine.Decoder(served, slots, allocate=True, **decoding)

@@ -1,6 +1,6 @@
 """
 The formats the server can hold a model's weights in besides plain float32 (serve.weights,
-serve.matvec_kernel, serve.matvec_parts): what serve/app.prepare_weights applies at start and
+serve.matvec_kernel, serve.matvec_parts): what decode/load.prepare_weights applies at start and
 `make bench ARGS=serve` measures. int8 weights go through ENLACE's kernel (KernelLinear); torch's dynamic
 quantization measured slower and was retired (docs/rendimiento.md).
 """

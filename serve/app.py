@@ -74,6 +74,7 @@ import config
 import fileio
 from agent import grammar, tools
 from chat import template
+from decode import load
 from family import accounts, member_command, memories, store
 from serve import web, worker
 from serve.openai_api import ApiError, Reply, check_tools, conversation_of, expect, sampling_of
@@ -676,135 +677,6 @@ def build_app(server, extra_routes=()):
 # Command line
 
 
-def load_model(run, device):
-    """(model, tokenizer, model id, context length) of a run that can chat."""
-    import checkpoint
-
-    try:
-        model, cfg, tokenizer, ckpt_path = checkpoint.load_run(run, device)
-    except checkpoint.CheckpointError as e:
-        raise ServeError(str(e)) from None
-    if "<|end|>" not in tokenizer.special_ids:
-        raise ServeError(
-            f"{run}: trained with the {tokenizer.name} tokenizer, which has no chat control tokens; serve a run "
-            "with a sentencepiece tokenizer (make smoke-corpus, then make serve RUN=runs/smoke-corpus-cpu)"
-        )
-    print(f"serve: loaded {ckpt_path} ({model.num_params() / 1e6:.1f}M parameters)", file=sys.stderr)
-    model.checkpoint_path = ckpt_path  # what snapshots of the database record (serving_info)
-    return model, tokenizer, cfg["run_name"], cfg["model"]["seq_len"]
-
-
-def free_memory_bytes(device):
-    """Memory free for the KV cache on the device: CUDA's free memory, or the kernel's MemAvailable for the
-    CPU; None where it cannot be read."""
-    if device.startswith("cuda"):
-        import torch
-
-        return torch.cuda.mem_get_info(torch.device(device))[0]
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError):
-        return None
-
-
-def memory_text(size):
-    return f"{size / 2**20:,.1f} MiB" if size >= 2**20 else f"{size / 1024:.0f} KiB"
-
-
-def check_kv_cache(model, settings, device):
-    """Print the KV cache's memory for serve.max_batch slots; a ServeError when it exceeds
-    serve.max_kv_cache_mib or the device's free memory, with the largest max_batch that fits."""
-    from decode import kvcache
-
-    slots = settings["max_batch"]
-    per_slot = kvcache.kv_cache_bytes(model, 1, model.embed_tokens.weight.element_size())
-    needed = slots * per_slot
-    print(f"serve: KV cache {slots} slots x {memory_text(per_slot)} = {memory_text(needed)} (serve.max_batch="
-          f"{slots}, {model.seq_len} positions per slot)", file=sys.stderr)  # fmt: skip
-    limits = []
-    cap = settings["max_kv_cache_mib"]
-    if cap is not None:
-        limits.append((cap * 2**20, f"serve.max_kv_cache_mib={cap}"))
-    free = free_memory_bytes(device)
-    if free is not None:
-        limits.append((free, f"the {memory_text(free)} free on {device}"))
-    for limit, what in limits:
-        if needed > limit:
-            fits = int(limit // per_slot)
-            advice = f"set serve.max_batch to at most {fits}" if fits else "not even one slot fits"
-            raise ServeError(f"serve.max_batch={slots}: the KV cache needs {memory_text(needed)} "
-                             f"({memory_text(per_slot)} per slot), more than {what}; {advice}")  # fmt: skip
-
-
-COMPILE_MODES = {"off": None, "inductor": "default", "cuda-graphs": "reduce-overhead"}  # torch.compile's
-
-
-def prepare_weights(model, settings, device):
-    """The model in serve.weights' format for this device: through ENLACE's kernel with serve.matvec_kernel
-    (where it cannot run, float32 weights go on without it and the server says why), else float32 with
-    serve.matvec_parts > 1 split for the decode step; a ServeError for int8 without the kernel."""
-    from decode import kernel, weights
-
-    kind = "cuda" if device.startswith("cuda") else "cpu"
-    dtype, parts = settings["weights"][kind], settings["matvec_parts"][kind]
-    if dtype == "int8" and not settings["matvec_kernel"][kind]:
-        raise ServeError(f"serve.weights.{kind}=int8 runs through ENLACE's kernel: set serve.matvec_kernel.{kind}=true "
-                         f"(or serve.weights.{kind}=float32)")  # fmt: skip
-    if settings["matvec_kernel"][kind]:
-        try:
-            served = weights.with_kernels(model, dtype, settings["max_batch"])
-        except kernel.KernelUnavailable as e:
-            if dtype == "int8":
-                raise ServeError(f"serve.weights.{kind}=int8 runs through ENLACE's kernel, but {e}; set "
-                                 f"serve.weights.{kind}=float32") from None  # fmt: skip
-            print(
-                f"serve: serve.matvec_kernel.{kind} is on but {e}; decoding with torch's products",
-                file=sys.stderr,
-            )
-        else:
-            print(f"serve: decode products through decode/matvec.cpp, {dtype} weights (serve.matvec_kernel)",
-                  file=sys.stderr)  # fmt: skip
-            return served
-    if parts == 1:
-        return model
-    split = weights.split_matvec(model, parts, settings["max_batch"])
-    print(f"serve: decode products in {parts} blocks (serve.matvec_parts)", file=sys.stderr)
-    return split
-
-
-def decoding_options(settings, device):
-    """The worker's engine.Decoder options for this device: serve.compile as a torch.compile mode (aot: the
-    step built ahead of time, decode/aot.py), and serve.prefix_cache."""
-    setting, prefix = (
-        settings["compile"]["cuda" if device.startswith("cuda") else "cpu"],
-        settings["prefix_cache"],
-    )
-    if setting == "aot":
-        from decode.aot import AotStep
-
-        compiled = {"compile_with": AotStep}
-    else:
-        compiled = {"compile_mode": COMPILE_MODES[setting]} if COMPILE_MODES[setting] else {}
-    return compiled | (
-        {"prefix_block": prefix["block_tokens"], "prefix_cache_bytes": prefix["mib"] * 2**20}
-        if prefix["mib"]
-        else {}
-    )
-
-
-def compile_failure(error, settings, device):
-    """The one-line reason a server with serve.compile on did not start, and what to do."""
-    kind = "cuda" if device.startswith("cuda") else "cpu"
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    reason = f"{type(error).__name__}: {lines[0] if lines else ''}"[:300]
-    needs = (
-        "a working C++ compiler (g++, or the one CXX names)" if kind == "cpu" else "a working CUDA toolchain"
-    )
-    return (f"serve.compile.{kind}={settings['compile'][kind]}: the decode step did not compile ({reason}); "
-            f"compiling needs {needs}: install it, or set serve.compile.{kind}=off")  # fmt: skip
-
-
 def serving_info(run, model, tokenizer, settings, memory_cfg):
     """What this server uses, for the snapshots of its database (memory.hold_lock writes it)."""
     processor = getattr(tokenizer, "processor", None)  # sentencepiece, possibly from inside the checkpoint
@@ -875,23 +747,24 @@ def serve_main(argv):
     port = settings["port"] if args.port is None else args.port
     accounts_store = accounts.Store(settings["database"], settings["busy_timeout_ms"])
     threads = one_thread_here()
-    import checkpoint  # as load_model does
+    import checkpoint  # as load.load_model does
 
     args.device = checkpoint.device_for(args.run, args.device)
-    model, tokenizer, model_id, context = load_model(args.run, args.device)
-    model = prepare_weights(model, settings, args.device)
-    check_kv_cache(model, settings, args.device)
-    decoding = decoding_options(settings, args.device)
+    model, tokenizer, model_id, context = load.load_model(args.run, args.device)
+    model = load.prepare_weights(model, settings, args.device)
+    load.check_kv_cache(model, settings, args.device)
+    decoding = load.decoding_options(settings, args.device)
     try:
         model_worker = worker.Worker(
             model, tokenizer, settings["queue_size"], settings["max_batch"], threads, **decoding
         )
     except worker.CompileFailed as e:
         if "compile_with" not in decoding:
-            raise ServeError(compile_failure(e.__cause__, settings, args.device)) from None
+            raise ServeError(load.compile_failure(e.__cause__, settings, args.device)) from None
         # aot, the CPU's default: a machine that cannot build it (no C++ compiler) still serves, eager.
         print(
-            f"serve: {compile_failure(e.__cause__, settings, args.device)}; decoding eager", file=sys.stderr
+            f"serve: {load.compile_failure(e.__cause__, settings, args.device)}; decoding eager",
+            file=sys.stderr,
         )
         decoding = {key: value for key, value in decoding.items() if key != "compile_with"}
         model_worker = worker.Worker(
@@ -941,7 +814,7 @@ def main(argv):
         if argv and argv[0] == "member":
             return member_command.main(argv[1:], load_settings, DEFAULT_CONFIG)
         return serve_main(argv)
-    except (ServeError, accounts.AccountError) as e:
+    except (ServeError, load.LoadError, accounts.AccountError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

@@ -290,10 +290,10 @@ FAST_SCRYPT = "serve.scrypt.n=1024"  # the test passwords need no production cos
 
 @pytest.fixture(scope="session")
 def chat_model(chat_run):
-    """serve.load_model of chat_run: (model, tokenizer, model id, context), shared by in-process servers."""
-    from serve import app
+    """decode.load.load_model of chat_run: (model, tokenizer, model id, context), shared by in-process servers."""
+    from decode import load
 
-    return app.load_model(chat_run, "cpu")
+    return load.load_model(chat_run, "cpu")
 
 
 class ScriptedModel:
@@ -349,6 +349,7 @@ def live_server(chat_model, tmp_path, *overrides, model=None, context=None):
     model may claim a longer context than the tiny run's."""
     import uvicorn
 
+    from decode import load
     from family import accounts
     from serve import app, worker
 
@@ -356,8 +357,8 @@ def live_server(chat_model, tmp_path, *overrides, model=None, context=None):
     settings = app.load_settings(app.DEFAULT_CONFIG, [f"serve.database={database}", FAST_SCRYPT, *overrides])
     real_model, tokenizer, model_id, run_context = chat_model
     context = context or run_context
-    decoding = app.decoding_options(settings, "cpu") if model is None else {}
-    model = model or app.prepare_weights(real_model, settings, "cpu")  # as serve_main prepares it
+    decoding = load.decoding_options(settings, "cpu") if model is None else {}
+    model = model or load.prepare_weights(real_model, settings, "cpu")  # as serve_main prepares it
     model_worker = worker.Worker(model, tokenizer, settings["queue_size"], settings["max_batch"], **decoding)
     store = accounts.Store(database, settings["busy_timeout_ms"])
     server = app.Server(settings, store, model_worker, model_id, context)

@@ -171,13 +171,13 @@ def test_a_run_decodes_with_the_tokenizer_inside_its_checkpoint_not_the_retraine
 def test_sample_serve_and_export_use_the_tokenizer_inside_the_checkpoint(retrained_data, tmp_path):
     import export
     import sample
-    from serve import app
+    from decode import load
 
     cfg, trained_with, retrained = retrained_data
     run_dir = train.run_dir_of(cfg)
     sha256 = lambda tokenizer: hashlib.sha256(tokenizer.processor.serialized_model_proto()).hexdigest()  # noqa: E731
     assert sha256(sample.load_run(run_dir)[2]) == trained_with
-    assert sha256(app.load_model(run_dir, "cpu")[1]) == trained_with
+    assert sha256(load.load_model(run_dir, "cpu")[1]) == trained_with
     export.export(run_dir, "hf", str(tmp_path / "hf"), log=lambda *a: None)
     assert fileio.sha256_of_file(tmp_path / "hf" / "tokenizer.model") == trained_with != retrained
 
@@ -247,18 +247,18 @@ def test_sample_serve_and_export_refuse_a_run_trained_with_another_chat_template
 ):
     import export
     import sample
-    from serve import app
+    from decode import load
 
     other = template.CHAT_TEMPLATE_VERSION + 1
     path, commit = run_with_chat_template_version(tmp_path, shard_data_dir, other)
     refusals = []
-    for load, error in [
+    for attempt, error in [
         (lambda: sample.load_run(path), sample.SampleError),
-        (lambda: app.load_model(path, "cpu"), app.ServeError),
+        (lambda: load.load_model(path, "cpu"), load.LoadError),
         (lambda: export.export(path, "hf", str(tmp_path / "hf"), log=lambda *a: None), export.ExportError),
     ]:
         with pytest.raises(error) as excinfo:
-            load()
+            attempt()
         refusals.append(str(excinfo.value))
     for message in refusals:
         assert message.startswith(f"{path}: trained with chat template version {other}, ")

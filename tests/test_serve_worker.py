@@ -16,7 +16,7 @@ import torch
 from conftest import ROOT, live_server
 
 from agent import tools
-from decode import kvcache
+from decode import kvcache, load
 from serve import app, worker
 
 NO_TOOLS = "serve.tools=false"
@@ -204,9 +204,9 @@ def test_int8_weights_without_the_kernel_and_torch_compile_on_a_cpu_are_refused_
     settings = app.load_settings(
         app.DEFAULT_CONFIG, ["serve.weights.cpu=int8", "serve.matvec_kernel.cpu=false"]
     )
-    with pytest.raises(app.ServeError, match=r"serve.weights.cpu=int8 runs through ENLACE's kernel: set "
+    with pytest.raises(load.LoadError, match=r"serve.weights.cpu=int8 runs through ENLACE's kernel: set "
                                              r"serve.matvec_kernel.cpu=true \(or serve.weights.cpu=float32\)"):  # fmt: skip
-        app.prepare_weights(model, settings, "cpu")
+        load.prepare_weights(model, settings, "cpu")
     with pytest.raises(app.ServeError) as refused:
         app.load_settings(app.DEFAULT_CONFIG, ["serve.compile.cpu=inductor"])
     assert "serve.compile.cpu: 'inductor' is not allowed; allowed: 'off', 'aot'" in str(refused.value)
@@ -221,9 +221,9 @@ def test_without_the_kernel_float32_products_split_in_matvec_parts_blocks_and_on
     plain = app.load_settings(
         app.DEFAULT_CONFIG, ["serve.matvec_kernel.cpu=false", "serve.matvec_parts.cpu=1"]
     )
-    assert app.prepare_weights(model, plain, "cpu") is model
+    assert load.prepare_weights(model, plain, "cpu") is model
     settings = app.load_settings(app.DEFAULT_CONFIG, ["serve.matvec_kernel.cpu=false"])
-    split = app.prepare_weights(model, settings, "cpu")  # serve.matvec_parts.cpu: 2
+    split = load.prepare_weights(model, settings, "cpu")  # serve.matvec_parts.cpu: 2
     blocks = {m.parts for m in split.modules() if isinstance(m, SplitLinear)}
     assert blocks == {2} and split.checkpoint_path == model.checkpoint_path
     assert split.lm_head.weight is model.lm_head.weight  # the same weights, not a copy
@@ -240,7 +240,7 @@ def test_by_default_a_cpu_decodes_through_the_kernel_compiled_or_not_and_answers
 
     model = chat_model[0]
     settings = app.load_settings(app.DEFAULT_CONFIG, [f"serve.weights.cpu={dtype}"])
-    served = app.prepare_weights(model, settings, "cpu")
+    served = load.prepare_weights(model, settings, "cpu")
     layers = [m for m in served.modules() if isinstance(m, KernelLinear)]
     assert layers and {str(layer.weight.dtype) for layer in layers} == {f"torch.{dtype}"}
     assert served.checkpoint_path == model.checkpoint_path
@@ -351,14 +351,14 @@ def test_the_kv_cache_is_sized_at_start_and_a_max_batch_that_cannot_fit_is_refus
     settings = app.load_settings(app.DEFAULT_CONFIG, ["serve.max_batch=64", "serve.max_kv_cache_mib=1"])
     # 2 layers x (keys, values) x 2 kv heads x 256 positions x 8 dims x 4 bytes = 64 KiB per slot
     assert kvcache.kv_cache_bytes(model, 1) == 64 * 1024
-    with pytest.raises(app.ServeError) as refused:
-        app.check_kv_cache(model, settings, "cpu")
+    with pytest.raises(load.LoadError) as refused:
+        load.check_kv_cache(model, settings, "cpu")
     assert str(refused.value) == ("serve.max_batch=64: the KV cache needs 4.0 MiB (64 KiB per slot), more than "
                                   "serve.max_kv_cache_mib=1; set serve.max_batch to at most 16")  # fmt: skip
-    app.check_kv_cache(model, settings | {"max_batch": 16}, "cpu")
+    load.check_kv_cache(model, settings | {"max_batch": 16}, "cpu")
     assert "KV cache 16 slots x 64 KiB = 1.0 MiB" in capsys.readouterr().err
-    with pytest.raises(app.ServeError, match=r"more than the .* free on cpu; set serve.max_batch to at most"):
-        app.check_kv_cache(model, settings | {"max_batch": 10**9, "max_kv_cache_mib": None}, "cpu")
+    with pytest.raises(load.LoadError, match=r"more than the .* free on cpu; set serve.max_batch to at most"):
+        load.check_kv_cache(model, settings | {"max_batch": 10**9, "max_kv_cache_mib": None}, "cpu")
     with pytest.raises(app.ServeError, match="max_batch"):
         app.load_settings(app.DEFAULT_CONFIG, ["serve.max_batch=0"])
     # serve/app.py itself: the refusal is a clear error and exit status 2, before it listens.
