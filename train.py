@@ -34,7 +34,6 @@ import data
 import fileio
 import objective
 import optim
-from bench import resume_check
 from chat import template
 from checkpoint import (
     list_checkpoints,
@@ -618,7 +617,7 @@ def sample_text(model, tokenizer, train_cfg, hardware, chat_run=False):
 
 
 # -----------------------------------------------------------------------------
-# Resume check (bench/resume_check.py) with this module's train()
+# Resume check (checkpoint.resume_check) with this module's train()
 
 
 def check_resume(cfg, log=print):
@@ -629,7 +628,7 @@ def check_resume(cfg, log=print):
     quiet = lambda *a, **k: None
     with StopSignals(then_ignore=True) as stop:
         train_phase = lambda run_cfg, **kwargs: train(run_cfg, log=quiet, stop=stop, **kwargs)
-        return resume_check.run(cfg, train_phase, stop, log)
+        return checkpoint.resume_check(cfg, train_phase, stop, log)
 
 
 # -----------------------------------------------------------------------------
@@ -660,7 +659,7 @@ def main(argv):
         last = (f"the last good checkpoint is {newest[0]} (free space, then --resume)" if newest
                 else "no checkpoint was written yet (free space, then start it again)")  # fmt: skip
         return fileio.exit_on_storage_error(e, then=last)
-    except resume_check.CheckInterrupted as e:
+    except checkpoint.CheckInterrupted as e:
         print(f"resume-check interrupted by {e}: no verdict; its scratch runs were removed", file=sys.stderr)
         return 128 + e.signum
     return 0

@@ -16,7 +16,7 @@ and the next ones still run when they can; the exit status is 1 if any step fail
   pretrain  train.py on the board's run file (configs/pretrain-<board>.yaml: tiny-50m with the profile's
             dtype, attention kernel and compile setting) for --train-seconds after its first step, then
             SIGINT: tokens/s and MFU (anchors: llm.c ~50% on an H100 in bf16, nanochat ~41%)
-  resume    the resume check (resume_check.py) on the board: bit-identical, or which ops have no deterministic kernel and
+  resume    the resume check (checkpoint.resume_check) on the board: bit-identical, or which ops have no deterministic kernel and
             the largest difference
   ddp       with 2+ GPUs: torchrun on all of them, stopped half-way, then --resume to the end
   export    the pretrained run as Hugging Face files; transformers' logits and greedy tokens against

@@ -14,7 +14,6 @@ from conftest import ROOT, tiny_args, tiny_config
 
 import checkpoint
 import train
-from bench import resume_check
 
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
 pytestmark = pytest.mark.skipif(
@@ -59,7 +58,7 @@ def test_ddp_resume_is_bit_exact(tmp_path, shard_data_dir):
     second = torchrun([*args("run_name=split"), "--resume"])
     assert second.returncode == 0, second.stderr
     assert "resumed from" in second.stdout
-    count, differing, largest = resume_check.compare_states(
+    count, differing, largest = checkpoint.compare_states(
         newest(tmp_path / "full"), newest(tmp_path / "split")
     )
     assert not differing, f"{len(differing)}/{count} tensors differ (largest {largest})"

@@ -19,7 +19,6 @@ import data
 import hardware
 import objective
 import train
-from bench import resume_check
 from chat import convert, prepare
 from evaluation import plot
 from model import Transformer
@@ -288,7 +287,7 @@ def test_resuming_a_dpo_run_is_bit_exact_and_keeps_its_reference(pair_data, chat
     assert train.train(run("split"), resume=True, log=logs.append) == 8
     assert not any(line.startswith("reference:") for line in logs)  # read from the checkpoint, not recomputed
     a, b = newest(run("full")), newest(run("split"))
-    count, differing, largest = resume_check.compare_states(a, b)
+    count, differing, largest = checkpoint.compare_states(a, b)
     assert count > 0 and not differing, f"{len(differing)}/{count} tensors differ (largest {largest})"
     assert all(torch.equal(a["reference"][s], b["reference"][s]) for s in data.SPLITS)
 

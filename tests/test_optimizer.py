@@ -15,7 +15,6 @@ import config
 import hardware
 import optim
 import train
-from bench import resume_check
 from model import Transformer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -188,7 +187,7 @@ def assert_resumes_bit_exact(make_config, steps=8):
     assert train.train(make_config("split", f"train.max_steps={steps // 2}"), log=quiet) == steps // 2
     assert train.train(make_config("split"), resume=True, log=quiet) == steps
     a, b = final_checkpoint(make_config("full")), final_checkpoint(make_config("split"))
-    count, differing, largest = resume_check.compare_states(a, b)
+    count, differing, largest = checkpoint.compare_states(a, b)
     assert count > 0 and not differing, f"{len(differing)}/{count} tensors differ (largest {largest})"
     momentum = a["optimizer"]["state"]["muon"]
     assert len(momentum) == 14 and all("momentum_buffer" in s for s in momentum.values())  # 2 blocks x 7

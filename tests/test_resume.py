@@ -15,7 +15,6 @@ from conftest import ROOT, start_training, tiny_args, tiny_config, wait_for_step
 
 import checkpoint
 import train
-from bench import resume_check
 
 STEPS = 8
 quiet = lambda *a, **k: None  # noqa: E731
@@ -33,7 +32,7 @@ def final_checkpoint(cfg):
 
 
 def assert_bit_identical(a, b):
-    count, differing, largest = resume_check.compare_states(a, b)
+    count, differing, largest = checkpoint.compare_states(a, b)
     assert a["step"] == b["step"] == STEPS
     assert count > 0 and not differing, (
         f"{len(differing)} tensors differ (largest {largest}): {differing[:5]}"
@@ -84,7 +83,7 @@ def test_resume_after_sigterm_is_bit_exact_with_accumulation(tmp_path, dataset):
     rest = tiny_config(tmp_path, kind, data_dir, "run_name=split", *common)
     assert train.train(rest, resume=True, log=quiet) == steps
     a, b = final_checkpoint(full), final_checkpoint(rest)
-    count, differing, largest = resume_check.compare_states(a, b)
+    count, differing, largest = checkpoint.compare_states(a, b)
     assert a["step"] == b["step"] == steps
     assert not differing, f"{len(differing)}/{count} tensors differ (largest {largest})"
 
@@ -139,7 +138,7 @@ def wait_until_step(metrics_path, step):
 def test_resume_check_reports_fail_with_the_largest_difference(tmp_path):
     a = {"step": 2, "model": {"w": torch.zeros(3)}, "optimizer": {"state": {0: {"exp_avg": torch.ones(3)}}}}
     b = {"step": 2, "model": {"w": torch.tensor([0.0, 0.5, 0.0])}, "optimizer": a["optimizer"]}
-    count, differing, largest = resume_check.compare_states(a, b)
+    count, differing, largest = checkpoint.compare_states(a, b)
     assert (count, differing, largest) == (2, ["model.w"], 0.5)
 
 

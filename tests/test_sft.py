@@ -31,7 +31,6 @@ import fileio
 import microbatch
 import sample
 import train
-from bench import resume_check
 from chat import prepare, template
 from model import Transformer
 
@@ -320,7 +319,7 @@ def test_a_resumed_fine_tuning_continues_its_own_checkpoint_bit_exact_not_the_ba
     def final(cfg):
         return checkpoint.load_checkpoint(train.list_checkpoints(train.run_dir_of(cfg))[0])
 
-    count, differing, largest = resume_check.compare_states(final(full), final(sft("split")))
+    count, differing, largest = checkpoint.compare_states(final(full), final(sft("split")))
     assert count > 0 and not differing, f"{len(differing)} tensors differ (largest {largest})"
 
 
