@@ -40,7 +40,7 @@ from checkpoint import (
     load_newest_checkpoint,
     save_checkpoint,
 )
-from corpus import budget
+from corpus import token_budget
 from hardware import Dist, Hardware, HardwareError, all_ranks_true, init_distributed, setup_hardware
 from model import Transformer
 
@@ -279,8 +279,8 @@ class Run:
 def check_token_budget(cfg, ctx, log):
     """The passes the run makes over its data, refused past data.max_epochs before anything is built:
     pretraining's tokens against its shards, SFT's conversations and DPO's pairs against their packed
-    split (corpus/budget.py)."""
-    budget.check_run_budget(cfg, ctx.world_size, log)
+    split (corpus/token_budget.py)."""
+    token_budget.check_run_budget(cfg, ctx.world_size, log)
 
 
 def setup(cfg, ctx, hardware, resume, log):

@@ -14,8 +14,8 @@ import sys
 
 import config
 import fileio
-from chain import budget, runfile, stages
 from chain import plan as chain_plan
+from chain import runfile, stages, time_budget
 
 
 def final_run(chain):
@@ -30,7 +30,7 @@ def run(args):
     chain, path = runfile.load(args.board, args.overrides)
     plan = chain_plan.make_plan(chain)
     if args.budget_min is not None:
-        factor = budget.scale(chain, plan, args.budget_min)
+        factor = time_budget.scale(chain, plan, args.budget_min)
         if factor is None:
             raise config.ConfigError([f"--budget-min {args.budget_min}: the stages that do not scale (data, "
                                       "evaluation, export) alone take longer; give a larger budget"])  # fmt: skip

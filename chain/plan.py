@@ -18,7 +18,7 @@ import config
 import data
 import microbatch
 from chain import runfile
-from corpus import budget
+from corpus import token_budget
 
 GB = 1e9
 
@@ -165,12 +165,12 @@ def epochs_of(chain, stage, cfg, tokens):
         mixture = (cfg["data"].get("corpus") or {}).get("mixture") or {}
         held = encoded.get("tokens") or mixture.get("total_tokens")
         return f"{tokens / held:.2f} passes" if held else "known after the corpus stage"
-    read = budget.sequences_per_run(cfg)
+    read = token_budget.sequences_per_run(cfg)
     data_stage = runfile.stage_by_name(chain, stage["data"])  # the mixture is what that stage built
     data_cfg = runfile.load_stage_config(chain, data_stage)["data"] if "config" in data_stage else {}
     mix_cfg = (data_cfg.get("chat") or {}).get("mixture")
     try:
-        passes = budget.run_epochs(cfg)[budget.PACKED[cfg["data"]["format"]]]
+        passes = token_budget.run_epochs(cfg)[token_budget.PACKED[cfg["data"]["format"]]]
     except data.DataError:
         text = f"{read:,} rows read; rows known after {stage['data']}"
         if mix_cfg:  # the epochs per source need the mixture's counts
