@@ -3,7 +3,7 @@ The family's accounts and conversations, in one SQLite file (WAL): members with 
 child), their API keys (stored as SHA-256: they are random 256-bit secrets) and web passwords or PINs
 (salted scrypt), web sessions, and each member's conversations (with their ratings of the answers and
 their consent to train on them: family/feedback.py's tables, created here). No HTTP here: serve/app.py is the only user,
-and `python -m serve member ...` (family/member_command.py) this store's command line.
+and `python -m serve member ...` (serve/member_command.py) this store's command line.
 
 Every query about conversations names their owner, so no member's rows can come back to another.
 Deleting a member deletes their conversations, feedback and consent (foreign keys) and their memories; freed

@@ -75,8 +75,8 @@ import fileio
 from agent import grammar, tools
 from chat import template
 from decode import load
-from family import accounts, member_command, memories, store
-from serve import web, worker
+from family import accounts, memories, store
+from serve import member_command, web, worker
 from serve.openai_api import ApiError, Reply, check_tools, conversation_of, expect, sampling_of
 from serve.web import SESSION_COOKIE, owned, read_json
 
