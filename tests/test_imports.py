@@ -24,19 +24,19 @@ def project_modules(root):
     return modules
 
 
-def imported_names(path):
-    """Every module name the file imports, at the top or inside a function (`import a.b`, `from a import
-    b`, `importlib.import_module("a")`), as written and, for `from a import b`, also as `a.b` (b may be a
-    module of package a)."""
+def imports_of(path):
+    """(line, module name) of every import the file makes, at the top or inside a function (`import a.b`,
+    `from a import b`, `importlib.import_module("a")`), as written and, for `from a import b`, also as `a.b`
+    (b may be a module of package a)."""
     with open(path, encoding="utf-8") as f:
         tree = ast.parse(f.read(), path)
-    names = set()
+    found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            names.update(alias.name for alias in node.names)
+            found += [(node.lineno, alias.name) for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names.add(node.module)
-            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+            found.append((node.lineno, node.module))
+            found += [(node.lineno, f"{node.module}.{alias.name}") for alias in node.names]
         elif (
             isinstance(node, ast.Call)
             and isinstance(node.func, ast.Attribute | ast.Name)
@@ -45,8 +45,13 @@ def imported_names(path):
             and isinstance(node.args[0], ast.Constant)
             and isinstance(node.args[0].value, str)
         ):
-            names.add(node.args[0].value)
-    return names
+            found.append((node.lineno, node.args[0].value))
+    return found
+
+
+def imported_names(path):
+    """Every module name the file imports (imports_of without the lines)."""
+    return {name for _, name in imports_of(path)}
 
 
 def resolve(name, modules):
@@ -128,3 +133,115 @@ def test_a_circle_between_modules_of_packages_is_found_through_from_imports(tmp_
     graph = import_graph(str(tmp_path))
     assert graph == {"low": ["stage.a"], "stage": [], "stage.a": ["stage", "stage.b"], "stage.b": ["low"]}
     assert circles(graph) == [["low", "stage.a", "stage.b", "low"]]
+
+
+# The floors of the house, bottom up (shared/DESIGN.md): a module imports only modules of its own floor or
+# below. A package's floor holds all its modules; a module named here on its own overrides its package's.
+FLOORS = [
+    ["config", "fileio", "hardware", "optim"],
+    # chat.template: the one chat template imports only config and fileio, and every checkpoint records its
+    # version (checkpoint.py), so it stands a floor below the rest of chat/.
+    ["model", "data", "checkpoint", "search", "family", "chat.template"],
+    ["decode", "objective", "microbatch", "corpus", "chat"],
+    ["train", "sample", "agent", "export"],
+    ["evaluation", "chain"],
+    ["serve"],
+    ["bench"],
+]
+# The one upward import the house allows, and why.
+UPWARD_ALLOWED = {
+    (
+        "train",
+        "evaluation.harness",
+    ): "train.eval asks lm-eval's suites during training, lazily, only when set",
+}
+
+
+def floor_of(module, floors=FLOORS):
+    """The floor (0 = bottom) of a project module: its own entry, else its package's; None if unlisted."""
+    named = {name: level for level, names in enumerate(floors) for name in names}
+    return named.get(module, named.get(module.split(".")[0]))
+
+
+def upward_imports(root, floors=FLOORS, allowed=UPWARD_ALLOWED):
+    """'path:line: a (floor n) imports b (floor m)' for every import of a module on a higher floor, and
+    'path: a is on no floor' for a module the floors do not place."""
+    modules = project_modules(root)
+    found = []
+    for name, path in sorted(modules.items()):
+        here = floor_of(name, floors)
+        where = os.path.relpath(path, root)
+        if here is None:
+            found.append(f"{where}: {name} is on no floor (add it to FLOORS)")
+            continue
+        imports = imports_of(path)
+        for line, imported in imports:
+            target = resolve(imported, modules)
+            if target is None or target == name or (name, target) in allowed:
+                continue
+            if any(
+                other.startswith(f"{imported}.") and resolve(other, modules) != target
+                for n, other in imports
+                if n == line
+            ):
+                continue  # `from chat import template`: the package's __init__ only on the way to template
+            there = floor_of(target, floors)
+            if there is not None and there > here:
+                found.append(
+                    f"{where}:{line}: {name} (floor {here + 1}) imports {target} (floor {there + 1})"
+                )
+    return sorted(set(found))
+
+
+def package_graph(graph):
+    """The import graph with each module folded into its top-level name (corpus.filters -> corpus)."""
+    folded = {}
+    for module, imported in graph.items():
+        top = module.split(".")[0]
+        folded.setdefault(top, set()).update(i.split(".")[0] for i in imported)
+    return {top: sorted(names - {top}) for top, names in folded.items()}
+
+
+def test_every_import_goes_to_its_own_floor_or_below():
+    found = upward_imports(ROOT)
+    assert not found, "imports that go up a floor (move what both need below, FLOORS in this file):\n" + (
+        "\n".join("  " + line for line in found)
+    )
+
+
+def test_no_package_imports_one_that_imports_it_back():
+    found = circles(package_graph(import_graph(ROOT)))
+    assert not found, "package circles:\n" + "\n".join("  " + " -> ".join(path) for path in found)
+
+
+def test_only_the_server_and_its_benchmarks_import_serve():
+    graph = import_graph(ROOT)
+    users = {module for module, imported in graph.items() for i in imported if i.split(".")[0] == "serve"}
+    assert {module.split(".")[0] for module in users} <= {"serve"}, sorted(users)
+
+
+def test_an_upward_import_is_named_with_its_line(tmp_path):
+    (tmp_path / "low.py").write_text("import os\n\n\ndef f():\n    from high import thing\n")
+    (tmp_path / "high.py").write_text("import low\n")
+    (tmp_path / "stray.py").write_text("")
+    found = upward_imports(str(tmp_path), floors=[["low"], ["high"]], allowed={})
+    assert found == [
+        "low.py:5: low (floor 1) imports high (floor 2)",
+        "stray.py: stray is on no floor (add it to FLOORS)",
+    ]
+    assert (
+        upward_imports(str(tmp_path), floors=[["low"], ["high"], ["stray"]], allowed={("low", "high"): "why"})
+        == []
+    )
+
+
+def test_a_package_circle_through_different_modules_is_found(tmp_path):
+    for package, body in (("bench", "import train\n"), ("train_helpers", "from bench import tool\n")):
+        (tmp_path / package).mkdir()
+        (tmp_path / package / "__init__.py").write_text("")
+        (tmp_path / package / "tool.py").write_text(body)
+    assert circles(import_graph(str(tmp_path))) == []  # no module circle...
+    (tmp_path / "train.py").write_text("from train_helpers import tool\n")
+    assert circles(package_graph(import_graph(str(tmp_path)))) == [
+        ["bench", "train", "train_helpers", "bench"]
+    ]

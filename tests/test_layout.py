@@ -9,7 +9,7 @@ import sys
 
 from conftest import ROOT
 
-STAGES = ("agent", "bench", "chat", "corpus", "evaluation", "family", "serve")
+STAGES = ("agent", "bench", "chain", "chat", "corpus", "decode", "evaluation", "family", "serve")
 SKIPPED = {".venv", ".git", "runs", "data", "out", "var", "tests", "scripts", "node_modules"}
 
 
