@@ -19,6 +19,7 @@ decode/engine.py decodes with it (KV cache, batched steps, sampling).
 """
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -105,11 +106,15 @@ class Attention(nn.Module):
                 q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=self.n_kv_heads != self.n_heads
             )
 
+    def out(self, y):
+        """The output projection of the heads' values y (B, T, heads * head_dim)."""
+        return self.o_proj(y)
+
     def forward(self, x, cos, sin):
         B, T, _ = x.shape
         q, k, v = self.project(x, cos, sin)
         y = self.attend(q, k, v, is_causal=True)
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+        return self.out(y.transpose(1, 2).reshape(B, T, -1))
 
 
 class MLP(nn.Module):
@@ -307,6 +312,10 @@ class Transformer(nn.Module):
         weighted sum of values (full, not causal-halved, T x T)."""
         return 6 * self.num_params() + 12 * self.cfg["n_layers"] * self.cfg["d_model"] * seq_len
 
+    def layout(self):
+        """This model as the decoding engine reads it (layout() below)."""
+        return layout(self)
+
     def forward(self, idx, targets=None):
         """idx (B, T) token ids, T <= seq_len. Without targets -> (logits (B, T, vocab_size), None). With
         targets (B, T) -> (None, losses): {"loss": ce + z_loss, "ce": ..., "z_loss": ...} as 0-dim float32
@@ -328,3 +337,69 @@ class Transformer(nn.Module):
                 h, self.lm_head.weight, targets, self.z_loss_coef, self.loss_chunk_size
             )
         return None, logits_losses(self.lm_head(h), targets, self.z_loss_coef)
+
+
+# -----------------------------------------------------------------------------
+# The layout the decoding engine reads (decode/): every part of a Transformer it touches, named by role.
+# The engine reads a model only through layout(), so renaming a part is a change in this file alone, and
+# tests/test_engine.py decodes a model whose parts were all renamed to prove it. The engine calls
+# model.layout(), so a model's own class says where its parts are.
+
+
+class BlockParts(NamedTuple):
+    """One block as the engine runs it: x + attention.out(attend(project(attn_norm(x)))), then
+    x + ffn(ffn_norm(x))."""
+
+    attn_norm: nn.Module  # RMSNorm of the block's input, before attention
+    attention: Attention  # project / heads -> (q, k, v); attend(q, k, v, ...); out(y)
+    qkv: tuple  # the q, k and v products, which read the same input (the engine's kernels fuse them)
+    ffn_norm: nn.Module  # RMSNorm before the feed-forward
+    ffn: MLP  # ffn(x); swiglu(gate, up) from the gate and up products
+    gate_up: tuple  # the gate and up products, which read the same input
+
+
+class Layout(NamedTuple):
+    """A Transformer as the engine reads it: embed -> blocks -> final_norm -> head, rotary tables by
+    position, and the shapes a KV cache needs."""
+
+    embed: nn.Embedding  # token ids (...) -> (..., d_model)
+    blocks: tuple  # BlockParts, first to last
+    final_norm: nn.Module
+    head: nn.Linear  # (..., d_model) -> logits (..., vocab_size), tied to embed's weight
+    cos: torch.Tensor  # (seq_len, head_dim): the rotary cosines of each position
+    sin: torch.Tensor
+    seq_len: int
+    kv_heads: int
+    head_dim: int
+    norm_eps: float
+    backend: SDPBackend  # the attention kernel the model trained with
+
+
+def layout(model):
+    """The Layout of a Transformer (or of a copy whose products decode/weights.py replaced): its current
+    modules and buffers, read here and nowhere else. The engine calls it as model.layout()."""
+    blocks = tuple(
+        BlockParts(
+            layer.input_layernorm,
+            layer.self_attn,
+            (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),
+            layer.post_attention_layernorm,
+            layer.mlp,
+            (layer.mlp.gate_proj, layer.mlp.up_proj),
+        )
+        for layer in model.layers
+    )
+    first = model.layers[0].self_attn
+    return Layout(
+        model.embed_tokens,
+        blocks,
+        model.norm,
+        model.lm_head,
+        model.rope_cos,
+        model.rope_sin,
+        model.seq_len,
+        first.n_kv_heads,
+        first.head_dim,
+        model.norm.eps,
+        first.backend,
+    )

@@ -31,14 +31,14 @@ def feed_forward(mlp, x):
     return mlp(x) if kernel is None else mlp.swiglu(*kernel(x))
 
 
-def attend_cached(attn, x, cos, sin, cache, layer_index, slot=None):
+def attend_cached(attn, x, cos, sin, cache, layer_index, backend, slot=None):
     """Attention of the new tokens x (B, T, d_model) over the cached positions and themselves, their keys
     and values stored in the cache (KVCache.store)."""
     B, T, _ = x.shape
     q, k, v = project(attn, x, cos, sin)
     mask, is_causal = None, True
     # Flash kernels take no explicit mask: decoding may fall back to the math kernel.
-    backends = [attn.backend, SDPBackend.MATH]
+    backends = [backend, SDPBackend.MATH]
     start = cache.lengths[slot or 0]
     k, v = cache.store(layer_index, k, v, slot)
     if start > 0:
@@ -50,7 +50,7 @@ def attend_cached(attn, x, cos, sin, cache, layer_index, slot=None):
             query_pos = torch.arange(start, start + T, device=x.device)
             mask = key_pos[None, :] <= query_pos[:, None]
     y = attn.attend(q, k, v, mask, is_causal, backends)
-    return attn.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+    return attn.out(y.transpose(1, 2).reshape(B, T, -1))
 
 
 def attend_step(attn, x, cos, sin, cache, layer_index, step):
@@ -65,10 +65,11 @@ def attend_step(attn, x, cos, sin, cache, layer_index, step):
     q, k, v = project(attn, x, cos, sin)
     keys, values = cache.store_step(layer_index, k[:, :, 0], v[:, :, 0], step)
     # Query heads grouped by the key/value head they read: head h reads kv head h // group.
-    q = q.reshape(slots, attn.n_kv_heads, -1, attn.head_dim) * attn.head_dim**-0.5
+    kv_heads, head_dim = keys.shape[1], keys.shape[3]
+    q = q.reshape(slots, kv_heads, -1, head_dim) * head_dim**-0.5
     decode_kernel = getattr(attn, "decode_kernel", None)
     if decode_kernel is not None:  # each row over its own filled keys; zeros for unused slots
-        return attn.o_proj(decode_kernel(q, keys, values, step.slot_ends).reshape(slots, 1, -1))
+        return attn.out(decode_kernel(q, keys, values, step.slot_ends).reshape(slots, 1, -1))
     outputs = []
     for row, end in zip(step.rows, step.ends, strict=True):
         scores = q[row] @ keys[row, :, :end].transpose(1, 2)  # (kv_heads, group, end)
@@ -76,7 +77,7 @@ def attend_step(attn, x, cos, sin, cache, layer_index, step):
     y = torch.stack(outputs)
     if len(step.rows) < slots:
         y = q.new_zeros(q.shape).index_copy_(0, step.index, y)
-    return attn.o_proj(y.reshape(slots, 1, -1))
+    return attn.out(y.reshape(slots, 1, -1))
 
 
 def attend_all(attn, x, cos, sin, keys, values, positions, visible):
@@ -90,13 +91,14 @@ def attend_all(attn, x, cos, sin, keys, values, positions, visible):
     rows = torch.arange(slots, device=x.device)
     keys[rows, :, positions] = k[:, :, 0]
     values[rows, :, positions] = v[:, :, 0]
-    q = q.reshape(slots, attn.n_kv_heads, -1, attn.head_dim) * attn.head_dim**-0.5
+    kv_heads, head_dim = keys.shape[1], keys.shape[3]
+    q = q.reshape(slots, kv_heads, -1, head_dim) * head_dim**-0.5
     decode_kernel = getattr(attn, "decode_kernel", None)
     if decode_kernel is not None:  # the filled keys only, not the whole cache
-        return attn.o_proj(decode_kernel(q, keys, values, positions + 1).reshape(slots, 1, -1))
+        return attn.out(decode_kernel(q, keys, values, positions + 1).reshape(slots, 1, -1))
     scores = (q @ keys.transpose(2, 3)).masked_fill(~visible[:, None, None, :], float("-inf"))
     y = scores.softmax(-1) @ values  # (slots, kv_heads, group, head_dim)
-    return attn.o_proj(y.reshape(slots, 1, -1))
+    return attn.out(y.reshape(slots, 1, -1))
 
 
 def attend_block(attn, x, cos, sin, keys, values, slot, positions, visible):
@@ -112,18 +114,19 @@ def attend_block(attn, x, cos, sin, keys, values, slot, positions, visible):
     values[rows, :, positions] = v[0].transpose(0, 1)
     slot_keys, slot_values = keys.index_select(0, slot[None])[0], values.index_select(0, slot[None])[0]
     # Query heads grouped by the key/value head they read, as in attend_step: (kv_heads, group, T, head_dim).
-    q = q.reshape(attn.n_kv_heads, -1, T, attn.head_dim) * attn.head_dim**-0.5
+    kv_heads, head_dim = slot_keys.shape[0], slot_keys.shape[2]
+    q = q.reshape(kv_heads, -1, T, head_dim) * head_dim**-0.5
     scores = (q @ slot_keys[:, None].transpose(2, 3)).masked_fill(~visible, float("-inf"))
     y = scores.softmax(-1) @ slot_values[:, None]  # (kv_heads, group, T, head_dim)
-    return attn.o_proj(y.reshape(1, -1, T, attn.head_dim).transpose(1, 2).reshape(1, T, -1))
+    return attn.out(y.reshape(1, -1, T, head_dim).transpose(1, 2).reshape(1, T, -1))
 
 
-def run_layers(model, x, attend):
-    """x through the model's blocks, attend(layer_index, attn, h) standing for each block's attention of its
-    normed input h."""
-    for layer_index, layer in enumerate(model.layers):
-        x = x + attend(layer_index, layer.self_attn, layer.input_layernorm(x))
-        x = x + feed_forward(layer.mlp, layer.post_attention_layernorm(x))
+def run_layers(parts, x, attend):
+    """x through the blocks of a model's layout (model.layout), attend(layer_index, attention, h) standing
+    for each block's attention of its normed input h."""
+    for layer_index, block in enumerate(parts.blocks):
+        x = x + attend(layer_index, block.attention, block.attn_norm(x))
+        x = x + feed_forward(block.ffn, block.ffn_norm(x))
     return x
 
 
@@ -142,14 +145,17 @@ def forward_with_cache(model, idx, cache, slot=None):
             f"{start} cached + {T} new tokens exceed model.seq_len={cache.max_len}; "
             "start a new cache from the most recent tokens"
         )
-    x = model.embed_tokens(idx)
-    cos, sin = model.rope_cos[start : start + T], model.rope_sin[start : start + T]
-    x = run_layers(model, x, lambda index, attn, h: attend_cached(attn, h, cos, sin, cache, index, slot))
+    parts = model.layout()
+    x = parts.embed(idx)
+    cos, sin = parts.cos[start : start + T], parts.sin[start : start + T]
+    x = run_layers(
+        parts, x, lambda index, attn, h: attend_cached(attn, h, cos, sin, cache, index, parts.backend, slot)
+    )
     if slot is None:
         cache.length = start + T
     else:
         cache.lengths[slot] = start + T
-    return model.lm_head(model.norm(x))
+    return parts.head(parts.final_norm(x))
 
 
 def decode_step(model, tokens, cache, rows):
@@ -165,12 +171,13 @@ def decode_step(model, tokens, cache, rows):
     step = DecodeStep(rows, cache.lengths, tokens.device)
     positions = torch.zeros(cache.slots, dtype=torch.long, device=tokens.device)
     positions[step.index] = step.positions
-    x = model.embed_tokens(tokens[:, None])
-    cos, sin = model.rope_cos[positions][:, None, :], model.rope_sin[positions][:, None, :]
-    x = run_layers(model, x, lambda index, attn, h: attend_step(attn, h, cos, sin, cache, index, step))
+    parts = model.layout()
+    x = parts.embed(tokens[:, None])
+    cos, sin = parts.cos[positions][:, None, :], parts.sin[positions][:, None, :]
+    x = run_layers(parts, x, lambda index, attn, h: attend_step(attn, h, cos, sin, cache, index, step))
     for row, end in zip(step.rows, step.ends, strict=True):
         cache.lengths[row] = end
-    return model.lm_head(model.norm(x))[:, 0]
+    return parts.head(parts.final_norm(x))[:, 0]
 
 
 def decode_all(model, tokens, positions, cache):
@@ -178,14 +185,15 @@ def decode_all(model, tokens, positions, cache):
     and positions (slots,) each slot's next token and the position it takes; writes every slot's keys
     and values there (a slot not in use writes past its filled length, where its next step or prefill
     writes again) and returns logits (slots, vocab_size). The caller advances the lengths."""
-    x = model.embed_tokens(tokens[:, None])
-    cos, sin = model.rope_cos[positions][:, None, :], model.rope_sin[positions][:, None, :]
+    parts = model.layout()
+    x = parts.embed(tokens[:, None])
+    cos, sin = parts.cos[positions][:, None, :], parts.sin[positions][:, None, :]
     visible = torch.arange(cache.max_len, device=tokens.device)[None, :] <= positions[:, None]
 
     def attend(index, attn, h):
         return attend_all(attn, h, cos, sin, cache.keys[index], cache.values[index], positions, visible)
 
-    return model.lm_head(model.norm(run_layers(model, x, attend)))[:, 0]
+    return parts.head(parts.final_norm(run_layers(parts, x, attend)))[:, 0]
 
 
 def prefill_block(model, tokens, slot, start, last, cache):
@@ -196,8 +204,9 @@ def prefill_block(model, tokens, slot, start, last, cache):
     length. A token's keys, values and logits do not depend on the padding after it (causal)."""
     T = tokens.shape[1]
     positions = start + torch.arange(T, device=tokens.device)
-    x = model.embed_tokens(tokens)
-    cos, sin = model.rope_cos[positions], model.rope_sin[positions]
+    parts = model.layout()
+    x = parts.embed(tokens)
+    cos, sin = parts.cos[positions], parts.sin[positions]
     visible = torch.arange(cache.max_len, device=tokens.device)[None, :] <= positions[:, None]
 
     def attend(index, attn, h):
@@ -205,7 +214,7 @@ def prefill_block(model, tokens, slot, start, last, cache):
             attn, h, cos, sin, cache.keys[index], cache.values[index], slot, positions, visible
         )
 
-    return model.lm_head(model.norm(run_layers(model, x, attend)[:, last]))[0]
+    return parts.head(parts.final_norm(run_layers(parts, x, attend)[:, last]))[0]
 
 
 class DecodeStep:
@@ -259,11 +268,12 @@ class Decoder:
                  compile_with=None):  # fmt: skip
         self.model, self.slots = model, slots
         self.cache = kvcache.new_kv_cache(model, slots)
-        weight = model.embed_tokens.weight
+        parts = model.layout()
+        self.seq_len = parts.seq_len
+        weight = parts.embed.weight
         self.device = weight.device
         if allocate or compile_mode or compile_with:
-            attn = model.layers[0].self_attn
-            self.cache.allocate(attn.n_kv_heads, attn.head_dim, weight.dtype, weight.device)
+            self.cache.allocate(parts.kv_heads, parts.head_dim, weight.dtype, weight.device)
         self.prefix_cache = (
             kvcache.PrefixCache(prefix_block, prefix_cache_bytes)
             if prefix_block and prefix_cache_bytes
@@ -305,9 +315,9 @@ class Decoder:
             raise ValueError("a row needs a non-empty prompt")
         if not self.free:
             raise ValueError(f"all {self.slots} slots are in use")
-        row = Row(min(self.free), list(prompt)[-self.model.seq_len :], temperature, top_k, top_p, generator,
+        row = Row(min(self.free), list(prompt)[-self.seq_len :], temperature, top_k, top_p, generator,
                   constraint)  # fmt: skip
-        row.scope, row.shared = scope, shared if len(prompt) <= self.model.seq_len else 0
+        row.scope, row.shared = scope, shared if len(prompt) <= self.seq_len else 0
         self.prefill(row)
         self.free.remove(row.slot)
         self.rows[row.slot] = row
@@ -383,10 +393,10 @@ class Decoder:
         batched = []
         for row, token in tokens.items():
             row.window.append(token)
-            if self.cache.lengths[row.slot] < self.model.seq_len:
+            if self.cache.lengths[row.slot] < self.seq_len:
                 batched.append(row)
             else:
-                row.window = row.window[-(self.model.seq_len // 2) :]
+                row.window = row.window[-(self.seq_len // 2) :]
                 row.shared = 0  # the window no longer starts where the prompt did
                 self.prefill(row)
         if batched:

@@ -62,13 +62,14 @@ class KVCache:
 def new_kv_cache(model, slots=1):
     """An empty cache for the model's engine.forward_with_cache and engine.decode_step: `slots` sequences of
     up to seq_len positions each."""
-    return KVCache(len(model.layers), model.seq_len, slots)
+    parts = model.layout()
+    return KVCache(len(parts.blocks), parts.seq_len, slots)
 
 
 def kv_cache_bytes(model, slots, bytes_per_value=4):
     """Memory of a KVCache of `slots` slots: keys and values of every layer, seq_len positions each."""
-    attn = model.layers[0].self_attn
-    return 2 * len(model.layers) * slots * attn.n_kv_heads * model.seq_len * attn.head_dim * bytes_per_value
+    parts = model.layout()
+    return 2 * len(parts.blocks) * slots * parts.kv_heads * parts.seq_len * parts.head_dim * bytes_per_value
 
 
 PUBLIC = ("public",)  # the PrefixCache scope of the blocks every request may share

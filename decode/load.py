@@ -54,10 +54,10 @@ def check_kv_cache(model, settings, device):
     from decode import kvcache
 
     slots = settings["max_batch"]
-    per_slot = kvcache.kv_cache_bytes(model, 1, model.embed_tokens.weight.element_size())
+    per_slot = kvcache.kv_cache_bytes(model, 1, model.layout().embed.weight.element_size())
     needed = slots * per_slot
     print(f"serve: KV cache {slots} slots x {memory_text(per_slot)} = {memory_text(needed)} (serve.max_batch="
-          f"{slots}, {model.seq_len} positions per slot)", file=sys.stderr)  # fmt: skip
+          f"{slots}, {model.layout().seq_len} positions per slot)", file=sys.stderr)  # fmt: skip
     limits = []
     cap = settings["max_kv_cache_mib"]
     if cap is not None:

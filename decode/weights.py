@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from decode import kernel
-from model import MLP, Attention
+from model import Attention
 
 
 class SplitLinear(nn.Module):
@@ -177,12 +177,10 @@ def with_kernels(model, dtype, max_rows):
     here."""
     kernel.load()
     served = with_linears(model, lambda layer: KernelLinear(layer, dtype, max_rows))
-    for module in list(served.modules()):
-        if isinstance(module, Attention):
-            module.decode_kernel = torch.ops.enlace.decode_attention
-            module.qkv_kernel = KernelProjections((module.q_proj, module.k_proj, module.v_proj))
-        elif isinstance(module, MLP):
-            module.gate_up_kernel = KernelProjections((module.gate_proj, module.up_proj))
+    for block in served.layout().blocks:
+        block.attention.decode_kernel = torch.ops.enlace.decode_attention
+        block.attention.qkv_kernel = KernelProjections(block.qkv)
+        block.ffn.gate_up_kernel = KernelProjections(block.gate_up)
     if dtype == "float32":  # int8's quarter of the bytes decoded no faster on huge pages (measured)
         move_to_huge_pages(layer.weight for layer in served.modules() if isinstance(layer, KernelLinear))
     return served

@@ -2,10 +2,13 @@
 (each row bit for bit its own), compiled steps and prefix cache."""
 
 import copy
+import re
+import types
 
 import pytest
 import torch
 
+import model
 from decode import engine, kvcache
 from tests.test_model import build, tiny, tokens
 
@@ -431,3 +434,60 @@ def test_a_decoder_refuses_a_row_when_every_slot_is_taken_and_reuses_a_freed_slo
         decoder.add([5])
     decoder.remove(first)
     assert decoder.add([5, 6]).slot == first.slot and second.slot == 1
+
+
+# ---- the engine reads a model only through model.layout() ----
+
+# Every attribute of model.py's modules that a forward pass reads: the children, buffers and shapes.
+MODEL_PARTS = (
+    "embed_tokens", "layers", "norm", "lm_head", "rope_cos", "rope_sin", "seq_len", "input_layernorm",
+    "self_attn", "post_attention_layernorm", "mlp", "q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm",
+    "gate_proj", "up_proj", "down_proj", "n_heads", "n_kv_heads", "head_dim", "backend", "eps",
+)  # fmt: skip
+
+
+def model_with_renamed_parts():
+    """model.py as a developer who renamed every part would leave it (each attribute and buffer name, in
+    this file alone), loaded as a module of its own."""
+    with open(model.__file__, encoding="utf-8") as f:
+        source = f.read()
+    for name in MODEL_PARTS:
+        source = re.sub(rf"\.{name}\b", f".{name}_renamed", source)
+    for buffer in ("rope_cos", "rope_sin"):  # register_buffer's names
+        source = source.replace(f'"{buffer}"', f'"{buffer}_renamed"')
+    renamed = types.ModuleType("renamed_model")
+    exec(compile(source, "renamed_model.py", "exec"), renamed.__dict__)
+    return renamed
+
+
+def test_the_engine_decodes_a_model_whose_parts_were_all_renamed_as_it_decodes_the_original():
+    net = build(tiny())
+    renamed = model_with_renamed_parts().Transformer(tiny(), "math").eval()
+    assert not hasattr(renamed, "embed_tokens") and not hasattr(renamed.layers_renamed[0], "self_attn")
+    renamed.load_state_dict(dict(zip(renamed.state_dict(), net.state_dict().values(), strict=True)))
+    prompt = tokens(1, 10)[0]
+    assert list(engine.generate(renamed, prompt, 40, temperature=0)) == list(
+        engine.generate(net, prompt, 40, temperature=0)
+    )  # past seq_len: the cached prefill and the window's restart
+    plans = [
+        (forced_tokens(5, seed=3), 0, 6, {"temperature": 0}),
+        (forced_tokens(9, seed=4), 2, 7, {"temperature": 0}),
+    ]
+    for (want, want_logits), (got, got_logits) in zip(
+        run_rows(net, 2, plans, 8), run_rows(renamed, 2, plans, 8), strict=True
+    ):  # the batched decode step over two slots
+        assert got == want
+        torch.testing.assert_close(torch.stack(got_logits), torch.stack(want_logits), rtol=0, atol=0)
+    assert kvcache.kv_cache_bytes(renamed, 3) == kvcache.kv_cache_bytes(net, 3)
+
+
+def test_a_part_the_layout_does_not_name_fails_at_once_not_in_a_served_answer():
+    class Broken(model.Transformer):  # a rename of input_layernorm that forgot layout()
+        def __init__(self, *args):
+            super().__init__(*args)
+            for layer in self.layers:
+                layer.attn_norm = layer.input_layernorm
+                del layer.input_layernorm
+
+    with pytest.raises(AttributeError, match="input_layernorm"):
+        list(engine.generate(Broken(tiny()).eval(), tokens(1, 4)[0], 2, temperature=0))
