@@ -170,7 +170,7 @@ sft-smoke: corpus-smoke
 	$(PY) -m chat prepare configs/sft-smoke-cpu.yaml
 	rm -rf runs/sft-smoke-cpu
 	$(PY) train.py configs/sft-smoke-cpu.yaml $(ARGS)
-	$(PY) sample.py runs/sft-smoke-cpu --chat-eval val --max-new-tokens 400
+	$(PY) -m evaluation.bpb runs/sft-smoke-cpu --chat-eval val --max-new-tokens 400
 
 # Does the SFT mixture help (docs/conversaciones.md)? Assistant-token bpb on the mixture's held-out slice of
 # OASST2 and Aya and on conversations/heldout.jsonl: the smoke-corpus-cpu run before SFT, then, for each seed
@@ -184,12 +184,12 @@ sft-bpb: corpus-smoke
 	$(PY) -m chat prepare configs/sft-mix-cpu.yaml
 	$(PY) -m chat prepare configs/sft-seed-only-cpu.yaml
 	for val in $(SFT_BPB_VAL); do \
-	  $(PY) sample.py runs/smoke-corpus-cpu --chat-eval $$val --max-new-tokens 1 --show 0 || exit 1; done
+	  $(PY) -m evaluation.bpb runs/smoke-corpus-cpu --chat-eval $$val --max-new-tokens 1 --show 0 || exit 1; done
 	for seed in $(SFT_BPB_SEEDS); do for arm in seed-only mix; do \
 	  rm -rf runs/sft-$$arm-cpu-s$$seed && \
 	  $(PY) train.py configs/sft-$$arm-cpu.yaml run_name=sft-$$arm-cpu-s$$seed train.seed=$$seed || exit 1; \
 	  for val in $(SFT_BPB_VAL); do \
-	    $(PY) sample.py runs/sft-$$arm-cpu-s$$seed --chat-eval $$val --max-new-tokens 1 --show 0 || exit 1; done; \
+	    $(PY) -m evaluation.bpb runs/sft-$$arm-cpu-s$$seed --chat-eval $$val --max-new-tokens 1 --show 0 || exit 1; done; \
 	done; done
 
 # --- the family teaches its assistant: preference pairs and DPO ---------------------------------------
@@ -233,14 +233,14 @@ RUN_DIR = $(if $(filter %.pt,$(RUN)),$(patsubst %/,%,$(dir $(RUN))),$(RUN))
 bpb: $(STAMP)
 	if [ -f $(RUN_DIR)/config.yaml ] && ! grep -qE '^  format: (chat|preference)$$' $(RUN_DIR)/config.yaml; then \
 		$(PY) -m corpus all $(RUN_DIR)/config.yaml || echo "bpb: could not rebuild the run's data (above)"; fi
-	$(PY) sample.py $(RUN) --eval val $(ARGS)
+	$(PY) -m evaluation.bpb $(RUN) --eval val $(ARGS)
 
 # The old names said less than what they ran (`make chat` is not chat/, `make eval` not evaluation/): they
 # name the new ones and stop.
 chat:
 	@echo "make chat is now make sample-chat RUN=... (sample.py --chat: talk to a run here); chat data: python -m chat" >&2; exit 2
 eval:
-	@echo "make eval is now make bpb RUN=... (sample.py --eval: loss and bits per byte on val); benchmarks: make eval-bench" >&2; exit 2
+	@echo "make eval is now make bpb RUN=... (python -m evaluation.bpb --eval: loss and bits per byte on val); benchmarks: make eval-bench" >&2; exit 2
 
 plot: $(STAMP)
 	$(PY) -m evaluation.plot $(RUN)

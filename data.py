@@ -321,7 +321,7 @@ def load_split_tokens(data_cfg, split):
     if data_cfg["format"] in ("chat", "preference"):
         raise DataError(
             f"{data_cfg['dir']}: packed conversations are rows with a loss mask, not one token stream; "
-            "evaluate a chat run with `python sample.py RUN --chat-eval FILE.jsonl`"
+            "evaluate a chat run with `python -m evaluation.bpb RUN --chat-eval FILE.jsonl`"
         )
     paths = ShardLoader.find(data_cfg, split)
     return np.concatenate([read_shard(path) for path in paths])

@@ -171,11 +171,11 @@ def first_token_seconds(net, tokenizer, repeats):
 
 
 def held_out_bpb(net, cfg, tokenizer, max_tokens):
-    """Bits per byte of the first max_tokens tokens of the run's val split (sample.evaluate_tokens)."""
-    import sample
+    """Bits per byte of the first max_tokens tokens of the run's val split (evaluation.bpb.evaluate_tokens)."""
+    from evaluation import bpb
 
     tokens = torch.as_tensor(data.load_split_tokens(cfg["data"], "val").astype("int64"))[:max_tokens]
-    nats, _, num_bytes = sample.evaluate_tokens(net, tokens, tokenizer.token_bytes, max(1, net.seq_len // 2))
+    nats, _, num_bytes = bpb.evaluate_tokens(net, tokens, tokenizer.token_bytes, max(1, net.seq_len // 2))
     return nats / (0.6931471805599453 * max(num_bytes, 1))
 
 

@@ -28,7 +28,7 @@ def test_every_declared_make_target_has_commands(target):
 
 @pytest.mark.parametrize("old, new", [("chat", "sample-chat"), ("eval", "bpb")])
 def test_a_renamed_target_names_its_new_name_and_runs_nothing(old, new):
-    # `make chat` ran sample.py, not chat/, and `make eval` sample.py --eval, not evaluation/
+    # `make chat` ran sample.py, not chat/, and `make eval` the run's bits per byte, not evaluation/'s suites
     done = subprocess.run(
         ["make", "--no-print-directory", old, "RUN=runs/none"],
         cwd=ROOT,

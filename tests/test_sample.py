@@ -13,6 +13,7 @@ import checkpoint
 import sample
 import train
 from chat import template
+from evaluation import bpb
 
 quiet = lambda *a, **k: None  # noqa: E731
 SAMPLE_RUN = ["model.seq_len=64", "train.max_steps=6", "train.eval_interval=0"]
@@ -43,9 +44,12 @@ def generated_ids(model, tokenizer, prompt_ids, args, seed=0):
     return tokenizer.encode("".join(text))
 
 
-def run_sample(*args, stdin=None):
+BPB = ("-m", "evaluation.bpb")  # the run's loss and bits per byte
+
+
+def run_sample(*args, stdin=None, command=("sample.py",)):
     return subprocess.run(
-        [sys.executable, "sample.py", *args],
+        [sys.executable, *command, *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -82,7 +86,7 @@ def test_bits_per_byte_of_a_uniform_model_is_8_for_bytes(byte_run):
     with torch.no_grad():
         model.embed_tokens.weight.zero_()  # tied: every logit 0, a uniform guess over 256 bytes
     tokens = torch.tensor(tokenizer.encode("Mañana será otro día. " * 20))
-    nats, count, num_bytes = sample.evaluate_tokens(model, tokens, tokenizer.token_bytes, stride=24)
+    nats, count, num_bytes = bpb.evaluate_tokens(model, tokens, tokenizer.token_bytes, stride=24)
     assert count == len(tokens) - 1, "every token after the first scored exactly once"
     assert nats == pytest.approx(count * math.log(256), rel=1e-6)
     assert nats / (math.log(2) * num_bytes) == pytest.approx(8.0, rel=1e-6)
@@ -94,19 +98,19 @@ def test_bits_per_byte_counts_the_bytes_of_each_piece_and_zero_for_special_token
         model.embed_tokens.weight.zero_()
     text = "¿Dónde está la casa?\nAquí."
     tokens = torch.tensor(sample.prompt_ids_of(tokenizer, text))  # <|bos|> first: 0 bytes, not scored
-    nats, count, num_bytes = sample.evaluate_tokens(model, tokens, tokenizer.token_bytes, stride=8)
+    nats, count, num_bytes = bpb.evaluate_tokens(model, tokens, tokenizer.token_bytes, stride=8)
     assert count == len(tokens) - 1
     assert num_bytes == len(text.encode("utf-8"))
     assert nats == pytest.approx(count * math.log(tokenizer.vocab_size), rel=1e-6)
 
 
 def test_eval_reports_loss_and_bpb_on_the_val_split_and_on_a_file(byte_run, tmp_path):
-    result = run_sample(byte_run, "--eval", "val", "--max-tokens", "300")
+    result = run_sample(byte_run, "--eval", "val", "--max-tokens", "300", command=BPB)
     assert result.returncode == 0, result.stderr
     assert "the run's val split: 299 tokens, 299 bytes | loss " in result.stdout and "| bpb " in result.stdout
     text_file = tmp_path / "texto.txt"
     text_file.write_text("En un lugar de la Mancha, de cuyo nombre no quiero acordarme.", encoding="utf-8")
-    result = run_sample(byte_run, "--eval", str(text_file))
+    result = run_sample(byte_run, "--eval", str(text_file), command=BPB)
     assert result.returncode == 0 and f"{text_file}: " in result.stdout
 
 
@@ -206,7 +210,7 @@ def test_chat_eval_with_batch_gives_the_same_report(sentencepiece_run, tmp_path)
         )
         out = []
         reports[batch] = (
-            sample.run_chat_eval(model, cfg, tokenizer, args, out=SimpleNamespace(write=out.append)),
+            bpb.run_chat_eval(model, cfg, tokenizer, args, out=SimpleNamespace(write=out.append)),
             out,
         )
     assert reports[4] == reports[None] and reports[4][0]["conversations"] == 6

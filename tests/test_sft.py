@@ -32,6 +32,7 @@ import microbatch
 import sample
 import train
 from chat import prepare, template
+from evaluation import bpb
 from model import Transformer
 
 quiet = lambda *a, **k: None  # noqa: E731
@@ -360,7 +361,7 @@ def test_init_from_a_run_of_another_shape_or_tokenizer_is_refused_naming_the_set
 
 
 # -----------------------------------------------------------------------------
-# Held-out evaluation (sample.py --chat-eval)
+# Held-out evaluation (python -m evaluation.bpb --chat-eval)
 
 
 @pytest.fixture(scope="module")
@@ -377,7 +378,7 @@ def test_chat_eval_scores_assistant_tokens_only_and_counts_answers_ending_with_e
     path = write_jsonl(tmp_path / "one.jsonl", [conversation])
     args = SimpleNamespace(run=sft_run, chat_eval=path, max_new_tokens=5, show=1, limit=0, batch=None)
     out = io.StringIO()
-    result = sample.run_chat_eval(model, cfg, tokenizer, args, out=out)
+    result = bpb.run_chat_eval(model, cfg, tokenizer, args, out=out)
 
     ids, mask = template.render(conversation, tokenizer)
     with torch.no_grad():
@@ -420,7 +421,7 @@ def test_chat_eval_counts_an_answer_as_ended_only_when_end_comes_within_the_budg
             run=sft_run, chat_eval=path, max_new_tokens=budget, show=1, limit=0, batch=None
         )
         out = io.StringIO()
-        assert sample.run_chat_eval(model, cfg, tokenizer, args, out=out)["ended"] == ended, budget
+        assert bpb.run_chat_eval(model, cfg, tokenizer, args, out=out)["ended"] == ended, budget
         assert f"answers ending with <|end|> within {budget} tokens: {int(2 * ended)}/2" in out.getvalue()
         assert out.getvalue().split("\n")[2].endswith(" <|end|>" if ended else " [budget]")
 
@@ -429,7 +430,8 @@ def test_chat_eval_of_the_runs_val_files_from_the_command_line(sft_run):
     result = subprocess.run(
         [
             sys.executable,
-            "sample.py",
+            "-m",
+            "evaluation.bpb",
             sft_run,
             "--chat-eval",
             "val",
