@@ -15,8 +15,8 @@ containers only (torch.load weights_only=True reads it), never a module path of 
 of this code never stops an old checkpoint from loading.
 
 Besides the files: each rank's RNG state that a checkpoint carries, and the check that a checkpoint fits
-a run it initializes (train.init_from). This file knows nothing about the training loop; train.py,
-sample.py, serve/app.py and export.py import it.
+a run it initializes (train.init_from), and the resume check. This file knows nothing about the training
+loop; train.py, sample.py, decode/load.py, evaluation/, export.py and the server import it.
 """
 
 import contextlib

@@ -30,7 +30,7 @@ class SampleError(Exception):
 
 
 def load_run(path, device="cpu"):
-    """checkpoint.load_run with its errors as SampleError, which serve/app.py and agent/dataset.py catch."""
+    """checkpoint.load_run with its errors as SampleError, which evaluation/bpb.py and evaluation/tool_use.py catch."""
     try:
         return checkpoint.load_run(path, device)
     except CheckpointError as e:
