@@ -273,6 +273,7 @@ def one_conversation(rng, kind, settings, family):
         reply = answer(None)
     else:
         context = helper.new_context()
+        context.question = question  # a question about money gets its result in cents
         result = helper.call(tools.Call(name, arguments), context)
         reply = tools.cite_sources(answer(result), context.sources)
         call = {"id": "call_0_0", "type": "function", "function": {"name": name, "arguments": arguments}}

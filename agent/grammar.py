@@ -56,13 +56,14 @@ import re
 import sys
 import threading
 import zoneinfo
+from decimal import Decimal
 
 import numpy as np
 import torch
 
 import config
 import data
-from agent import grounding, tools
+from agent import expression, grounding, tools
 
 TAGS = (b"<tool_call>", b"</tool_call>")
 LONGEST_TAG = max(map(len, TAGS))
@@ -437,7 +438,7 @@ def grounded_ebnf(names, found, settings):
         return literal(f'"{name}": ')
 
     if "calculadora" in names:
-        forms = lambda numbers: [f for n in numbers for f in (n, n.replace(".", ","))]  # noqa: E731
+        forms = lambda numbers: [f for n in numbers for f in expression.number_forms(Decimal(n))]  # noqa: E731
         paired = settings["grounding"]["said_first"] > 1 and len(found.latest) > 1
         rules += calculation_rules(
             settings["grounding"]["max_parentheses"], said_operators(found, settings), paired

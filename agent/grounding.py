@@ -40,6 +40,8 @@ import unicodedata
 import zoneinfo
 from decimal import Decimal
 
+from agent import expression
+
 WORD = re.compile(r"[^\W_]+(?:[.,:/'-][^\W_]+)*")
 DIGITS = re.compile(r"\d+(?:[.,]\d+)*")
 MEMORY_LINE = re.compile(r"^- \[(\d{1,18})\]", re.MULTILINE)  # family/memories.py's memory_line
@@ -98,20 +100,13 @@ def plain(text):
 
 
 def digit_values(number):
-    """The values a number written with digits may mean: "2,35" is 2.35 (a mark groups thousands only
-    before three digits), "1.250" is 1.25 or 1250, "1.234,5" and "1,234.5" are 1234.5, "1.000.000" is
-    1000000."""
-    marks = [ch for ch in number if ch in ".,"]
-    whole = number.replace(".", "").replace(",", "")
-    if not marks:
-        return [Decimal(number)]
-    if len(set(marks)) == 2:  # the last mark is the decimal one
-        cut = max(number.rindex("."), number.rindex(","))
-        return [Decimal(whole[: cut - len(marks) + 1] + "." + number[cut + 1 :])]
-    if len(marks) > 1:
-        return [Decimal(whole)]
-    grouped = len(number) - number.index(marks[0]) - 1 == 3
-    return [Decimal(number.replace(",", "."))] + ([Decimal(whole)] if grouped else [])
+    """The value a number written with digits has, as the calculator reads it (agent/expression.py): "2,35"
+    is 2.35, "1.250" is 1250, "1.234,5" and "1,234.5" are 1234.5, "1.000.000" is 1000000; none for marks
+    that group nothing ("1.2.3")."""
+    try:
+        return [expression.read_number(number)]
+    except expression.ExpressionError:
+        return []
 
 
 def read_words(words, start):

@@ -35,10 +35,8 @@ agent/dataset.py.
 """
 
 import argparse
-import ast
 import datetime
 import json
-import math
 import os
 import re
 import sys
@@ -52,7 +50,7 @@ import jsonschema
 import config
 import fileio
 import search
-from agent import grounding
+from agent import expression, grounding
 from family import memories
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -140,6 +138,7 @@ class Context:
     member: object = None
     source_offset: int = 0  # search results of this turn so far: numbering goes on from here
     sources: list = field(default_factory=list)  # (n, title, url) shown to the model this turn
+    question: str = ""  # the latest user turn: a calculation for a question about money is in cents
 
 
 # -----------------------------------------------------------------------------
@@ -231,106 +230,33 @@ def format_results(results, context):
 # -----------------------------------------------------------------------------
 # calculadora
 
-BINARY = {
-    ast.Add: lambda a, b: a + b,
-    ast.Sub: lambda a, b: a - b,
-    ast.Mult: lambda a, b: a * b,
-    ast.Div: lambda a, b: a / b,
-    ast.FloorDiv: lambda a, b: a // b,
-    ast.Mod: lambda a, b: a % b,
-    ast.Pow: lambda a, b: a**b,
-}
-UNARY = {ast.UAdd: lambda a: +a, ast.USub: lambda a: -a}
-SYMBOLS = {"×": "*", "·": "*", "÷": "/", "^": "**", "−": "-", "–": "-"}
-DECIMAL_COMMA = re.compile(r"(?<=\d),(?=\d)")
-PERCENT = re.compile(r"(\d+(?:\.\d+)?)\s*%(?!\s*[\d(])")
-
 
 @tool(
     "calculadora",
-    "Calcula una expresión aritmética: números, + - * / // % ** y paréntesis.",
+    "Calcula una cuenta: números como 1.250,5 o 2,35; + - x : ** y paréntesis; 15%, 100 - 10%, 10% de 250; "
+    "raíz(16).",
     {"expresion": {"type": "string"}},
     required=("expresion",),
 )
 def calculadora(arguments, context):
-    return format_number(calculate(arguments["expresion"], context.settings["calculator"]))
+    limits = context.settings["calculator"]
+    money = speaks_of_money(context.question, limits["money_words"])
+    return expression.render(calculate(arguments["expresion"], limits), money=money)
 
 
-def calculate(expression, limits):
-    """The value of an arithmetic expression, parsed with ast; anything else raises ToolFailure."""
-    if len(expression) > limits["max_expression_chars"]:
-        raise ToolFailure(
-            f"la expresión tiene {len(expression)} caracteres; el máximo es {limits['max_expression_chars']}"
-        )
-    text = expression.strip()
-    for symbol, replacement in SYMBOLS.items():
-        text = text.replace(symbol, replacement)
-    text = PERCENT.sub(r"(\1/100)", DECIMAL_COMMA.sub(".", text))
+def calculate(text, limits):
+    """The value of an expression in the calculator's language (agent/expression.py); ToolFailure (one
+    Spanish line) for anything it cannot compute."""
     try:
-        tree = ast.parse(text, mode="eval")
-    except (SyntaxError, ValueError, RecursionError, MemoryError) as exc:
-        detail = exc.msg if isinstance(exc, SyntaxError) else type(exc).__name__
-        raise ToolFailure(f"la expresión no se entiende ({detail})") from None
-    depth, stack = 0, [(tree.body, 1)]
-    while stack:  # nesting is checked before anything is evaluated, without recursion
-        node, level = stack.pop()
-        depth = max(depth, level)
-        if depth > limits["max_depth"]:
-            raise ToolFailure(f"la expresión anida más de {limits['max_depth']} operaciones")
-        stack.extend((child, level + 1) for child in ast.iter_child_nodes(node))
-    try:
-        return evaluate(tree.body, limits)
-    except ZeroDivisionError:
-        raise ToolFailure("división entre cero") from None
-    except OverflowError:
-        raise ToolFailure("el resultado es demasiado grande") from None
+        return expression.evaluate(text, limits)
+    except expression.ExpressionError as exc:
+        raise ToolFailure(str(exc)) from None
 
 
-def evaluate(node, limits):
-    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
-        return check_size(node.value, limits)
-    if isinstance(node, ast.UnaryOp) and type(node.op) in UNARY:
-        return UNARY[type(node.op)](evaluate(node.operand, limits))
-    if isinstance(node, ast.BinOp) and type(node.op) in BINARY:
-        left, right = evaluate(node.left, limits), evaluate(node.right, limits)
-        if isinstance(node.op, ast.Pow):
-            check_power(left, right, limits)
-        return check_size(BINARY[type(node.op)](left, right), limits)
-    if isinstance(node, ast.Name | ast.Attribute | ast.Call | ast.Subscript):
-        raise ToolFailure("solo se admiten números y operadores aritméticos, no nombres ni funciones")
-    raise ToolFailure(f"no se admite {type(node).__name__} en una expresión aritmética")
-
-
-def check_power(base, exponent, limits):
-    if abs(exponent) > limits["max_exponent"]:
-        raise ToolFailure(f"el exponente {exponent} supera el máximo de {limits['max_exponent']}")
-    if isinstance(base, int) and isinstance(exponent, int) and exponent > 0 and abs(base) > 1:
-        digits = exponent * math.log10(abs(base))
-        if digits > limits["max_result_digits"]:
-            raise ToolFailure(
-                f"el resultado tendría unas {digits:.0f} cifras; el máximo es {limits['max_result_digits']}"
-            )
-    if base == 0 and exponent < 0:
-        raise ZeroDivisionError
-    if base < 0 and isinstance(exponent, float) and not exponent.is_integer():
-        raise ToolFailure("una potencia de base negativa con exponente fraccionario no es un número real")
-
-
-def check_size(value, limits):
-    if isinstance(value, int) and value.bit_length() * math.log10(2) > limits["max_result_digits"]:
-        raise ToolFailure(f"un resultado intermedio supera las {limits['max_result_digits']} cifras")
-    if isinstance(value, float) and not math.isfinite(value):
-        raise ToolFailure("el resultado es demasiado grande")
-    return value
-
-
-def format_number(value):
-    """Spanish notation without thousands separators: 7,5; whole floats as integers."""
-    if isinstance(value, float) and value.is_integer() and abs(value) < 1e15:
-        value = int(value)
-    if isinstance(value, int):
-        return str(value)
-    return f"{value:.10g}".replace(".", ",")
+def speaks_of_money(question, money_words):
+    """Whether the question names money (calculator.money_words): then a result is rounded to the cent."""
+    words = {grounding.plain(word) for word in re.findall(r"[^\W\d_]+|[€$£]", question)}
+    return bool(words & {grounding.plain(word) for word in money_words})
 
 
 # -----------------------------------------------------------------------------
@@ -600,28 +526,19 @@ def olvidar(arguments, context):
 # -----------------------------------------------------------------------------
 # Grounding: the numbers of a calculation or a date offset come from the conversation
 
-NUMBER = re.compile(r"\d+(?:[.,]\d+)*")
-
 
 def said_numbers(text):
-    """The numbers a text says in the forms a call may copy them in: with a decimal point ("2,35" is
-    2.35), without separators ("1.250" is also 1250), and Spanish style ("1.250,5" is 1250.5); in words
-    too ("doce", "media docena": agent/grounding.py)."""
-    found = set()
-    for number in NUMBER.findall(text):
-        spanish = number.replace(".", "").replace(",", ".")
-        found |= {number.replace(",", "."), number.replace(".", "").replace(",", ""), spanish}
-    found |= {grounding.number_text(value) for value in grounding.spoken_numbers(text)}
-    return {canonical(number) for number in found}
+    """The numbers a text says, as calculator literals without marks (grounding.number_text): digits as
+    the calculator reads them ("1.250" is 1250, "2,35" is 2.35), words too ("doce", "media docena")."""
+    return {grounding.number_text(value) for value in grounding.spoken_numbers(text)}
 
 
-def canonical(number):
-    """'2.50' and '2.5' are one number; '007' is '7'. Text only: a number of any length is no int."""
-    whole, _, fraction = number.partition(".")
-    if "." in fraction:
+def literal_value(number):
+    """A number of a call as the calculator reads it, as a literal without marks ("1.000" is "1000")."""
+    try:
+        return grounding.number_text(expression.read_number(number))
+    except expression.ExpressionError:
         return number
-    whole, fraction = whole.lstrip("0") or "0", fraction.rstrip("0")
-    return f"{whole}.{fraction}" if fraction else whole
 
 
 def ungrounded(call, texts, settings):
@@ -629,15 +546,16 @@ def ungrounded(call, texts, settings):
     that are not among the grounding constants (grounding.numbers, grounding.days, the day words said), in
     the call's order."""
     if call.name == "calculadora" and isinstance(call.arguments.get("expresion"), str):
-        numbers, known = NUMBER.findall(call.arguments["expresion"]), settings["grounding"]["numbers"]
+        numbers = expression.NUMBER.findall(call.arguments["expresion"])
+        known = settings["grounding"]["numbers"]
     elif call.name == "fecha_hora" and isinstance(call.arguments.get("dias"), int):
         words = settings["grounding"]["day_words"]  # "mañana" says 1
         told = [day for text in texts for day in grounding.asked_days(text, {}, words)]
         numbers, known = [str(abs(call.arguments["dias"]))], [0, *settings["grounding"]["days"], *told]
     else:
         return []
-    said = set().union(*map(said_numbers, texts)) | {canonical(str(n)) for n in known}
-    unsaid = [number for number in numbers if canonical(number.replace(",", ".")) not in said]
+    said = set().union(*map(said_numbers, texts)) | {literal_value(str(n)) for n in known}
+    unsaid = [number for number in numbers if literal_value(number) not in said]
     return list(dict.fromkeys(unsaid))
 
 
@@ -752,6 +670,7 @@ class Agent:
         """Answer the last user message. generate(conversation) -> the model's reply text. Returns the new
         messages (assistant calls, tool results, the final assistant answer) to append to messages."""
         context = self.new_context()
+        context.question = latest_question(messages)
         limit = self.settings["max_calls_per_turn"]
         new, used, hinted = [], 0, False
         while True:
@@ -817,6 +736,11 @@ class Agent:
         self.ungrounded += 1
         self.on_event("ungrounded", {"name": call.name, "numbers": numbers})
         return True
+
+
+def latest_question(messages):
+    users = [m["content"] for m in messages if m.get("role") == "user" and isinstance(m.get("content"), str)]
+    return users[-1] if users else ""
 
 
 SOURCES_HEADER = "Fuentes:"

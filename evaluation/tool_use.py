@@ -156,6 +156,7 @@ def handwritten_cases(entries, settings, count_tokens, context_len):
                     "tool": entry["tool"]}  # fmt: skip
             if entry["tool"]:
                 context = helper.new_context()
+                context.question = entry["prompt"]
                 result = helper.call(tools.Call(entry["tool"], entry["call"]), context)
                 call = {"type": "function", "function": {"name": entry["tool"], "arguments": entry["call"]}}
                 case["reference"] = {"role": "assistant", "content": "", "tool_calls": [call]}

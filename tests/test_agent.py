@@ -396,6 +396,7 @@ def test_the_parser_turns_every_broken_call_into_an_error(text, error):
         ("3 × 4 ÷ 2", "6"),
         ("2^10", "1024"),
         ("1/3", "0,3333333333"),
+        ("0,1+0,2", "0,3"),
     ],
 )
 def test_the_calculator_computes_arithmetic(settings, expression, value):
@@ -404,34 +405,83 @@ def test_the_calculator_computes_arithmetic(settings, expression, value):
 
 
 @pytest.mark.parametrize(
+    "expression, value",
+    [
+        ("1.000*3", "3000"),  # a thousand times three
+        ("1.000.000/4", "250000"),
+        ("1.250,5+1", "1251,5"),
+        ("2,35*2", "4,7"),
+        ("12.50*2", "25"),  # a point before two digits is a decimal point
+        ("1,234.5+0,5", "1235"),
+        ("100 - 10%", "90"),  # a share of what precedes it
+        ("100 + 21%", "121"),
+        ("100*(1-10%)", "90"),
+        ("64-64*30%", "44,8"),
+        ("10% de 250", "25"),
+        ("3 x 4", "12"),
+        ("3x4", "12"),
+        ("10 : 2", "5"),
+        ("raíz(16)", "4"),
+        ("raiz cuadrada de 2", "1,414213562"),
+        ("sqrt(2,25)", "1,5"),
+        ("abs(3-10)", "7"),
+        ("redondear(7,5)", "8"),
+    ],
+)
+def test_the_calculator_reads_spanish_numbers_and_operators(settings, expression, value):
+    result = tools.Agent(settings).call(tools.Call("calculadora", {"expresion": expression}))
+    assert (result.ok, result.text) == (True, value)
+
+
+def test_a_question_about_money_gets_its_result_in_cents(settings):
+    share = call_text("calculadora", {"expresion": "186/7"})
+    new, _ = run(
+        settings, Script(share, "Ya."), "Somos 7 para pagar una cena de 186 euros, ¿cuánto pone cada uno?"
+    )
+    assert new[1]["content"] == "26,57"
+    new, _ = run(settings, Script(share, "Ya."), "¿Cuánto es 186 entre 7?")
+    assert new[1]["content"] == "26,57142857"
+    new, _ = run(settings, Script(call_text("calculadora", {"expresion": "2,5*3"}), "Ya."), "3 kilos a 2,5 €")
+    assert new[1]["content"] == "7,50"
+
+
+@pytest.mark.parametrize(
     "expression, error",
     [
-        ("__import__('os').system('echo pwned')", "no nombres ni funciones"),
-        ("().__class__.__bases__", "no nombres ni funciones"),
-        ("x + 1", "no nombres ni funciones"),
-        ("'a' * 10", "no se admite Constant"),
-        ("[1] * 10", "no se admite List"),
-        ("lambda: 1", "no se admite Lambda"),
-        ("1 if 1 else 2", "no se admite IfExp"),
+        ("__import__('os').system('echo pwned')", "el carácter «_» no cabe en una cuenta (posición 1)"),
+        ("().__class__.__bases__", "el carácter «.» no cabe en una cuenta (posición 3)"),
+        ("y + 1", "no conozco «y»"),
+        ("'a' * 10", "el carácter «'» no cabe"),
+        ("[1] * 10", "el carácter «[» no cabe"),
+        ("lambda: 1", "no conozco «lambda»"),
         ("9**9**9", "el exponente 387420489 supera el máximo de 1000"),
         ("10**100000", "el exponente 100000 supera el máximo de 1000"),
         ("2**1000", "el resultado tendría unas 301 cifras"),
         ("99999**20 * 99999**20", "supera las 100 cifras"),
-        ("10.0**400", "demasiado grande"),
+        ("10.0**400", "el resultado tendría unas 400 cifras"),
         ("(-8)**0.5", "no es un número real"),
-        ("1/0", "división entre cero"),
-        ("0**-1", "división entre cero"),
+        ("1/0", "no se puede dividir entre cero"),
+        ("0**-1", "no se puede dividir entre cero"),
+        ("5 // (3-3)", "no se puede dividir entre cero"),
         ("(1+" * 40 + "1" + ")" * 40, "anida más de 30"),
+        ("(" * 99 + "1" + ")" * 100, "anida más de 30"),  # 200 characters
         ("-" * 150 + "1", "anida más de 30"),
-        ("((((2)", "no se entiende"),
+        ("((((2)", "falta cerrar el paréntesis abierto en la posición 3"),
+        ("(2))", "sobra un «)» en la posición 4"),
         ("1+" * 150 + "1", "tiene 301 caracteres; el máximo es 200"),
-        ("2 +", "no se entiende"),
+        ("2 +", "falta un número al final, después de «+»"),
+        ("3 4", "falta un operador antes de la posición 3"),
+        ("", "la expresión está vacía"),
+        ("1.2.3", "el número 1.2.3 no se entiende"),
+        ("5 de 3", "«de» solo va detrás de un porcentaje"),
+        ("raíz(-4)", "no hay raíz cuadrada de un número negativo (-4)"),
     ],
 )
-def test_the_calculator_refuses_hostile_input_with_a_clear_error(settings, expression, error):
+def test_the_calculator_refuses_hostile_input_with_one_spanish_line(settings, expression, error):
     result = tools.Agent(settings).call(tools.Call("calculadora", {"expresion": expression}))
     assert not result.ok
     assert result.text.startswith("Error: ") and error in result.text, result.text
+    assert "\n" not in result.text and "invalid syntax" not in result.text and "Constant" not in result.text
 
 
 # --- fecha_hora -----------------------------------------------------------------------------------------
@@ -656,7 +706,10 @@ def test_a_failed_call_gets_its_error_and_no_grounding_hint(settings):
     new, _ = run(
         settings, Script(call_text("calculadora", {"expresion": "77/0"}), "No se puede."), "Divide 5 entre 0"
     )
-    assert tool_texts(new)[0].startswith("Error: división entre cero") and "Aviso" not in tool_texts(new)[0]
+    assert (
+        tool_texts(new)[0].startswith("Error: no se puede dividir entre cero")
+        and "Aviso" not in tool_texts(new)[0]
+    )
 
 
 def test_a_whole_float_where_an_integer_is_due_is_read_as_the_integer(settings):
@@ -674,4 +727,4 @@ def test_a_number_said_in_words_gets_no_hint(settings):
     new, events = run(settings, Script(call_text("calculadora", {"expresion": "6*0.35"}), "2,1."), question)
     assert ("ungrounded", {"name": "calculadora", "numbers": ["0.35"]}) in events  # 6 and 35 are said
     new, events = run(settings, Script(call_text("calculadora", {"expresion": "6*35/100"}), "2,1."), question)
-    assert tool_texts(new) == ["2,1"] and not any(kind == "ungrounded" for kind, _ in events)
+    assert tool_texts(new) == ["2,10"] and not any(kind == "ungrounded" for kind, _ in events)  # in cents

@@ -9,7 +9,7 @@ from decimal import Decimal
 
 import pytest
 
-from agent import dataset, grounding, phrases, tools
+from agent import dataset, expression, grounding, phrases, tools
 from chat import template
 from evaluation import tool_use
 from family import memories
@@ -107,7 +107,10 @@ def test_tool_results_are_the_real_tools_and_answers_state_them(generated, small
         kind = kind_of(conversation)
         if call["name"] == "calculadora":
             value = tools.calculate(call["arguments"]["expresion"], small["calculator"])
-            assert result == tools.format_number(value)
+            money = tools.speaks_of_money(
+                dataset.user_question(conversation), small["calculator"]["money_words"]
+            )
+            assert result == expression.render(value, money=money)
         if kind == "sin_resultados":
             assert result == "Sin resultados"
         if kind == "error_busqueda":

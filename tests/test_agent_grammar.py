@@ -440,6 +440,19 @@ def test_a_question_with_two_numbers_computes_with_both_before_any_constant(
 
 @pytest.mark.parametrize(
     ("asked", "expression", "allowed"),
+    [("Son 1.250 euros entre 5", "1250/5", True), ("Son 1.250 euros entre 5", "1.25/5", False),
+     ("Son 1.250 euros entre 5", "1,25/5", False), ("Multiplica 1,125 por 8", "1,125*8", True),
+     ("Multiplica 1,125 por 8", "1.125*8", False), ("Multiplica 2,35 por 8", "2.35*8", True)],
+)  # fmt: skip
+def test_a_number_is_offered_only_in_a_form_the_calculator_reads_as_meant(
+    tokenizer, settings, asked, expression, allowed
+):
+    asked = [{"role": "user", "content": asked}]
+    assert accepts(tokenizer, settings, asked, "calculadora", {"expresion": expression}) is allowed
+
+
+@pytest.mark.parametrize(
+    ("asked", "expression", "allowed"),
     [("cuanto es 2 elevado a 16", "2**16", True), ("¿Cuánto son doce por quince?", "12**15", False),
      ("¿Cuánto son doce por quince?", "12*15", True), ("Divide 17 entre 5, la parte entera", "17//5", True),
      ("Divide 17 entre 5", "17//5", False)],
