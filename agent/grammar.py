@@ -361,41 +361,38 @@ def words_rules(words, joining):
 def calculation_rules(depth, operators, paired=False):
     """EBNF `c_e0`: numbers with operators between, parentheses nested at most `depth` deep (so that a
     budget's last tokens can always close them). The first number of each (parenthesised) expression is
-    one the conversation said (`c_s`), or with `paired` the whole starts with two different numbers of
-    the latest user turn (`c_pair`, pair_rules); the later ones may be constants too (`c_n`). `operators`
-    between them (see said_operators). A small
-    model that has not learnt to copy otherwise writes "1234 por 56" with constants ("2**1*1", then
-    "1234*2", then "1234*1234")."""
-    rules = ['c_sp ::= " " | ""', f"c_o ::= {alternatives(operators)}"]
+    one the conversation said (`c_s`), or with `paired` the whole starts with two numbers of the latest
+    user turn (`c_pair`, pair_rules); the later ones may be constants too (`c_n`). `operators`: those the
+    latest turn's words allow (grounding.said_operators); "%" is a percentage after a number, "mod" the
+    remainder written "%" between two. A small model that has not learnt to copy otherwise writes "1234
+    por 56" with constants ("2**1*1", then "1234*2", then "1234*1234")."""
+    between = [("%" if operator == "mod" else operator) for operator in operators if operator != "%"]
+    percent = ' ("%" | " %")?' if "%" in operators else ""
+    rules = ['c_sp ::= " " | ""', f"c_o ::= {alternatives(between)}", f"c_p ::= {percent or chr(34) * 2}"]
     for level in range(depth + 1):
         inner = f' | "(" c_sp c_e{level + 1} c_sp ")"' if level < depth else ""
         first = "c_pair" if paired and level == 0 else f"c_f{level}"
         rules.append(f"c_e{level} ::= {first} (c_sp c_o c_sp c_t{level})*")
         for term, number in ((f"c_f{level}", "c_s"), (f"c_t{level}", "c_n")):
-            rules.append(f'{term} ::= ("-" | "+")? ({number} ("%" | " %")?{inner})')
+            rules.append(f'{term} ::= ("-" | "+")? ({number} c_p{inner})')
     return rules
 
 
-def said_operators(found, settings):
-    """The calculator's operators a constrained expression may use: + - * / % always, "**" and "//" only
-    where a recent user turn says one of their grounding.said_operators words ("elevado", "potencia"):
-    a small model writes "12**15" for "doce por quince" when "**" is one more "*" away."""
-    said = {grounding.plain(word) for word in found.words}
-    extra = [op for op, words in settings["grounding"]["said_operators"].items()
-             if said & {grounding.plain(word) for word in words}]  # fmt: skip
-    return [*extra, "+", "-", "*", "/", "%"]
-
-
-def pair_rules(numbers, forms):
-    """EBNF `c_pair`: one of `numbers`, an operator, another of them (each signed, each maybe a
-    percentage). Quadratic in the numbers: the latest turn's, at most grounding.max_candidates."""
-    signed, percent = '("-" | "+")?', '("%" | " %")?'
+def pair_rules(numbers, forms, pairs=()):
+    """EBNF `c_pair`: one of `numbers`, an operator, another of them or one the question pairs it with
+    ("12 por 12": grounding.paired_numbers), that second one maybe in parentheses after a constant and an
+    operator ("100*(1-10%)"); each signed, each maybe a percentage (c_p). Quadratic in the numbers: the
+    latest turn's, at most grounding.max_candidates."""
+    signed = '("-" | "+")?'
     rules = []
     for index, number in enumerate(numbers):
-        others = alternatives(forms([n for n in numbers if n != number]))
+        partners = [n for n in numbers if n != number] + [b for a, b in pairs if a == number]
+        partners += [a for a, b in pairs if b == number]
+        others = f"{signed} ({alternatives(forms(list(dict.fromkeys(partners))))}) c_p"
         first = alternatives(forms([number]))
         rules.append(
-            f"c_q{index} ::= {signed} ({first}) {percent} c_sp c_o c_sp {signed} ({others}) {percent}"
+            f'c_q{index} ::= {signed} ({first}) c_p c_sp c_o c_sp ({others} | "(" c_sp c_n c_sp c_o c_sp '
+            f'{others} c_sp ")")'
         )
     rules.append("c_pair ::= " + " | ".join(f"c_q{index}" for index in range(len(numbers))))
     return rules
@@ -440,10 +437,8 @@ def grounded_ebnf(names, found, settings):
     if "calculadora" in names:
         forms = lambda numbers: [f for n in numbers for f in expression.number_forms(Decimal(n))]  # noqa: E731
         paired = settings["grounding"]["said_first"] > 1 and len(found.latest) > 1
-        rules += calculation_rules(
-            settings["grounding"]["max_parentheses"], said_operators(found, settings), paired
-        )
-        rules += pair_rules(found.latest, forms) if paired else []
+        rules += calculation_rules(settings["grounding"]["max_parentheses"], found.operators, paired)
+        rules += pair_rules(found.latest, forms, found.pairs) if paired else []
         rules.append(f"c_n ::= {alternatives(forms(found.numbers))}")
         rules.append(f"c_s ::= {alternatives(forms(found.said or found.numbers))}")
         call("calculadora", f'{key("expresion")} "\\"" c_e0 "\\""')

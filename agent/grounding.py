@@ -154,9 +154,17 @@ def read_words(words, start):
 
 def said(text):
     """(values, next word, whether it is a lone "un"/"una"/"uno") of each number a text says, with digits
-    or in Spanish words, in the order said: a number written with digits may stand for several values (see
-    digit_values)."""
-    words = [plain(word) for word in WORD.findall(text)]
+    or in Spanish words, in the order said (see said_in)."""
+    return [(values, after, article) for values, after, article, _, _ in said_in(plain_words(text))]
+
+
+def plain_words(text):
+    return [plain(word) for word in WORD.findall(text)]
+
+
+def said_in(words):
+    """(values, next word, lone article, first word's index, index after it) of each number in these
+    plain words: a number written with digits has the value the calculator reads (digit_values)."""
     found, index = [], 0
     while index < len(words):
         word = words[index]
@@ -174,8 +182,78 @@ def said(text):
         article = used == 1 and word in ARTICLES  # "una cena", "cada uno": no 1 to compute with
         index += used
         if values:
-            found.append((values, words[index] if index < len(words) else "", article))
+            found.append((values, words[index] if index < len(words) else "", article, index - used, index))
     return found
+
+
+# -----------------------------------------------------------------------------
+# Operators from the words said
+
+FREE_OPERATORS = ("+", "-", "*", "/", "%")  # where a turn says no operator word ("%": a percentage)
+# an operator written between two numbers of the text ("125 x 48", "2^16"), or a percentage ("15 %")
+SYMBOL = re.compile(r"(?<=\d)\s*(\*\*|[x×*·/÷+^−-](?=\s*\d)|%)")
+SYMBOLS = {"x": "*", "×": "*", "*": "*", "·": "*", "/": "/", "÷": "/", "+": "+", "-": "-", "−": "-", "^": "**",
+           "**": "**", "%": "%"}  # fmt: skip
+
+
+def operator_table(operator_words):
+    """{plain phrase: frozenset of operators} from grounding.operator_words (an operator -> its phrases;
+    a phrase listed under several operators may mean each, one under "none" means none)."""
+    table = {}
+    for operator, phrases in operator_words.items():
+        for phrase in phrases:
+            key = " ".join(plain_words(phrase)) or phrase
+            table[key] = table.get(key, frozenset()) | ({operator} if operator != "none" else frozenset())
+    return table
+
+
+def operator_phrases(words, table):
+    """[(start, end, operators)] of the phrases of the table in these plain words, longest first, each
+    word in one phrase at most."""
+    longest = max((len(phrase.split()) for phrase in table), default=1)
+    found, index = [], 0
+    while index < len(words):
+        for size in range(min(longest, len(words) - index), 0, -1):
+            phrase = " ".join(words[index : index + size])
+            if phrase in table:
+                found.append((index, index + size, table[phrase]))
+                index += size
+                break
+        else:
+            index += 1
+    return found
+
+
+def said_operators(text, operator_words):
+    """The calculator's operators a question allows: those of its unambiguous operator words ("entre" is
+    a division) where it says any, else each of its ambiguous ones ("cada uno": a share or a price each),
+    else FREE_OPERATORS. "%" (a percentage) brings "*" ("el 15% de 2400" is 2400*15%); "mod", "**" and
+    "//" only where said."""
+    table = operator_table(operator_words)
+    said = [operators for _, _, operators in operator_phrases(plain_words(text), table) if operators]
+    said += [frozenset({SYMBOLS[symbol]}) for symbol in SYMBOL.findall(text)]
+    said += [frozenset({"**"})] if "^" in text else []  # "seis^dos"
+    if not said:
+        return FREE_OPERATORS
+    sure = [operators for operators in said if len(operators) == 1]
+    allowed = set().union(*(sure or said))
+    if "%" in allowed:
+        allowed.add("*")
+    return tuple(operator for operator in (*FREE_OPERATORS, "mod", "**", "//") if operator in allowed)
+
+
+def paired_numbers(text, operator_words):
+    """The pairs of numbers the text joins with an operator word, as calculator literals: "12 por 12"
+    pairs 12 with 12 (at most three words between them, one an operator phrase)."""
+    table = operator_table(operator_words)
+    words = plain_words(text)
+    numbers = [(values, start, end) for values, _, article, start, end in said_in(words) if not article]
+    phrases = [(start, end) for start, end, operators in operator_phrases(words, table) if operators]
+    pairs = []
+    for (first, _, end), (second, start, _) in zip(numbers, numbers[1:], strict=False):
+        if 0 < start - end <= 3 and any(end <= a and b <= start for a, b in phrases):
+            pairs.append((number_text(first[0]), number_text(second[0])))
+    return pairs
 
 
 def spoken_numbers(text):
@@ -277,6 +355,8 @@ class Candidates:
     asked_zones: tuple
     words: tuple
     ids: tuple
+    operators: tuple = FREE_OPERATORS
+    pairs: tuple = ()
 
 
 def recent_first(values, bound):
@@ -333,4 +413,6 @@ def candidates(messages, settings):
         asked_zones=tuple(recent_first(asked_zones, bound)),
         words=tuple(words),
         ids=tuple(recent_first(ids, bound)),
+        operators=said_operators(users[-1], grounding["operator_words"]) if users else FREE_OPERATORS,
+        pairs=tuple(paired_numbers(users[-1], grounding["operator_words"])[:bound]) if users else (),
     )

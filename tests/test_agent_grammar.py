@@ -428,7 +428,7 @@ def test_a_grounded_call_takes_the_conversations_values_and_no_others(
 
 @pytest.mark.parametrize(
     ("expression", "allowed"),
-    [("1250-487", True), ("487 - 1250", True), ("1250 - 487 + 100", True), ("1250/2", False),
+    [("1250-487", True), ("487 - 1250", True), ("1250 - 487 - 100", True), ("1250/2", False),
      ("1250/1250", False), ("1250", False), ("2*1250-487", False)],
 )  # fmt: skip
 def test_a_question_with_two_numbers_computes_with_both_before_any_constant(
@@ -447,6 +447,29 @@ def test_a_question_with_two_numbers_computes_with_both_before_any_constant(
 def test_a_number_is_offered_only_in_a_form_the_calculator_reads_as_meant(
     tokenizer, settings, asked, expression, allowed
 ):
+    asked = [{"role": "user", "content": asked}]
+    assert accepts(tokenizer, settings, asked, "calculadora", {"expresion": expression}) is allowed
+
+
+SHARED_BILL = "Somos 7 para pagar una cena de 186 euros, ¿cuánto pone cada uno?"
+DISCOUNT = "¿Cuánto pago por 100 € con un 10% de descuento?"
+
+
+@pytest.mark.parametrize(
+    ("asked", "expression", "allowed"),
+    [(SHARED_BILL, "186/7", True), (SHARED_BILL, "186 % 7", False), (SHARED_BILL, "7-186", False),
+     ("Tenía 1250 y gasté 487", "1250-487", True), ("Tenía 1250 y gasté 487", "1250*487", False),
+     (DISCOUNT, "100-10%", True), (DISCOUNT, "100*(1-10%)", True), (DISCOUNT, "100+10", False),
+     ("Mi hijo de 8 años pregunta cuánto es 12 por 12", "12*12", True),
+     ("Mi hijo de 8 años pregunta cuánto es 12 por 12", "12+8", False),
+     ("el doble de 12 menos 3", "12 - 3", True), ("el doble de 12 menos 3", "12*3", True),
+     ("el doble de 12 menos 3", "12+3", False),
+     ("Reparte 186 euros entre 7, ¿cuánto a cada uno?", "186/7", True),
+     ("Reparte 186 euros entre 7, ¿cuánto a cada uno?", "186*7", False),
+     ("¿Cuál es el resto de 17 entre 5?", "17 % 5", True), ("Divide 17 entre 5", "17 % 5", False),
+     ("¿Cuántos segundos son 45 minutos?", "45*60", True), ("¿Cuántos segundos son 45 minutos?", "45+60", True)],
+)  # fmt: skip
+def test_a_calculation_takes_the_operators_its_question_says(tokenizer, settings, asked, expression, allowed):
     asked = [{"role": "user", "content": asked}]
     assert accepts(tokenizer, settings, asked, "calculadora", {"expresion": expression}) is allowed
 
