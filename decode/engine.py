@@ -244,6 +244,14 @@ class Row:
         self.generator, self.constraint = generator, constraint
 
 
+def sampling_of(row):
+    """(temperature, top_k, top_p) of a row's next token: its own, but greedy inside a tool call (its
+    constraint's in_call), whatever the answer's sampling: a call's operator is never a coin toss."""
+    if getattr(row.constraint, "in_call", False):
+        return 0, None, None
+    return row.temperature, row.top_k, row.top_p
+
+
 class Decoder:
     """Generation for up to `slots` sequences at once, each at its own position (continuous batching:
     rows join and leave between steps). add() prefills a prompt on its own into a free slot of the KV
@@ -372,7 +380,7 @@ class Decoder:
         machine's threads); each row's token is the one it gets alone."""
         groups = {}
         for row in rows:
-            groups.setdefault((row.temperature, row.top_k, row.top_p), []).append(row)
+            groups.setdefault(sampling_of(row), []).append(row)
         tokens = {}
         for (temperature, top_k, top_p), group in groups.items():
             logits = [

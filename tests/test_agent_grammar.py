@@ -195,6 +195,42 @@ def test_a_budget_never_cuts_a_call_the_constraint_knows_of(tokenizer, settings,
     assert all("<tool_call>" not in text for text, _ in tight)  # too little room: no call opens
 
 
+class Recorded:
+    """A constraint that notes, for each token chosen, whether it was inside a call and the argmax of the
+    logits the constraint left."""
+
+    def __init__(self, constraint):
+        self.constraint, self.choices, self.best = constraint, [], None
+
+    @property
+    def in_call(self):
+        return self.constraint.in_call
+
+    def mask(self, logits):
+        masked = self.constraint.mask(logits)
+        self.best = (self.constraint.in_call, int(masked.argmax()))
+        return masked
+
+    def accept(self, token):
+        self.choices.append((*self.best, token))
+        self.constraint.accept(token)
+
+
+def test_a_calls_tokens_are_chosen_greedily_whatever_the_answers_sampling(tokenizer, settings):
+    specs = tools.tool_specs(settings, list(ROOT_TOOLS))
+    model, end = NoisyModel(tokenizer, ends=True).eval(), tokenizer.special_ids["<|end|>"]
+    generator = torch.Generator().manual_seed(3)
+    choices = []
+    for _ in range(4):  # nearly uniform noise at temperature 1: a sampled token is rarely the likeliest
+        constraint = Recorded(grammar.constraint_for(tokenizer, specs, settings, 300, GROUNDED))
+        with noisy_forward_passes(model):
+            list(engine.generate(model, torch.tensor([1]), 300, 1.0, top_p=0.95, stop_token=end,
+                                 generator=generator, constraint=constraint))  # fmt: skip
+        choices += constraint.choices
+    inside = [(best, token) for in_call, best, token in choices if in_call]
+    assert len(inside) > 20 and all(token == best for best, token in inside)
+
+
 def test_without_the_constraint_the_same_noise_writes_broken_calls(tokenizer, settings):
     settings["constrained"] = False
     assert grammar.constraint_for(tokenizer, CLIENT_TOOLS, settings) is None
