@@ -520,6 +520,11 @@ class ToolCallConstraint:
             fewer[spelled] = False
             if fewer.any():  # never an empty choice: a schema's own enum may spell a tag
                 allowed = fewer
+        if self.reserve < self.left() <= 2 * self.reserve:
+            # a call opened late: its name and keys in the longest steps, so that the last `reserve` tokens
+            # are left to close it (greedy calls would otherwise spell it one character at a time)
+            lengths = vocab.lengths_of(logits.shape[0])
+            allowed = allowed & (lengths == lengths.masked_fill(~allowed, -1).max())
         if self.left() <= self.reserve:
             size = logits.shape[0]
             closing = allowed & vocab.closers_mask(size)
