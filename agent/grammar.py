@@ -63,7 +63,7 @@ import torch
 
 import config
 import data
-from agent import expression, grounding, tools
+from agent import answers, expression, grounding, tools
 
 TAGS = (b"<tool_call>", b"</tool_call>")
 LONGEST_TAG = max(map(len, TAGS))
@@ -305,13 +305,16 @@ def constraint_for(tokenizer, tools, settings, max_tokens=None, messages=None):
     tools keep their schemas."""
     if not settings["constrained"]:
         return None
+    answer = answers.guard_for(vocabulary(tokenizer), messages, settings)
     grammar = None
     if tools and messages is not None and settings["grounding"]["mode"] == "constrained":
         grammar = GroundedGrammar(tokenizer, tools, settings, grounding.candidates(messages, settings))
         grammar = grammar if grammar.callable else None
     elif tools:
         grammar = tool_grammar(tokenizer, tools, settings)
-    return ToolCallConstraint(vocabulary(tokenizer), grammar, max_tokens, settings["call_reserve_tokens"])
+    return ToolCallConstraint(
+        vocabulary(tokenizer), grammar, max_tokens, settings["call_reserve_tokens"], answer
+    )
 
 
 # -----------------------------------------------------------------------------
@@ -482,8 +485,8 @@ class ToolCallConstraint:
     it allows none (a tool's name, an enum value, a key to finish) only the longest allowed tokens, so that
     the budget never cuts a call (ours close in a few tokens from anywhere)."""
 
-    def __init__(self, vocab, grammar, max_tokens=None, reserve=0):
-        self.vocab, self.grammar = vocab, grammar
+    def __init__(self, vocab, grammar, max_tokens=None, reserve=0, answer=None):
+        self.vocab, self.grammar, self.answer = vocab, grammar, answer  # answer: an answers.AnswerGuard
         self.state, self.tail, self.matcher = TEXT, b"", None
         self.bitmask = torch.zeros(1, (vocab.size + 31) // 32, dtype=torch.int32)
         self.calls, self.accepted = 0, 0
@@ -504,7 +507,7 @@ class ToolCallConstraint:
             if not opening:
                 banned.append(vocab.open_id)
             logits[banned] = float("-inf")
-            return logits
+            return logits if self.answer is None else self.answer.mask(logits)
         if self.state in (AFTER, NEXT):
             allowed = vocab.end_ids + [vocab.newline_id] * opening if self.state == AFTER else [vocab.open_id]
             out = torch.full_like(logits, float("-inf"))
@@ -547,6 +550,8 @@ class ToolCallConstraint:
                 self.matcher = self.grammar.matcher()
             else:
                 self.tail = (self.tail + vocab.bytes[token])[-(LONGEST_TAG - 1) :]
+                if self.answer is not None:
+                    self.answer.accept(token)
         elif self.state == CALL:
             if not self.matcher.accept_token(token):
                 raise ValueError(f"token {token} is outside the tool-call grammar: was the mask applied?")

@@ -26,6 +26,7 @@ SECTIONS = {
     "memory": bench_serve.bench_memory,
     "eval": bench_evaluation.bench_eval,
     "agent": bench_agent.bench_agent,
+    "answers": bench_agent.bench_answers,
 }
 
 

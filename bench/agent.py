@@ -285,3 +285,60 @@ def bench_agent():
             f"{1e3 * per_call:.1f} ms of grammar = {100 * per_call / (call_tokens * seconds):.1f}% of the call's decode "
             "time (target <= 5% at smoke)"
         )
+
+
+ANSWER = ("Son 69104 euros: 1234 por 56, es decir 69.104 en total; cada uno pone 26,57 de los 186 que "
+          "costó la cena del 5 de diciembre de 2026, y sobran 2.")  # fmt: skip
+
+
+def answer_pass(tokenizer, settings, messages, text, vocab_size):
+    """Seconds per token of the free-text constraint along an answer after a tool result (mask + accept)."""
+    logits = torch.randn(vocab_size)
+    constraint = grammar.constraint_for(tokenizer, None, settings, None, messages)
+    start = time.perf_counter()
+    for token in text:
+        constraint.mask(logits.clone())
+        constraint.accept(token)
+    return (time.perf_counter() - start) / len(text)
+
+
+def bench_answers():
+    """`make bench ARGS=answers`: what grounding an answer's numbers costs per token (agent/answers.py,
+    agent.answers.grounding constrained against off), against a decode step at the smoke and tiny-50m
+    shapes; the 32,000-token BPE of bench_agent, logits of 32,000 (an upper bound for smoke's 256)."""
+    settings = tools.load_settings()
+    off = {**settings, "answers": {**settings["answers"], "grounding": "off"}}
+    messages = [
+        {"role": "system", "content": "Hoy es sábado, 5 de diciembre de 2026."},
+        {"role": "user", "content": "Somos 7 y la cena costó 186 euros; ¿y cuánto es 1234 por 56?"},
+        {"role": "tool", "content": "69104", "name": "calculadora"},
+        {"role": "tool", "content": "26,57", "name": "calculadora"},
+    ]
+    with tempfile.TemporaryDirectory(prefix="bench-answers-") as folder:
+        tokenizer = train_32k_tokenizer(folder)
+    vocab_size = layer("model", "tiny-50m")["vocab_size"]
+    text = tokenizer.encode(ANSWER)
+    grammar.vocabulary(tokenizer)  # built once per tokenizer, as in the server
+    times = {"off": [], "constrained": []}
+    for _ in range(ROUNDS):  # alternate rounds: a busy moment of the machine hits both
+        times["off"].append(answer_pass(tokenizer, off, messages, text, vocab_size))
+        times["constrained"].append(answer_pass(tokenizer, settings, messages, text, vocab_size))
+    extra = [on - plain for on, plain in zip(times["constrained"], times["off"], strict=True)]
+    steps = {shape: [decode_step_seconds(shape=shape) for _ in range(3)] for shape in ("smoke", "tiny-50m")}
+    print(
+        f"answers: {tokenizer.vocab_size:,}-token BPE, an answer of {len(text)} tokens after two tool results, "
+        f"{ROUNDS} alternate rounds; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs "
+        f"({platform.processor() or platform.machine()}), {torch.get_num_threads()} threads"
+    )
+    for name, values in times.items():
+        print(f"answers: free-text constraint, grounding {name}: " + ", ".join(f"{1e6 * v:.1f}" for v in values)
+              + " µs per token")  # fmt: skip
+    for shape, seconds in steps.items():
+        step = statistics.median(seconds)
+        shares = ", ".join(f"{100 * e / step:.2f}%" for e in extra)
+        print(
+            f"answers: {shape} decode step {1e3 * step:.2f} ms (3 runs: "
+            + ", ".join(f"{1e3 * s:.2f}" for s in seconds)
+            + f"); grounding's extra per token {1e6 * statistics.median(extra):.1f} µs median = "
+            f"{100 * statistics.median(extra) / step:.2f}% of a step (rounds: {shares}; target <= 5%)"
+        )
