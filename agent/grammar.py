@@ -346,18 +346,30 @@ def alternatives(texts):
     return " | ".join(literal(text) for text in dict.fromkeys(texts))
 
 
-def words_rules(words, joining):
-    """EBNF rules `w` (and w_*): the user's words in order, any of them left out, joining words between
-    them, separated by a space or ", "; at least one of the user's words. Linear in the words."""
-    last = len(words)
-    rules = ["w ::= (w_j w_s)* w_u0", 'w_s ::= " " | ", "', f"w_j ::= {alternatives(joining)}"]
-    for index, word in enumerate(words):
-        forms = (word, word.lower(), word[:1].upper() + word[1:])
-        skip = f" | w_u{index + 1}" if index + 1 < last else ""
-        rules.append(f"w_u{index} ::= ({alternatives(forms)}) w_t{index + 1}{skip}")
-        if index:
-            rules.append(f"w_t{index} ::= (w_s (w_u{index} | w_j w_t{index}))?")
-    rules.append(f"w_t{last} ::= (w_s w_j w_t{last})?")
+def words_rules(words, joining, ends=(), spans=2):
+    """EBNF rules `w` (and w_*): a text made of at most `spans` contiguous spans of the user's words (a
+    span never crosses the end of a turn, `ends`), each later span starting after the one before; inside a
+    span a joining word may be left out or one added ("farmacia de guardia hoy Logroño"), the words
+    separated by a space or ", ". Linear in the words: spans * 2 rules a word."""
+    last, stops = len(words), set(ends) | {len(words)}
+    plain = {grounding.plain(word) for word in joining}
+    rules = ['w ::= (w_j " ")? w_q1_0', f"w_j ::= {alternatives(joining)}", 'w_g ::= (" " | ", ") (w_j " ")?']
+    for level in range(1, spans + 1):
+        for index, word in enumerate(words):
+            forms = alternatives((word, word.lower(), word[:1].upper() + word[1:]))
+            steps = []
+            after = index + 1  # the next word, or one after joining words left out ("hora el partido")
+            while after not in stops:
+                steps.append(f"w_a{level}_{after}")
+                if grounding.plain(words[after]) not in plain:
+                    break
+                after += 1
+            if level < spans and index + 1 < last:
+                steps.append(f"w_q{level + 1}_{index + 1}")  # the next span, further on
+            more = f" (w_g ({' | '.join(steps)}))?" if steps else ""
+            rules.append(f"w_a{level}_{index} ::= ({forms}){more}")
+            later = f" | w_q{level}_{index + 1}" if index + 1 < last else ""
+            rules.append(f"w_q{level}_{index} ::= w_a{level}_{index}{later}")
     return rules
 
 
@@ -448,7 +460,8 @@ def grounded_ebnf(names, found, settings):
     if "fecha_hora" in names:
         call("fecha_hora", date_arguments(found, key))
     if {"buscar_web", "recordar", "buscar_recuerdos"} & set(names):
-        rules += words_rules(found.words, settings["grounding"]["joining_words"])
+        grounded = settings["grounding"]
+        rules += words_rules(found.words, grounded["joining_words"], found.turn_ends, grounded["max_spans"])
         text = '"\\"" w "\\""'
         if "buscar_web" in names:
             most = settings["search"]["max_results"]

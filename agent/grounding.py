@@ -20,7 +20,8 @@ the same numbers.
                     fecha_hora call must then take one of them ("¿Qué hora es en Bogotá?" is no call
                     without Bogotá's zone, "dentro de 45 días" none without 45)
     found.words     the words of the user's recent turns, the latest turn first, each in its order: what a
-                    search or a memory is made of
+                    search or a memory is made of (at most grounding.max_spans contiguous spans of them)
+    found.turn_ends where each turn's words end in found.words: a span never crosses one
     found.ids       the numbers the latest user turn gives right after a grounding.id_words word ("borra el
                     recuerdo 7", "el recuerdo número tres": a memory named though not shown; olvidar itself
                     refuses another member's), then the memory numbers shown ("- [12] ..." lines of the
@@ -357,6 +358,7 @@ class Candidates:
     ids: tuple
     operators: tuple = FREE_OPERATORS
     pairs: tuple = ()
+    turn_ends: tuple = ()
 
 
 def recent_first(values, bound):
@@ -400,9 +402,10 @@ def candidates(messages, settings):
     asked_zones = named_zones(users[-1], grounding["places"]) if users else []
     numbers = said + [number_text(Decimal(str(n))) for n in grounding["numbers"]]
     days = [day for day in recent_first(days, bound) if abs(day) <= limit] + list(grounding["days"])
-    words = []
+    words, ends = [], []
     for text in reversed(users):  # the latest turn's words first ("tiempo" asked now, "Albarracín" before)
         words += WORD.findall(text)[-(bound - len(words)) :] if len(words) < bound else []
+        ends.append(len(words))
     return Candidates(
         numbers=tuple(sorted(set(numbers), key=numbers.index)),
         said=tuple(said),
@@ -415,4 +418,5 @@ def candidates(messages, settings):
         ids=tuple(recent_first(ids, bound)),
         operators=said_operators(users[-1], grounding["operator_words"]) if users else FREE_OPERATORS,
         pairs=tuple(paired_numbers(users[-1], grounding["operator_words"])[:bound]) if users else (),
+        turn_ends=tuple(dict.fromkeys(ends)),
     )

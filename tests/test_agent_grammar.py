@@ -487,6 +487,28 @@ def test_a_number_is_offered_only_in_a_form_the_calculator_reads_as_meant(
     assert accepts(tokenizer, settings, asked, "calculadora", {"expresion": expression}) is allowed
 
 
+PEDIATRICIAN = "Apúntate que el pediatra de Lucía es el doctor Ferrán, en la consulta de la calle Mayor"
+MATCH = [{"role": "user", "content": "Anoche vi que juega el Betis contra el Sevilla"},
+         {"role": "assistant", "content": "¿Quieres que lo busque?"},
+         {"role": "user", "content": "Sí, búscame a qué hora es el partido"}]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("messages", "name", "arguments", "allowed"),
+    [([{"role": "user", "content": PEDIATRICIAN}], "recordar", {"texto": "el pediatra de Lucía es el doctor Ferrán"}, True),
+     ([{"role": "user", "content": PEDIATRICIAN}], "recordar", {"texto": "pediatra Lucía doctor Ferrán"}, True),
+     ([{"role": "user", "content": PEDIATRICIAN}], "recordar", {"texto": "La, en hoy el de la con es el al Consulta"}, False),
+     ([{"role": "user", "content": PEDIATRICIAN}], "recordar", {"texto": "pediatra Ferrán Lucía"}, False),
+     ([{"role": "user", "content": PEDIATRICIAN}], "recordar", {"texto": "pediatra Ferrán calle Mayor"}, False),  # three spans
+     (MATCH, "buscar_web", {"consulta": "hora partido Betis contra el Sevilla"}, True),
+     (MATCH, "buscar_web", {"consulta": "horario teléfono fecha con Anoche"}, False)],
+)  # fmt: skip
+def test_a_text_argument_is_at_most_two_spans_of_what_the_user_said(
+    tokenizer, settings, messages, name, arguments, allowed
+):
+    assert accepts(tokenizer, settings, messages, name, arguments) is allowed
+
+
 SHARED_BILL = "Somos 7 para pagar una cena de 186 euros, ¿cuánto pone cada uno?"
 DISCOUNT = "¿Cuánto pago por 100 € con un 10% de descuento?"
 
