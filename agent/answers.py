@@ -22,6 +22,7 @@ cost per token is a dictionary look-up and an index_fill (make bench ARGS=answer
 """
 
 import functools
+import re
 from decimal import Decimal
 
 import torch
@@ -29,21 +30,26 @@ import torch
 from agent import expression, grounding
 
 ARTICLES = {"un", "una", "uno"}
+NUMBER_HEAD = re.compile(r"[\d.,]*")
 SCALES = {"cien": 100, "ciento": 100, "mil": 1000, "millon": 1000000, "millones": 1000000}
 
 
 @functools.lru_cache(maxsize=4)
 def number_tokens(vocab):
-    """(tokens whose text starts with a digit or a mark, with their text; tokens holding a digit anywhere,
-    with their text; number-word tokens with their word and value) of a vocabulary (agent/grammar.py's
-    Vocabulary: .bytes, .size)."""
-    continuing, digits, words = [], [], []
+    """(the tokens whose text starts with a digit or a mark, grouped by what they write of a number:
+    [(text, indices)]; tokens holding a digit anywhere, with their text; number-word tokens with their word
+    and value) of a vocabulary (agent/grammar.py's Vocabulary: .bytes, .size)."""
+    groups, digits, words = {}, [], []
     for index, raw in enumerate(vocab.bytes):
         text = raw.decode("utf-8", "replace")
         if not text:
             continue
         if text[0].isdigit() or text[0] in ".,":
-            continuing.append((index, text))
+            # tokens that write the same number chars and then no digit act alike on a run: "." and ".\n"
+            head = NUMBER_HEAD.match(text).group()
+            rest = text[len(head) :]
+            key = (head + " ") if rest and not any(ch.isdigit() for ch in rest) else text
+            groups.setdefault(key, []).append(index)
         if any(ch.isdigit() for ch in text):
             digits.append((index, text))
         word = grounding.plain(text.strip())
@@ -51,7 +57,7 @@ def number_tokens(vocab):
             value = word_value(word)
             if value is not None:
                 words.append((index, word, value))
-    return continuing, digits, words
+    return list(groups.items()), digits, words
 
 
 def word_value(word):
@@ -134,11 +140,13 @@ class AnswerGuard:
         """("only", the tokens allowed) while a number is not yet whole, else ("ban", the tokens that would
         write a number not told): index lists, a few hundred at most of a 32,000-token vocabulary."""
         if self.run and not self.whole(self.run):  # only digits (or a mark) may follow
-            return "only", [
-                index for index, text in self.continuing if self.after(self.run, text) is not None
-            ]
-        candidates = self.continuing if self.run else self.digits
-        banned = [index for index, text in candidates if self.after(self.run, text) is None]
+            return "only", [index for text, group in self.continuing if self.after(self.run, text) is not None
+                             for index in group]  # fmt: skip
+        if self.run:
+            banned = [index for text, group in self.continuing if self.after(self.run, text) is None
+                      for index in group]  # fmt: skip
+        else:
+            banned = [index for index, text in self.digits if self.after(self.run, text) is None]
         return "ban", banned + self.banned_words
 
     def mask(self, logits):
