@@ -56,7 +56,7 @@ class ExportError(Exception):
 # Both write chat.segments()'s layout; test_export.py checks the Jinja one against chat.render_text.
 # Tool-call arguments may be a dict (written with tojson, like chat/template.py's json.dumps) or a JSON string
 # (written as it is: identical when it is json.dumps' default formatting, as OpenAI's Python client sends).
-# The macro plain() is chat.plain_text: the tool tags in system, user and tool text escaped.
+# The macro plain() is chat.plain_text: the tool tags in every role's text escaped (the assistant's too).
 
 CHAT_TEMPLATE = (
     "{%- macro plain(text) -%}{{- text"
@@ -77,7 +77,7 @@ CHAT_TEMPLATE = (
     "{%- for message in rest -%}"
     "{%- if message['role'] == 'user' -%}{{- '<|user|>' + plain(message['content']) + '<|end|>' -}}"
     "{%- elif message['role'] == 'assistant' -%}{{- '<|assistant|>' -}}"
-    "{%- set content = message['content'] if message['content'] else '' -%}{{- content -}}"
+    "{%- set content = message['content'] if message['content'] else '' -%}{{- plain(content) -}}"
     "{%- for call in message['tool_calls'] or [] -%}"
     "{%- if content or not loop.first -%}{{- '\\n' -}}{%- endif -%}"
     "{%- set function = call['function'] if call['function'] is defined else call -%}"
@@ -100,7 +100,7 @@ CHAT_TEMPLATE = (
 # encoding/json, the only JSON writer a template has) writes compact JSON with <, > and & escaped, and a
 # tool's "required" before its "properties": only the JSON inside <tools> and a call's arguments differ
 # from chat.render's text (tests/ollama_template.go executes this template as Ollama does). A Go template
-# has no string replacement: tool tags inside system, user or tool text reach an Ollama model as the tags
+# has no string replacement: tool tags inside system, user, tool or assistant text reach an Ollama model as the tags
 # (chat.plain_text escapes them everywhere else; serve/app.py renders with chat.render).
 OLLAMA_TEMPLATE = """<|bos|>{{- if or .System .Tools }}<|system|>{{ .System }}
 {{- if and .System .Tools }}

@@ -36,8 +36,9 @@ chat seed-pairs`).
 
 The tool tags are single pieces that tokenizer.encode does find inside text, so text from outside the model
 (the system turn with its memories, user turns, tool results such as a web page) could imitate the protocol
-in front of it. plain_text() escapes them there ("<tool_call>" -> "&lt;tool_call&gt;"): the only tag pieces
-in a prompt are the template's own and those of the model's own calls.
+in front of it, and so could an answer stored and rendered again. plain_text() escapes them in every role's
+text ("<tool_call>" -> "&lt;tool_call&gt;"): the only tag pieces in a prompt are the template's own and
+those of the model's calls (tool_calls).
 """
 
 import glob
@@ -169,14 +170,16 @@ def tools_text(tools):
 
 
 def assistant_text(message):
-    parts = [message["content"]] if message["content"] else []
+    """An assistant turn's text (escaped like every other role's: a stored answer that held a tag never
+    becomes one in the next prompt) and its calls, the only tag pieces of the turn."""
+    parts = [plain_text(message["content"])] if message["content"] else []
     parts += [tool_call_text(call) for call in message.get("tool_calls", [])]
     return "\n".join(parts)
 
 
 def segments(conversation, for_generation=False):
-    """The layout as (control token or None, text, trained) triples, in order; render() encodes them. Text
-    from outside the model (system, user and tool turns) goes through plain_text()."""
+    """The layout as (control token or None, text, trained) triples, in order; render() encodes them. Every
+    role's text goes through plain_text(): only the template's own tags and the calls' are protocol."""
     messages = conversation["messages"]
     tools = conversation.get("tools") or []
     out = [("<|bos|>", "", False)]
