@@ -44,6 +44,8 @@ BRAVE_URL = "https://api.search.brave.com/res/v1/web/search"
 DEFAULT_REGION = "es-es"
 PROVIDER_CHOICES = ("auto", "ddg", "brave")
 TIME_RANGES = {"day": ("d", "pd"), "week": ("w", "pw"), "month": ("m", "pm"), "year": ("y", "py")}
+# Safe search as each provider takes it: DuckDuckGo's kp (1 strict, -1 moderate, -2 off) and Brave's safesearch.
+SAFE_SEARCH = {"strict": ("1", "strict"), "moderate": ("-1", "moderate"), "off": ("-2", "off")}
 MAX_RESULTS_LIMIT = 20  # Brave's count is 1-20; DuckDuckGo lite gives at most ~10 on its first page
 MAX_QUERY_CHARS = 400  # Brave rejects longer queries
 DDG_COOLDOWN_S = 120.0  # DuckDuckGo's rate limits last minutes; retrying sooner only extends them
@@ -528,9 +530,14 @@ class DuckDuckGoLite:
         return f"DuckDuckGoLite(url={self.url!r})"
 
     def search(
-        self, query: str, max_results: int, region: Region, time_range: str | None = None
+        self,
+        query: str,
+        max_results: int,
+        region: Region,
+        time_range: str | None = None,
+        safe_search: str = "moderate",
     ) -> list[SearchResult]:
-        form = {"q": query, "kl": region.kl}
+        form = {"q": query, "kl": region.kl, "kp": SAFE_SEARCH[safe_search][0]}
         if time_range is not None:
             form["df"] = TIME_RANGES[time_range][0]
         origin = "{0.scheme}://{0.netloc}".format(urlsplit(self.url))
@@ -619,9 +626,15 @@ class BraveSearch:
         return f"BraveSearch(url={self.url!r}, api_key=***)"
 
     def search(
-        self, query: str, max_results: int, region: Region, time_range: str | None = None
+        self,
+        query: str,
+        max_results: int,
+        region: Region,
+        time_range: str | None = None,
+        safe_search: str = "moderate",
     ) -> list[SearchResult]:
         params = {"q": query, "count": str(max_results), **region.brave_params()}
+        params["safesearch"] = SAFE_SEARCH[safe_search][1]
         if time_range is not None:
             params["freshness"] = TIME_RANGES[time_range][1]
         headers = {
@@ -709,6 +722,7 @@ class SearchChain:
         max_results: int = 10,
         region: str = DEFAULT_REGION,
         time_range: str | None = None,
+        safe_search: str = "moderate",
     ) -> SearchResponse:
         query = " ".join(str(query).split())
         if not query:
@@ -719,6 +733,8 @@ class SearchChain:
             raise ConfigError(f"max_results={max_results!r} must be an integer from 1 to {MAX_RESULTS_LIMIT}")
         if time_range is not None and time_range not in TIME_RANGES:
             raise ConfigError(f"time_range={time_range!r} must be one of {', '.join(TIME_RANGES)} or None")
+        if safe_search not in SAFE_SEARCH:
+            raise ConfigError(f"safe_search={safe_search!r} must be one of {', '.join(SAFE_SEARCH)}")
         parsed_region = parse_region(region)
 
         attempts: list[Attempt] = []
@@ -731,7 +747,7 @@ class SearchChain:
                 continue
             started = time.perf_counter()
             try:
-                results = provider.search(query, max_results, parsed_region, time_range)
+                results = provider.search(query, max_results, parsed_region, time_range, safe_search)
             except ProviderError as exc:
                 seconds = round(time.perf_counter() - started, 3)
                 attempts.append(Attempt(provider.name, type(exc).__name__, str(exc), seconds))

@@ -230,6 +230,7 @@ def test_lite_request_is_a_urlencoded_form_with_region_and_browser_headers(serve
     assert parse_qs(request.body.decode("ascii")) == {
         "q": ["qué es home assistant"],
         "kl": ["es-es"],
+        "kp": ["-1"],  # moderate safe search unless asked (agent/privacy.py asks strict for a child)
         "df": ["w"],
     }
     assert request.headers["User-Agent"].startswith("Mozilla/5.0 (")
@@ -440,7 +441,13 @@ def test_brave_results_parse_with_strong_markup_stripped(server):
     (request,) = server.requests
     assert request.method == "GET" and request.headers["X-Subscription-Token"] == KEY
     query = parse_qs(urlsplit(request.path).query)
-    assert query == {"q": ["brave search"], "count": ["20"], "country": ["ES"], "search_lang": ["es"]}
+    assert query == {
+        "q": ["brave search"],
+        "count": ["20"],
+        "country": ["ES"],
+        "search_lang": ["es"],
+        "safesearch": ["moderate"],
+    }
 
 
 def test_brave_without_web_results_is_an_empty_answer(server):
