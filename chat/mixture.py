@@ -272,6 +272,9 @@ def read_all(mix_cfg, funnel, tokenizer):
         funnel.sources[source["name"]]["bad_rows"] = rows.counts
         funnel.sources[source["name"]]["bad_examples"] = rows.examples
         for where, conversation in found:
+            if template.text_problems(conversation):  # a lone surrogate ("\ud800"): no tokenizer encodes it
+                rows.add("not_unicode", where)
+                continue
             tokens = len(tokenizer.encode(text_of(conversation)))
             items.append(
                 {"source": source["name"], "where": where, "conversation": conversation, "tokens": tokens}

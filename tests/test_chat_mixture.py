@@ -71,6 +71,8 @@ def oasst_file():
     lines.append(tree(homework[5][0] + " Escríbeme a ana.garcia@ejemplo.es", [homework[5][1]]))
     lines.append(tree(*seed_first_exchange()))  # the family seed set has it already
     text = "\n".join(json.dumps(line, ensure_ascii=False) for line in lines) + "\n{not json\n"
+    # a lone surrogate, written as JSON escapes it ("\\ud800"): no tokenizer encodes it
+    text += json.dumps(tree(homework[6][0], ["Hola \ud800 mundo"])) + "\n"
     return gzip.compress(text.encode("utf-8"))
 
 
@@ -211,7 +213,9 @@ def test_the_mixture_is_built_from_the_hub_filtered_decontaminated_and_reported(
 
     manifest = json.load(open(os.path.join(folder, "manifest.json")))
     oasst, aya = manifest["sources"]["oasst2-es"], manifest["sources"]["aya-es"]
-    assert oasst["bad_rows"] == {"not_json": 1, "other_language": 1, "empty_turn": 1, "unknown_role": 1}
+    assert oasst["bad_rows"] == {
+        "not_json": 1, "other_language": 1, "empty_turn": 1, "unknown_role": 1, "not_unicode": 1
+    }  # fmt: skip
     assert aya["bad_rows"] == {"not_selected": 1, "missing_field": 1}
     assert oasst["dropped_turns"] == {"control_token": 2, "language_en": 2}  # the answer and its question
     assert oasst["pii"] == {"email": 1}
