@@ -20,7 +20,7 @@ import checkpoint
 import data
 import fileio
 from agent import grammar, tools
-from chat import template
+from chat import template, visible
 from checkpoint import CheckpointError
 from decode import engine
 
@@ -100,6 +100,23 @@ def write_to(out, collected=None):
         out.flush()
         if collected is not None:
             collected.append(piece)
+        return False
+
+    return write
+
+
+def shown_writer(out, pieces):
+    """write(piece, final=False) for a chat reply: collects the pieces and writes what chat/visible.py lets a
+    person see of the reply so far (never a call, a tag or call-shaped JSON)."""
+    sent = [0]
+
+    def write(piece, final=False):
+        pieces.append(piece)
+        seen = visible.shown("".join(pieces), final)
+        if len(seen) > sent[0]:
+            out.write(seen[sent[0] :])
+            out.flush()
+            sent[0] = len(seen)
         return False
 
     return write
@@ -248,12 +265,17 @@ def run_chat(model, tokenizer, cfg, args, stdin=sys.stdin, out=sys.stdout, polic
             out.write("(oldest turns dropped to fit the context window)\n")
             told_about_trimming = True
         reply = []
+        write = shown_writer(out, reply)
+        banned = visible.ProtocolBan(data.TOKEN_TABLE)  # no tools: no call, no control token
         try:
-            stream_text(model, tokenizer, prompt, args, generator, write_to(out, reply), stop_token=end_id)
+            stream_text(
+                model, tokenizer, prompt, args, generator, write, stop_token=end_id, constraint=banned
+            )
         except KeyboardInterrupt:  # Ctrl-C ends this answer, not the session
             out.write(" [interrupted]")
+        write("", final=True)
         out.write("\n")
-        text = "".join(reply).strip()
+        text = visible.shown("".join(reply)).strip()
         if text:
             history.append({"role": "assistant", "content": text})
         else:  # an empty answer is no turn: the template never holds one
@@ -284,6 +306,7 @@ def streamed_reply(model, tokenizer, args, generator, end_id, budget, out, setti
         constraint = grammar.constraint_for(
             tokenizer, specs, settings, args.max_new_tokens, conversation["messages"]
         )
+        constraint = visible.ProtocolBan(data.TOKEN_TABLE, constraint, calls_allowed=bool(specs))
         try:
             stream_text(model, tokenizer, ids, args, generator, write, end_id, constraint)
         except KeyboardInterrupt:  # Ctrl-C ends this reply, not the session

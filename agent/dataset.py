@@ -54,7 +54,7 @@ class CannedSearch:
     def __init__(self, results=None, failed=False):
         self.results, self.failed = results or [], failed
 
-    def search(self, query, max_results, region):
+    def search(self, query, max_results, region, safe_search="moderate"):
         if self.failed:
             raise search.AllProvidersFailed(
                 [

@@ -50,7 +50,8 @@ import jsonschema
 import config
 import fileio
 import search
-from agent import expression, grounding
+from agent import expression, grounding, privacy
+from chat import visible
 from family import memories
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -156,16 +157,23 @@ def buscar_web(arguments, context):
     if context.searcher is None:
         context.searcher = searcher_from_env(settings["provider"])
     wanted = arguments.get("max_resultados", settings["results"])
+    role = getattr(context.member, "role", None)
+    blocked = privacy.blocked_domain_named(arguments["consulta"], role, context.settings)
+    if blocked:
+        raise ToolFailure(f"{blocked} no está permitido en las cuentas infantiles")
     try:
         response = context.searcher.search(
-            arguments["consulta"], max_results=wanted, region=settings["region"]
+            arguments["consulta"],
+            max_results=wanted,
+            region=settings["region"],
+            safe_search=privacy.safe_search_of(role, context.settings),
         )
     except search.AllProvidersFailed as exc:
         failed = "; ".join(f"{a.provider}: {a.error}" for a in exc.attempts)
         raise ToolFailure(f"la búsqueda ha fallado en todos los proveedores ({failed})") from None
     except search.SearchError as exc:
         raise ToolFailure(f"la búsqueda no se pudo hacer ({exc})") from None
-    return format_results(response.results, context)
+    return format_results(privacy.allowed_results(response.results, role, context.settings), context)
 
 
 _chains = {}  # one chain per provider for the process, so DuckDuckGo's cooldown outlives a turn
@@ -350,15 +358,9 @@ def parse_reply(text):
 
 
 def visible_text(partial):
-    """What of a reply still being generated may be shown to a person: the text before its first call,
-    holding back an ending that could be the start of <tool_call>."""
-    start = partial.find(CALL_OPEN)
-    if start >= 0:
-        return partial[:start].rstrip("\n")
-    for size in range(min(len(CALL_OPEN) - 1, len(partial)), 0, -1):
-        if partial.endswith(CALL_OPEN[:size]):
-            return partial[:-size]
-    return partial
+    """What of a reply still being generated may be shown to a person (chat/visible.py decides): the text
+    before its first call or anything else of the protocol, holding back an ending that could become one."""
+    return visible.shown(partial, final=False)
 
 
 def broken(raw, why):
@@ -680,11 +682,11 @@ class Agent:
             if not tools_on or not reply.calls:
                 if reply.calls:
                     self.on_event("dropped", {"text": text, "reason": "tools are off for the final answer"})
-                answer = cite_sources(reply.content, context.sources) or NO_ANSWER
+                answer = cite_sources(visible.shown(reply.content), context.sources) or NO_ANSWER
                 self.on_event("answer", {"text": answer})
                 new.append({"role": "assistant", "content": answer})
                 return new
-            message = {"role": "assistant", "content": reply.content, "tool_calls": []}
+            message = {"role": "assistant", "content": visible.shown(reply.content), "tool_calls": []}
             results = []
             for call in map(self.shallow, reply.calls):
                 self.on_event(
@@ -697,7 +699,8 @@ class Agent:
                         call.name or "?", call.arguments, reached, "Responde con lo que ya sabes."
                     )
                 else:
-                    result = self.call(call, context)
+                    call, result = self.guarded(call, messages + new)
+                    result = result or self.call(call, context)
                     if not hinted and result.ok:
                         hinted = self.hint_ungrounded(call, result, messages + new)
                 used += 1
@@ -722,6 +725,18 @@ class Agent:
                     }
                 )
             new += [message, *results]
+
+    def guarded(self, call, messages):
+        """(the call, None), or (the call, its refusal) when agent/privacy.py refuses it: a secret to the web,
+        a memory written or forgotten without the user's own words. A memory holding a secret is kept private."""
+        if call.error is not None or not isinstance(call.arguments, dict):
+            return call, None
+        refusal = privacy.check_call(call.name, call.arguments, messages, self.settings)
+        if refusal:
+            self.on_event("refused", {"name": call.name, "reason": refusal})
+            return call, failure(call.name, call.arguments, refusal, "Responde sin esta herramienta.")
+        arguments = privacy.kept_private(call.name, call.arguments, messages, self.settings)
+        return Call(call.name, arguments, call.error, call.raw), None
 
     def hint_ungrounded(self, call, result, messages):
         """Append the grounding hint to the result when the call uses a number the conversation never

@@ -77,7 +77,7 @@ from chat import template
 from decode import load
 from family import accounts, memories, store
 from serve import member_command, web, worker
-from serve.openai_api import ApiError, Reply, check_tools, conversation_of, expect, sampling_of
+from serve.openai_api import ApiError, Reply, check_tools, conversation_of, expect, sampling_of, tool_messages
 from serve.web import SESSION_COOKIE, owned, read_json
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -291,8 +291,9 @@ class Server:
 
     # --- generation
     def start(
-        self, request, member, prompt_ids, max_tokens, temperature, top_p, seed, turn=None, constraint=None
-    ):
+        self, request, member, prompt_ids, max_tokens, temperature, top_p, seed, turn=None, constraint=None,
+        calls_allowed=False,
+    ):  # fmt: skip
         count = self.pending.get(member["id"], 0)
         if count >= self.settings["max_pending_per_member"]:
             raise ApiError(429, f"{count} requests of yours are already waiting; wait for them to finish",
@@ -302,6 +303,8 @@ class Server:
             loop, prompt_ids, max_tokens, temperature, top_p, self.settings["top_k"], seed, turn, constraint
         )
         job.scope, job.public_ids = member["id"], self.public_prefix(member, turn)
+        job.calls_allowed = calls_allowed  # the client's tools: a plain answer may call them
+        job.whole_turn = member["role"] == "child"  # a child's max_tokens counts the tool rounds too
         try:
             self.worker.submit(job)
         except worker.Busy:
@@ -361,6 +364,9 @@ async def answer_events(request, job, reply):
                     yield "delta", delta
                 if reply.stopped:
                     job.cancel()  # the worker stops at its next token and still reports its count
+            elif event[0] == "tools":
+                reply.tool_messages = tool_messages(event[1])
+                yield "tools", reply.tool_messages
             elif event[0] == "error":
                 raise ApiError(500, event[1], code="generation_failed")
             else:
@@ -413,6 +419,9 @@ async def stream_answer(request, server, member, job, reply, base, include_usage
                 text += event[1]
                 yield chunk({"content": event[1]})
                 continue
+            if event[0] == "tools":  # what the server's tools did, as OpenAI tool messages
+                yield sse(base | {"choices": [], "tool_messages": event[1]} | usage_field)
+                continue
             _, finish, tokens, calls, prompt_tokens = event
             if on_end:
                 unsaved, on_end = store_answer(server, on_end, text), None
@@ -442,7 +451,7 @@ async def complete(request, server, member, job, reply):
         async for event in answer_events(request, job, reply):
             if event[0] == "delta":
                 text += event[1]
-            else:
+            elif event[0] == "end":
                 return (text, *event[1:])
     finally:
         server.finished(member, job)
@@ -484,7 +493,9 @@ async def chat_completions(request):
     )
     turn = (helper, messages) if helper else None
     constraint = await server.client_tools_constraint(tools, max_tokens) if tools else None
-    job = server.start(request, member, prompt_ids, max_tokens, temperature, top_p, seed, turn, constraint)
+    job = server.start(
+        request, member, prompt_ids, max_tokens, temperature, top_p, seed, turn, constraint, bool(tools)
+    )
     reply = Reply(stop, tools)
     base = {"id": "chatcmpl-" + uuid.uuid4().hex, "created": int(time.time()), "model": server.model_id,
             "system_fingerprint": None}  # fmt: skip
@@ -501,7 +512,8 @@ async def chat_completions(request):
         message["tool_calls"] = calls
     choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
     usage = usage_of(prompt_tokens, tokens)
-    return JSONResponse(base | {"object": "chat.completion", "choices": [choice], "usage": usage})
+    done = {"tool_messages": reply.tool_messages} if reply.tool_messages else {}  # the server's tools' work
+    return JSONResponse(base | {"object": "chat.completion", "choices": [choice], "usage": usage} | done)
 
 
 async def post_message(request):
@@ -547,7 +559,7 @@ async def post_message(request):
     on_end(text)
     message = {"role": "assistant", "content": text}
     return JSONResponse({"conversation_id": conversation_id, "message_index": base["message_index"],
-                         "message": message, "finish_reason": finish,
+                         "message": message, "finish_reason": finish, "tool_messages": reply.tool_messages,
                          "usage": usage_of(prompt_tokens, tokens)})  # fmt: skip
 
 

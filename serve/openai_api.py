@@ -10,6 +10,7 @@ import secrets
 
 import fileio
 from agent import tools
+from chat import visible
 
 MESSAGE_ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -193,15 +194,31 @@ def tool_calls_of(text, specs):
         return None
 
 
+def tool_messages(messages):
+    """An agent turn's calls and results as OpenAI messages (arguments as JSON text, as OpenAI sends them):
+    the assistant messages with tool_calls and the tool messages answering them."""
+    out = []
+    for message in messages:
+        if message["role"] == "assistant":
+            calls = [call | {"function": call["function"] | {"arguments": json.dumps(call["function"]["arguments"],
+                     ensure_ascii=False)}} for call in message.get("tool_calls", [])]  # fmt: skip
+            out.append({"role": "assistant", "content": message["content"] or None, "tool_calls": calls})
+        else:
+            out.append({key: message[key] for key in ("role", "content", "tool_call_id", "name")})
+    return out
+
+
 class Reply:
-    """The text of an answer as it streams: holds back what could still become a stop string, and, when the
-    client offered tools, everything from the model's first <tool_call>."""
+    """The text of an answer as it streams: only what chat/visible.py lets a person see (never a call, a tag
+    or call-shaped JSON), holding back what could still become one or a stop string. Stop strings apply to
+    that visible text only, never inside a call; the client's tools' calls come back from finish()."""
 
     TAG = "<tool_call>"
 
     def __init__(self, stops, tools):
         self.stops, self.tools = stops, tools
         self.text, self.sent, self.stopped = "", 0, False
+        self.tool_messages = []  # the server's own tools' calls and results (OpenAI tool messages)
         self.hold = max((len(s) for s in stops), default=1) - 1
 
     def add(self, piece):
@@ -209,15 +226,17 @@ class Reply:
         if self.stopped:  # pieces the worker made before it saw the cancel
             return ""
         self.text += piece
-        end = len(self.text) - self.hold
-        for stop in self.stops:
-            at = self.text.find(stop)
-            if at >= 0:
-                self.text, self.stopped, end = self.text[:at], True, at
-        if self.tools:  # the "\n" before a call separates it from the text: not part of the content
-            before = self.text.split(self.TAG)[0]
-            end = min(end, len(before.removesuffix("\n")))
-        return self.take(end)
+        seen = visible.shown(self.text, final=False)
+        if self.stop_in(seen):
+            return self.take(len(self.text))
+        return self.take(len(seen) - self.hold)
+
+    def stop_in(self, seen):
+        """Whether a stop string appears in the visible text seen; the text then ends before the first."""
+        found = [seen.find(stop) for stop in self.stops if stop in seen]
+        if found:
+            self.text, self.stopped = self.text[: min(found)], True
+        return bool(found)
 
     def take(self, end):
         if end <= self.sent:
@@ -227,9 +246,9 @@ class Reply:
 
     def finish(self):
         """(remaining text, tool calls or None) once generation ended."""
+        if not self.stopped:
+            self.stop_in(visible.shown(self.text))
+        calls = None
         if self.tools and self.TAG in self.text:
-            at = self.text.index(self.TAG)
-            calls = tool_calls_of(self.text[at:], self.tools)
-            if calls:
-                return self.take(len(self.text[:at].removesuffix("\n"))), calls
-        return self.take(len(self.text)), None
+            calls = tool_calls_of(self.text[self.text.index(self.TAG) :], self.tools)
+        return self.take(len(visible.shown(self.text))), calls

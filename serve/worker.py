@@ -23,7 +23,7 @@ import time
 
 import data
 from agent import grammar, tools
-from chat import template
+from chat import template, visible
 
 
 class Job:
@@ -43,6 +43,8 @@ class Job:
         self.prompt_ids, self.max_tokens, self.turn = prompt_ids, max_tokens, turn
         self.temperature, self.top_p, self.top_k, self.seed = temperature, top_p, top_k, seed
         self.constraint = constraint
+        self.calls_allowed = False  # a plain answer offered the client's tools may open a call
+        self.whole_turn = False  # max_tokens bounds the agent turn's generations together (a child's)
         # The prefix cache's: whose request this is, and the prompt start every member shares (see
         # serve/app.py Server.public_prefix).
         self.scope, self.public_ids = None, ()
@@ -62,9 +64,9 @@ class Generation:
     ends, finish is "stop", "length" or None (cancelled), or failed is True; count is its tokens; then
     on_end(generation) runs on the decode thread."""
 
-    def __init__(self, job, prompt_ids, write, on_end, constraint=None):
+    def __init__(self, job, prompt_ids, write, on_end, constraint=None, limit=None):
         self.job, self.prompt_ids, self.write, self.on_end = job, prompt_ids, write, on_end
-        self.constraint = constraint
+        self.constraint, self.limit = constraint, job.max_tokens if limit is None else limit
         self.finish, self.failed, self.count = None, False, 0
         self.row = self.text = None
 
@@ -223,8 +225,9 @@ class Worker:
             job = self.waiting.popleft()
             free -= 1
             if job.turn is None:
+                banned = visible.ProtocolBan(data.TOKEN_TABLE, job.constraint, job.calls_allowed)
                 starting.append(Generation(job, job.prompt_ids, lambda piece, job=job: job.send("text", piece),
-                                           self.answer_ended, job.constraint))  # fmt: skip
+                                           self.answer_ended, banned))  # fmt: skip
             elif job.cancelled.is_set():
                 free += 1
                 self.stats["cancelled"] += 1
@@ -286,7 +289,7 @@ class Worker:
             piece = generation.text.push(token)
             if piece:
                 generation.write(piece)
-            if generation.count >= generation.job.max_tokens:
+            if generation.count >= generation.limit:
                 self.end(generation, "length")
             else:
                 going_on[generation.row] = token
@@ -370,11 +373,12 @@ class Worker:
                 self.lock.notify()
             job.send(*(ended or ("error", "generation failed on the server")))
 
-    def generate(self, job, prompt_ids, write, constraint=None):
-        """One generation of an agent turn, as a row of the batch: waits for it and returns (finish_reason,
-        tokens generated); raises GenerationFailed when it failed."""
+    def generate(self, job, prompt_ids, write, constraint=None, limit=None):
+        """One generation of an agent turn, as a row of the batch, of at most limit tokens (None: the job's
+        max_tokens): waits for it and returns (finish_reason, tokens generated); raises GenerationFailed
+        when it failed."""
         ended = threading.Event()
-        generation = Generation(job, prompt_ids, write, lambda _: ended.set(), constraint)
+        generation = Generation(job, prompt_ids, write, lambda _: ended.set(), constraint, limit)
         with self.lock:
             self.resumed.append(generation)
             self.lock.notify()
@@ -395,42 +399,51 @@ class Worker:
             totals["any"] = True
 
         def generate(conversation):
+            left = job.max_tokens - totals["completion"] if job.whole_turn else job.max_tokens
+            if left <= 0:  # a whole-turn budget spent by the tool rounds: no more text
+                totals["finish"] = "length"
+                return ""
             ids, _ = template.render(conversation, self.tokenizer, for_generation=True)
             pieces, shown = [], ""
 
             def write(piece):
                 nonlocal shown
                 pieces.append(piece)
-                visible = "".join(pieces).split(tools.CALL_OPEN)[0].removesuffix("\n")
-                if len(visible) > len(shown):
-                    show(visible[len(shown) :], shown)
-                    shown = visible
+                seen = visible.shown("".join(pieces), final=False)
+                if len(seen) > len(shown):
+                    show(seen[len(shown) :], shown)
+                    shown = seen
 
             constraint = job.constraint or grammar.constraint_for(
                 self.tokenizer,
                 conversation.get("tools"),
                 agent_of_turn.settings,
-                job.max_tokens,
+                left,
                 conversation["messages"],
             )
-            finish, count = self.generate(job, ids, write, constraint)
+            constraint = visible.ProtocolBan(data.TOKEN_TABLE, constraint, bool(conversation.get("tools")))
+            finish, count = self.generate(job, ids, write, constraint, left)
             totals["prompt"] += len(ids)
             totals["completion"] += count
             if finish is None:
                 raise Cancelled
             text = "".join(pieces)
-            if tools.CALL_OPEN not in text and len(text) > len(shown):
-                show(text[len(shown) :], shown)
-                shown = text
-            else:
+            seen = visible.shown(text)
+            if tools.CALL_OPEN not in text and len(seen) > len(shown):
+                show(seen[len(shown) :], shown)
+                shown = seen
+            if tools.CALL_OPEN in text:
                 self.stats["tool_calls"] += text.count(tools.CALL_OPEN)
             totals["finish"], totals["shown"] = finish, shown
             return text
 
         try:
-            answer = agent_of_turn.run_turn(messages, generate)[-1]["content"]
+            new = agent_of_turn.run_turn(messages, generate)
         except Cancelled:
             return None, totals["completion"], totals["prompt"]
+        if len(new) > 1:  # the turn's calls and results, for the person to see what was done
+            job.send("tools", new[:-1])
+        answer = new[-1]["content"]
         shown = totals["shown"].strip()  # the final answer is the last reply, stripped, plus any sources
         rest = answer[len(shown) :] if answer.startswith(shown) else ("\n\n" if shown else "") + answer
         if rest:

@@ -557,8 +557,8 @@ def test_a_run_file_may_include_the_agent_layer(tmp_path):
     "partial, shown",
     [
         ("Lo miro", "Lo miro"),
-        ("Lo miro.\n<tool", "Lo miro.\n"),
-        ("Lo miro.\n<", "Lo miro.\n"),
+        ("Lo miro.\n<tool", "Lo miro."),
+        ("Lo miro.\n<", "Lo miro."),
         ("Lo miro.\n<tool_call>\n{", "Lo miro."),
         ("2 < 3", "2 < 3"),
     ],

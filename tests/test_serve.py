@@ -177,10 +177,10 @@ def test_client_tools_are_rendered_and_the_models_calls_come_back_as_tool_calls(
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices).strip() == "Vale."
     assert streamed_calls[0][0].function.name == "encender_luz" and streamed_calls[0][0].index == 0
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
-    # Without client tools the same text is just text.
+    # Without client tools the same text is no call, and never shown (chat/visible.py).
     assert (
         without_tools.choices[0].finish_reason == "stop"
-        and "<tool_call>" in without_tools.choices[0].message.content
+        and without_tools.choices[0].message.content == "Vale."
     )
 
 
@@ -255,8 +255,14 @@ def test_without_client_tools_the_servers_tools_run_between_generations(chat_mod
         and "<tool_response>\n42\n</tool_response>" in second_prompt
     )
     assert answer.usage.prompt_tokens == len(model.prompts[0]) + len(model.prompts[1])
-    # A request with its own tools gets them, not the server's: the call (to a tool it did not offer) is text.
-    assert offered.choices[0].finish_reason == "stop" and "calculadora" in offered.choices[0].message.content
+    # A request with its own tools gets them, not the server's: the call (to a tool it did not offer) is no
+    # call, and never shown (chat/visible.py).
+    message = offered.choices[0].message
+    assert (
+        offered.choices[0].finish_reason == "stop"
+        and message.content == "Calculo."
+        and not message.tool_calls
+    )
 
 
 BAD_REQUESTS = [

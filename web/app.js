@@ -294,6 +294,7 @@ async function streamAnswer(id, text, bubble, signal) {
         const chunk = JSON.parse(data);
         if (chunk.error) throw new Error(chunk.error.message);
         if (chunk.message_index !== undefined) bubble.dataset.index = chunk.message_index;
+        if (chunk.tool_messages) showToolActions(bubble, chunk.tool_messages);
         const delta = chunk.choices && chunk.choices[0] && chunk.choices[0].delta;
         if (delta && delta.content) {
           bubble.textContent += delta.content;
