@@ -152,14 +152,16 @@ def test_the_servers_tool_loop_runs_the_memory_tools_as_the_asking_member(chat_m
         keys = family_of(server)
         ana_id = server.memories(server.store.member("ana"), memories.add, SECRET, server.memory_cfg)
 
-        def turn(name, *scripts):
+        def turn(name, *scripts, says="hola"):  # recordar and olvidar run only when the member asks
             server.worker.model = model = ScriptedModel(*scripts)
-            body = {"model": server.model_id, "messages": [{"role": "user", "content": "hola"}]}
+            body = {"model": server.model_id, "messages": [{"role": "user", "content": says}]}
             answer = httpx.post(url + "/v1/chat/completions", json=body, headers=bearer(keys[name]))
             assert answer.status_code == 200, answer.text
             return [tokenizer.decode(prompt) for prompt in model.prompts]
 
-        prompts = turn("luis", call_ids(tokenizer, "recordar", {"texto": CHILD_SECRET}), done)
+        prompts = turn(
+            "luis", call_ids(tokenizer, "recordar", {"texto": CHILD_SECRET}), done, says="Recuerda esto"
+        )
         assert '"recordar"' in prompts[0] and "guardado (privado)" in prompts[1]
         [stored] = httpx.get(url + "/api/memories", headers=bearer(keys["luis"])).json()["data"]
         assert (stored["text"], stored["member"], stored["source"]) == (CHILD_SECRET, "luis", "assistant")
@@ -170,11 +172,14 @@ def test_the_servers_tool_loop_runs_the_memory_tools_as_the_asking_member(chat_m
             "luis", call_ids(tokenizer, "buscar_recuerdos", {"consulta": "Lucía pescado galletas"}), done
         )
         assert "galletas" in prompts[1].split("<tool_response>")[-1] and "Lucía no" not in prompts[1]
-        prompts = turn("luis", call_ids(tokenizer, "olvidar", {"id": ana_id}), done)
+        prompts = turn(
+            "luis", call_ids(tokenizer, "olvidar", {"id": ana_id}), done, says="Olvida ese recuerdo"
+        )
         assert f"Error: no hay ningún recuerdo {ana_id}" in prompts[1]
         prompts = turn(
-            "luis", call_ids(tokenizer, "recordar", {"texto": "no hay cole", "ambito": "familia"}), done
-        )
+            "luis", call_ids(tokenizer, "recordar", {"texto": "no hay cole", "ambito": "familia"}), done,
+            says="Recuerda para todos que no hay cole",
+        )  # fmt: skip
         assert "Error: solo una persona adulta" in prompts[1]
         prompts = turn("root", call_ids(tokenizer, "buscar_recuerdos", {"consulta": "Lucía"}), done)
         assert '"recordar"' not in prompts[0] and "no existe la herramienta 'buscar_recuerdos'" in prompts[1]

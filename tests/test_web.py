@@ -299,7 +299,14 @@ def test_the_page_loads_nothing_from_outside_the_server(chat_model, tmp_path):
         assets = [httpx.get(url + path) for path in scripts]
     assert page.status_code == 200 and "default-src 'self'" in page.headers["content-security-policy"]
     # api.js first: the page scripts after it call its api()
-    assert scripts == ["/web/style.css", "/web/api.js", "/web/app.js", "/web/memories.js", "/web/feedback.js"]
+    assert scripts == [
+        "/web/style.css",
+        "/web/api.js",
+        "/web/actions.js",
+        "/web/app.js",
+        "/web/memories.js",
+        "/web/feedback.js",
+    ]
     assert all(asset.status_code == 200 for asset in assets)
 
 
