@@ -415,11 +415,6 @@ def _cross_field_problems(config, origins):
     if hardware["device"] == "cpu":
         if hardware["dtype"] == "float16":
             problem(("hardware", "dtype"), "float16 on the CPU; expected float32 or bfloat16")
-        if hardware["attention_backend"] == "mem_efficient":  # CPU builds have math and flash kernels
-            problem(
-                ("hardware", "attention_backend"),
-                "'mem_efficient' exists only on CUDA; on the CPU use 'math' or 'flash'",
-            )
     return problems
 
 

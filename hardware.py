@@ -2,7 +2,8 @@
 The hardware profile against the real board: the only code that knows how boards differ.
 
 probe_device() says what this machine offers, check_hardware() what a profile (configs/hardware/) asks that
-the board cannot do, setup_hardware() turns the profile into a Hardware (device, autocast, GradScaler,
+the board cannot do, SDPA_KERNELS what each attention kernel takes (attention_problems() checks a profile and
+a model against it, on the CPU too, before anything is downloaded), setup_hardware() turns the profile into a Hardware (device, autocast, GradScaler,
 attention kernel, peak TFLOP/s for MFU) and init_distributed() joins torchrun's process group.
 """
 
@@ -10,7 +11,7 @@ import contextlib
 import datetime
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -56,11 +57,12 @@ def probe_device(local_rank=0):
     )
 
 
-def check_hardware(profile, caps):
-    """Problems of running `profile` on a device with `caps`; empty when it fits."""
+def check_hardware(profile, caps, model_cfg=None):
+    """Problems of running `profile` (and the model of `model_cfg`, where given) on a device with `caps`;
+    empty when it fits."""
     name = f"hardware profile '{profile['name']}'"
     if profile["device"] == "cpu":
-        return []
+        return attention_problems(profile, model_cfg)
     if not caps.cuda_available:
         return [
             f"{name} needs CUDA, but this machine has no CUDA device (found: cpu); "
@@ -79,11 +81,7 @@ def check_hardware(profile, caps):
             f"{name} runs Muon's Newton-Schulz iteration in bfloat16, but {caps.name} ({sm}) has no native "
             "bf16 (only emulated, ~2.6x slower than float16); use muon_ns_dtype: float16"
         )
-    if profile["attention_backend"] == "flash" and caps.capability < (8, 0):
-        problems.append(
-            f"{name} asks for flash attention, which needs sm80 or newer; {caps.name} is {sm}: "
-            "use attention_backend: mem_efficient"
-        )
+    problems.extend(attention_problems(profile, model_cfg, caps.capability))
     if profile["dtype"] == "float16" and not profile["grad_scaler"]:
         problems.append(f"{name}: float16 without a GradScaler underflows; set grad_scaler: true")
     if caps.memory_gib is not None and profile["memory_gib"] and caps.memory_gib < profile["memory_gib"]:
@@ -93,6 +91,119 @@ def check_hardware(profile, caps):
             f"{caps.memory_gib:.1f} (the board's memory less ~1 GiB for the CUDA context and the allocator)"
         )
     return problems
+
+
+# -----------------------------------------------------------------------------
+# Attention kernels: what each scaled_dot_product_attention kernel takes, the one table of it
+
+
+@dataclass(frozen=True)
+class KernelLimits:
+    """What one SDPA kernel takes on one device type. A capability is a CUDA compute capability (major,
+    minor); the CPU counts as (0, 0)."""
+
+    dtypes: dict  # dtype name -> the oldest capability whose kernel takes it
+    capability: tuple = ((0, 0), (0, 0))  # the boards it runs on, first and last inclusive
+    gqa: bool = True  # takes fewer key/value heads than query heads (enable_gqa=True)
+    head_dim_max: int | None = None
+    head_dim_multiple: dict = field(default_factory=dict)  # dtype name -> head_dim must be a multiple of it
+    # (first capability, last capability, head_dim above, head_dim up to): no backward on those boards
+    train_head_dim_gaps: tuple = ()
+
+
+ALL_DTYPES = {"float32": (0, 0), "float16": (0, 0), "bfloat16": (0, 0)}
+# torch 2.11-2.13 as documented: scaled_dot_product_attention's docstring ("GQA ... works only for
+# Flash_attention and math kernel on CUDA tensor") and the checks behind torch.backends.cuda.
+# can_use_flash_attention / can_use_efficient_attention (aten/src/ATen/native/transformers/cuda/
+# sdp_utils.cpp): flash on sm80-sm121, float16/bfloat16, q/k/v head_dim equal and <= 256, no backward for
+# head_dim in (192, 224] on sm86-sm89 and sm120-sm121; mem_efficient on sm50-sm121, float16/float32 and
+# bfloat16 from sm80, head_dim a multiple of the GEMM alignment (8 for 16-bit dtypes, 4 for float32). Some
+# later sources let mem_efficient take GQA on CUDA; the docstring does not, so the model repeats k/v for it,
+# which is right under either. The CPU has flash (any float dtype, GQA) and math kernels, no mem_efficient.
+SDPA_KERNELS = {
+    ("flash", "cuda"): KernelLimits(
+        dtypes={"float16": (8, 0), "bfloat16": (8, 0)},
+        capability=((8, 0), (12, 1)),
+        head_dim_max=256,
+        train_head_dim_gaps=(((8, 6), (8, 9), 192, 224), ((12, 0), (12, 1), 192, 224)),
+    ),
+    ("flash", "cpu"): KernelLimits(dtypes=ALL_DTYPES),
+    ("mem_efficient", "cuda"): KernelLimits(
+        dtypes={"float16": (5, 0), "float32": (5, 0), "bfloat16": (8, 0)},
+        capability=((5, 0), (12, 1)),
+        gqa=False,
+        head_dim_multiple={"float16": 8, "bfloat16": 8, "float32": 4},
+    ),
+    ("math", "cuda"): KernelLimits(dtypes=ALL_DTYPES, capability=((0, 0), (99, 99))),
+    ("math", "cpu"): KernelLimits(dtypes=ALL_DTYPES),
+}
+
+
+def kernel_takes_gqa(backend):
+    """Whether the kernel named `backend` takes fewer key/value heads than query heads on every device that
+    has it; where not, the model repeats each key/value head for its group of query heads."""
+    return all(limits.gqa for (name, _), limits in SDPA_KERNELS.items() if name == backend)
+
+
+def sm_name(capability):
+    return f"sm{capability[0]}{capability[1]}"
+
+
+def kernel_refusals(backend, device, dtype, capability, head_dim):
+    """Why the kernel `backend` cannot run attention of `dtype` and `head_dim` on `device` of `capability`
+    (training: forward and backward); empty when it can."""
+    limits = SDPA_KERNELS.get((backend, device))
+    if limits is None:
+        return [f"has no {device} kernel"]
+    reasons = []
+    first, last = limits.capability
+    if not first <= capability <= last:
+        return [f"runs on {sm_name(first)} to {sm_name(last)} only"]
+    oldest = limits.dtypes.get(dtype)
+    if oldest is None or capability < oldest:
+        takes = [name for name, since in limits.dtypes.items() if since <= capability]
+        reasons.append(f"takes no {dtype} here (it takes {', '.join(takes) or 'none'})")
+    if head_dim is None:  # no model given: the board and the dtype only
+        return reasons
+    if limits.head_dim_max and head_dim > limits.head_dim_max:
+        reasons.append(f"takes head_dim <= {limits.head_dim_max}")
+    multiple = limits.head_dim_multiple.get(dtype)
+    if multiple and head_dim % multiple:
+        reasons.append(f"takes a {dtype} head_dim that is a multiple of {multiple}")
+    for gap_first, gap_last, above, up_to in limits.train_head_dim_gaps:
+        if gap_first <= capability <= gap_last and above < head_dim <= up_to:
+            reasons.append(f"has no backward for head_dim in ({above}, {up_to}] on {sm_name(capability)}")
+    return reasons
+
+
+def attention_problems(profile, model_cfg=None, capability=None):
+    """The line saying why the profile's attention kernel cannot train this model (the board and dtype
+    only without one): [] when it can. `capability` is the board's, where one is at hand; otherwise the
+    profile's `capability` (what a plan checks on any machine before the first download)."""
+    device, dtype, backend = profile["device"], profile["dtype"], profile["attention_backend"]
+    if device == "cpu":
+        capability = (0, 0)
+    capability = tuple(capability or profile.get("capability") or (0, 0))
+    head_dim = model_cfg["d_model"] // model_cfg["n_heads"] if model_cfg else None
+    reasons = kernel_refusals(backend, device, dtype, capability, head_dim)
+    if not reasons:
+        return []
+    board = f"{sm_name(capability)} " if device == "cuda" else ""
+    takers = [
+        name
+        for name in sorted({name for name, _ in SDPA_KERNELS})
+        if not kernel_refusals(name, device, dtype, capability, head_dim)
+    ]
+    model = (
+        f" for a model of head_dim {head_dim} (d_model {model_cfg['d_model']} / n_heads {model_cfg['n_heads']})"
+        if model_cfg
+        else ""
+    )
+    return [
+        f"hardware profile '{profile['name']}' ({board}{device}, {dtype}) asks for attention_backend "
+        f"{backend}{model}, but {backend} {'; '.join(reasons)}; kernels that take this on this board: "
+        f"{', '.join(takers) or 'none'}"
+    ]
 
 
 def measure_peak_tflops(device, dtype=torch.float32, size=2048, seconds=1.0, min_timings=5):
@@ -142,9 +253,9 @@ class Hardware:
     description: str
 
 
-def setup_hardware(profile, local_rank=0, caps=None):
+def setup_hardware(profile, local_rank=0, caps=None, model_cfg=None):
     caps = caps or probe_device(local_rank)
-    problems = check_hardware(profile, caps)
+    problems = check_hardware(profile, caps, model_cfg)
     if problems:
         raise HardwareError("\n".join(problems))
     if profile["device"] == "cuda":

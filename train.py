@@ -161,7 +161,9 @@ def train(cfg, resume=False, stop_after=None, log=print, stop=None):
     (None: the run's own): --resume-check passes the one its phases share."""
     ctx = init_distributed(cfg["hardware"], cfg["train"]["dist_timeout_s"])
     try:
-        hardware = setup_hardware(cfg["hardware"], ctx.local_rank)  # the one read of the section
+        hardware = setup_hardware(
+            cfg["hardware"], ctx.local_rank, model_cfg=cfg["model"]
+        )  # the one read of the section
         quiet = lambda *a, **k: None
         step = _train(cfg, ctx, hardware, resume, stop_after, log if ctx.is_main else quiet, stop)
         if ctx.enabled:

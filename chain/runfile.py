@@ -23,6 +23,7 @@ import sys
 import yaml
 
 import config
+import hardware
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 CHAIN_DIR = os.path.join(CONFIGS, "chain")
@@ -91,9 +92,16 @@ def stage_problems(chain, path):
         seen.add(stage["name"])
         if "config" in stage and not any(p.startswith(where) for p in problems):
             try:
-                load_stage_config(chain, stage)
+                cfg = load_stage_config(chain, stage)
             except config.ConfigError as e:
                 problems.extend(f"{where}: {line}" for line in e.problems)
+                continue
+            if (
+                stage["command"] == "train"
+            ):  # its attention kernel on the profile's board, before any download
+                problems.extend(
+                    f"{where}: {line}" for line in hardware.attention_problems(cfg["hardware"], cfg["model"])
+                )
     return problems
 
 

@@ -122,6 +122,23 @@ def test_a_model_that_does_not_fit_the_board_is_refused(capsys):
     assert line.startswith("refused: stage pretrain needs") and "of 10.5 GiB (turing-2060 memory_gib)" in line
 
 
+def test_an_attention_kernel_the_board_lacks_is_one_line_before_any_download(tmp_path, capsys):
+    with open(os.path.join(ROOT, "configs", "chain", "2060.yaml"), encoding="utf-8") as f:
+        content = yaml.safe_load(f)
+    pretrain = next(s for s in content["chain"]["stages"] if s["name"] == "pretrain")
+    pretrain["args"] = ["hardware.attention_backend=flash"]  # FlashAttention-2 needs sm80; the 2060 is sm75
+    path = tmp_path / "2060-flash.yaml"
+    path.write_text(yaml.safe_dump(content), encoding="utf-8")
+    code, out, err = run_main(["run", str(path), "--plan"], capsys)
+    assert code == 2 and out == ""  # no plan, no download
+    (line,) = err.strip().splitlines()
+    assert f"{path}: stages.4 (pretrain): hardware profile 'turing-2060' (sm75 cuda, float16)" in line
+    assert "attention_backend flash for a model of head_dim 64 (d_model 512 / n_heads 8)" in line
+    assert (
+        "flash runs on sm80 to sm121 only; kernels that take this on this board: math, mem_efficient" in line
+    )
+
+
 def test_a_too_small_disk_is_refused_before_anything_runs(tmp_path, capsys, monkeypatch):
     free = type("Usage", (), {"free": 10_000_000, "total": 0, "used": 0})
     monkeypatch.setattr(chain_plan.shutil, "disk_usage", lambda path: free)

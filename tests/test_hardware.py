@@ -33,20 +33,81 @@ def test_each_shipped_profile_fits_the_board_it_is_named_after():
 
 
 def test_bf16_on_a_board_that_only_emulates_it_is_refused():
-    problem, newton_schulz = check_hardware(
+    problem, newton_schulz, kernel = check_hardware(
         profile("blackwell-5090") | {"attention_backend": "mem_efficient"}, RTX_2060
     )
     assert "asks for bfloat16" in problem and "RTX 2060 (sm75) has no native bf16" in problem
     assert "float16 with grad_scaler: true" in problem
     assert "Muon's Newton-Schulz iteration in bfloat16" in newton_schulz  # the profile's Muon dtype too
+    assert "mem_efficient takes no bfloat16 here" in kernel  # and its attention kernel
 
 
 def test_flash_attention_before_sm80_is_refused():
     problems = check_hardware(profile("turing-2060") | {"attention_backend": "flash"}, RTX_2060)
     assert problems == [
-        "hardware profile 'turing-2060' asks for flash attention, which needs sm80 or newer; "
-        "NVIDIA GeForce RTX 2060 is sm75: use attention_backend: mem_efficient"
+        "hardware profile 'turing-2060' (sm75 cuda, float16) asks for attention_backend flash, but flash "
+        "runs on sm80 to sm121 only; kernels that take this on this board: math, mem_efficient"
     ]
+
+
+def model_layer(name):
+    with open(os.path.join(ROOT, "configs", "model", f"{name}.yaml")) as f:
+        return yaml.safe_load(f)["model"]
+
+
+PROFILES = ("turing-2060", "blackwell-5090", "hopper-h200", "cpu")
+MODELS = ("smoke", "tiny-50m")
+
+
+@pytest.mark.parametrize("name", PROFILES)
+def test_each_shipped_profile_has_an_attention_kernel_for_each_shipped_model(name):
+    for model in MODELS:
+        assert hardware.attention_problems(profile(name), model_layer(model)) == []
+    caps = {"turing-2060": RTX_2060, "blackwell-5090": RTX_5090, "hopper-h200": RTX_5090, "cpu": NO_CUDA}
+    assert check_hardware(profile(name), caps[name], model_layer("tiny-50m")) == []
+
+
+def test_the_table_says_which_kernels_take_grouped_query_attention():
+    # torch's docstring: GQA "works only for Flash_attention and math kernel on CUDA tensor"
+    assert hardware.kernel_takes_gqa("flash") and hardware.kernel_takes_gqa("math")
+    assert not hardware.kernel_takes_gqa("mem_efficient")
+
+
+@pytest.mark.parametrize(
+    "board, changes, model_changes, expected",
+    [
+        ("turing-2060", {"dtype": "bfloat16"}, {}, "but mem_efficient takes no bfloat16 here (it takes float16, float32)"),
+        ("turing-2060", {}, {"d_model": 480, "n_heads": 8}, "takes a float16 head_dim that is a multiple of 8"),
+        ("hopper-h200", {}, {"d_model": 2304, "n_heads": 8}, "but flash takes head_dim <= 256; kernels that take "
+         "this on this board: math, mem_efficient"),
+        ("blackwell-5090", {}, {"d_model": 1600, "n_heads": 8}, "flash has no backward for head_dim in (192, 224] on sm120"),
+        ("blackwell-5090", {"dtype": "float32", "grad_scaler": False}, {}, "flash takes no float32 here"),
+        ("cpu", {"attention_backend": "mem_efficient"}, {}, "but mem_efficient has no cpu kernel; kernels that take "
+         "this on this board: flash, math"),
+    ],
+)  # fmt: skip
+def test_a_kernel_the_board_cannot_run_for_the_model_is_one_line_naming_both(
+    board, changes, model_changes, expected
+):
+    model = model_layer("tiny-50m") | model_changes
+    (line,) = hardware.attention_problems(profile(board) | changes, model)
+    assert line.startswith(f"hardware profile '{board}' (")
+    assert f"head_dim {model['d_model'] // model['n_heads']} (d_model {model['d_model']} / n_heads 8)" in line
+    assert expected in line
+
+
+def test_the_board_found_wins_over_the_capability_the_profile_was_written_for():
+    bf16 = profile("turing-2060") | {"dtype": "bfloat16", "grad_scaler": False, "muon_ns_dtype": "bfloat16"}
+    assert hardware.attention_problems(bf16, model_layer("tiny-50m"))  # sm75: no bf16 mem_efficient
+    assert hardware.attention_problems(bf16, model_layer("tiny-50m"), capability=(8, 6)) == []
+    with pytest.raises(hardware.HardwareError, match="asks for attention_backend mem_efficient for a model"):
+        hardware.setup_hardware(profile("cpu") | {"attention_backend": "mem_efficient"}, caps=NO_CUDA,
+                                model_cfg=model_layer("smoke"))  # fmt: skip
+
+
+def test_a_cuda_profile_names_the_capability_it_was_written_for():
+    with pytest.raises(config.ConfigError, match="capability"):
+        config.load(os.path.join(ROOT, "configs", "pretrain-2060.yaml"), ["hardware.capability=null"])
 
 
 def test_float16_without_grad_scaler_is_refused_on_the_gpu_too():
