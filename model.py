@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import config
+import hardware
 
 ATTENTION_BACKENDS = {
     "math": SDPBackend.MATH,
@@ -70,12 +71,16 @@ def apply_rope(x, cos, sin):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg, backend):
+    def __init__(self, cfg, backend, repeat_kv=False):
         super().__init__()
         self.n_heads = cfg["n_heads"]
         self.n_kv_heads = cfg["n_kv_heads"]
         self.head_dim = cfg["d_model"] // cfg["n_heads"]
         self.backend = backend
+        # A kernel that takes no grouped-query attention (mem_efficient, hardware.SDPA_KERNELS) gets each
+        # key/value head repeated for its group of query heads; the others get enable_gqa.
+        self.repeat_kv = repeat_kv and self.n_kv_heads != self.n_heads
+        self.grouped_in_kernel = not repeat_kv and self.n_kv_heads != self.n_heads
         d_model = cfg["d_model"]
         self.q_proj = nn.Linear(d_model, self.n_heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(d_model, self.n_kv_heads * self.head_dim, bias=False)
@@ -101,9 +106,12 @@ class Attention(nn.Module):
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
     def attend(self, q, k, v, mask=None, is_causal=False, backends=None):
+        if self.repeat_kv:
+            groups = self.n_heads // self.n_kv_heads
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         with sdpa_kernel(self.backend if backends is None else backends):
             return F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=self.n_kv_heads != self.n_heads
+                q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=self.grouped_in_kernel
             )
 
     def out(self, y):
@@ -133,10 +141,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg, backend):
+    def __init__(self, cfg, backend, repeat_kv=False):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg["d_model"], cfg["norm_eps"])
-        self.self_attn = Attention(cfg, backend)
+        self.self_attn = Attention(cfg, backend, repeat_kv)
         self.post_attention_layernorm = RMSNorm(cfg["d_model"], cfg["norm_eps"])
         self.mlp = MLP(cfg)
 
@@ -271,8 +279,11 @@ class Transformer(nn.Module):
             raise ValueError(f"loss_chunk_size={loss_chunk_size!r} must be an int >= 0 (0: the full logits)")
         self.loss_chunk_size = loss_chunk_size  # positions per chunk of the LM head + loss; 0 = unchunked
         backend = ATTENTION_BACKENDS[attention_backend]
+        repeat_kv = not hardware.kernel_takes_gqa(attention_backend)
         self.embed_tokens = nn.Embedding(model_cfg["vocab_size"], model_cfg["d_model"])
-        self.layers = nn.ModuleList(DecoderLayer(model_cfg, backend) for _ in range(model_cfg["n_layers"]))
+        self.layers = nn.ModuleList(
+            DecoderLayer(model_cfg, backend, repeat_kv) for _ in range(model_cfg["n_layers"])
+        )
         self.norm = RMSNorm(model_cfg["d_model"], model_cfg["norm_eps"])
         self.lm_head = nn.Linear(model_cfg["d_model"], model_cfg["vocab_size"], bias=False)
         self.lm_head.weight = self.embed_tokens.weight  # tied: one tensor, counted once

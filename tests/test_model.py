@@ -10,12 +10,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 import yaml
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.profiler import profile
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 import config
+import hardware
 from bench import model as bench_model
 from model import Transformer, apply_rope, rope_tables
 
@@ -513,3 +515,42 @@ def test_attention_backend_argument_selects_the_kernel():
     # The CPU build has no memory-efficient kernel: restricting SDPA to it must fail rather than fall back.
     with pytest.raises(RuntimeError, match="No viable backend"):
         build(tiny(), "mem_efficient")(idx)
+
+
+def kernel_standing_in_for(board_kernel, monkeypatch):
+    """scaled_dot_product_attention as a CUDA-only kernel would take it on this CPU: each call's arguments
+    checked against that kernel's documented limits (hardware.SDPA_KERNELS), then run by the math kernel.
+    Returns the list of calls seen (q heads, k heads, enable_gqa)."""
+    limits = hardware.SDPA_KERNELS[board_kernel]
+    real, calls = F.scaled_dot_product_attention, []
+
+    def sdpa(q, k, v, **kwargs):
+        calls.append((q.shape[1], k.shape[1], kwargs.get("enable_gqa", False)))
+        if not limits.gqa:
+            assert not kwargs.get("enable_gqa") and k.shape[1] == v.shape[1] == q.shape[1], (
+                f"{board_kernel[0]} takes no grouped-query attention: {calls[-1]}"
+            )
+        with sdpa_kernel(SDPBackend.MATH):
+            return real(q, k, v, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", sdpa)
+    return calls
+
+
+def test_a_kernel_without_grouped_query_attention_gets_each_kv_head_repeated_and_the_same_logits(monkeypatch):
+    cfg = tiny(n_heads=4, n_kv_heads=2)
+    idx = tokens(2, 16)
+    with torch.no_grad():
+        want = build(cfg, "math")(idx)[0]
+    calls = kernel_standing_in_for(("mem_efficient", "cuda"), monkeypatch)
+    with torch.no_grad():
+        got = build(cfg, "mem_efficient")(idx)[0]  # the RTX 2060's kernel (turing-2060.yaml)
+    assert calls and all(call == (4, 4, False) for call in calls)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_kernel_with_grouped_query_attention_gets_the_kv_heads_unrepeated(monkeypatch):
+    calls = kernel_standing_in_for(("flash", "cuda"), monkeypatch)
+    with torch.no_grad():
+        build(tiny(n_heads=4, n_kv_heads=2), "flash")(tokens(1, 8))
+    assert calls and all(call == (4, 2, True) for call in calls)  # the smaller k/v: no copy
