@@ -23,8 +23,9 @@ from torch.optim._muon import _adjust_lr
 # (`grad.bfloat16()` in torch/optim/_muon.py, no argument changes it). On a board without native bf16 (the
 # RTX 2060, Turing) that matmul runs emulated, ~2.6x slower than float16, and on an AVX2-only CPU bf16 matmuls
 # are slower than float32. So Muon here is torch's class (its constructor checks, its state layout, its
-# lr adjustment) with only step() redone, the iteration in hardware.muon_ns_dtype; with bfloat16 it is
-# bit-identical to torch's step (tests/test_optimizer.py proves it).
+# lr adjustment) with only step() redone, the iteration in hardware.muon_ns_dtype, the matrix normalised
+# before the cast (torch casts first, which float16's exponent range cannot afford); with bfloat16 it follows
+# torch's step to bfloat16's precision (tests/test_optimizer.py).
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # torch's and Keller Jordan's quintic, fastest slope at zero
 NS_EPS = 1e-7
@@ -32,13 +33,16 @@ NS_EPS = 1e-7
 
 def newton_schulz(grad, steps, dtype, coefficients=NS_COEFFICIENTS, eps=NS_EPS):
     """Approximately orthogonalize a 2-D matrix (U S V^T -> U S' V^T, S' ~ 1) in `dtype`: torch's
-    _zeropower_via_newtonschulz with the dtype as an argument instead of bfloat16."""
+    _zeropower_via_newtonschulz with the dtype as an argument instead of bfloat16. The matrix is divided by
+    its norm in float32 before the cast: cast first, a float16 gradient of Frobenius norm 1e-5 loses most of
+    its entries to underflow (the result then 90% off the float64 one; 0.14% normalised first). The
+    division makes a new tensor: `grad` (a momentum buffer, with nesterov off) is never written."""
     a, b, c = coefficients
-    x = grad.to(dtype)
+    grad = grad.float()
+    x = (grad / grad.norm().clamp(min=eps)).to(dtype)  # spectral norm <= Frobenius norm = 1
     tall = grad.size(0) > grad.size(1)
     if tall:
         x = x.T
-    x.div_(x.norm().clamp(min=eps))  # spectral norm <= Frobenius norm = 1
     for _ in range(steps):
         gram = x @ x.T
         update = torch.addmm(gram, gram, gram, beta=b, alpha=c)
