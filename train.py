@@ -382,6 +382,18 @@ class StepResult:
     tokens: int  # tokens this rank trained on
 
 
+def update_loss_scale(scaler, finite, gradients_finite):
+    """GradScaler's own update: unscale_ recorded any overflow in this rank's gradients, so a skipped step
+    backs off by backoff_factor and resets the growth tracker (the scale cannot grow straight back). A step
+    skipped for what the gradients here did not show (a non-finite loss, another rank's overflow) gets the
+    same backoff through the scaler's state: update(new_scale) would leave the tracker counting."""
+    scale = scaler.get_scale()
+    scaler.update()
+    if not finite and gradients_finite:
+        state = scaler.state_dict()
+        scaler.load_state_dict(state | {"scale": scale * state["backoff_factor"], "_growth_tracker": 0})
+
+
 def optimizer_step(run, lr):
     """One optimizer step at learning rate `lr`: grad_accum_steps micro-steps (DDP syncs gradients only on
     the last, no_sync on the others), the gradient clipped, the step applied unless the loss or a gradient
@@ -413,8 +425,7 @@ def optimizer_step(run, lr):
     if finite:
         hardware.scaler.step(optimizer)
     if hardware.scaler.is_enabled():
-        scale_before = hardware.scaler.get_scale()
-        hardware.scaler.update(None if finite else scale_before * hardware.scaler.get_backoff_factor())
+        update_loss_scale(hardware.scaler, finite, bool(torch.isfinite(grad_norm)))
     optimizer.zero_grad(set_to_none=True)
     return StepResult(loss_sum, figure_sums, grad_norm, finite, step_tokens)
 

@@ -150,6 +150,45 @@ def test_the_grad_scaler_skips_overflowing_float16_steps_and_backs_off(tmp_path,
     assert all(torch.isfinite(t).all() for t in state["model"].values())
 
 
+@contextlib.contextmanager
+def gradients_overflow_at(step):
+    """A fault injected through torch's autograd hooks (not into our code): at optimizer step `step` (2
+    micro-batches a step in the tiny config) the loss stays what it is and the gradient flowing back from it
+    is infinite, as a float16 backward that overflows."""
+    calls = {"train_forward": 0}
+
+    def hook(module, args, output):
+        if module.training and isinstance(module, model.Transformer):
+            calls["train_forward"] += 1
+            if 2 * (step - 1) < calls["train_forward"] <= 2 * step:
+                output[1]["loss"].register_hook(lambda grad: grad * float("inf"))
+        return output
+
+    handle = torch.nn.modules.module.register_module_forward_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def test_an_overflow_in_the_gradients_under_a_finite_loss_backs_off_through_the_scalers_own_state(
+    tmp_path, byte_data_dir
+):
+    cfg = tiny_config(tmp_path, "bytes", byte_data_dir, "run_name=overflow", "train.max_steps=6")
+    cfg["hardware"] |= {"dtype": "float16", "grad_scaler": True}
+    with gradients_overflow_at(step=3):
+        train.train(cfg, log=quiet)
+    records = [json.loads(line) for line in open(tmp_path / "overflow" / "metrics.jsonl")]
+    records = [r for r in records if "grad_norm" in r]
+    assert [r["skipped_steps"] for r in records] == [0, 0, 1, 1, 1, 1]
+    assert all(math.isfinite(r["loss"]) for r in records)  # the loss never overflowed
+    scales = [r["loss_scale"] for r in records]
+    assert scales[2] == scales[1] * 0.5 == scales[5]  # GradScaler's backoff_factor, then no growth yet
+    _, state = train.load_newest_checkpoint(str(tmp_path / "overflow"))
+    # GradScaler.update() resets its growth tracker on an overflow: only steps 4-6 count toward growth.
+    assert state["step"] == 6 and state["scaler"]["_growth_tracker"] == 3
+
+
 def test_a_tokenizer_that_does_not_match_the_model_vocab_is_refused(tmp_path, shard_data_dir):
     cfg = tiny_config(tmp_path, "shards", shard_data_dir, "run_name=vocab")
     cfg["model"]["vocab_size"] = cfg["data"]["tokenizer"]["vocab_size"] = (
