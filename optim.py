@@ -7,7 +7,6 @@ on them. The Newton-Schulz iteration runs in the board's dtype (hardware.muon_ns
 import math
 
 import torch
-from torch.optim._muon import _adjust_lr
 
 # The optimizer recipe: which parameters each optimizer moves, with which learning rate and weight decay.
 #
@@ -22,10 +21,11 @@ from torch.optim._muon import _adjust_lr
 # Why our own Muon step: torch.optim.Muon (torch 2.13) hard-codes the Newton-Schulz iteration in bfloat16
 # (`grad.bfloat16()` in torch/optim/_muon.py, no argument changes it). On a board without native bf16 (the
 # RTX 2060, Turing) that matmul runs emulated, ~2.6x slower than float16, and on an AVX2-only CPU bf16 matmuls
-# are slower than float32. So Muon here is torch's class (its constructor checks, its state layout, its
-# lr adjustment) with only step() redone, the iteration in hardware.muon_ns_dtype, the matrix normalised
-# before the cast (torch casts first, which float16's exponent range cannot afford); with bfloat16 it follows
-# torch's step to bfloat16's precision (tests/test_optimizer.py).
+# are slower than float32. So Muon here is torch's class (its constructor checks, its state layout) with
+# step() redone on public API only (torch's private helpers may change with any torch but the pin): the
+# iteration in hardware.muon_ns_dtype, the matrix normalised before the cast (torch casts first, which
+# float16's exponent range cannot afford); with bfloat16 it follows torch's step to bfloat16's precision
+# (tests/test_optimizer.py).
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # torch's and Keller Jordan's quintic, fastest slope at zero
 NS_EPS = 1e-7
@@ -50,6 +50,18 @@ def newton_schulz(grad, steps, dtype, coefficients=NS_COEFFICIENTS, eps=NS_EPS):
     return x.T if tall else x
 
 
+def adjusted_lr(lr, adjust_lr_fn, shape):
+    """Muon's learning rate for a matrix of `shape`, as torch.optim.Muon's adjust_lr_fn documents it:
+    "original" (or None) scales by sqrt(max(1, rows / cols)) (Keller Jordan), "match_rms_adamw" by
+    0.2 * sqrt(max(rows, cols)) (Moonshot: the update's RMS of AdamW's)."""
+    rows, cols = shape[:2]
+    if adjust_lr_fn is None or adjust_lr_fn == "original":
+        return lr * math.sqrt(max(1, rows / cols))
+    if adjust_lr_fn == "match_rms_adamw":
+        return lr * 0.2 * math.sqrt(max(rows, cols))
+    return lr
+
+
 class Muon(torch.optim.Muon):
     """torch.optim.Muon whose Newton-Schulz iteration runs in `ns_dtype` (a dtype name). An attribute, not
     a param group value: a checkpoint's groups replace the live ones on resume, and a run resumed on
@@ -66,17 +78,21 @@ class Muon(torch.optim.Muon):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            params, grads, buffers = [], [], []
-            self._init_group(group, params, grads, buffers)
             lr, momentum, dtype = group["lr"], group["momentum"], self.ns_dtype
-            for param, grad, buffer in zip(params, grads, buffers, strict=True):
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                grad, state = param.grad, self.state[param]
+                if "momentum_buffer" not in state:  # torch.optim.Muon's state layout, so checkpoints agree
+                    state["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
+                buffer = state["momentum_buffer"]
                 buffer.lerp_(grad, 1 - momentum)
                 update = grad.lerp(buffer, momentum) if group["nesterov"] else buffer
                 update = newton_schulz(
                     update, group["ns_steps"], dtype, group["ns_coefficients"], group["eps"]
                 )
                 param.mul_(1 - lr * group["weight_decay"])
-                param.add_(update, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], param.shape))
+                param.add_(update, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], param.shape))
         return loss
 
 

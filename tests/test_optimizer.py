@@ -80,7 +80,8 @@ def test_the_schedule_scales_muon_to_its_own_peak_and_adamw_to_train_lr():
     assert [g["lr"] for g in opt.adamw.param_groups] == [0.002, 0.002]
 
 
-def test_muon_in_bfloat16_follows_torch_optim_muon_to_bfloat16_precision():
+@pytest.mark.parametrize("adjust_lr_fn", [None, "match_rms_adamw"])
+def test_muon_in_bfloat16_follows_torch_optim_muon_to_bfloat16_precision(adjust_lr_fn):
     """Only the Newton-Schulz dtype and where it normalises are ours (before the cast, torch after): with
     torch's bfloat16 every step follows torch.optim.Muon's to bfloat16's precision."""
     torch.manual_seed(0)
@@ -88,6 +89,7 @@ def test_muon_in_bfloat16_follows_torch_optim_muon_to_bfloat16_precision():
     ours = [p.clone().requires_grad_() for p in start]
     theirs = [p.clone().requires_grad_() for p in start]
     settings = {"lr": 0.02, "weight_decay": 0.1, "momentum": 0.95, "nesterov": True, "ns_steps": 5}
+    settings["adjust_lr_fn"] = adjust_lr_fn
     mine = optim.Muon(ours, "bfloat16", **settings)
     reference = torch.optim.Muon(theirs, **settings)
     for step in range(3):
