@@ -410,11 +410,6 @@ def _cross_field_problems(config, origins):
     if hardware["dtype"] == "float16" and hardware["muon_ns_dtype"] == "bfloat16":
         problem(("hardware", "muon_ns_dtype"), "bfloat16, but the profile autocasts in float16 (a board without "
                 "native bf16, where bf16 runs emulated); use float16 or float32")  # fmt: skip
-    if hardware["device"] == "cpu" and hardware["muon_ns_dtype"] == "float16":
-        problem(("hardware", "muon_ns_dtype"), "float16 on the CPU; expected float32 or bfloat16")
-    if hardware["device"] == "cpu":
-        if hardware["dtype"] == "float16":
-            problem(("hardware", "dtype"), "float16 on the CPU; expected float32 or bfloat16")
     return problems
 
 

@@ -206,6 +206,27 @@ def attention_problems(profile, model_cfg=None, capability=None):
     ]
 
 
+# What a CPU profile standing for a board (its `stands_for`) cannot show of it; the run says so at start.
+BOARD_ONLY = (
+    "the board's CUDA attention kernel (mem_efficient on the 2060, flash on the 5090 and H200)",
+    "tensor-core matmuls in float16/bfloat16 and their accumulation (the board's losses, bit for bit)",
+    "CUDA memory: whether the micro-batch fits memory_gib (torch.cuda.max_memory_allocated)",
+    "tokens/s and MFU against the board's peak",
+    "torch.compile, CUDA graphs and NCCL across GPUs",
+)
+
+
+def not_exercised(profile):
+    """The line a CPU run of a board's policy prints: what it did not exercise. None for other profiles."""
+    if not profile.get("stands_for"):
+        return None
+    boards = ", ".join(profile["stands_for"])
+    return (
+        f"hardware profile '{profile['name']}' runs the dtype policy of {boards} on the CPU; not exercised "
+        f"here (only a board shows it): {'; '.join(BOARD_ONLY)}"
+    )
+
+
 def measure_peak_tflops(device, dtype=torch.float32, size=2048, seconds=1.0, min_timings=5):
     """Dense matmul throughput actually reached on this device: the reference for MFU where the hardware
     profile gives none, and the figure `make bench` divides by, so a run's logged MFU and the bench's

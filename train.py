@@ -41,7 +41,15 @@ from checkpoint import (
     save_checkpoint,
 )
 from corpus import token_budget
-from hardware import Dist, Hardware, HardwareError, all_ranks_true, init_distributed, setup_hardware
+from hardware import (
+    Dist,
+    Hardware,
+    HardwareError,
+    all_ranks_true,
+    init_distributed,
+    not_exercised,
+    setup_hardware,
+)
 from model import Transformer
 
 # Keys that fix tensor shapes or the meaning of a step: a resume that changes one of them cannot
@@ -365,6 +373,8 @@ def start_log(run):
         f"{hardware.description}, {hardware.dtype}, attention {hardware.attention_backend}, "
         f"matmul peak {hardware.peak_tflops:.3g} TFLOP/s (MFU reference)"
     )
+    if not_exercised(cfg["hardware"]):
+        log(not_exercised(cfg["hardware"]))
     for line in run.objective.describe():
         log(line)
 
