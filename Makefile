@@ -374,8 +374,9 @@ run: $(STAMP)
 		$(if $(BUDGET_MIN),--budget-min $(BUDGET_MIN)) $(ARGS)
 
 # The CPU chain on this machine with the embedded corpus: ends with `ready: make serve RUN=...`.
+# BOARD=2060|5090|h200: the same chain under that board's dtype policy (configs/chain/rehearsal-BOARD.yaml).
 rehearsal: $(STAMP)
-	$(PY) -m chain run rehearsal $(if $(filter 1 yes true,$(PLAN)),--plan) $(ARGS)
+	$(PY) -m chain run $(if $(BOARD),rehearsal-$(BOARD),rehearsal) $(if $(filter 1 yes true,$(PLAN)),--plan) $(ARGS)
 
 # --- the family's database ------------------------------------------------------------------------
 

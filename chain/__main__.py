@@ -14,6 +14,7 @@ import sys
 
 import config
 import fileio
+import hardware
 from chain import plan as chain_plan
 from chain import runfile, stages, time_budget
 
@@ -39,6 +40,12 @@ def run(args):
         print(f"budget: {args.budget_min:g} min; the download, the corpus and the training {scaled}")
     text = chain_plan.format_plan(chain, plan)
     print(text)
+    if "policy" in chain:  # a board's dtype policy on the CPU: say what only the board shows
+        print(
+            hardware.not_exercised(
+                config.load_layer("hardware", os.path.join(runfile.CONFIGS, chain["policy"]))
+            )
+        )
     if args.plan:
         return 0
     stamp_of = stages.stamps(chain)

@@ -17,6 +17,7 @@ so a stage's command line is also what reruns it alone. The whole file is checke
 run file with it, and every problem reported at once.
 """
 
+import json
 import os
 import sys
 
@@ -126,10 +127,20 @@ def wiring(chain, stage):
     if command == "train":
         words = [f"data.dir={folder_of(chain, stage['data'])}", f"train.runs_dir={chain['folder']}"]
         words.append(f"run_name={stage['name']}")
+        words.extend(policy_overrides(chain))
         if "from" in stage:
             words.append(f"train.init_from={folder_of(chain, stage['from'])}")
         return words
     return []
+
+
+def policy_overrides(chain):
+    """hardware.key=value for every key of the chain's policy profile (none without one): the training
+    stages run a board's dtype policy on the CPU whatever hardware layer their run files name."""
+    if "policy" not in chain:
+        return []
+    profile = config.load_layer("hardware", os.path.join(CONFIGS, chain["policy"]))
+    return [f"hardware.{key}={json.dumps(value)}" for key, value in profile.items()]  # JSON is YAML
 
 
 def mixture_wiring(chain, stage):
