@@ -2,9 +2,10 @@
 The hardware profile against the real board: the only code that knows how boards differ.
 
 probe_device() says what this machine offers, check_hardware() what a profile (configs/hardware/) asks that
-the board cannot do, SDPA_KERNELS what each attention kernel takes (attention_problems() checks a profile and
-a model against it, on the CPU too, before anything is downloaded), setup_hardware() turns the profile into a Hardware (device, autocast, GradScaler,
-attention kernel, peak TFLOP/s for MFU) and init_distributed() joins torchrun's process group.
+the board cannot do, SDPA_KERNELS what each attention kernel takes (attention_problems() checks a profile
+and a model against it, on the CPU too, before anything is downloaded), BOARD_ONLY what a CPU run of a
+board's policy cannot show, setup_hardware() turns the profile into a Hardware (device, autocast,
+GradScaler, attention kernel, peak TFLOP/s for MFU) and init_distributed() joins torchrun's process group.
 """
 
 import contextlib
