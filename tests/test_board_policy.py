@@ -18,7 +18,6 @@ import checkpoint
 import hardware
 import train
 from agent import dataset, tools
-from bench import resume_check
 
 POLICIES = ("cpu-2060", "cpu-bf16")
 quiet = lambda *a, **k: None  # noqa: E731
@@ -104,7 +103,7 @@ def test_a_float16_run_cut_in_two_resumes_bit_for_bit(tmp_path, byte_data_dir):
     assert train.train(rest, resume=True, log=quiet) == 8
     a, b = (checkpoint.load_checkpoint(train.list_checkpoints(train.run_dir_of(c))[0]) for c in (full, rest))
     assert a["scaler"] == b["scaler"] and a["scaler"]["scale"] > 1
-    count, differing, largest = resume_check.compare_states(a, b)  # every parameter and optimizer tensor
+    count, differing, largest = checkpoint.compare_states(a, b)  # every parameter and optimizer tensor
     assert a["step"] == b["step"] == 8 and count > 0 and not differing, (differing[:5], largest)
 
 
