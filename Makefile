@@ -363,14 +363,17 @@ agent-ladder-table: $(STAMP)
 
 # --- the whole run in one command (chain/, docs/ejecucion.md) ----------------------------------------
 
-# make run BOARD=2060|5090|h200|cpu [PLAN=1] [BUDGET_MIN=20]: configs/chain/BOARD.yaml's stages in order,
-# each skipped when done and resumed where it was cut. PLAN=1 prints the plan and touches nothing;
-# BUDGET_MIN scales the training stages to fit that many minutes on the board.
+# make run BOARD=2060|5090|h200|cpu [PLAN=1] [BUDGET_MIN=20] [OFFLINE=1]: configs/chain/BOARD.yaml's stages in
+# order, each skipped when done and resumed where it was cut. PLAN=1 prints the plan and touches nothing;
+# BUDGET_MIN scales the training stages to fit that many minutes on the board; OFFLINE=1 asks no server (the
+# data downloaded elsewhere is checked here against its recorded checksums: HF_HUB_OFFLINE).
 BOARD ?=
 PLAN ?=
 BUDGET_MIN ?=
+OFFLINE ?=
+OFFLINE_FLAG := $(if $(filter 1 yes true,$(OFFLINE)),--offline,)
 run: $(STAMP)
-	$(PY) -m chain run "$(BOARD)" $(if $(filter 1 yes true,$(PLAN)),--plan) \
+	$(PY) -m chain run "$(BOARD)" $(if $(filter 1 yes true,$(PLAN)),--plan) $(OFFLINE_FLAG) \
 		$(if $(BUDGET_MIN),--budget-min $(BUDGET_MIN)) $(ARGS)
 
 # The CPU chain on this machine with the embedded corpus: ends with `ready: make serve RUN=...`.

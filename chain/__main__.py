@@ -5,6 +5,7 @@ python -m chain: the command line of make run and make rehearsal.
     python -m chain run 2060                       # plan, checks, then every stage not done yet
     python -m chain run h200 --budget-min 20       # download, corpus and training scaled to fit 20 min
     python -m chain run rehearsal chain.folder=runs/x   # chain.key=value overrides, as every command
+    python -m chain run 2060 --offline             # data already here: checked by checksum, no server asked
     python -m chain check                          # every chain file in configs/chain/
 """
 
@@ -27,7 +28,15 @@ def final_run(chain):
     return runfile.folder_of(chain, name) if name else chain["folder"]
 
 
+def go_offline():
+    """HF_HUB_OFFLINE and HF_DATASETS_OFFLINE for every stage's command: the Hub downloads check the files
+    their last download recorded (corpus/hub.py), the evaluation reads only the datasets' cache."""
+    os.environ["HF_HUB_OFFLINE"] = os.environ["HF_DATASETS_OFFLINE"] = "1"
+
+
 def run(args):
+    if args.offline:
+        go_offline()
     chain, path = runfile.load(args.board, args.overrides)
     plan = chain_plan.make_plan(chain)
     if args.budget_min is not None:
@@ -90,6 +99,11 @@ def parse_args(argv):
         "--budget-min",
         type=float,
         help="scale the download, the corpus and the training to fit this many minutes",
+    )
+    go.add_argument(
+        "--offline",
+        action="store_true",
+        help="ask no server: downloaded data is checked against its recorded checksums (HF_HUB_OFFLINE)",
     )
     checking = commands.add_parser("check", help="check chain files (all of configs/chain/ by default)")
     checking.add_argument("boards", nargs="*")

@@ -14,6 +14,11 @@ local_dir/hub_files.json (size, mtime, sha256): a rerun, after a kill too, skips
 
 The endpoint is HF_ENDPOINT (default https://huggingface.co) and a token with access rights is read from
 HF_TOKEN; it is sent to the endpoint only and never written anywhere.
+
+Offline (HF_HUB_OFFLINE=1, huggingface_hub's own switch; `make run OFFLINE=1` sets it) no server is asked:
+each source's files as its last download recorded them (repo, revision, names and checksums in
+local_dir/hub_files.json, copied along with the files from the machine that fetched them) are checked on
+disk instead, and a missing file or a differing checksum is one line naming the file.
 """
 
 import concurrent.futures
@@ -268,10 +273,19 @@ def download(data_cfg, log=print):
     return download_sources(sources, corpus_cfg["download"]["workers"], log, check_files=check_path_glob)
 
 
+def offline():
+    """huggingface_hub's HF_HUB_OFFLINE (read by it when imported; tests switch it in its constants)."""
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE)
+
+
 def download_sources(sources, workers, log=print, check_files=None):
     """Fetch the files of these (label, source) pairs (each with `hub` and `licence`) into their local_dir,
     skipping the ones verified before; check_files(label, source, files) may refuse a plan before anything
-    is written. Returns the records by local_dir."""
+    is written. Returns the records by local_dir. Offline, checks the recorded files instead."""
+    if offline():
+        return verify_offline(sources, log, check_files)
     api = hub_api()
     todo, records, done_bytes = [], {}, 0
     for label, source in sources:
@@ -316,6 +330,64 @@ def download_sources(sources, workers, log=print, check_files=None):
         return records
     check_space(todo)
     fetch_all(workers, todo, records, log)
+    return records
+
+
+def verify_offline(sources, log=print, check_files=None):
+    """The files each source's last download recorded, checked on disk without asking any server: a file
+    untouched since (size and mtime as recorded) is taken as it is, any other (copied from another machine)
+    is read and its checksum compared with the recorded one. The records are written back (new mtimes)
+    only once every file has passed."""
+    records, total, rehashed = {}, 0, 0
+    for label, source in sources:
+        hub = source["hub"]
+        local_dir = hub["local_dir"]
+        record = records.setdefault(local_dir, read_record(local_dir))
+        record_path = os.path.join(local_dir, RECORD)
+        what = f"{label}.hub: {hub['repo']}@{hub['revision']}"
+        fetched = record.get("sources", {}).get(source["name"])
+        if fetched is None or (fetched["repo"], fetched["revision"]) != (hub["repo"], hub["revision"]):
+            raise DataError(
+                f"{what}: offline (HF_HUB_OFFLINE) and {record_path} records no download of it; download it "
+                f"where the Hub can be reached and copy {local_dir}/ here (with its {RECORD})"
+            )
+        outside = [name for name in fetched["files"] if not fnmatch.fnmatchcase(name, hub["files"])]
+        if outside:
+            raise DataError(
+                f"{what}: offline, {record_path} holds {outside[0]}, which hub.files {hub['files']!r} does not "
+                "ask for; download again where the Hub can be reached"
+            )
+        entries = []
+        for name in fetched["files"]:
+            path = os.path.join(local_dir, name)
+            seen = record["files"].get(name)
+            if seen is None:
+                raise DataError(f"{path}: offline and no checksum of it in {record_path}; download it again")
+            if not os.path.isfile(path):
+                raise DataError(
+                    f"{path}: missing (offline: HF_HUB_OFFLINE); copy it from the machine that downloaded it"
+                )
+            kind = "sha256" if len(seen["checksum"]) == 64 else "git_sha1"  # 40 hex digits: git's blob sha1
+            entry = {"path": name, "size": seen["size"], kind: seen["checksum"]}
+            if not is_verified(path, entry, record):
+                got = checksum_of(path, entry)
+                if got != seen["checksum"]:
+                    raise DataError(
+                        f"{path}: checksum {got[:12]}… differs from {seen['checksum'][:12]}… recorded in "
+                        f"{record_path} (offline: nothing is fetched again); copy the file again"
+                    )
+                record["files"][name] = {"checksum": got, "size": os.path.getsize(path),
+                                         "mtime_ns": os.stat(path).st_mtime_ns}  # fmt: skip
+                rehashed += 1
+            entries.append(entry)
+            total += seen["size"]
+        if check_files is not None:
+            check_files(label, source, entries)
+    for local_dir, record in records.items():
+        if rehashed:
+            write_json(os.path.join(local_dir, RECORD), record)
+    log(f"download: offline (HF_HUB_OFFLINE): {size_text(total)} of recorded files verified here, "
+        f"{rehashed} by their checksum; no server asked")  # fmt: skip
     return records
 
 

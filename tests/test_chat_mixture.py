@@ -406,3 +406,29 @@ def test_lm_eval_task_texts_in_the_datasets_cache_are_protected_when_present(tmp
         ]
     }
     assert mixture.contamination(asked, guard, short) == str(cache / "openbookqa_es-test.arrow")
+
+
+def test_offline_the_chat_download_checks_its_recorded_files_and_asks_no_server(
+    hub, tmp_path, shard_data_dir, monkeypatch
+):
+    """HF_HUB_OFFLINE (make run OFFLINE=1's chat-download stage): the conversations fetched before, their
+    mtimes changed as by a copy to another machine, are checked by checksum; the stand-in gets no request."""
+    from huggingface_hub import constants
+
+    cfg = mixture_config(tmp_path, shard_data_dir)
+    prepare.download(cfg, log=lambda *a: None)
+    trees = os.path.join(sources_of(cfg)[1]["hub"]["local_dir"], TREES)
+    os.utime(trees, ns=(1, 1))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    hub.requests.clear()
+    lines = []
+    prepare.download(cfg, log=lines.append)
+    assert hub.requests == []
+    assert lines[-1].startswith("download: offline (HF_HUB_OFFLINE)") and "1 by their checksum" in lines[-1]
+    prepare.prepare(cfg, log=lines.append)  # the mixture reads the files the offline check accepted
+    assert os.path.exists(os.path.join(cfg["data"]["chat"]["mixture"]["dir"], "train.jsonl"))
+    with open(trees, "ab") as f:
+        f.write(b"tampered")
+    with pytest.raises(data.DataError, match=f"{trees}: checksum .* differs from"):
+        prepare.download(cfg, log=lambda *a: None)
+    assert hub.requests == []

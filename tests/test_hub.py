@@ -456,3 +456,105 @@ def test_the_progress_bar_ends_at_the_bytes_to_fetch_when_a_corrupt_file_is_fetc
     assert online.lfs_gets(train[0]) == 2
     size = len(datasets[FINEWEB][train[0]]) + len(datasets[FINEWEB][train[1]])
     assert bars[-1] == (size, size)
+
+
+def test_offline_a_download_checks_the_recorded_files_and_asks_no_server(
+    online, datasets, tmp_path, capsys, monkeypatch
+):
+    """HF_HUB_OFFLINE (make run OFFLINE=1): files fetched on another machine and copied here (new mtimes) are
+    checked against the checksums their download recorded; the Hub stand-in gets no request at all."""
+    from huggingface_hub import constants
+
+    train = train_files(datasets)
+    local = tmp_path / "hub"
+    sources = [
+        hub_source("fineweb2", FINEWEB, "data/spa_Latn/train/*.parquet", local, max_files=2),
+        hub_source("wiki", WIKI, "20231101.es/*.parquet", tmp_path / "hub-wiki", max_files=1),
+    ]
+    run = run_file(tmp_path, sources)
+    status, _, err = corpus_command("download", run, capsys)
+    assert status == 0, err
+    for path in glob.glob(str(tmp_path / "hub*" / "**" / "*.parquet"), recursive=True):
+        os.utime(path, ns=(1, 1))  # copied from the machine that downloaded them: other mtimes
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    online.requests.clear()
+
+    status, out, err = corpus_command("download", run, capsys)
+    assert status == 0, err
+    assert "offline (HF_HUB_OFFLINE)" in out and "3 by their checksum; no server asked" in out, out
+    assert online.requests == []
+    assert recorded(local)["files"][train[0]]["mtime_ns"] == 1  # re-verified: the next check reads nothing
+    status, out, err = corpus_command("download", run, capsys)
+    assert status == 0 and "0 by their checksum" in out, out + err
+    assert online.requests == []
+
+
+def test_offline_a_missing_or_changed_file_is_one_line_naming_it_and_nothing_is_written(
+    online, datasets, tmp_path, capsys, monkeypatch
+):
+    from huggingface_hub import constants
+
+    train = train_files(datasets)
+    local = tmp_path / "hub"
+    run = run_file(
+        tmp_path, [hub_source("fineweb2", FINEWEB, "data/spa_Latn/train/*.parquet", local, max_files=2)]
+    )
+    assert corpus_command("download", run, capsys)[0] == 0
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    online.requests.clear()
+    record_before = (local / "hub_files.json").read_bytes()
+
+    damaged = local / train[1]
+    damaged.write_bytes(b"X" + datasets[FINEWEB][train[1]][1:])  # same size, another mtime
+    status, _, err = corpus_command("download", run, capsys)
+    assert status == 2
+    assert (
+        err.startswith(f"error: {damaged}: checksum ")
+        and "differs from" in err
+        and "copy the file again" in err
+    )
+    assert (local / "hub_files.json").read_bytes() == record_before
+
+    damaged.unlink()
+    status, _, err = corpus_command("download", run, capsys)
+    assert status == 2
+    assert (
+        err
+        == f"error: {damaged}: missing (offline: HF_HUB_OFFLINE); copy it from the machine that downloaded it"
+    )
+
+    never = run_file(tmp_path, [hub_source("wiki", WIKI, "20231101.es/*.parquet", tmp_path / "nowhere")])
+    status, _, err = corpus_command("download", never, capsys)
+    assert status == 2
+    assert "wikimedia/wikipedia@main: offline (HF_HUB_OFFLINE)" in err and "records no download of it" in err
+    assert not (tmp_path / "nowhere").exists()
+    assert online.requests == []
+
+
+def test_make_run_offline_runs_the_download_stage_on_the_recorded_files_without_a_request(
+    online, datasets, tmp_path, capsys
+):
+    """`make run ... OFFLINE=1`: the chain's download stage, a process of its own, asks the Hub nothing (the
+    stand-in is reachable and HF_HUB_OFFLINE is 0 in the environment: only the flag makes it offline)."""
+    local = tmp_path / "hub"
+    run = run_file(
+        tmp_path, [hub_source("fineweb2", FINEWEB, "data/spa_Latn/train/*.parquet", local, max_files=2)]
+    )
+    assert corpus_command("download", run, capsys)[0] == 0
+    with open(os.path.join(ROOT, "configs", "chain", "cpu.yaml"), encoding="utf-8") as f:
+        assume = yaml.safe_load(f)["chain"]["assume"]
+    chain = {"board": "offline", "folder": str(tmp_path / "run"), "hardware": "hardware/cpu.yaml", "assume": assume,
+             "stages": [{"name": "download", "command": "corpus-download", "config": run}]}  # fmt: skip
+    chain_file = tmp_path / "offline.yaml"
+    chain_file.write_text(yaml.safe_dump({"chain": chain}), encoding="utf-8")
+    online.requests.clear()
+    env = {
+        k: v for k, v in hub_env(online, tmp_path).items() if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS")
+    }
+    done = subprocess.run(
+        ["make", "-o", ".venv/.requirements.stamp", "run", f"BOARD={chain_file}", "OFFLINE=1"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "download: offline (HF_HUB_OFFLINE)" in done.stdout
+    assert online.requests == []
