@@ -68,16 +68,59 @@ def train_rate(cfg, hardware, assume, name):
     return rate, f"estimate: {flops / 1e6:.0f} MFLOP/token, {peak} TFLOP/s x MFU {assume['mfu']}"
 
 
+def attention_workspace_bytes(model_cfg, micro_batch, dtype, backend):
+    """What the attention kernel adds to microbatch.py's step: in one layer's backward pass, dq, dk and dv of
+    every head, a float32 dq accumulator and the per-row delta (the flash and memory-efficient kernels);
+    with mem_efficient and fewer kv heads, the keys and values repeated to every head and kept for the
+    backward pass in every layer (the kernel has no GQA); with the math kernel, every layer's
+    (heads x seq x seq) attention weights and one float32 score matrix."""
+    heads, kv_heads, width = model_cfg["n_heads"], model_cfg["n_kv_heads"], model_cfg["d_model"]
+    seq, layers = model_cfg["seq_len"], model_cfg["n_layers"]
+    element, positions = microbatch.bytes_per_element(dtype), micro_batch * seq
+    if backend == "math":
+        return micro_batch * heads * seq * seq * (layers * element + 4)
+    workspace = positions * (3 * width * element + 4 * width + 4 * heads)
+    if backend == "mem_efficient" and kv_heads < heads:
+        workspace += layers * positions * 2 * (heads - kv_heads) * (width // heads) * element
+    return workspace
+
+
+def step_memory_bytes(cfg):
+    """The training step's estimated peak: microbatch.py's tensors + the attention kernel's workspace."""
+    hw, micro_batch = cfg["hardware"], cfg["train"]["micro_batch_size"]
+    step = microbatch.step_peak_bytes(cfg["model"], micro_batch, hw["dtype"], hw["loss_chunk_size"])
+    return step + attention_workspace_bytes(cfg["model"], micro_batch, hw["dtype"], hw["attention_backend"])
+
+
+def eval_memory_bytes(cfg):
+    """The evaluation's estimated peak during a run (no_grad, the same micro-batch): the weights and the
+    optimizer's moments stay, the gradients are freed; one layer's forward tensors and one loss chunk's
+    float32 logits (and their softmax) at a time."""
+    model_cfg, hw = cfg["model"], cfg["hardware"]
+    params, _ = microbatch.parameter_counts(model_cfg)
+    positions = cfg["train"]["micro_batch_size"] * model_cfg["seq_len"]
+    chunk = min(hw["loss_chunk_size"] or positions, positions)
+    layer = positions * (4 * model_cfg["ffn_hidden"] + 6 * model_cfg["d_model"]) * 4
+    return 12 * params + layer + 8 * chunk * model_cfg["vocab_size"]
+
+
 def memory_fit(cfg, hardware):
-    """(fits, line): the step's estimated peak (microbatch.py) against the board's memory_gib, or on the CPU
-    against this machine's RAM."""
+    """(fits, line): the step's and the evaluation's estimated peaks against the board's memory_gib, or on
+    the CPU against this machine's RAM."""
+    gib = microbatch.GIB
     hw = cfg["hardware"]
-    need = microbatch.step_peak_bytes(
-        cfg["model"], cfg["train"]["micro_batch_size"], hw["dtype"], hw["loss_chunk_size"]
-    )
-    have = hardware["memory_gib"] * microbatch.GIB if hardware["memory_gib"] else ram_bytes()
+    micro_batch = cfg["train"]["micro_batch_size"]
+    step = microbatch.step_peak_bytes(cfg["model"], micro_batch, hw["dtype"], hw["loss_chunk_size"])
+    attention = attention_workspace_bytes(cfg["model"], micro_batch, hw["dtype"], hw["attention_backend"])
+    evaluation = eval_memory_bytes(cfg)
+    need = max(step + attention, evaluation)
+    have = hardware["memory_gib"] * gib if hardware["memory_gib"] else ram_bytes()
     where = f"{hardware['name']} memory_gib" if hardware["memory_gib"] else "this machine's RAM"
-    return need <= have, f"{need / microbatch.GIB:.1f} of {have / microbatch.GIB:.1f} GiB ({where})"
+    line = (
+        f"{need / gib:.1f} of {have / gib:.1f} GiB ({where}; estimate: step {step / gib:.1f} + attention "
+        f"{hw['attention_backend']} {attention / gib:.2f}, evaluation {evaluation / gib:.1f})"
+    )
+    return need <= have, line
 
 
 def ram_bytes():

@@ -119,7 +119,10 @@ def test_a_model_that_does_not_fit_the_board_is_refused(capsys):
     pretrain["args"] = ["train.micro_batch_size=128", "train.grad_accum_steps=1"]
     plan = chain_plan.make_plan(chain)
     line = chain_plan.refusal(chain, plan, done=set())
-    assert line.startswith("refused: stage pretrain needs") and "of 10.5 GiB (turing-2060 memory_gib)" in line
+    assert (
+        line.startswith("refused: stage pretrain needs")
+        and "of 10.5 GiB (turing-2060 memory_gib; estimate: step " in line
+    )
 
 
 def test_an_attention_kernel_the_board_lacks_is_one_line_before_any_download(tmp_path, capsys):
@@ -390,3 +393,20 @@ def test_the_schema_accepts_chat_download_and_a_misspelt_command_is_one_line(tmp
     assert code == 2
     lines = [line for line in err.strip().splitlines() if "chat-downlaod" in line]
     assert len(lines) == 1 and "stages.0.command" in lines[0]
+
+
+def test_the_memory_of_a_training_stage_counts_the_attention_kernels_workspace_and_the_evaluation():
+    import microbatch
+
+    cfg = config.load(os.path.join(ROOT, "configs", "pretrain-2060.yaml"))
+    step = microbatch.step_peak_bytes(cfg["model"], 16, "float16", 1024)
+    workspace = chain_plan.attention_workspace_bytes(cfg["model"], 16, "float16", "mem_efficient")
+    # tiny-50m has 8 heads over 4 kv heads: mem_efficient repeats k and v to every head, in every layer
+    repeated = 12 * 16 * 1024 * 2 * 4 * 64 * 2
+    assert workspace > repeated > 0
+    assert chain_plan.step_memory_bytes(cfg) == step + workspace
+    math = chain_plan.attention_workspace_bytes(cfg["model"], 16, "float16", "math")
+    assert math >= 12 * 16 * 8 * 1024 * 1024 * 2  # every layer's attention weights
+    fits, line = chain_plan.memory_fit(cfg, cfg["hardware"])
+    assert fits and line.startswith(f"{(step + workspace) / microbatch.GIB:.1f} of 10.5 GiB")
+    assert "estimate: step 7.3 + attention mem_efficient 0.27, evaluation 1.4" in line
