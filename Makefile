@@ -70,23 +70,41 @@ recipe: data-smoke
 	$(PY) -m bench.recipe $(ARGS)
 
 # The GPU acceptance check on the board this machine has (bench/gpu_check.py, report in gpu-report.md). A bare
-# machine gets the check's own venv first (requirements-gpu-check.txt: the runtime and transformers, not
-# the test tools), timed into the report. DEVICE=cpu runs the same plumbing with tiny shapes in .venv.
+# machine gets the check's own venv first (requirements.txt and requirements-gpu-check.txt), timed into the
+# report. DEVICE=cpu runs the same plumbing with tiny shapes in .venv. OFFLINE=1: no venv and no package
+# index: PYTHON (an interpreter with torch 2.11-2.13, numpy, pyyaml and sentencepiece; CUDA torch on a board)
+# is checked against the wheelhouse (one line naming what is missing), gets the wheelhouse's wheels with
+# pip --no-index and trains on its pretokenised shards (bench/wheelhouse.py; make wheelhouse makes it).
+OFFLINE ?=
+OFFLINE_FLAG := $(if $(filter 1 yes true,$(OFFLINE)),--offline,)
 DEVICE ?= cuda
 GPU_CHECK_VENV := .venv-gpu-check
-gpu-check: $(if $(filter cpu,$(DEVICE)),$(STAMP))
-	@start=$$(date +%s); python=$(PY); \
-	if [ "$(DEVICE)" != cpu ]; then \
+WHEELHOUSE ?= wheelhouse
+gpu-check: $(if $(filter cpu,$(DEVICE)),$(if $(OFFLINE_FLAG),,$(STAMP)))
+	@start=$$(date +%s); python=$(PY); data=; \
+	if [ -n "$(OFFLINE_FLAG)" ]; then \
+		python=$(PYTHON); data="--data $(WHEELHOUSE)/data"; \
+		HF_HUB_OFFLINE=1 $$python -m bench.wheelhouse check $(WHEELHOUSE) --device $(DEVICE) || exit 2; \
+		$$python -m bench.wheelhouse install $(WHEELHOUSE) || exit 2; \
+	elif [ "$(DEVICE)" != cpu ]; then \
 		python=$(GPU_CHECK_VENV)/bin/python; \
 		test -x $$python || $(PYTHON) -m venv $(GPU_CHECK_VENV) || exit 1; \
 		if ! cat requirements-gpu-check.txt requirements.txt | cmp -s - $(GPU_CHECK_VENV)/.installed; then \
-			echo "gpu-check: installing requirements-gpu-check.txt into $(GPU_CHECK_VENV) ..."; \
+			echo "gpu-check: installing requirements.txt and requirements-gpu-check.txt into $(GPU_CHECK_VENV) ..."; \
 			$$python -m pip install --quiet --upgrade pip && \
-			$$python -m pip install --quiet -r requirements-gpu-check.txt || exit 1; \
+			$$python -m pip install --quiet -r requirements.txt -r requirements-gpu-check.txt || exit 1; \
 			cat requirements-gpu-check.txt requirements.txt > $(GPU_CHECK_VENV)/.installed; \
 		fi; \
 	fi; \
-	$$python -m bench.gpu_check --device $(DEVICE) --setup-seconds $$(( $$(date +%s) - start )) $(ARGS)
+	$(if $(OFFLINE_FLAG),HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1) $$python -m bench.gpu_check --device $(DEVICE) $$data \
+		--setup-seconds $$(( $$(date +%s) - start )) $(ARGS)
+
+# The offline GPU check's wheelhouse (bench/wheelhouse.py): requirements-gpu-check.txt's wheels (for the GPU
+# machine's Python: PY_VERSION=3.12) and the pretokenised shards of the embedded smoke corpus, in WHEELHOUSE/.
+PY_VERSION ?=
+.PHONY: wheelhouse
+wheelhouse: $(STAMP)
+	$(PY) -m bench.wheelhouse build $(WHEELHOUSE) $(if $(PY_VERSION),--python-version $(PY_VERSION))
 
 # Hostile input at every request path, many examples per route and a new seed each time (make test runs
 # a few of each); a failing example is kept in .hypothesis/ and replayed first on the next run.
@@ -370,8 +388,6 @@ agent-ladder-table: $(STAMP)
 BOARD ?=
 PLAN ?=
 BUDGET_MIN ?=
-OFFLINE ?=
-OFFLINE_FLAG := $(if $(filter 1 yes true,$(OFFLINE)),--offline,)
 run: $(STAMP)
 	$(PY) -m chain run "$(BOARD)" $(if $(filter 1 yes true,$(PLAN)),--plan) $(OFFLINE_FLAG) \
 		$(if $(BUDGET_MIN),--budget-min $(BUDGET_MIN)) $(ARGS)

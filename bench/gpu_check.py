@@ -2,20 +2,28 @@
 The GPU acceptance check: one command that says whether ENLACE works on the board this machine has.
 
     make gpu-check                       on the board (a bare machine gets the check's own venv first)
+    make gpu-check PYTHON=... OFFLINE=1  an interpreter with a CUDA torch and the wheelhouse (make wheelhouse):
+                                         no venv, no package index, no download (bench/wheelhouse.py)
     make gpu-check DEVICE=cpu            the same plumbing with tiny shapes, in seconds (CI runs it)
     python -m bench.gpu_check [--device cuda|cpu] [--train-seconds S] [--profile NAME] [--work DIR] [--report FILE]
+                              [--data WHEELHOUSE/data] [--measured-file PROFILE.yaml]
 
 Each step prints what it does as it goes; every figure lands in gpu-report.md. A failing step is reported
 and the next ones still run when they can; the exit status is 1 if any step failed.
 
   board     the device, its CUDA capability and whether bf16 runs on silicon; the shipped hardware profile
             of that board (by capability, or --profile), checked by hardware.check_hardware; a matmul in the
-            profile's dtype against the profile's peak_tflops
-  data      the stage-1 example's shards (data/corpus) if they are built, else the smoke corpus (built if
-            missing); tiny-50m takes that tokenizer's vocabulary
+            profile's dtype against the profile's peak_tflops, and in bfloat16 and float16 (the two policies)
+  data      with --data (the wheelhouse's): its pretokenised smoke corpus, nothing built; else the stage-1
+            example's shards (data/corpus) if they are built, else the smoke corpus (built if missing);
+            tiny-50m takes that tokenizer's vocabulary
   pretrain  train.py on the board's run file (configs/pretrain-<board>.yaml: tiny-50m with the profile's
             dtype, attention kernel and compile setting) for --train-seconds after its first step, then
-            SIGINT: tokens/s and MFU (anchors: llm.c ~50% on an H100 in bf16, nanochat ~41%)
+            SIGINT: tokens/s and MFU (anchors: llm.c ~50% on an H100 in bf16, nanochat ~41%); its tokens/s
+            become the profile's `measured:` entry (--measured-file; on a board, the profile's own file)
+  pretrain-2060  on a board, the same under the 2060's policy (configs/pretrain-2060.yaml: float16, GradScaler,
+            mem_efficient attention): the kernels the 2060 runs, on this board
+  memory    on a board, torch.cuda.max_memory_allocated over training steps against the plan's estimate
   resume    the resume check (checkpoint.resume_check) on the board: bit-identical, or which ops have no deterministic kernel and
             the largest difference
   ddp       with 2+ GPUs: torchrun on all of them, stopped half-way, then --resume to the end
@@ -23,12 +31,14 @@ and the next ones still run when they can; the exit status is 1 if any step fail
             ENLACE's on the same device (TF32 off for the comparison)
   serve     serve/app.py on the device: chat completions through the server's worker, decode tokens/s
   eval      evaluation/runs.py on its local fixture tasks, when this checkout has evaluation/runs.py and such tasks
+            and this interpreter has lm-eval (the offline wheelhouse leaves it out)
 """
 
 import argparse
 import contextlib
 import datetime
 import glob
+import importlib.util
 import json
 import os
 import re
@@ -51,6 +61,7 @@ import config
 import data
 import fileio
 import hardware
+import microbatch
 import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -218,12 +229,21 @@ def step_board(check):
         f"{profile['compile']}, grad scaler {profile['grad_scaler']}, peak_tflops {profile['peak_tflops']}",
         f"matmul {args.matmul_size}x{args.matmul_size} in {profile['dtype']}: {measured:.1f} TFLOP/s measured",
     ]
+    for other in ("bfloat16", "float16"):  # the two policies: the 2060's float16, the newer boards' bfloat16
+        if other != profile["dtype"]:
+            rate = hardware.measure_peak_tflops(
+                device, getattr(torch, other), size=args.matmul_size, seconds=1.0
+            )
+            lines.append(
+                f"matmul {args.matmul_size}x{args.matmul_size} in {other}: {rate:.3g} TFLOP/s measured"
+            )
     summary = f"profile {name}, {board_name}, matmul {measured:.3g} TFLOP/s"
     if profile["peak_tflops"]:
         ratio = measured / profile["peak_tflops"]
         lines.append(f"measured / profile peak: {100 * ratio:.0f}% of {profile['peak_tflops']} TFLOP/s")
         summary += f" = {100 * ratio:.0f}% of the profile's {profile['peak_tflops']}"
-    return summary, lines, {"name": name, "profile": profile, "measured_tflops": measured}
+    machine = f"{board_name}, torch {torch.__version__}, CUDA {torch.version.cuda or 'none'}"
+    return summary, lines, {"name": name, "profile": profile, "measured_tflops": measured, "machine": machine}
 
 
 # -----------------------------------------------------------------------------
@@ -232,9 +252,11 @@ def step_board(check):
 
 def step_data(check):
     """The data layer tiny-50m trains on, built if missing (the corpus steps skip what is up to date)."""
-    from corpus import pipeline
-
     args = check.args
+    if args.data:
+        return packed_data(args)
+    from corpus import pipeline  # datatrove and the filters' libraries: only where the corpus is built
+
     if args.device == "cpu":
         layer = config.load(CPU_RUN)["data"] | {"dir": os.path.join(args.work, "data")}
         what = "a small smoke corpus (configs/gpu-check-cpu.yaml)"
@@ -253,6 +275,23 @@ def step_data(check):
     tokens = sum(data.read_shard_header(path)[0] for path in data.shard_paths(layer, "train"))
     summary = f"{what}: {tokens:,} train tokens, {tokenizer.vocab_size:,}-token vocabulary"
     return summary, [summary], layer
+
+
+def packed_data(args):
+    """The wheelhouse's pretokenised shards (bench/wheelhouse.py), read where they are: nothing is built."""
+    from bench import wheelhouse
+
+    name = "gpu-check-cpu" if args.device == "cpu" else "corpus-smoke"
+    layer = config.load(os.path.join(ROOT, wheelhouse.DATA[name]))["data"]
+    layer = layer | {"dir": os.path.join(args.data, name), "warn_epochs": None, "max_epochs": None}
+    if not data.shard_paths(layer, "train") or not os.path.exists(data.tokenizer_path(layer)):
+        raise CheckError(f"{layer['dir']}: no train shards or tokenizer.model; make the wheelhouse again")
+    tokenizer = data.load_tokenizer(layer)
+    tokens = sum(data.read_shard_header(path)[0] for path in data.shard_paths(layer, "train"))
+    summary = (
+        f"the wheelhouse's {name} shards: {tokens:,} train tokens, {tokenizer.vocab_size:,}-token vocabulary"
+    )
+    return summary, [summary, f"read from {layer['dir']} (pretokenised; nothing built here)"], layer
 
 
 # -----------------------------------------------------------------------------
@@ -304,16 +343,24 @@ def timed_training(check, run_file, seconds):
     return lines
 
 
-def step_pretrain(check, board, data_layer):
+def model_layer_name(run_file):
+    """The model layer's file name of a run file (model/tiny-50m.yaml -> tiny-50m): what measured: is keyed by."""
+    import yaml
+
+    with open(run_file, encoding="utf-8") as f:
+        include = (yaml.safe_load(f) or {}).get("include") or {}
+    return os.path.splitext(os.path.basename(include.get("model", "")))[0]
+
+
+def step_pretrain(check, board, data_layer, run_file=None, name="gpu-check-pretrain"):
     args = check.args
-    cfg = config.load(run_file_of(args, board))
+    run_file = run_file or run_file_of(args, board)
+    cfg = config.load(run_file)
     cfg["data"] = data_layer
     cfg["model"]["vocab_size"] = data.load_tokenizer(data_layer).vocab_size
     huge = 10**9  # stopped by time: no evaluation, no checkpoint but the one the stop writes
-    cfg = with_train(
-        cfg, "gpu-check-pretrain", args.work, max_steps=huge, eval_interval=0, ckpt_interval=huge
-    )
-    path = os.path.join(args.work, "gpu-check-pretrain.yaml")
+    cfg = with_train(cfg, name, args.work, max_steps=huge, eval_interval=0, ckpt_interval=huge)
+    path = os.path.join(args.work, f"{name}.yaml")
     cfg = write_run_file(cfg, path)
     lines = timed_training(check, path, args.train_seconds)
     run_dir = train.run_dir_of(cfg)
@@ -337,7 +384,98 @@ def step_pretrain(check, board, data_layer):
         "~50% (H100, bf16), nanochat ~41%",
     ]
     summary = f"{tokens_per_s:,.0f} tokens/s, MFU {100 * mfu:.1f}% ({records[-1]['step']} steps)"
+    if cfg["hardware"]["dtype"] == "float16":
+        details.append(f"{cfg['hardware']['name']}'s policy: float16 autocast, GradScaler, attention "
+                       f"{cfg['hardware']['attention_backend']}")  # fmt: skip
+    if name == "gpu-check-pretrain" and args.measured_file:
+        entry = {"tokens_per_s": round(tokens_per_s), "date": f"{datetime.date.today():%Y-%m-%d}",
+                 "machine": board["machine"]}  # fmt: skip
+        write_measured(args.measured_file, model_layer_name(run_file), entry)
+        details.append(f"{args.measured_file}: measured.{model_layer_name(run_file)} = {entry}")
     return summary, details, cfg
+
+
+def write_measured(path, model, entry):
+    """The profile's `measured:` block with this model's entry, the rest of the file (its comments) kept;
+    the file is validated as a hardware layer before it replaces the old one."""
+    import yaml
+
+    with open(path, encoding="utf-8") as f:
+        lines = f.read().splitlines()
+    measured = dict(yaml.safe_load("\n".join(lines))["hardware"].get("measured") or {})
+    measured[model] = entry
+    start = next((i for i, line in enumerate(lines) if line.startswith("  measured:")), len(lines))
+    end = start + 1
+    while end < len(lines) and lines[end].startswith("    "):
+        end += 1
+    block = yaml.safe_dump({"measured": measured}, sort_keys=True, allow_unicode=True, width=200)
+    comment = "  # bench/gpu_check.py's pretrain step: tokens/s of the whole run on the machine named"
+    lines[start:end] = [comment] + ["  " + line for line in block.splitlines()]
+    text = "\n".join(lines) + "\n"
+    staged = path + ".measured"  # validated where it will live (its includes resolve the same way)
+    fileio.write_atomic(staged, lambda f: f.write(text.encode("utf-8")))
+    try:
+        config.load_layer("hardware", staged)
+    except config.ConfigError as e:
+        os.remove(staged)
+        raise CheckError(
+            f"{path}: the measured block would make it invalid: " + "; ".join(e.problems)
+        ) from None
+    os.replace(staged, path)
+
+
+def step_pretrain_2060(check, board, data_layer):
+    """tiny-50m under the 2060's policy on this board: float16 autocast, GradScaler, mem_efficient attention."""
+    if check.args.device == "cpu":
+        raise Skip("the 2060's kernels (float16 with mem_efficient attention) are CUDA's")
+    return step_pretrain(
+        check, board, data_layer, os.path.join(CONFIGS, "pretrain-2060.yaml"), "gpu-check-2060"
+    )
+
+
+# -----------------------------------------------------------------------------
+# memory
+
+
+def step_memory(check, cfg):
+    """torch.cuda.max_memory_allocated over three training steps of the run's shapes, against the plan's
+    estimate (microbatch.py's step + the attention kernel's workspace: chain/plan.py)."""
+    from chain import plan as chain_plan
+    from model import Transformer
+
+    estimate = chain_plan.step_memory_bytes(cfg)
+    if check.args.device == "cpu":
+        raise Skip(
+            f"torch.cuda.max_memory_allocated needs a board; the estimate: {estimate / microbatch.GIB:.2f} GiB"
+        )
+    board = hardware.setup_hardware(cfg["hardware"])
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    model = Transformer(cfg["model"], attention_backend=board.attention_backend,
+                        loss_chunk_size=board.loss_chunk_size).to(board.device)  # fmt: skip
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    shape = (cfg["train"]["micro_batch_size"], cfg["model"]["seq_len"])
+    for _ in range(3):
+        x, y = (torch.randint(0, cfg["model"]["vocab_size"], shape, device=board.device) for _ in range(2))
+        with board.autocast():
+            _, losses = model(x, y)
+        board.scaler.scale(losses["loss"]).backward()
+        board.scaler.step(optimizer)
+        board.scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+    peak = torch.cuda.max_memory_allocated()
+    del model, optimizer
+    torch.cuda.empty_cache()
+    details = [
+        f"micro-batch {shape[0]} x {shape[1]} tokens, {cfg['hardware']['dtype']}, AdamW: "
+        f"torch.cuda.max_memory_allocated {peak / microbatch.GIB:.2f} GiB (measured)",
+        f"the plan's estimate: {estimate / microbatch.GIB:.2f} GiB ({100 * estimate / peak:.0f}% of the measured)",
+    ]
+    return (
+        f"{peak / microbatch.GIB:.2f} GiB measured, {estimate / microbatch.GIB:.2f} GiB estimated",
+        details,
+        None,
+    )
 
 
 # -----------------------------------------------------------------------------
@@ -564,6 +702,8 @@ def step_eval(check, cfg):
     args = check.args
     if not os.path.exists(os.path.join(ROOT, "evaluation", "runs.py")):
         raise Skip("evaluation/runs.py is not in this checkout")
+    if importlib.util.find_spec("lm_eval") is None:
+        raise Skip("lm-eval is not installed (the offline wheelhouse leaves it out)")
     tasks = fixture_tasks()
     if not tasks:
         raise Skip("no local lm-eval task under tests/fixtures/")
@@ -608,6 +748,9 @@ def parse_args(argv):
     parser.add_argument(
         "--setup-seconds", type=int, help="the setup time to report (make gpu-check passes it)"
     )
+    parser.add_argument("--data", help="the wheelhouse's data folder: pretokenised shards, nothing is built")
+    parser.add_argument("--measured-file", help="the hardware profile whose measured: block the pretrain step "
+                        "writes (default on a board: the board's profile; on the CPU: none)")  # fmt: skip
     args = parser.parse_args(argv)
     for key, value in DEFAULTS[args.device].items():
         if getattr(args, key) is None:
@@ -626,8 +769,13 @@ def main(argv):
     board = check.run("board", step_board)
     if board is not None:
         layer = check.run("data", step_data)
+        if args.device == "cuda" and args.measured_file is None:
+            args.measured_file = os.path.join(CONFIGS, "hardware", f"{board['name']}.yaml")
         cfg = check.run("pretrain", step_pretrain, board, layer) if layer is not None else None
+        if layer is not None:
+            check.run("pretrain-2060", step_pretrain_2060, board, layer)
         if cfg is not None:
+            check.run("memory", step_memory, cfg)
             check.run("resume", step_resume, cfg)
             check.run("ddp", step_ddp, cfg)
             check.run("export", step_export, cfg)
