@@ -233,23 +233,33 @@ def measure_peak_tflops(device, dtype=torch.float32, size=2048, seconds=1.0, min
     profile gives none, and the figure `make bench` divides by, so a run's logged MFU and the bench's
     agree. Square matmuls of `size` (large enough that the BLAS kernel runs at full speed), one untimed
     for warm-up, then the best of repeated timings for `seconds` and at least `min_timings`: a neighbour
-    process can only slow a timing down, never speed it up."""
-    a = torch.randn(size, size, device=device, dtype=dtype)
-    b = torch.randn(size, size, device=device, dtype=dtype)
+    process can only slow a timing down, never speed it up. On the CPU a matmul on every core is slowed
+    by any neighbour on any core (a peak taken on a busy machine made a run log MFU 119% once the machine
+    was quiet): there it is one thread's best over many short matmuls (a neighbour seldom holds that
+    core through one of them) times the threads a run computes with."""
+    threads = torch.get_num_threads()
+    if device.type == "cpu":
+        size = min(size, 512)  # ~3 ms on one core: short enough to fall between a neighbour's time slices
+        torch.set_num_threads(1)
+    try:
+        a = torch.randn(size, size, device=device, dtype=dtype)
+        b = torch.randn(size, size, device=device, dtype=dtype)
 
-    def timed_matmul():
-        start = time.perf_counter()
-        a @ b
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        return time.perf_counter() - start
+        def timed_matmul():
+            start = time.perf_counter()
+            a @ b
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            return time.perf_counter() - start
 
-    timed_matmul()
-    timings = []
-    deadline = time.perf_counter() + seconds
-    while time.perf_counter() < deadline or len(timings) < min_timings:
-        timings.append(timed_matmul())
-    return 2 * size**3 / min(timings) / 1e12
+        timed_matmul()
+        timings = []
+        deadline = time.perf_counter() + seconds
+        while time.perf_counter() < deadline or len(timings) < min_timings:
+            timings.append(timed_matmul())
+    finally:
+        torch.set_num_threads(threads)
+    return 2 * size**3 / min(timings) / 1e12 * (threads if device.type == "cpu" else 1)
 
 
 # Measured once per process and device: a --resume-check's three runs, or a test session's many tiny
