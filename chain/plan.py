@@ -131,12 +131,59 @@ def file_bytes(pattern):
     return sum(os.path.getsize(p) for p in glob.glob(pattern) if os.path.isfile(p))
 
 
+WORD_FILTERS = ("gopher_repetition", "fineweb_quality", "gopher_quality")  # the cost model's word_filters
+
+
+def source_stages(source, corpus_cfg):
+    """The corpus step's stages that read this source's text, as the cost model names them."""
+    filters = corpus_cfg["filters"]
+    chosen = source["filters"]
+    if chosen is True:
+        chosen = [name for name in ("language", *WORD_FILTERS) if filters[name]["enabled"]]
+    stages = ["language"] if "language" in (chosen or []) else []
+    stages += ["word_filters"] if any(name in WORD_FILTERS for name in chosen or []) else []
+    stages += [name for name in ("pii", "near_dedup") if corpus_cfg[name]["enabled"]]
+    return stages + ["decontamination"]
+
+
+def this_machines_cores():
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+def corpus_hours(data_cfg, assume, source_bytes, tokens):
+    """(hours, basis) of the corpus stage by docs/corpus.md's cost model: each source's text times the CPU
+    seconds per MB of the stages that read it, on the filter tasks' cores; the encode over the text and the
+    tokens it writes, on its workers; the tokenizer on its sample."""
+    corpus_cfg = data_cfg["corpus"]
+    words = corpus_cfg["filters"]["word_tokenizer"]
+    costs = assume["corpus_cpu_s_per_mb"][words]
+    cores = assume["cores"] or this_machines_cores()
+    workers = min(cores, data_cfg["processes"] or cores)
+    tasks = min(cores, corpus_cfg["executor"]["tasks"] or workers)
+    filter_s = sum(
+        size / 1e6 * sum(costs[stage] for stage in source_stages(source, corpus_cfg))
+        for source, size in source_bytes
+    )
+    text = sum(size for _, size in source_bytes)
+    encode_s = (text + tokens * assume["bytes_per_token"]) / 1e6 / assume["encode_mb_per_s"]
+    tokenizer_s = min(text, data_cfg["tokenizer"]["sample_bytes"]) / 1e6 * assume["tokenizer_s_per_mb"]
+    hours = (filter_s / tasks + encode_s / workers + tokenizer_s) / 3600
+    basis = (
+        f"estimate: {human_hours(filter_s / 3600)} of CPU ({words} words) on {tasks} of {cores} cores + "
+        f"encode {human_hours(encode_s / 3600)} of CPU on {workers} (docs/corpus.md's cost per MB)"
+    )
+    return hours, basis
+
+
 def corpus_plan(cfg, assume, manifest):
     data_cfg = cfg["data"]
     sources = data_cfg["corpus"]["sources"]
-    hub = sum((s.get("hub") or {}).get("max_bytes") or 0 for s in sources)
-    local = sum(file_bytes(s["path"]) for s in sources if "hub" not in s)
-    text = (hub + local) * assume["text_per_download_byte"]
+    source_bytes = [
+        (s, ((s.get("hub") or {}).get("max_bytes") or 0 if "hub" in s else file_bytes(s["path"]))
+         * assume["text_per_download_byte"])
+        for s in sources
+    ]  # fmt: skip
+    text = sum(size for _, size in source_bytes)
     encoded = (manifest.get("encode") or {}).get("train") or {}
     if encoded.get("complete"):
         docs, tokens, how = f"{encoded['documents']:,}", encoded["tokens"], "measured"
@@ -146,17 +193,17 @@ def corpus_plan(cfg, assume, manifest):
         how = (
             "the mixture's total"
             if mixture.get("total_tokens")
-            else f"at {assume['bytes_per_token']} bytes each"
+            else f"estimate at {assume['bytes_per_token']} bytes each"
         )
         docs = "?"
-    hours = text / (assume["corpus_mb_per_s"] * 1e6) / 3600
+    hours, basis = corpus_hours(data_cfg, assume, source_bytes, tokens)
     disk = text + 2 * tokens * 1.05  # filtered text, then uint16 shards (val ~5% more)
     return {
         "licences": [(source["name"], source["licence"]) for source in sources],
         "data": f"{len(sources)} sources, {docs} documents, tokens {how}",
         "tokens": tokens,
         "hours": hours,
-        "basis": f"estimate: {assume['corpus_mb_per_s']} MB/s of text",
+        "basis": basis,
         "peak": disk,
         "end": disk,
     }
@@ -179,6 +226,9 @@ def download_plan(cfg, assume):
 def train_plan(chain, stage, cfg, hardware, assume):
     tokens = train_tokens(cfg)
     rate, basis = train_rate(cfg, hardware, assume, model_name(stage))
+    if basis.startswith("measured"):  # the estimate beside it: how far the assumptions were off
+        guess, _ = train_rate(cfg, dict(hardware, measured={}), assume, model_name(stage))
+        basis += f" (the estimate: {human_hours(tokens / guess / 3600)})"
     params, _ = microbatch.parameter_counts(cfg["model"])
     checkpoint_bytes = 12 * params  # float32 weights and the optimizer's two moments
     keep = cfg["train"]["keep_last"]
@@ -242,7 +292,7 @@ def chat_plan(cfg):
                 conversations += sum(1 for _ in f)
     made = f" + {later} file(s) made by an earlier stage" if later else ""
     found = f"{conversations:,} conversations{made}"
-    plan = {"data": found, "hours": 0.0, "basis": "minutes", "peak": 2 * size, "end": 2 * size}
+    plan = {"data": found, "hours": 0.0, "basis": "estimate: minutes", "peak": 2 * size, "end": 2 * size}
     mix_cfg = cfg["data"]["chat"].get("mixture")
     if mix_cfg:
         total = f"{mix_cfg['conversations']:,}" if mix_cfg["conversations"] else "all"
@@ -294,11 +344,17 @@ def stage_plan(chain, stage, hardware):
         run = runfile.stage_by_name(chain, stage["from"])
         params, _ = microbatch.parameter_counts(runfile.load_stage_config(chain, run)["model"])
         size = 4 * params if stage["to"] == "hf" else 2 * params
-        return {"data": f"{stage['to']}", "hours": 0.0, "basis": "minutes", "peak": 2 * size, "end": size}
+        return {
+            "data": f"{stage['to']}",
+            "hours": 0.0,
+            "basis": "estimate: minutes",
+            "peak": 2 * size,
+            "end": size,
+        }
     if command == "ask":
-        return {"data": "the served model asked (serve layer's ask)", "hours": 0.0, "basis": "minutes",
+        return {"data": "the served model asked (serve layer's ask)", "hours": 0.0, "basis": "estimate: minutes",
                 "peak": 0, "end": 0}  # fmt: skip
-    return {"data": stage.get("tasks", "-"), "hours": 0.0, "basis": "minutes", "peak": 0, "end": 0}
+    return {"data": stage.get("tasks", "-"), "hours": 0.0, "basis": "estimate: minutes", "peak": 0, "end": 0}
 
 
 def make_plan(chain):
@@ -347,8 +403,10 @@ def format_plan(chain, plan):
             lines.append(f"   {s['name']}: epochs {s['epochs']}; memory {verdict}: {s['memory']}")
     peak, end = disk_totals(plan["stages"])
     total = sum(s["hours"] for s in plan["stages"])
+    measured = sum(s["basis"].startswith("measured") for s in plan["stages"])
     lines.append(
-        f"total: {human_hours(total)}; disk {peak / GB:.2f} GB at peak, {end / GB:.2f} GB at the end"
+        f"total: {human_hours(total)} ({measured} stage(s) measured, the rest estimates); disk (estimate) "
+        f"{peak / GB:.2f} GB at peak, {end / GB:.2f} GB at the end"
     )
     lines.extend(throughput_lines(hardware))
     lines.extend(licence_lines(plan["stages"]))

@@ -8,6 +8,7 @@ override syntax, added to each stage's words, so the plan printed afterwards is 
 
 import yaml
 
+from chain import plan as chain_plan
 from chain import runfile
 
 # Not chat-download: its sources are tens of MB (minutes at most) and the mixture needs each whole.
@@ -53,16 +54,29 @@ def train_words(train_cfg, factor):
 
 def scale(chain, plan, minutes):
     """Add the scaled settings to the stages' words; returns the factor, or None when the budget is too
-    small for the stages that do not scale."""
+    small for the stages that do not scale. The corpus's tokenizer trains on a sample of fixed size, so
+    its time does not shrink with the data: the factor is corrected on the scaled plan a few times."""
     factor = scale_factor(chain, plan, minutes)
     if factor is None or factor >= 1:
         return factor
+    own_words = {stage["name"]: list(stage.get("args", [])) for stage in chain["stages"]}
+    for _ in range(4):
+        apply_factor(chain, factor, own_words)
+        correction = scale_factor(chain, chain_plan.make_plan(chain), minutes)
+        if correction is None or correction > 0.999:
+            break
+        factor *= correction
+    return factor
+
+
+def apply_factor(chain, factor, own_words):
+    """Each scaled stage's words: its own, then the overrides of `factor`."""
     for stage in chain["stages"]:
         if stage["command"] not in SCALED:
             continue
+        stage["args"] = list(own_words[stage["name"]])
         cfg = runfile.load_stage_config(chain, stage)
         words = train_words(cfg["train"], factor) if stage["command"] == "train" else []
         if cfg["data"]["format"] == "shards" and "corpus" in cfg["data"]:
             words = corpus_words(cfg["data"], factor) + words
-        stage["args"] = stage.get("args", []) + words
-    return factor
+        stage["args"] = own_words[stage["name"]] + words

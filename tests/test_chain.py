@@ -5,6 +5,7 @@ middle of pretraining whose resume ends in the same checkpoint as a run that was
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -43,6 +44,9 @@ def tiny_file(tmp_path, name, change):
     path = tmp_path / "chain" / f"{name}.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(content), encoding="utf-8")
+    shared = tmp_path / "chain" / "shared"  # what the chain file includes, beside it as in configs/
+    if not shared.exists():
+        shutil.copytree(os.path.join(ROOT, "configs", "chain", "shared"), shared)
     return str(path)
 
 
@@ -159,7 +163,7 @@ def test_a_budget_scales_the_download_the_corpus_and_the_training(capsys):
     assert out.startswith("budget: 20 min; the download, the corpus and the training scaled by 0.")
     rows = {line.split()[1]: line for line in out.splitlines() if line[:3].strip().isdigit()}
     assert "20,000 steps" not in rows["pretrain"] and "5.7 GB" not in rows["download"]
-    assert "total: 20 min;" in out
+    assert "total: 20 min (" in out
     code, _, err = run_main(["run", "h200", "--plan", "--budget-min", "0"], capsys)
     assert code == 2 and "give a larger budget" in err
 
@@ -410,3 +414,26 @@ def test_the_memory_of_a_training_stage_counts_the_attention_kernels_workspace_a
     fits, line = chain_plan.memory_fit(cfg, cfg["hardware"])
     assert fits and line.startswith(f"{(step + workspace) / microbatch.GIB:.1f} of 10.5 GiB")
     assert "estimate: step 7.3 + attention mem_efficient 0.27, evaluation 1.4" in line
+
+
+def test_the_corpus_stage_is_planned_with_the_cost_per_mb_of_docs_corpus_md_on_the_machines_cores(capsys):
+    """docs/corpus.md: the 2060's 9.1 GB of text cost ~7.6 h of CPU with spaCy's word split (~2 h with
+    regex), about an hour on 8 cores, and the encode ~1.3 h of CPU; a flat 5 MB/s said 31 minutes."""
+
+    def corpus_row(*overrides):
+        code, out, _ = run_main(["run", "2060", *overrides, "--plan"], capsys)
+        assert code == 0
+        return next(line for line in out.splitlines() if line[3:].startswith("corpus "))
+
+    chain, _ = runfile.load("2060", ["chain.assume.cores=8"])
+    stage = runfile.stage_by_name(chain, "corpus")
+    plan = chain_plan.stage_plan(chain, stage, {})
+    assert "7.8 h of CPU (spacy words) on 8 of 8 cores + encode 1.3 h of CPU on 8" in plan["basis"]
+    assert 1.0 < plan["hours"] < 1.5  # docs/corpus.md: a little under an hour and a half on 8 cores
+    two = chain_plan.stage_plan(runfile.load("2060", ["chain.assume.cores=2"])[0], stage, {})
+    assert 4 * plan["hours"] > two["hours"] > 3 * plan["hours"]
+    regex = runfile.load("2060", ["chain.assume.cores=8"])[0]
+    regex_stage = dict(stage, args=["data.corpus.filters.word_tokenizer=regex"])
+    assert "2.0 h of CPU (regex words)" in chain_plan.stage_plan(regex, regex_stage, {})["basis"]
+    row = corpus_row("chain.assume.cores=8")
+    assert "1.2 h" in row and "docs/corpus.md's cost per MB" in row

@@ -541,8 +541,7 @@ def test_make_run_offline_runs_the_download_stage_on_the_recorded_files_without_
         tmp_path, [hub_source("fineweb2", FINEWEB, "data/spa_Latn/train/*.parquet", local, max_files=2)]
     )
     assert corpus_command("download", run, capsys)[0] == 0
-    with open(os.path.join(ROOT, "configs", "chain", "cpu.yaml"), encoding="utf-8") as f:
-        assume = yaml.safe_load(f)["chain"]["assume"]
+    assume = config.load_layer("chain", os.path.join(ROOT, "configs", "chain", "cpu.yaml"))["assume"]
     chain = {"board": "offline", "folder": str(tmp_path / "run"), "hardware": "hardware/cpu.yaml", "assume": assume,
              "stages": [{"name": "download", "command": "corpus-download", "config": run}]}  # fmt: skip
     chain_file = tmp_path / "offline.yaml"
