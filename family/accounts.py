@@ -219,7 +219,14 @@ class Store:
         return key
 
     def set_password(self, name, password_hash):
-        return self.write(("UPDATE members SET password_hash = ? WHERE name = ?", (password_hash, name))) > 0
+        """A password set on the server (`python -m serve member password`): every session of the member
+        ends with the old password, in the same transaction."""
+        with self.transaction():
+            sql = "UPDATE members SET password_hash = ? WHERE name = ?"
+            changed = self.db.execute(sql, (password_hash, name)).rowcount
+            sql = "DELETE FROM sessions WHERE member_id = (SELECT id FROM members WHERE name = ?)"
+            self.db.execute(sql, (name,))
+        return changed > 0
 
     def change_password(self, member_id, password_hash, keep_session=None):
         """The member's own password change, in one transaction: the new hash, every session but
@@ -303,8 +310,88 @@ class Store:
         return self.write(*statements) > 0
 
 
-def password_problem(password, settings):
-    """Why a password or PIN is refused (None when it is fine)."""
-    if len(password) < settings["min_password_chars"]:
-        return f"password: at least {settings['min_password_chars']} characters"
+def password_problem(password, settings, role):
+    """Why a password or PIN is refused (None when it is fine). A child may have a PIN of
+    serve.child.min_password_chars digits (the login throttle, not the PIN, keeps guessers out: see
+    docs/servidor.md); an adult's or admin's password has serve.min_password_chars characters and is not
+    digits alone nor one character repeated."""
+    if role == "child":
+        shortest = settings["child"]["min_password_chars"]
+        return f"password: at least {shortest} characters" if len(password) < shortest else None
+    shortest = settings["min_password_chars"]
+    if len(password) < shortest:
+        return f"password: at least {shortest} characters for an adult (a PIN is for children)"
+    if password.isdigit() or len(set(password)) == 1:
+        return "password: not digits alone nor one character repeated (a PIN is for children)"
     return None
+
+
+class LoginThrottle:
+    """Guesses of passwords (logins and password changes), counted on the event loop before the hash is
+    computed: begin() checks and counts in one step (nothing awaits in between), so parallel guesses are
+    counted each. Each attempt counts as a failure until finish(ticket, True) says it was right.
+      - per member name and client address: login_max_failures failures lock that name for that address
+        for login_lockout_s; nothing clears a lock before its time (a failure or even a right password that
+        was already in flight), and the owner on another device is not locked out by a stranger;
+      - per client address (all names), and per name (all addresses): after login_throttle's free failures
+        each attempt must wait delay_s, doubling with each failure up to max_delay_s: a guesser slows down,
+        the owner waits at most seconds.
+    Entries are forgotten login_throttle.forget_s after their last failure."""
+
+    def __init__(self, settings, clock=time.monotonic):
+        self.settings, self.clock = settings, clock
+        self.locks = {}  # (name, address) -> [failures, locked until]
+        self.delays = {}  # ("address", a) or ("name", n) -> [failures, next attempt allowed at, last failure]
+
+    def forget_old(self, now):
+        forget = self.settings["login_throttle"]["forget_s"]
+        if len(self.locks) + len(self.delays) < 1024:  # a flood of addresses is pruned, a family never
+            return
+        self.locks = {k: v for k, v in self.locks.items() if v[1] > now or now - v[2] < forget}
+        self.delays = {k: v for k, v in self.delays.items() if now - v[2] < forget}
+
+    def begin(self, name, address):
+        """(seconds to wait, None) when this attempt is refused unheard, else (0, ticket)."""
+        now, throttle = self.clock(), self.settings["login_throttle"]
+        self.forget_old(now)
+        name = name.lower()
+        lock = self.locks.get((name, address))
+        if lock and lock[1] > now:
+            return lock[1] - now, None
+        delays = [
+            (("address", address), throttle["free_failures"]),
+            (("name", name), throttle["name_free_failures"]),
+        ]
+        for key, _ in delays:
+            entry = self.delays.get(key)
+            if entry and now - entry[2] >= throttle["forget_s"]:
+                del self.delays[key]
+            elif entry and entry[1] > now:
+                return entry[1] - now, None
+        if lock is None or lock[1] or now - lock[2] >= throttle["forget_s"]:  # a lock over, or old counts
+            lock = self.locks[(name, address)] = [0, 0.0, now]
+        lock[0], lock[2] = lock[0] + 1, now
+        if lock[0] >= self.settings["login_max_failures"]:
+            lock[1] = now + self.settings["login_lockout_s"]
+        previous = []
+        for key, free in delays:
+            entry = self.delays.setdefault(key, [0, 0.0, now])
+            previous.append((key, entry[1]))
+            entry[0], entry[2] = entry[0] + 1, now
+            if entry[0] > free:
+                wait = throttle["delay_s"] * 2 ** (entry[0] - free - 1)
+                entry[1] = now + min(wait, throttle["max_delay_s"])
+        return 0, ((name, address), lock[0], previous)
+
+    def finish(self, ticket, right):
+        """A right password takes back its counts (a lock stays until its time); a wrong one keeps them."""
+        if not right:
+            return
+        pair, number, previous = ticket
+        lock = self.locks.get(pair)
+        if lock and lock[0] == number:  # no guess began after this one: the owner's, the lock goes
+            del self.locks[pair]
+        for key, allowed in previous:
+            entry = self.delays.get(key)
+            if entry:
+                entry[0], entry[1] = max(entry[0] - 1, 0), allowed

@@ -53,6 +53,7 @@ import asyncio
 import contextlib
 import hashlib
 import json
+import math
 import os
 import secrets
 import socket
@@ -109,7 +110,7 @@ class Server:
         self.created = int(time.time())
         self.dummy_hash = accounts.hash_password(secrets.token_hex(8), settings["scrypt"])
         self.pending = {}  # member id -> requests queued or running
-        self.failures = {}  # lowercased name -> (failed logins, locked until)
+        self.throttle = accounts.LoginThrottle(settings)
         self.memory_cfg = memory_cfg or memories.load_config()
         self.storage_logged = None  # the storage problem already in the log (one line per episode)
 
@@ -149,30 +150,29 @@ class Server:
             raise ApiError(403, "only an admin manages accounts", code="admin_only")
         return member
 
-    # --- guessing passwords: failed logins and password changes count together, per lowercased name
-    def check_lockout(self, name):
-        _, locked_until = self.failures.get(name.lower(), (0, 0.0))
-        if locked_until > time.monotonic():
-            wait = int(locked_until - time.monotonic()) + 1
-            raise ApiError(429, f"too many failed password attempts for {name!r}; try again in {wait} s",
-                           code="login_locked", retry_after=wait)  # fmt: skip
+    # --- guessing passwords: logins and password changes, counted by family/accounts.py's LoginThrottle
+    def client_address(self, request):
+        """The client's address: the peer's, or the X-Forwarded-For a trusted proxy (serve.trusted_proxies,
+        e.g. Caddy on this machine) set, last entry first (the one the proxy itself saw)."""
+        peer = request.client.host if request.client else ""
+        forwarded = request.headers.get("x-forwarded-for")
+        if forwarded and peer in self.settings["trusted_proxies"]:
+            return forwarded.split(",")[-1].strip()
+        return peer
 
-    def password_failed(self, name):
-        count, _ = self.failures.get(name.lower(), (0, 0.0))
-        count += 1
-        locked = count >= self.settings["login_max_failures"]
-        until = time.monotonic() + self.settings["login_lockout_s"]
-        self.failures[name.lower()] = (0, until) if locked else (count, 0.0)
-
-    async def password_checks(self, name, password, stored):
+    async def password_checks(self, request, name, password, stored):
         """Whether the password matches the stored hash (None: no password; an equal amount of work on a
-        dummy hash, so unknown names and members without a password answer in the same time)."""
+        dummy hash, so unknown names and members without a password answer in the same time). The attempt
+        is counted before the hash is computed; a refused one is a 429 with Retry-After, unheard."""
+        wait, ticket = self.throttle.begin(name, self.client_address(request))
+        if ticket is None:
+            wait = math.ceil(wait)
+            raise ApiError(429, f"too many failed password attempts for {name!r} from this device; try again "
+                           f"in {wait} s", code="login_locked", retry_after=wait)  # fmt: skip
         matches = await asyncio.to_thread(accounts.password_matches, password, stored or self.dummy_hash)
-        if not (stored and matches):
-            self.password_failed(name)
-            return False
-        self.failures.pop(name.lower(), None)
-        return True
+        right = bool(stored and matches)
+        self.throttle.finish(ticket, right)
+        return right
 
     def check_hours(self, member):
         hours = self.settings["child"]["allowed_hours"]

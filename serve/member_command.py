@@ -13,7 +13,7 @@ import fileio
 from family import accounts
 
 
-def read_password(settings, stream=sys.stdin):
+def read_password(settings, role, stream=sys.stdin):
     """The password typed twice on a terminal, or one line of stdin. Bytes that are not in the terminal's
     encoding are refused: the same password typed on another device would not match."""
     not_text = accounts.AccountError(
@@ -31,7 +31,7 @@ def read_password(settings, stream=sys.stdin):
         raise not_text from None
     if fileio.LONE_SURROGATE.search(password):  # a surrogateescape decoder (the C locale)
         raise not_text
-    problem = accounts.password_problem(password, settings)
+    problem = accounts.password_problem(password, settings, role)
     if problem:
         raise accounts.AccountError(problem)
     return password
@@ -72,8 +72,10 @@ def main(argv, load_settings, default_config):
             raise accounts.AccountError(f"no member {args.name!r}")
         print(f"new API key of {args.name} (the old one no longer works):\n{key}")
     else:
-        if store.member(args.name) is None:
+        member = store.member(args.name)
+        if member is None:
             raise accounts.AccountError(f"no member {args.name!r}")
-        store.set_password(args.name, accounts.hash_password(read_password(settings), settings["scrypt"]))
-        print(f"web password of {args.name} set")
+        password = read_password(settings, member["role"])
+        store.set_password(args.name, accounts.hash_password(password, settings["scrypt"]))
+        print(f"web password of {args.name} set; their web sessions have ended")
     return 0

@@ -43,8 +43,8 @@ async def read_json(request, limit):
     return expect(value, dict, "body", "a JSON object")
 
 
-def check_password(password, settings, param="password"):
-    problem = accounts.password_problem(password, settings)
+def check_password(password, settings, role, param="password"):
+    problem = accounts.password_problem(password, settings, role)
     if problem:
         raise ApiError(400, problem.replace("password:", f"{param}:", 1), param=param, code="weak_password")
 
@@ -65,9 +65,8 @@ async def login(request):
     body = await read_json(request, server.settings["max_form_bytes"])
     name = expect(body.get("name"), str, "name", "the member's name")
     password = expect(body.get("password"), str, "password", "the password or PIN")
-    server.check_lockout(name)
     member = server.store.member(name)
-    if not await server.password_checks(name, password, (member or {}).get("password_hash")):
+    if not await server.password_checks(request, name, password, (member or {}).get("password_hash")):
         raise ApiError(401, "wrong name or password", code="invalid_login")
     days = server.settings["session_days"]
     token = server.store.new_session(member["id"], days)
@@ -102,10 +101,9 @@ async def change_password(request):
     if not member["password_hash"]:
         raise ApiError(400, f"{member['name']} has no web password yet; set the first one on the server: "
                        f"python -m serve member password {member['name']}", code="no_password")  # fmt: skip
-    server.check_lockout(member["name"])
-    if not await server.password_checks(member["name"], current, member["password_hash"]):
+    if not await server.password_checks(request, member["name"], current, member["password_hash"]):
         raise ApiError(403, "the current password is wrong", param="current", code="wrong_password")
-    check_password(new, server.settings, "new")
+    check_password(new, server.settings, member["role"], "new")
     if new == current:
         raise ApiError(400, "the new password must differ from the current one", param="new",
                        code="same_password")  # fmt: skip
@@ -178,7 +176,10 @@ async def add_member(request):
     name = expect(body.get("name"), str, "name", "the member's name")
     role = expect(body.get("role"), str, "role", "admin, adult or child")
     password = expect(body.get("password"), str, "password", "the member's first password or PIN")
-    check_password(password, server.settings)
+    if role not in accounts.ROLES:
+        raise ApiError(400, f"role {role!r}: expected one of {', '.join(accounts.ROLES)}", param="role",
+                       code="invalid_member")  # fmt: skip
+    check_password(password, server.settings, role)
     password_hash = await asyncio.to_thread(accounts.hash_password, password, server.settings["scrypt"])
     try:
         key = server.store.add_member(name, role, password_hash, provisional=True)

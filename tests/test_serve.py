@@ -696,7 +696,7 @@ def test_the_credentials_an_admin_sets_read_nothing_and_stop_working_once_the_me
                  (own.post("/api/me/password", json={"current": "de-carla"}), 400, "invalid_type")]  # fmt: skip
         for answer, status, code in cases:
             assert (answer.status_code, answer.json()["error"]["code"]) == (status, code), answer.text
-        assert "new: at least 4" in cases[1][0].json()["error"]["message"]
+        assert "new: at least 8" in cases[1][0].json()["error"]["message"]
         assert by_key.get("/api/me").status_code == 200  # still provisional, the old key still works
         changed = change("de-carla", "solo-de-eva")
         assert changed.status_code == 200 and changed.json()["must_change_password"] is False

@@ -1,0 +1,103 @@
+"""serve/app.py against an attacker inside the home network (issue 65): password guessing, requests meant
+to freeze the server, the files it writes, forged turns, slow clients and out-of-range ids. Every test
+talks HTTP to a real server on 127.0.0.1 (uvicorn in a thread, conftest.live_server, or serve/app.py in a
+subprocess); a client at another loopback address (127.0.0.2, ...) plays another device of the house."""
+
+import asyncio
+import time
+
+import httpx
+from conftest import ScriptedModel, live_server
+
+from family import accounts
+
+
+def scripted(chat_model):
+    """The model's choices scripted ("Hola."), so that no test here waits for decoding or its compilation."""
+    tokenizer = chat_model[1]
+    return ScriptedModel(tokenizer.encode("Hola.") + [tokenizer.special_ids["<|end|>"]])
+
+
+def member(server, name, role="adult", password=None):
+    key = server.store.add_member(name, role)
+    if password:
+        server.store.set_password(name, accounts.hash_password(password, server.settings["scrypt"]))
+    return key
+
+
+def device(url, address):
+    """An HTTP client whose connections come from `address` (another device of the house)."""
+    return httpx.Client(base_url=url, transport=httpx.HTTPTransport(local_address=address))
+
+
+def log_in(http, name, password):
+    return http.post("/api/login", json={"name": name, "password": password})
+
+
+# -----------------------------------------------------------------------------
+# Guessing passwords
+
+
+def test_a_locked_account_stays_locked_under_parallel_guesses(chat_model, tmp_path):
+    # Production scrypt cost: the guesses are in flight together while their hashes are computed.
+    no_delays = ("serve.scrypt.n=16384", "serve.login_throttle.free_failures=100",
+                 "serve.login_throttle.name_free_failures=100")  # fmt: skip
+    with live_server(chat_model, tmp_path, *no_delays, model=scripted(chat_model)) as (url, server):
+        member(server, "ana", "adult", "clave-de-ana")
+
+        async def guesses():
+            async with httpx.AsyncClient(base_url=url) as http:
+                wrong = [{"name": "ana", "password": f"mala-{i}"} for i in range(35)]
+                return await asyncio.gather(*(http.post("/api/login", json=body) for body in wrong))
+
+        answers = asyncio.run(guesses())
+        right = log_in(httpx.Client(base_url=url), "ana", "clave-de-ana")
+    codes = [answer.status_code for answer in answers]
+    assert sorted(set(codes)) == [401, 429] and codes.count(401) == server.settings["login_max_failures"]
+    assert right.status_code == 429 and int(right.headers["Retry-After"]) > 0
+    assert right.json()["error"]["code"] == "login_locked"
+
+
+def test_a_strangers_failures_lock_only_their_own_device_never_the_owner(chat_model, tmp_path):
+    settings = ("serve.login_max_failures=3", "serve.login_throttle.free_failures=100")
+    with live_server(chat_model, tmp_path, *settings, model=scripted(chat_model)) as (url, server):
+        member(server, "ana", "adult", "clave-de-ana")
+        stranger, owner = device(url, "127.0.0.2"), device(url, "127.0.0.1")
+        wrong = [log_in(stranger, "ana", pin).status_code for pin in ("0000", "1111", "2222")]
+        assert wrong == [401, 401, 401]
+        assert log_in(stranger, "ana", "clave-de-ana").status_code == 429  # locked for this device
+        owners = log_in(owner, "ana", "clave-de-ana")
+        assert owners.status_code == 200 and owner.get("/api/me").json()["name"] == "ana"
+
+
+def test_a_guessing_device_waits_longer_after_each_failure_while_others_log_in(chat_model, tmp_path):
+    settings = ("serve.login_throttle.free_failures=1", "serve.login_throttle.delay_s=1")
+    with live_server(chat_model, tmp_path, *settings, model=scripted(chat_model)) as (url, server):
+        member(server, "ana", "adult", "clave-de-ana")
+        guesser, owner = device(url, "127.0.0.3"), device(url, "127.0.0.1")
+        assert [log_in(guesser, name, "0000").status_code for name in ("ana", "beto")] == [401, 401]
+        waits = []
+        for _ in range(2):
+            refused = log_in(guesser, "carla", "0000")
+            assert refused.status_code == 429 and refused.json()["error"]["code"] == "login_locked"
+            waits.append(int(refused.headers["Retry-After"]))
+            time.sleep(waits[-1] + 0.05)
+            assert log_in(guesser, "carla", "0000").status_code == 401
+        assert waits == [1, 2]
+        assert log_in(owner, "ana", "clave-de-ana").status_code == 200
+
+
+def test_an_adult_needs_a_real_password_and_a_child_may_have_a_pin(chat_model, tmp_path):
+    with live_server(chat_model, tmp_path, model=scripted(chat_model)) as (url, server):
+        admin = httpx.Client(
+            base_url=url, headers={"Authorization": f"Bearer {member(server, 'eva', 'admin')}"}
+        )
+        add = lambda name, role, password: admin.post(  # noqa: E731
+            "/api/members", json={"name": name, "role": role, "password": password}
+        )
+        for password in ("1357", "13572468", "aaaaaaaaaa", "corta"):
+            refused = add("ana", "adult", password)
+            assert refused.status_code == 400 and refused.json()["error"]["code"] == "weak_password"
+        assert add("ana", "adult", "clave-de-ana").status_code == 201
+        assert add("leo", "child", "1357").status_code == 201
+        assert add("mia", "child", "135").json()["error"]["code"] == "weak_password"
