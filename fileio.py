@@ -231,15 +231,18 @@ LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 NOT_TEXT = "is not Unicode text; send UTF-8 text"
 
 
-def text_problem(value, max_depth=None, where=""):
+def text_problem(value, max_depth=None, where="", max_chars=None):
     """(path, why) of the first string of a JSON-like value (a dict's keys included) that holds a lone
-    surrogate, or of nesting deeper than max_depth; None when every string is text. The path joins keys and
+    surrogate or is longer than max_chars, or of nesting deeper than max_depth; None when every string is
+    text. Linear in the value's size: a request is checked with it before any other work. The path joins keys and
     list indices with dots ("messages.0.content"; `where` for the value itself). A loop, not recursion: a
     deep value costs no stack."""
     pending = [(value, where, 0)]
     while pending:
         item, path, depth = pending.pop()
         if isinstance(item, str):
+            if max_chars is not None and len(item) > max_chars:
+                return path, f"{len(item)} characters; at most {max_chars} per text"
             found = LONE_SURROGATE.search(item)
             if found:
                 code = f"\\u{ord(found.group()):04x}"
@@ -252,6 +255,8 @@ def text_problem(value, max_depth=None, where=""):
         children = item.items() if isinstance(item, dict) else enumerate(item)
         for key, child in reversed(list(children)):
             inner = f"{path}.{key}" if path else str(key)
+            if isinstance(key, str) and max_chars is not None and len(key) > max_chars:
+                return path, f"a key of {len(key)} characters; at most {max_chars}"
             if isinstance(key, str) and LONE_SURROGATE.search(key):
                 return path, f"a key ({ascii(key)}) holds a lone surrogate, which {NOT_TEXT}"
             pending.append((child, inner, depth + 1))

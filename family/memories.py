@@ -336,13 +336,22 @@ def purge(conn):
 def fts_query(text, cfg):
     """An FTS5 query from user text: its words as quoted terms joined by OR (never the raw text, whose
     quotes, stars, parentheses and NEAR/AND/NOT would be FTS5 syntax). None when no word is left."""
-    stopwords = set(cfg["stopwords"])
-    terms = []
-    for word in WORD.findall(text.lower()):
-        if len(word) >= cfg["min_term_chars"] and word not in stopwords and word not in terms:
-            terms.append(word)
-    terms = terms[: cfg["max_query_terms"]]
+    terms = query_terms(text, cfg)
     return " OR ".join(f'"{term}"' for term in terms) or None
+
+
+def query_terms(text, cfg):
+    """The first max_query_terms distinct words of the text worth searching: one pass that stops there
+    (a set, not a list, remembers the words seen), so a long message costs no more than its first words.
+    serve/app.py calls it before taking the database's lock."""
+    stopwords, terms = set(cfg["stopwords"]), {}  # a dict keeps their order
+    for found in WORD.finditer(text):
+        word = found.group().lower()
+        if len(word) >= cfg["min_term_chars"] and word not in stopwords and word not in terms:
+            terms[word] = None
+            if len(terms) == cfg["max_query_terms"]:
+                break
+    return list(terms)
 
 
 def search(conn, member, role, query, limit, cfg, exclude_pinned=False):

@@ -278,6 +278,8 @@ class Server:
     def memory_context(self, member, turns):
         """The member's pinned memories and those matching their last message, for the system turn."""
         last = next((turn["content"] for turn in reversed(turns) if turn["role"] == "user"), "")
+        # The words searched, picked before the database's lock is taken: the lock is every member's.
+        last = " ".join(memories.query_terms(last, self.memory_cfg))
         count_tokens = lambda text: len(self.worker.tokenizer.encode(text))  # noqa: E731
         return self.memories(
             member, memories.context_for_turn, last, self.memory_cfg, count_tokens, self.context
@@ -488,8 +490,9 @@ async def chat_completions(request):
     max_tokens, temperature, top_p, seed, stop = sampling_of(body, settings, member)
     server.check_hours(member)
     helper = server.agent_for(member, tools, body.get("tool_choice"))
-    prompt_ids, max_tokens, messages, helper = server.prompt_of(
-        member, system, turns, tools, max_tokens, False, helper
+    # Tokenizing and the memory search off the event loop: a long request does not hold up the others.
+    prompt_ids, max_tokens, messages, helper = await asyncio.to_thread(
+        server.prompt_of, member, system, turns, tools, max_tokens, False, helper
     )
     turn = (helper, messages) if helper else None
     constraint = await server.client_tools_constraint(tools, max_tokens) if tools else None
@@ -533,8 +536,8 @@ async def post_message(request):
     history = [{"role": m["role"], "content": m["content"]} for m in conversation["messages"]]
     turns = history[-settings["max_messages"] :] + [{"role": "user", "content": content}]
     helper = server.agent_for(member, None, None)
-    prompt_ids, max_tokens, messages, helper = server.prompt_of(
-        member, [], turns, None, max_tokens, True, helper
+    prompt_ids, max_tokens, messages, helper = await asyncio.to_thread(
+        server.prompt_of, member, [], turns, None, max_tokens, True, helper
     )
     turn = (helper, messages) if helper else None
     job = server.start(request, member, prompt_ids, max_tokens, temperature, top_p, seed, turn)

@@ -47,11 +47,13 @@ def expect(value, kinds, param, what):
     return value
 
 
-def check_text(value, max_depth):
-    """The one check of a request's text (web.read_json runs it on every JSON body): every string and
-    key must be Unicode text (JSON's "\\ud800" escape gives a lone surrogate, which SQLite, the tokenizer and
-    the JSON answer all refuse) and the nesting at most max_depth deep; else a 400 naming the field."""
-    problem = fileio.text_problem(value, max_depth)
+def check_text(value, max_depth, max_chars):
+    """The one check of a request's text (web.read_json runs it on every JSON body, before any other
+    work): every string and key must be Unicode text (JSON's "\\ud800" escape gives a lone surrogate, which
+    SQLite, the tokenizer and the JSON answer all refuse) of at most max_chars characters (serve.max_text_chars:
+    no tokenizing or memory search of a text the model could never read), and the nesting at most max_depth
+    deep; else a 400 naming the field."""
+    problem = fileio.text_problem(value, max_depth, max_chars=max_chars)
     if problem:
         raise text_error(*problem)
 

@@ -30,10 +30,11 @@ async def read_json(request, limit):
     if size > limit:
         raise ApiError(413, f"the request body is {size} bytes; at most {limit} are accepted",
                        code="request_too_large")  # fmt: skip
-    depth = request.app.state.server.settings["max_json_depth"]
+    settings = request.app.state.server.settings
+    depth = settings["max_json_depth"]
     try:
         value = json.loads(bytes(body))
-        check_text(value, depth)
+        check_text(value, depth, settings["max_text_chars"])
     except (ValueError, UnicodeDecodeError) as e:
         raise ApiError(400, f"the body is not valid JSON: {e}", code="invalid_json") from None
     except (ApiError, RecursionError) as e:  # one line in the log; nothing was read or stored yet

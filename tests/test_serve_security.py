@@ -4,12 +4,15 @@ talks HTTP to a real server on 127.0.0.1 (uvicorn in a thread, conftest.live_ser
 subprocess); a client at another loopback address (127.0.0.2, ...) plays another device of the house."""
 
 import asyncio
+import threading
 import time
 
 import httpx
+import openai
+import pytest
 from conftest import ScriptedModel, live_server
 
-from family import accounts
+from family import accounts, memories
 
 
 def scripted(chat_model):
@@ -101,3 +104,40 @@ def test_an_adult_needs_a_real_password_and_a_child_may_have_a_pin(chat_model, t
         assert add("ana", "adult", "clave-de-ana").status_code == 201
         assert add("leo", "child", "1357").status_code == 201
         assert add("mia", "child", "135").json()["error"]["code"] == "weak_password"
+
+
+# -----------------------------------------------------------------------------
+# One request cannot freeze the server
+
+
+def test_a_childs_megabyte_message_is_refused_before_any_work_while_others_are_answered(chat_model, tmp_path):
+    words = " ".join(f"palabra{i}" for i in range(80_000))  # ~0.9 MiB of distinct words, under the body cap
+    with live_server(chat_model, tmp_path, model=scripted(chat_model)) as (url, server):
+        child, adult = member(server, "leo", "child"), member(server, "ana")
+        kid = openai.OpenAI(base_url=url + "/v1", api_key=child, max_retries=0, timeout=30)
+        others = []
+
+        def meanwhile():
+            with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {adult}"}, timeout=30) as http:
+                others.extend(http.get("/api/me").status_code for _ in range(20))
+
+        other = threading.Thread(target=meanwhile)
+        other.start()
+        with pytest.raises(openai.BadRequestError) as refused:
+            kid.chat.completions.create(model="chat", messages=[{"role": "user", "content": words}])
+        other.join()
+    limit = server.settings["max_text_chars"]
+    assert (
+        refused.value.body["code"] == "invalid_text" and refused.value.body["param"] == "messages.0.content"
+    )
+    assert f"{len(words)} characters; at most {limit}" in refused.value.body["message"]
+    assert others == [200] * 20
+
+
+def test_the_memory_search_takes_the_first_distinct_words_of_a_long_message():
+    cfg = memories.load_config()
+    text = "Mi perro Toby come pienso. " + " ".join(f"palabra{i % 5000}" for i in range(200_000))
+    terms = memories.query_terms(text, cfg)
+    assert terms[:4] == ["perro", "toby", "come", "pienso"]
+    assert len(terms) == cfg["max_query_terms"] and len(set(terms)) == len(terms)
+    assert memories.fts_query(text, cfg) == " OR ".join(f'"{term}"' for term in terms)
