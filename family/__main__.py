@@ -74,6 +74,7 @@ def parse_args(argv):
 
 @fileio.reports_storage_errors
 def main(argv):
+    os.umask(store.PRIVATE_UMASK)  # snapshots and the database are private, as the server's own
     problem = fileio.undecodable_argument(argv)
     if problem:
         print(f"error: {problem}", file=sys.stderr)

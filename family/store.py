@@ -90,6 +90,36 @@ def server_info(db_path):
 
 
 # -----------------------------------------------------------------------------
+# Private files: the server and the family command line run under umask 0077 (PRIVATE_UMASK)
+
+
+PRIVATE_UMASK = 0o077  # files 0600, folders 0700: scrypt hashes of 4-digit PINs fall offline in minutes
+
+
+def make_private(db_path, snapshot_dir, log=print):
+    """Tighten an existing database (with its WAL, shared memory and lock files) and its snapshots that
+    other users of the machine could read, made before the server set its umask; one line says so."""
+    widened = []
+    for path in (db_path, db_path + "-wal", db_path + "-shm", lock_path(db_path)):
+        if os.path.isfile(path) and os.stat(path).st_mode & 0o077:
+            widened.append(f"{os.path.basename(path)} {os.stat(path).st_mode & 0o777:04o}")
+            os.chmod(path, 0o600)
+    if os.path.isdir(snapshot_dir):
+        for folder, _, files in os.walk(snapshot_dir):
+            for path, private in [(folder, 0o700)] + [(os.path.join(folder, f), 0o600) for f in files]:
+                if os.stat(path).st_mode & 0o077:
+                    widened.append(f"{os.path.relpath(path, os.path.dirname(snapshot_dir))} "
+                                   f"{os.stat(path).st_mode & 0o777:04o}")  # fmt: skip
+                    os.chmod(path, private)
+    if widened:
+        shown = ", ".join(widened[:4]) + (f" and {len(widened) - 4} more" if len(widened) > 4 else "")
+        log(
+            f"{db_path}: other users of this machine could read {shown}; made private (files 0600, folders 0700)"
+        )
+    return widened
+
+
+# -----------------------------------------------------------------------------
 # Snapshots
 
 

@@ -760,6 +760,8 @@ def serve_main(argv):
         ) from None
     host = args.host or settings["host"]
     port = settings["port"] if args.port is None else args.port
+    store.make_private(settings["database"], memory_cfg["snapshots"]["dir"],
+                       lambda message: print(f"serve: {message}", file=sys.stderr))  # fmt: skip
     accounts_store = accounts.Store(settings["database"], settings["busy_timeout_ms"])
     threads = one_thread_here()
     import checkpoint  # as load.load_model does
@@ -821,6 +823,7 @@ def serve_main(argv):
 
 @fileio.reports_storage_errors
 def main(argv):
+    os.umask(store.PRIVATE_UMASK)  # the database, its WAL, snapshots: this user's alone
     problem = fileio.undecodable_argument(argv)
     if problem:
         print(f"error: {problem}", file=sys.stderr)

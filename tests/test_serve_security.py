@@ -4,13 +4,14 @@ talks HTTP to a real server on 127.0.0.1 (uvicorn in a thread, conftest.live_ser
 subprocess); a client at another loopback address (127.0.0.2, ...) plays another device of the house."""
 
 import asyncio
+import os
 import threading
 import time
 
 import httpx
 import openai
 import pytest
-from conftest import ScriptedModel, live_server
+from conftest import ScriptedModel, live_server, start_server
 
 from family import accounts, memories
 
@@ -141,3 +142,41 @@ def test_the_memory_search_takes_the_first_distinct_words_of_a_long_message():
     assert terms[:4] == ["perro", "toby", "come", "pienso"]
     assert len(terms) == cfg["max_query_terms"] and len(set(terms)) == len(terms)
     assert memories.fts_query(text, cfg) == " OR ".join(f'"{term}"' for term in terms)
+
+
+# -----------------------------------------------------------------------------
+# Files private by default
+
+
+def mode(path):
+    return os.stat(path).st_mode & 0o777
+
+
+def test_the_server_makes_the_database_and_snapshots_private_and_says_so(chat_run, tmp_path):
+    database, snapshots = tmp_path / "familia.sqlite", tmp_path / "snapshots"
+    old = os.umask(0o022)  # as a database made before the server set its own umask
+    try:
+        family = accounts.Store(str(database))
+        key = family.add_member("ana", "adult")
+        family.db.close()  # the last connection: the WAL and shared memory files go
+        (snapshots / "20261130T120000.000Z").mkdir(parents=True)
+        (snapshots / "20261130T120000.000Z" / "database.sqlite").write_bytes(database.read_bytes())
+    finally:
+        os.umask(old)
+    assert mode(database) == 0o644 and mode(snapshots) == 0o755
+    log = tmp_path / "server.log"
+    proc, url = start_server(chat_run, database, f"memory.snapshots.dir={snapshots}", log_path=log)
+    try:
+        made = httpx.post(url + "/api/conversations", headers={"Authorization": f"Bearer {key}"})
+        assert made.status_code == 201
+        files = {name: mode(tmp_path / name) for name in os.listdir(tmp_path) if name.startswith("familia")}
+    finally:
+        proc.kill()
+        proc.wait()
+    # The server's own new files (WAL, shared memory, lock) and the old ones it tightened: 0600.
+    assert files == dict.fromkeys(["familia.sqlite", "familia.sqlite-wal", "familia.sqlite-shm",
+                                   "familia.sqlite.lock"], 0o600)  # fmt: skip
+    assert mode(snapshots) == mode(snapshots / "20261130T120000.000Z") == 0o700
+    assert mode(snapshots / "20261130T120000.000Z" / "database.sqlite") == 0o600
+    said = [line for line in log.read_text().splitlines() if "made private" in line]
+    assert len(said) == 1 and "familia.sqlite 0644" in said[0], log.read_text()

@@ -80,6 +80,7 @@ def test_the_unit_runs_serve_py_from_the_repository_as_its_own_user_and_restarts
     assert settings["Service", "User"] == [user]
     assert settings["Service", "WorkingDirectory"] == [str(clone)]
     assert settings["Service", "Restart"] == ["on-failure"]
+    assert settings["Service", "UMask"] == ["0077"]  # the database and snapshots: this user's alone
     assert settings["Install", "WantedBy"] == ["multi-user.target"]
     environment = dict(value.split("=", 1) for value in settings["Service", "Environment"])
     # The run as given, the port and address of configs/serve/default.yaml, the device the run trained on.
