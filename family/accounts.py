@@ -250,8 +250,9 @@ class Store:
 
     # sessions
     def new_session(self, member_id, days):
-        """A new login's token (the cookie); expired sessions are dropped on the way."""
-        token, now = secrets.token_urlsafe(32), time.time()
+        """A new login's token, in two halves joined by '.': the cookie's and the page's (serve/web.py);
+        expired sessions are dropped on the way."""
+        token, now = f"{secrets.token_urlsafe(32)}.{secrets.token_urlsafe(32)}", time.time()
         sql = "INSERT INTO sessions (token_hash, member_id, expires) VALUES (?, ?, ?)"
         self.write(
             ("DELETE FROM sessions WHERE expires <= ?", (now,)),

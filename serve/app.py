@@ -52,6 +52,7 @@ import argparse
 import asyncio
 import contextlib
 import hashlib
+import ipaddress
 import json
 import math
 import os
@@ -61,10 +62,12 @@ import sqlite3
 import sys
 import threading
 import time
+import urllib.parse
 import uuid
 
 import uvicorn
 from starlette.applications import Starlette
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
@@ -79,7 +82,7 @@ from decode import load
 from family import accounts, memories, store
 from serve import member_command, web, worker
 from serve.openai_api import ApiError, Reply, check_tools, conversation_of, expect, sampling_of, tool_messages
-from serve.web import SESSION_COOKIE, owned, read_json
+from serve.web import owned, read_json
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WEB_DIR = os.path.join(ROOT, "web")
@@ -137,10 +140,11 @@ class Server:
             if member is None:
                 raise ApiError(401, "invalid API key", code="invalid_api_key")
             return member
-        token = request.cookies.get(SESSION_COOKIE)
+        token = web.session_token(request)
         member = self.store.member_by_session(token) if token else None
         if member is None:
-            raise ApiError(401, "not logged in: send 'Authorization: Bearer <API key>' or log in",
+            raise ApiError(401, "not logged in: send 'Authorization: Bearer <API key>', or log in and send "
+                           "the session cookie with the X-Session-Key the login answered",
                            code="missing_credentials")  # fmt: skip
         return member
 
@@ -159,6 +163,13 @@ class Server:
         if forwarded and peer in self.settings["trusted_proxies"]:
             return forwarded.split(",")[-1].strip()
         return peer
+
+    def behind_https(self, request):
+        """Whether the member reached this server over HTTPS (serve.https, or a trusted proxy's
+        X-Forwarded-Proto): then the session cookie is Secure, never sent over plain HTTP."""
+        peer = request.client.host if request.client else ""
+        forwarded = request.headers.get("x-forwarded-proto", "").lower() == "https"
+        return self.settings["https"] or (forwarded and peer in self.settings["trusted_proxies"])
 
     async def password_checks(self, request, name, password, stored):
         """Whether the password matches the stored hash (None: no password; an equal amount of work on a
@@ -614,6 +625,56 @@ async def internal_error(request, error):
     return JSONResponse(ApiError(500, "internal server error").body(), status_code=500)
 
 
+def host_problem(host, allowed):
+    """Why a Host header is not this server's (None when it is): localhost, an address (DNS rebinding,
+    a page of rebind.attacker.example whose name now points here, always brings a name) or a name of
+    serve.allowed_hosts."""
+    if not host:
+        return "no Host header"
+    name = host[1 : host.find("]")] if host.startswith("[") else host.rsplit(":", 1)[0]
+    name = name.lower().rstrip(".")
+    try:
+        ipaddress.ip_address(name)
+        return None
+    except ValueError:
+        pass
+    if name == "localhost" or name in {n.lower() for n in allowed}:
+        return None
+    return f"Host {host!r} is not this server's; a name the family uses goes in serve.allowed_hosts"
+
+
+def origin_problem(method, headers):
+    """Why a state-changing request comes from another origin's page (None when it does not): a
+    browser sends Origin with every POST, PUT, PATCH and DELETE; API clients send none."""
+    origin = headers.get("origin")
+    if method in ("GET", "HEAD", "OPTIONS") or origin is None:
+        return None
+    if origin == "null" or urllib.parse.urlsplit(origin).netloc.lower() != headers.get("host", "").lower():
+        return f"Origin {origin!r}: a page of another site or port cannot change anything here"
+    return None
+
+
+class RequestGuard:
+    """Refuses, before any route: a Host that is not this server's (421) and a state-changing request
+    sent by a page of another origin (403), each with one line in the log."""
+
+    def __init__(self, app, settings):
+        self.app, self.settings = app, settings
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = Headers(scope=scope)
+        problem = host_problem(headers.get("host"), self.settings["allowed_hosts"])
+        refused = ApiError(421, problem, code="invalid_host") if problem else None
+        problem = None if refused else origin_problem(scope["method"], headers)
+        refused = ApiError(403, problem, code="cross_origin") if problem else refused
+        if refused is None:
+            return await self.app(scope, receive, send)
+        print(f"serve: {scope['method']} {scope['path']}: refused: {refused.message}", file=sys.stderr)
+        await JSONResponse(refused.body(), status_code=refused.status)(scope, receive, send)
+
+
 class SecurityHeaders:
     """Adds SECURITY_HEADERS to every response (pure ASGI, so streaming and disconnects pass through)."""
 
@@ -675,7 +736,7 @@ def build_app(server, extra_routes=()):
     table = routes()
     app = Starlette(
         routes=table[:-1] + list(extra_routes) + table[-1:],
-        middleware=[Middleware(SecurityHeaders)],
+        middleware=[Middleware(SecurityHeaders), Middleware(RequestGuard, settings=server.settings)],
         exception_handlers={
             ApiError: api_error,
             HTTPException: http_error,

@@ -23,6 +23,8 @@ class ApiError(Exception):
         404: "not_found_error",
         405: "invalid_request_error",
         413: "invalid_request_error",
+        415: "invalid_request_error",
+        421: "invalid_request_error",
         429: "rate_limit_error",
     }
     TYPES |= {503: "server_overloaded"}

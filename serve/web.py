@@ -16,20 +16,37 @@ from family import accounts, feedback, memories
 from serve.openai_api import ApiError, check_text, expect, text_error
 
 SESSION_COOKIE = "enlace_session"
+SESSION_HEADER = "x-session-key"
+
+
+def session_token(request):
+    """A web session's token: the cookie's half and the page's (X-Session-Key, which the page keeps in
+    its origin's localStorage). Cookies know no ports: a page on another port of this host receives the
+    cookie, but never the page's half. None unless both came."""
+    cookie, key = request.cookies.get(SESSION_COOKIE), request.headers.get(SESSION_HEADER)
+    return f"{cookie}.{key}" if cookie and key else None
 
 
 async def read_json(request, limit):
-    """The JSON body as a dict; 413 past `limit` bytes (the rest is read and dropped, so the client gets
-    the answer rather than a reset connection), 400 when it is not a JSON object, or when any of its text is
-    not Unicode (openai_api.check_text: every route that reads a body gets that check here)."""
-    body, size = bytearray(), 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size <= limit:
-            body += chunk
-    if size > limit:
-        raise ApiError(413, f"the request body is {size} bytes; at most {limit} are accepted",
+    """The JSON body as a dict: 415 unless it is sent as application/json (a form or text/plain body is
+    what a page of another site can send without asking), 413 past `limit` bytes (refused at the limit:
+    a declared Content-Length over it before a byte is read, a stream once it passes it; the server then
+    closes the connection), 400 when it is not a JSON object, or when any of its text is not Unicode or too
+    long (openai_api.check_text: every route that reads a body gets that check here)."""
+    kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if kind != "application/json":
+        raise ApiError(415, f"Content-Type: expected application/json, got {kind or 'none'}",
+                       code="unsupported_media_type")  # fmt: skip
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"the request body is {int(declared)} bytes; at most {limit} are accepted",
                        code="request_too_large")  # fmt: skip
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise ApiError(413, f"the request body is over {limit} bytes, the most accepted",
+                           code="request_too_large")  # fmt: skip
     settings = request.app.state.server.settings
     depth = settings["max_json_depth"]
     try:
@@ -70,15 +87,15 @@ async def login(request):
     if not await server.password_checks(request, name, password, (member or {}).get("password_hash")):
         raise ApiError(401, "wrong name or password", code="invalid_login")
     days = server.settings["session_days"]
-    token = server.store.new_session(member["id"], days)
-    response = JSONResponse(me(member))
-    response.set_cookie(SESSION_COOKIE, token, max_age=int(days * 86400), path="/", httponly=True,
-                        samesite="strict")  # fmt: skip
+    cookie, key = server.store.new_session(member["id"], days).split(".")
+    response = JSONResponse(me(member) | {"session_key": key})
+    response.set_cookie(SESSION_COOKIE, cookie, max_age=int(days * 86400), path="/", httponly=True,
+                        samesite="strict", secure=server.behind_https(request))  # fmt: skip
     return response
 
 
 async def logout(request):
-    token = request.cookies.get(SESSION_COOKIE)
+    token = session_token(request)
     if token:
         request.app.state.server.store.end_session(token)
     response = JSONResponse({"ok": True})
@@ -111,7 +128,7 @@ async def change_password(request):
     password_hash = await asyncio.to_thread(accounts.hash_password, new, server.settings["scrypt"])
     by_cookie = request.headers.get("authorization") is None
     key = server.store.change_password(
-        member["id"], password_hash, request.cookies.get(SESSION_COOKIE) if by_cookie else None
+        member["id"], password_hash, session_token(request) if by_cookie else None
     )
     return JSONResponse(me(member | {"provisional": 0}) | ({"api_key": key} if key else {}))
 

@@ -258,7 +258,8 @@ class Family:
         if caller in self.keys:
             headers["Authorization"] = f"Bearer {self.keys[caller]}"
         elif caller == "cookie":
-            headers["Cookie"] = f"{app.SESSION_COOKIE}={self.cookie}"
+            cookie, key = self.cookie.split(".")
+            headers["Cookie"], headers["X-Session-Key"] = f"{app.SESSION_COOKIE}={cookie}", key
         elif caller == "bad key":
             headers["Authorization"] = "Bearer enl-\x7f"
         return headers

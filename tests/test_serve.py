@@ -478,6 +478,8 @@ def test_a_client_that_gives_up_on_a_plain_completion_stops_its_generation(chat_
 def login(url, name, password):
     session = httpx.Client(base_url=url)
     answer = session.post("/api/login", json={"name": name, "password": password})
+    if answer.status_code == 200:  # the page's half of the session, which it keeps in localStorage
+        session.headers["X-Session-Key"] = answer.json()["session_key"]
     return session, answer
 
 

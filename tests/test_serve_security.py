@@ -180,3 +180,36 @@ def test_the_server_makes_the_database_and_snapshots_private_and_says_so(chat_ru
     assert mode(snapshots / "20261130T120000.000Z" / "database.sqlite") == 0o600
     said = [line for line in log.read_text().splitlines() if "made private" in line]
     assert len(said) == 1 and "familia.sqlite 0644" in said[0], log.read_text()
+
+
+# -----------------------------------------------------------------------------
+# Cookies and requests
+
+
+def test_the_session_cookie_is_secure_behind_https_and_only_a_trusted_proxy_says_so(chat_model, tmp_path):
+    def cookie(*settings, headers=None):
+        with live_server(chat_model, tmp_path, *settings, model=scripted(chat_model)) as (url, server):
+            member(server, "ana", "adult", "clave-de-ana")
+            answer = httpx.post(url + "/api/login", json={"name": "ana", "password": "clave-de-ana"},
+                                headers=headers or {})  # fmt: skip
+        assert answer.status_code == 200
+        return answer.headers["set-cookie"].lower()
+
+    https = {"X-Forwarded-Proto": "https"}
+    assert "secure" not in cookie()
+    assert "secure" in cookie("serve.https=true")
+    assert "secure" in cookie("serve.trusted_proxies=[127.0.0.1]", headers=https)
+    assert "secure" not in cookie(headers=https)  # anyone can send the header; only a proxy's counts
+
+
+def test_changes_take_json_only_and_no_other_origin_while_api_clients_send_none(chat_model, tmp_path):
+    with live_server(chat_model, tmp_path, model=scripted(chat_model)) as (url, server):
+        http = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {member(server, 'ana')}"})
+        form = http.post("/api/memories", content=b'{"text": "nota"}', headers={"Content-Type": "text/plain"})
+        foreign = http.post("/api/memories", json={"text": "nota"}, headers={"Origin": "http://127.0.0.1:1"})
+        own = http.post("/api/memories", json={"text": "nota"}, headers={"Origin": url})
+        api_client = http.post("/api/memories", json={"text": "otra nota"})
+        listed = [m["text"] for m in http.get("/api/memories").json()["data"]]
+    assert (form.status_code, form.json()["error"]["code"]) == (415, "unsupported_media_type")
+    assert (foreign.status_code, foreign.json()["error"]["code"]) == (403, "cross_origin")
+    assert own.status_code == api_client.status_code == 201 and sorted(listed) == ["nota", "otra nota"]

@@ -5,14 +5,16 @@ $ENLACE_ARTIFACTS/web/), kept for people to look at, never committed."""
 import os
 import re
 import shutil
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
 from conftest import ROOT, ScriptedModel, live_server, start_server
 
 from family import accounts
-from serve import app
+from serve import web
 
 CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 ARTIFACTS = os.path.join(os.environ.get("ENLACE_ARTIFACTS", os.path.join(ROOT, "test-artifacts")), "web")
@@ -117,7 +119,7 @@ def test_a_member_chats_finds_the_conversation_after_a_reload_and_another_member
 ):
     url, ana_key = family
     log_in(browser, url, "ana", "clave-ana")
-    cookie = next(c for c in browser.get_cookies() if c["name"] == app.SESSION_COOKIE)
+    cookie = next(c for c in browser.get_cookies() if c["name"] == web.SESSION_COOKIE)
     assert cookie["httpOnly"] and cookie["sameSite"] == "Strict"
     assert browser.execute_script("return document.cookie") == ""  # the page's script cannot read it
 
@@ -163,7 +165,7 @@ def test_a_member_chats_finds_the_conversation_after_a_reload_and_another_member
     assert all_of(browser, "#conversations li") == [] and all_of(browser, ".message") == []
     status = browser.execute_async_script(
         "const done = arguments[arguments.length - 1];"
-        f"fetch('/api/conversations/{listed['id']}').then((r) => done(r.status));"
+        f"fetch('/api/conversations/{listed['id']}', {{headers: sessionHeaders()}}).then((r) => done(r.status));"
     )
     assert status == 404
     screenshot(browser, "4-second-member.png")
@@ -382,3 +384,102 @@ def test_an_admin_sees_on_the_page_that_the_servers_disk_refuses_writes_until_on
         browser.refresh()
         wait_for(browser, lambda d: by_id(d, "storage-alert").get_attribute("data-checked") == "true")
         assert not by_id(browser, "storage-alert").is_displayed()
+
+
+# -----------------------------------------------------------------------------
+# Pages of other origins (issue 65)
+
+OTHER_PAGE = """<!doctype html><title>otra</title><script>
+const target = "TARGET";
+const tries = [
+  fetch(target + "/api/memories", {method: "POST", mode: "no-cors", credentials: "include",
+        headers: {"Content-Type": "text/plain"}, body: JSON.stringify({text: "nota de otra web"})}),
+  fetch(target + "/api/memories", {method: "POST", credentials: "include",
+        headers: {"Content-Type": "application/json"}, body: JSON.stringify({text: "nota con json"})}),
+  fetch(target + "/api/conversations", {method: "POST", mode: "no-cors", credentials: "include"}),
+  fetch("/recoger", {credentials: "include"}),
+];
+Promise.allSettled(tries).then(() => { document.title = "listo"; });
+</script>"""
+
+
+def other_origin(target):
+    """A page on another port of 127.0.0.1 that tries to act on `target` and keeps every Cookie header it
+    receives; returns (the HTTP server, its URL, the cookies it got)."""
+    received = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            received.append(self.headers.get("Cookie") or "")
+            body = OTHER_PAGE.replace("TARGET", target).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_address[1]}", received
+
+
+def test_a_page_on_another_port_can_neither_change_anything_nor_take_the_session(browser, family):
+    url, ana_key = family
+    ana = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {ana_key}"})
+    before = (ana.get("/api/memories").json()["data"], ana.get("/api/conversations").json()["data"])
+    browser.delete_all_cookies()
+    log_in(browser, url, "ana", "clave-ana")
+    server, other_url, received = other_origin(url)
+    try:
+        browser.get(other_url + "/")
+        wait_for(browser, lambda d: d.title == "listo")
+    finally:
+        server.shutdown()
+    assert (ana.get("/api/memories").json()["data"], ana.get("/api/conversations").json()["data"]) == before
+    # Cookies know no ports: the other page's server receives ana's cookie, which alone opens nothing.
+    cookies = [c.split("=", 1) for line in received for c in line.split("; ") if c]
+    stolen = [value for name, value in cookies if name == web.SESSION_COOKIE]
+    assert stolen, received
+    for value in stolen:
+        replay = httpx.get(url + "/api/conversations", cookies={web.SESSION_COOKIE: value})
+        assert replay.status_code == 401
+    browser.get(url + "/")  # ana's own page still works
+    wait_for(browser, lambda d: by_id(d, "app").is_displayed())
+    ana.close()
+
+
+def test_a_page_reaching_the_server_by_a_rebinding_name_is_refused(chat_model, tmp_path):
+    if not (CHROMIUM and CHROMEDRIVER):
+        pytest.skip("needs Debian's chromium and chromium-driver")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for argument in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage",
+                     "--host-resolver-rules=MAP rebind.attacker.example 127.0.0.1"):  # fmt: skip
+        options.add_argument(argument)
+    with live_server(chat_model, tmp_path) as (url, server):
+        server.store.add_member("ana", "adult")
+        server.store.set_password("ana", accounts.hash_password("clave-de-ana", server.settings["scrypt"]))
+        rebound = url.replace("127.0.0.1", "rebind.attacker.example")
+        driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+        try:
+            driver.get(rebound + "/")
+            page = driver.find_element("tag name", "body").text
+            login = driver.execute_async_script(
+                "const done = arguments[0];"
+                "fetch('/api/login', {method: 'POST', headers: {'Content-Type': 'application/json'},"
+                " body: JSON.stringify({name: 'ana', password: 'clave-de-ana'})})"
+                ".then(r => done(r.status)).catch(e => done(String(e)));"
+            )
+        finally:
+            driver.quit()
+        direct = httpx.post(url + "/api/login", headers={"Host": "rebind.attacker.example"},
+                            json={"name": "ana", "password": "clave-de-ana"})  # fmt: skip
+    assert "invalid_host" in page and login == 421
+    assert direct.status_code == 421 and "set-cookie" not in direct.headers
+    assert "serve.allowed_hosts" in direct.json()["error"]["message"]

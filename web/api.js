@@ -1,6 +1,16 @@
 // The one helper every page script uses to talk to serve/app.py's /api routes: JSON in and out, with the
-// session cookie (HttpOnly: no script here sees it). index.html loads this file first.
+// session's two halves: the cookie (HttpOnly: no script here sees it) and the key the login answered,
+// kept in this origin's localStorage and sent as X-Session-Key (a page on another port of the same host
+// receives the cookie, since cookies know no ports, but never this key). index.html loads this file first.
 "use strict";
+
+const SESSION_KEY = "enlace_session_key";
+
+// Headers every request to /api carries: the session key when there is one.
+function sessionHeaders() {
+  const key = localStorage.getItem(SESSION_KEY);
+  return key ? { "X-Session-Key": key } : {};
+}
 
 // A failed request's Error: the server's message (in English), or the Spanish one that `spanish` gives
 // for its code (the errors a member can cause on that page), with the HTTP status and the code.
@@ -17,12 +27,15 @@ async function errorOf(response, spanish = {}) {
 
 // METHOD path with an optional JSON body; the reply's JSON (null when it has none), or errorOf's Error.
 async function api(method, path, body, spanish = {}) {
-  const options = { method, headers: {}, credentials: "same-origin" };
+  const options = { method, headers: sessionHeaders(), credentials: "same-origin" };
   if (body !== undefined) {
     options.headers["Content-Type"] = "application/json";
     options.body = JSON.stringify(body);
   }
   const response = await fetch(path, options);
+  if (path === "/api/logout") localStorage.removeItem(SESSION_KEY);
   if (!response.ok) throw await errorOf(response, spanish);
-  return response.json().catch(() => null);
+  const reply = await response.json().catch(() => null);
+  if (reply && reply.session_key) localStorage.setItem(SESSION_KEY, reply.session_key);
+  return reply;
 }

@@ -270,7 +270,7 @@ $("composer").addEventListener("submit", async (event) => {
 async function streamAnswer(id, text, bubble, signal) {
   const response = await fetch(`/api/conversations/${encodeURIComponent(id)}/messages`, {
     method: "POST",
-    headers: { "Content-Type": "application/json" },
+    headers: { ...sessionHeaders(), "Content-Type": "application/json" },
     credentials: "same-origin",
     body: JSON.stringify({ content: text, stream: true }),
     signal,
