@@ -104,8 +104,16 @@ class Store:
         if "provisional" not in columns:
             self.db.execute("ALTER TABLE members ADD COLUMN provisional INTEGER NOT NULL DEFAULT 0")
 
+    def answers_given_to_children(self):
+        """Step 2: the digests of the answers the API gave each child (serve/app.py checks that a child's
+        request brings back only those as assistant turns)."""
+        self.db.execute(
+            "CREATE TABLE IF NOT EXISTS answers (member_id INTEGER NOT NULL REFERENCES members(id) ON DELETE "
+            "CASCADE, digest TEXT NOT NULL, created REAL NOT NULL, PRIMARY KEY (member_id, digest)) WITHOUT ROWID"
+        )
+
     # MIGRATIONS[n] takes a file from user_version n to n + 1. Add steps at the end; never edit one.
-    MIGRATIONS = (tables_of_release_2026_12_02,)
+    MIGRATIONS = (tables_of_release_2026_12_02, answers_given_to_children)
 
     def migrate(self):
         """Take the file forward step by step to len(MIGRATIONS), all in one write transaction (two processes
@@ -247,6 +255,19 @@ class Store:
     def member_by_key(self, key):
         rows = self.query("SELECT * FROM members WHERE key_hash = ?", (sha256(key),))
         return rows[0] if rows else None
+
+    # answers given (to children, through the API): their digests, kept for session_days
+    def add_answer(self, member_id, text, days=30):
+        digest = hashlib.sha256(f"{member_id}\0{text.strip()}".encode("utf-8", "surrogatepass")).hexdigest()
+        now = time.time()
+        self.write(("DELETE FROM answers WHERE created < ?", (now - days * 86400,)),
+                   ("INSERT OR REPLACE INTO answers (member_id, digest, created) VALUES (?, ?, ?)",
+                    (member_id, digest, now)))  # fmt: skip
+
+    def gave_answer(self, member_id, text):
+        digest = hashlib.sha256(f"{member_id}\0{text.strip()}".encode("utf-8", "surrogatepass")).hexdigest()
+        sql = "SELECT 1 FROM answers WHERE member_id = ? AND digest = ?"
+        return bool(self.query(sql, (member_id, digest)))
 
     # sessions
     def new_session(self, member_id, days):

@@ -185,6 +185,29 @@ class Server:
         self.throttle.finish(ticket, right)
         return right
 
+    def check_child_turns(self, request, member, system, turns, tools):
+        """A child's API request brings the conversation's user turns and only the answers this server gave
+        them (family/accounts.py keeps their digests): no system or developer text, no tools, no tool
+        results; a forged turn is a 400 naming it, and one line in the log."""
+        if member["role"] != "child":
+            return
+        problem = None
+        if system:
+            problem = "messages: a child's request carries no system or developer message; the family's rules are the server's"
+        elif tools:
+            problem = "tools: a child's request brings no tools of its own"
+        for index, turn in enumerate(turns):
+            if problem:
+                break
+            if turn["role"] == "tool" or turn.get("tool_calls"):
+                problem = f"messages.{index}: a child's request carries no tool calls or tool results"
+            elif turn["role"] == "assistant" and not self.store.gave_answer(member["id"], turn["content"]):
+                problem = (f"messages.{index}: this assistant turn is not an answer this server gave "
+                           f"{member['name']}; send the answers back as they came")  # fmt: skip
+        if problem:
+            print(f"serve: {request.method} {request.url.path}: refused: {problem}", file=sys.stderr)
+            raise ApiError(400, problem, param="messages", code="forged_turn")
+
     def check_hours(self, member):
         hours = self.settings["child"]["allowed_hours"]
         if member["role"] == "child" and hours is not None:
@@ -211,14 +234,13 @@ class Server:
 
     def prompt_of(self, member, system, turns, tools, max_tokens, trim, helper=None):
         """(token ids of the conversation with the <|assistant|> opener, tokens left to generate, its
-        messages, the helper). The system turn is the child instruction (for children), then the request's
-        system text or the configured prompt; an agent turn (helper) adds the date and the server's tools,
+        messages, the helper). The system turn is the request's system text or the configured prompt, the
+        member's memories, and for a child the child instruction last, after anything a member wrote; an agent turn (helper) adds the date and the server's tools,
         unless they do not fit the context (a small model): then the helper is dropped. trim drops the
         oldest turns that do not fit (web conversations); otherwise a prompt too long is a 400 as in
         OpenAI's API."""
-        parts = [self.settings["child"]["system_prompt"]] if member["role"] == "child" else []
-        parts += system or [self.settings["system_prompt"]]
-        parts.append(self.memory_context(member, turns))
+        parts = [*(system or [self.settings["system_prompt"]]), self.memory_context(member, turns)]
+        parts += [self.settings["child"]["system_prompt"]] if member["role"] == "child" else []
         head = [{"role": "system", "content": "\n\n".join(p for p in parts if p)}]
         while True:
             if helper:
@@ -327,11 +349,10 @@ class Server:
         return job
 
     def public_prefix(self, member, turn):
-        """The token ids that start the prompts of every member of this role: the server's own system text
+        """The token ids that start the prompts of every member: the server's own system text
         and, for an agent turn, the date and its tools. The prefix cache shares the blocks a prompt has in
         common with them; the rest (memories, the request's own text) stays the member's."""
-        parts = [self.settings["child"]["system_prompt"]] if member["role"] == "child" else []
-        head = [{"role": "system", "content": "\n\n".join([*parts, self.settings["system_prompt"]])}]
+        head = [{"role": "system", "content": self.settings["system_prompt"]}]  # a child's rules come last
         conversation = turn[0].conversation(head) if turn else {"messages": head}
         return template.render(conversation, self.worker.tokenizer)[0]
 
@@ -500,6 +521,7 @@ async def chat_completions(request):
     )
     max_tokens, temperature, top_p, seed, stop = sampling_of(body, settings, member)
     server.check_hours(member)
+    server.check_child_turns(request, member, system, turns, tools)
     helper = server.agent_for(member, tools, body.get("tool_choice"))
     # Tokenizing and the memory search off the event loop: a long request does not hold up the others.
     prompt_ids, max_tokens, messages, helper = await asyncio.to_thread(
@@ -513,14 +535,23 @@ async def chat_completions(request):
     reply = Reply(stop, tools)
     base = {"id": "chatcmpl-" + uuid.uuid4().hex, "created": int(time.time()), "model": server.model_id,
             "system_fingerprint": None}  # fmt: skip
+    # A child's answers are remembered (as digests), to know them when they come back in a later request.
+    days = settings["session_days"]
+    gave = (
+        (lambda text: server.store.add_answer(member["id"], text, days))
+        if member["role"] == "child"
+        else None
+    )
     if stream:
         chunks = stream_answer(request, server, member, job, reply, base | {"object": "chat.completion.chunk"},
-                               include_usage)  # fmt: skip
+                               include_usage, gave)  # fmt: skip
         return streaming_response(chunks)
     try:
         text, finish, tokens, calls, prompt_tokens = await complete(request, server, member, job, reply)
     except ClientGone:
         return Response(status_code=499)
+    if gave:
+        gave(text)
     message = {"role": "assistant", "content": text if text or not calls else None, "refusal": None}
     if calls:
         message["tool_calls"] = calls

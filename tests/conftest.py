@@ -262,7 +262,17 @@ def chat_run(tmp_path_factory, shard_data_dir):
 def start_server(run, database, *overrides, log_path=None):
     """serve/app.py in a subprocess on a free port of 127.0.0.1: (process, base URL). Its stderr goes to
     log_path (or is dropped)."""
-    command = [sys.executable, "-m", "serve", run, "--port", "0", f"serve.database={database}", *overrides]
+    command = [
+        sys.executable,
+        "-m",
+        "serve",
+        run,
+        "--port",
+        "0",
+        f"serve.database={database}",
+        ANY_HOUR,
+        *overrides,
+    ]
     stderr = open(log_path, "w") if log_path else subprocess.DEVNULL  # noqa: SIM115 (owned by the child)
     proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=stderr, text=True)
     line = proc.stdout.readline()
@@ -286,6 +296,9 @@ def serve_member(database, name, role, password=None):
 
 
 FAST_SCRYPT = "serve.scrypt.n=1024"  # the test passwords need no production cost
+ANY_HOUR = (
+    "serve.child.allowed_hours=null"  # children chat whenever the tests run (the shipped config: 8 to 21)
+)
 
 
 @pytest.fixture(scope="session")
@@ -354,7 +367,9 @@ def live_server(chat_model, tmp_path, *overrides, model=None, context=None):
     from serve import app, worker
 
     database = str(tmp_path / f"serve-{time.monotonic_ns()}.sqlite")
-    settings = app.load_settings(app.DEFAULT_CONFIG, [f"serve.database={database}", FAST_SCRYPT, *overrides])
+    settings = app.load_settings(
+        app.DEFAULT_CONFIG, [f"serve.database={database}", FAST_SCRYPT, ANY_HOUR, *overrides]
+    )
     real_model, tokenizer, model_id, run_context = chat_model
     context = context or run_context
     decoding = load.decoding_options(settings, "cpu") if model is None else {}

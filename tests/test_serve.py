@@ -788,7 +788,7 @@ def test_children_get_their_instruction_cap_and_hours(chat_model, tmp_path):
         kid = client(url, child).chat.completions.create(model="chat", messages=USER, max_tokens=50)
         grown = client(url, adult).chat.completions.create(model="chat", messages=USER, max_tokens=50)
     settings = app.load_settings(app.DEFAULT_CONFIG, [])
-    system = settings["child"]["system_prompt"] + "\n\n" + settings["system_prompt"]
+    system = settings["system_prompt"] + "\n\n" + settings["child"]["system_prompt"]  # the child's rules last
     ids, _ = template.render(
         {"messages": [{"role": "system", "content": system}, *USER]}, chat_model[1], True
     )
