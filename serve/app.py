@@ -73,6 +73,7 @@ from starlette.middleware import Middleware
 from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 import config
 import fileio
@@ -724,6 +725,38 @@ class SecurityHeaders:
         return await self.app(scope, receive, send_with_headers)
 
 
+def uvicorn_config(asgi_app, settings, **options):
+    """uvicorn's settings for the app: serve.timeouts.idle_s between requests on a connection, and a
+    connection whose next request's headers are not complete within serve.timeouts.headers_s closed
+    (uvicorn alone waits for them forever: a client sending half a request held a connection for good)."""
+    headers_s = settings["timeouts"]["headers_s"]
+
+    class Protocol(H11Protocol):
+        def connection_made(self, transport):
+            super().connection_made(transport)
+            self.await_headers()
+
+        def on_response_complete(self):
+            super().on_response_complete()
+            self.await_headers()
+
+        def await_headers(self):
+            """Close the connection unless a new request's headers are complete within headers_s (data
+            received does not reset this timer, as it does uvicorn's keep-alive one)."""
+            waiting = self.cycle
+
+            def late():
+                idle = self.cycle is waiting and (waiting is None or waiting.response_complete)
+                if idle and not self.transport.is_closing():
+                    self.transport.close()
+
+            self.loop.call_later(headers_s, late)
+
+    return uvicorn.Config(
+        asgi_app, http=Protocol, timeout_keep_alive=settings["timeouts"]["idle_s"], **options
+    )
+
+
 def routes():
     return [
         Route("/", index),
@@ -908,8 +941,8 @@ def serve_main(argv):
     if not accounts_store.members():
         print("serve: no members yet: python -m serve member add NAME --role admin", file=sys.stderr)
     print(f"serve: model {model_id!r} at http://{host}:{port}/ (database {settings['database']})", flush=True)
-    uvicorn_config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=2)
-    uvicorn.Server(uvicorn_config).run(sockets=[sock])
+    served = uvicorn_config(app, settings, log_level="warning", access_log=False, timeout_graceful_shutdown=2)
+    uvicorn.Server(served).run(sockets=[sock])
     return 0
 
 

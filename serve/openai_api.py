@@ -22,6 +22,7 @@ class ApiError(Exception):
     TYPES |= {
         404: "not_found_error",
         405: "invalid_request_error",
+        408: "invalid_request_error",
         413: "invalid_request_error",
         415: "invalid_request_error",
         421: "invalid_request_error",

@@ -27,6 +27,15 @@ def session_token(request):
     return f"{cookie}.{key}" if cookie and key else None
 
 
+def row_id(request, what, code):
+    """The {id:int} of the path as a database row id: one past SQLite's integers (2**63 - 1) is no row of
+    anyone's, the same 404 as another member's."""
+    value = request.path_params["id"]
+    if not 0 < value < 2**63:
+        raise ApiError(404, f"no {what} {value} of yours", code=code)
+    return value
+
+
 async def read_json(request, limit):
     """The JSON body as a dict: 415 unless it is sent as application/json (a form or text/plain body is
     what a page of another site can send without asking), 413 past `limit` bytes (refused at the limit:
@@ -41,13 +50,17 @@ async def read_json(request, limit):
     if declared.isdigit() and int(declared) > limit:
         raise ApiError(413, f"the request body is {int(declared)} bytes; at most {limit} are accepted",
                        code="request_too_large")  # fmt: skip
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise ApiError(413, f"the request body is over {limit} bytes, the most accepted",
-                           code="request_too_large")  # fmt: skip
-    settings = request.app.state.server.settings
+    body, settings = bytearray(), request.app.state.server.settings
+    try:
+        async with asyncio.timeout(settings["timeouts"]["body_s"]):  # a body trickled in holds no one
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > limit:
+                    raise ApiError(413, f"the request body is over {limit} bytes, the most accepted",
+                                   code="request_too_large")  # fmt: skip
+    except TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within {settings['timeouts']['body_s']} s "
+                       "(serve.timeouts.body_s)", code="request_timeout") from None  # fmt: skip
     depth = settings["max_json_depth"]
     try:
         value = json.loads(bytes(body))
@@ -298,7 +311,12 @@ async def edit_memory(request):
     member = memory_member(server, request)
     changes = await memory_changes(request, server)
     edited = memory_call(
-        server, member, memories.edit, request.path_params["id"], server.memory_cfg, **changes
+        server,
+        member,
+        memories.edit,
+        row_id(request, "memory", "memory_not_found"),
+        server.memory_cfg,
+        **changes,
     )
     return JSONResponse(edited)
 
@@ -307,7 +325,11 @@ async def delete_memory(request):
     server = request.app.state.server
     member = memory_member(server, request)
     return JSONResponse(
-        {"deleted": memory_call(server, member, memories.forget, request.path_params["id"])["id"]}
+        {
+            "deleted": memory_call(
+                server, member, memories.forget, row_id(request, "memory", "memory_not_found")
+            )["id"]
+        }
     )
 
 
@@ -386,7 +408,9 @@ async def list_feedback(request):
 async def delete_feedback(request):
     server = request.app.state.server
     member = server.member_of(request)
-    removed = feedback_call(server, feedback.remove, member["id"], request.path_params["id"])
+    removed = feedback_call(
+        server, feedback.remove, member["id"], row_id(request, "feedback", "feedback_not_found")
+    )
     return JSONResponse({"deleted": removed})
 
 

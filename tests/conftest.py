@@ -379,7 +379,7 @@ def live_server(chat_model, tmp_path, *overrides, model=None, context=None):
     server = app.Server(settings, store, model_worker, model_id, context)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    uv = uvicorn.Server(uvicorn.Config(app.build_app(server), log_level="warning"))
+    uv = uvicorn.Server(app.uvicorn_config(app.build_app(server), settings, log_level="warning"))
     thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     while not uv.started:

@@ -5,13 +5,16 @@ subprocess); a client at another loopback address (127.0.0.2, ...) plays another
 
 import asyncio
 import os
+import socket
+import subprocess
+import sys
 import threading
 import time
 
 import httpx
 import openai
 import pytest
-from conftest import ScriptedModel, live_server, start_server
+from conftest import ROOT, ScriptedModel, live_server, start_server
 
 from family import accounts, memories
 
@@ -270,3 +273,74 @@ def test_the_shipped_config_sets_childrens_hours():
     from serve import app
 
     assert app.load_settings(app.DEFAULT_CONFIG, [])["child"]["allowed_hours"] == [8, 21]
+
+
+# -----------------------------------------------------------------------------
+# Slow clients, large bodies, old sessions, ids out of range
+
+SHORT_TIMEOUTS = ("serve.timeouts.headers_s=1", "serve.timeouts.idle_s=1", "serve.timeouts.body_s=1")
+
+
+def connect(url):
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)))
+    sock.settimeout(20)  # far past the configured timeouts: a connection left open fails the test
+    return sock
+
+
+def answer_of(sock):
+    """Everything the server sends until it closes the connection."""
+    received = b""
+    while chunk := sock.recv(65536):
+        received += chunk
+    return received
+
+
+def test_half_sent_headers_and_a_trickled_body_are_cut_off(chat_model, tmp_path):
+    with live_server(chat_model, tmp_path, *SHORT_TIMEOUTS, model=scripted(chat_model)) as (url, server):
+        half = connect(url)
+        half.sendall(b"POST /api/login HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: appl")
+        assert answer_of(half) == b""  # closed, nothing answered
+        trickle = connect(url)
+        trickle.sendall(b"POST /api/login HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                        b"Content-Length: 100\r\n\r\n{")  # fmt: skip
+        answer = answer_of(trickle)
+        assert answer.startswith(b"HTTP/1.1 408") and b"serve.timeouts.body_s" in answer
+
+
+def test_a_body_over_the_limit_is_refused_before_the_rest_is_sent(chat_model, tmp_path):
+    with live_server(chat_model, tmp_path, model=scripted(chat_model)) as (url, server):
+        key = member(server, "ana")
+        for path in ("/api/login", "/v1/chat/completions"):
+            sock = connect(url)
+            sock.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                         f"Authorization: Bearer {key}\r\n"
+                         "Content-Length: 1000000000\r\n\r\n{\"name\": ".encode())  # fmt: skip
+            answer = sock.recv(65536)  # the 1 GB are never sent
+            sock.close()
+            assert answer.startswith(b"HTTP/1.1 413"), (path, answer)
+
+
+def test_a_password_set_on_the_server_ends_the_members_sessions(chat_model, tmp_path):
+    with live_server(chat_model, tmp_path, model=scripted(chat_model)) as (url, server):
+        member(server, "ana", "adult", "clave-de-ana")
+        http = httpx.Client(base_url=url)
+        http.headers["X-Session-Key"] = log_in(http, "ana", "clave-de-ana").json()["session_key"]
+        assert http.get("/api/me").status_code == 200
+        reset = subprocess.run([sys.executable, "-m", "serve", "member", "password", "ana",
+                                f"serve.database={server.store.path}"], cwd=ROOT, input="otra-clave-de-ana\n",
+                               capture_output=True, text=True)  # fmt: skip
+        assert reset.returncode == 0 and "sessions have ended" in reset.stdout, reset.stderr
+        assert http.get("/api/me").status_code == 401
+        assert log_in(httpx.Client(base_url=url), "ana", "otra-clave-de-ana").status_code == 200
+
+
+def test_an_id_past_the_databases_integers_is_a_404_never_a_500(chat_model, tmp_path):
+    with live_server(chat_model, tmp_path, model=scripted(chat_model)) as (url, server):
+        http = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {member(server, 'ana')}"})
+        huge = "99999999999999999999"
+        answers = [http.delete(f"/api/feedback/{huge}"), http.delete(f"/api/memories/{huge}"),
+                   http.patch(f"/api/memories/{huge}", json={"pinned": True}),
+                   http.delete(f"/api/feedback/{2**63}"), http.delete("/api/memories/0")]  # fmt: skip
+    assert [a.status_code for a in answers] == [404] * 5
+    assert [a.json()["error"]["code"] for a in answers[:2]] == ["feedback_not_found", "memory_not_found"]
