@@ -345,9 +345,10 @@ def query_terms(text, cfg):
     (a set, not a list, remembers the words seen), so a long message costs no more than its first words.
     serve/app.py calls it before taking the database's lock."""
     stopwords, terms = set(cfg["stopwords"]), {}  # a dict keeps their order
-    for found in WORD.finditer(text):
+    long_enough = re.compile(rf"\w{{{cfg['min_term_chars']},}}")  # shorter words skipped by the regex engine
+    for found in long_enough.finditer(text):
         word = found.group().lower()
-        if len(word) >= cfg["min_term_chars"] and word not in stopwords and word not in terms:
+        if word not in stopwords and word not in terms:
             terms[word] = None
             if len(terms) == cfg["max_query_terms"]:
                 break
