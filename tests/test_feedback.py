@@ -126,7 +126,11 @@ def test_rating_an_answer_checks_what_is_rated_and_the_owner_changes_lists_and_d
             (ana.post(f"{route}/1/feedback", json={"rating": "1"}), 400, "invalid_type"),
             (ana.post(f"{route}/1/feedback", json={"rating": -1, "better": "  "}), 400, "invalid_feedback"),
             (ana.post(f"{route}/1/feedback", json={"rating": -1, "better": 7}), 400, "invalid_type"),
-            (ana.post(f"{route}/1/feedback", content=b"{"), 400, "invalid_json"),
+            (
+                ana.post(f"{route}/1/feedback", content=b"{", headers={"Content-Type": "application/json"}),
+                400,
+                "invalid_json",
+            ),
             (
                 ana.post("/api/conversations/nope/messages/1/feedback", json={"rating": 1}),
                 404,

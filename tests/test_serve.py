@@ -43,6 +43,7 @@ def ask(url, key, **body):
 
 
 USER = [{"role": "user", "content": "Hola, ¿qué tal?"}]
+JSON = {"Content-Type": "application/json"}
 
 
 # -----------------------------------------------------------------------------
@@ -533,8 +534,10 @@ def test_the_conversation_routes_refuse_bad_input_with_a_clear_4xx(chat_model, t
             (http.post("/api/conversations", json={"title": 7}), 400, "invalid_type"),
             (http.post(f"/api/conversations/{cid}/messages", json={"content": "   "}), 400, "empty_message"),
             (http.post(f"/api/conversations/{cid}/messages", json={"text": "hola"}), 400, "invalid_type"),
-            (http.post(f"/api/conversations/{cid}/messages", content=b"{nope"), 400, "invalid_json"),
-            (http.post(f"/api/conversations/{cid}/messages", content=b"x" * 2_000_000), 413, "request_too_large"),
+            (http.post(f"/api/conversations/{cid}/messages", content=b"{nope", headers=JSON), 400, "invalid_json"),
+            (http.post(f"/api/conversations/{cid}/messages", content=b"x" * 2_000_000, headers=JSON), 413,
+             "request_too_large"),
+            (http.post(f"/api/conversations/{cid}/messages", content=b"{}"), 415, "unsupported_media_type"),
             (http.post("/api/conversations/no-such-id/messages", json={"content": "hola"}), 404, "conversation_not_found"),
             (http.post("/api/login", json={"name": "ana"}), 400, "invalid_type"),
         ]  # fmt: skip
