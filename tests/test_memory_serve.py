@@ -396,8 +396,9 @@ def test_the_panel_shows_a_member_only_their_memories_and_the_familys(browser, w
     assert all_of(browser, "#memories .memory-edit") == []  # a child cannot change the family's
     statuses = browser.execute_async_script(
         "const done = arguments[arguments.length - 1];"
-        f"Promise.all([fetch('/api/memories/{ids[SECRET]}', {{method: 'DELETE'}}),"
-        f" fetch('/api/memories/{ids[SHARED]}', {{method: 'PATCH', headers: {{'Content-Type': 'application/json'}},"
+        f"Promise.all([fetch('/api/memories/{ids[SECRET]}', {{method: 'DELETE', headers: sessionHeaders()}}),"
+        f" fetch('/api/memories/{ids[SHARED]}', {{method: 'PATCH',"
+        " headers: {...sessionHeaders(), 'Content-Type': 'application/json'},"
         ' body: \'{"text": "x"}\'})]).then((rs) => done(rs.map((r) => r.status)));'
     )
     assert statuses == [404, 404]
@@ -411,7 +412,8 @@ def test_the_panel_shows_a_member_only_their_memories_and_the_familys(browser, w
     screenshot(browser, "memories-2-luis.png")
     exported = browser.execute_async_script(
         "const done = arguments[arguments.length - 1];"
-        "fetch(document.getElementById('memories-export').href).then((r) => r.json()).then(done);"
+        "fetch(document.getElementById('memories-export').href, {headers: sessionHeaders()})"
+        ".then((r) => r.json()).then(done);"
     )
     assert [(m["member"], m["scope"], m["text"], m["pinned"]) for m in exported["memories"]] == [
         ("luis", "private", "Mi color favorito es el verde", True)

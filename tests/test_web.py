@@ -224,7 +224,7 @@ def test_a_new_conversation_starts_empty_and_its_owner_deletes_one_from_the_page
     screenshot(browser, "6-after-deleting-a-conversation.png")
     status = browser.execute_async_script(
         "const done = arguments[arguments.length - 1];"
-        f"fetch('/api/conversations/{first_id}').then((r) => done(r.status));"
+        f"fetch('/api/conversations/{first_id}', {{headers: sessionHeaders()}}).then((r) => done(r.status));"
     )
     assert status == 404  # gone from the server, not only from the page
 

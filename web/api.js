@@ -12,6 +12,22 @@ function sessionHeaders() {
   return key ? { "X-Session-Key": key } : {};
 }
 
+// A link to a JSON download (an export): a plain link would carry the cookie but not the session key, so
+// its click fetches the file through api() and saves what came.
+function jsonDownload(link) {
+  link.addEventListener("click", (event) => {
+    event.preventDefault();
+    api("GET", link.getAttribute("href")).then((reply) => {
+      const save = document.createElement("a");
+      save.href = URL.createObjectURL(new Blob([JSON.stringify(reply, null, 1)], { type: "application/json" }));
+      save.download = link.download;
+      save.click();
+      setTimeout(() => URL.revokeObjectURL(save.href), 1000);
+    }).catch(() => {});
+  });
+  return link;
+}
+
 // A failed request's Error: the server's message (in English), or the Spanish one that `spanish` gives
 // for its code (the errors a member can cause on that page), with the HTTP status and the code.
 async function errorOf(response, spanish = {}) {

@@ -99,8 +99,8 @@
   const children = el("ul", { id: "feedback-children", className: "memories" });
   const error = el("p", { id: "feedback-error", className: "error", role: "alert" });
   const list = el("ul", { id: "feedback-list", className: "memories" });
-  const exportLink = el("a", { id: "feedback-export", href: "/api/feedback/export", download: "mis-valoraciones.json" },
-    "Exportar (JSON)");
+  const exportLink = jsonDownload(el("a", { id: "feedback-export", href: "/api/feedback/export", download: "mis-valoraciones.json" },
+    "Exportar (JSON)"));
   const deleteAll = el("button", { id: "feedback-delete-all", type: "button", className: "link" }, "Borrar todas");
   const panel = el("details", { id: "feedback-panel", className: "panel" },
     el("summary", {}, "Mis valoraciones"),

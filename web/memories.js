@@ -30,8 +30,8 @@
     el("button", { type: "submit", id: "memory-save" }, "Guardar"));
   const error = el("p", { id: "memories-error", className: "error", role: "alert" });
   const list = el("ul", { id: "memories", className: "memories" });
-  const exportLink = el("a", { id: "memories-export", href: "/api/memories/export", download: "mis-recuerdos.json" },
-    "Exportar (JSON)");
+  const exportLink = jsonDownload(el("a", { id: "memories-export", href: "/api/memories/export", download: "mis-recuerdos.json" },
+    "Exportar (JSON)"));
   const deleteAll = el("button", { id: "memories-delete-all", type: "button", className: "link" }, "Borrar todos");
   const panel = el("details", { id: "memories-panel", className: "panel" },
     el("summary", {}, "Mis recuerdos"), form, error, list, el("div", { className: "memory-actions" }, exportLink, deleteAll));
