@@ -30,7 +30,7 @@ from starlette.testclient import TestClient
 import data
 from chat import template
 from family import accounts, memories
-from serve import app, worker
+from serve import app, web, worker
 
 settings.register_profile(
     "quick",
@@ -218,7 +218,9 @@ class Family:
         self.worker = worker.Worker(model, tokenizer, self.settings["queue_size"])
         self.store = accounts.Store(database, self.settings["busy_timeout_ms"])
         self.server = app.Server(self.settings, self.store, self.worker, MODEL_ID, 4096)
-        self.client = TestClient(app.build_app(self.server), raise_server_exceptions=False)
+        self.client = TestClient(
+            app.build_app(self.server), base_url="http://127.0.0.1", raise_server_exceptions=False
+        )
         self.client.__enter__()
 
     def reset(self):
@@ -235,7 +237,7 @@ class Family:
             keys[caller] = store.new_key(name)
         store.set_password("ana", accounts.hash_password(PASSWORD, self.settings["scrypt"]))
         store.write(("UPDATE members SET provisional = 0", ()))
-        self.server.failures.clear()
+        self.server.throttle = accounts.LoginThrottle(self.settings)  # guesses of earlier examples forgotten
         ana = store.member("ana")
         self.keys, self.cookie = keys, store.new_session(ana["id"], 1)
         conversations = store.conversations(ana["id"])
@@ -259,7 +261,7 @@ class Family:
             headers["Authorization"] = f"Bearer {self.keys[caller]}"
         elif caller == "cookie":
             cookie, key = self.cookie.split(".")
-            headers["Cookie"], headers["X-Session-Key"] = f"{app.SESSION_COOKIE}={cookie}", key
+            headers["Cookie"], headers["X-Session-Key"] = f"{web.SESSION_COOKIE}={cookie}", key
         elif caller == "bad key":
             headers["Authorization"] = "Bearer enl-\x7f"
         return headers
