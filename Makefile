@@ -281,7 +281,7 @@ report: $(STAMP)
 		$(PY) -m corpus all $(RUN_DIR)/config.yaml || echo "report: could not rebuild the run's data (above)"; fi
 	$(PY) -m evaluation report $(RUN_DIR) $(ARGS)
 
-# make export RUN=runs/sft TO=gguf ARGS="--dtype q8_0"   (TO: hf, gguf or ollama; OUT defaults to out/)
+# make export RUN=runs/sft-2060 TO=gguf ARGS="--dtype q8_0"   (TO: hf, gguf or ollama; OUT defaults to out/)
 TO ?= hf
 OUT ?= out/$(notdir $(RUN_DIR))-$(TO)
 export: $(STAMP)

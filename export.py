@@ -2,10 +2,10 @@
 Export an ENLACE run to the formats the ecosystem runs: Hugging Face (transformers, vLLM), GGUF
 (llama.cpp) and an Ollama model folder.
 
-    python export.py runs/sft --to hf out/enlace-hf                  # float32 (--dtype f16 | bf16)
-    python export.py runs/sft --to gguf out/enlace-gguf --dtype q8_0  # f32 | f16 | q8_0
-    python export.py runs/sft --to ollama out/enlace-ollama           # model.gguf + Modelfile
-    python export.py runs/sft/ckpt_0001000.pt --to hf out/x --force   # replace a non-empty folder
+    python export.py runs/sft-2060 --to hf out/enlace-hf                  # float32 (--dtype f16 | bf16)
+    python export.py runs/sft-2060 --to gguf out/enlace-gguf --dtype q8_0  # f32 | f16 | q8_0
+    python export.py runs/sft-2060 --to ollama out/enlace-ollama           # model.gguf + Modelfile
+    python export.py runs/sft-2060/ckpt_0001000.pt --to hf out/x --force   # replace a non-empty folder
 
 The model is model.py's Qwen3-style decoder, whose parameter names already follow Hugging Face's Qwen3:
 the export renames, never transforms, and the tied embedding is stored once. The tokenizer is the

@@ -155,7 +155,7 @@ def length_bin(chars):
 
 
 class FilterTask:
-    """A datatrove pipeline callable (data, rank, world_size): the stages of corpus_filters on this task's
+    """A datatrove pipeline callable (data, rank, world_size): the stages of corpus/filters.py on this task's
     share of the documents. Models are built in the task, so the object pickles small."""
 
     def __init__(self, data_cfg, workdir):

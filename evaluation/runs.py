@@ -18,7 +18,7 @@ evaluation has finished. The model is harness.EnlaceLM: the checkpoint itself, n
 The report card (RUN/report.md) puts on one page what a person needs to judge a run: config, hardware,
 wall time, tokens seen, the tokenizer's characters per token, val loss and bits per byte, every stored
 benchmark table and score (the base run's and the fine-tuned runs' too), tool-use rates when
-agent/dataset.py evaluated the run, three samples and the loss plot.
+make agent-eval (evaluation/tool_use.py) evaluated the run, three samples and the loss plot.
 """
 
 import argparse
