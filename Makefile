@@ -24,9 +24,17 @@ TRAIN := $(if $(filter 1,$(NPROC)),$(PY),$(VENV)/bin/torchrun --standalone --npr
 	plot export gguf-check snapshot restore install-service fuzz gpu-check eval-bench report preferences dpo dpo-smoke recipe
 .PHONY: run rehearsal
 
+# What a fresh install needs, checked before .venv is made (scripts/check_setup.py, one line per missing
+# thing): PYTHON at least SETUP_PYTHON_MIN (the code uses datetime.UTC), and SETUP_FREE_GIB of free disk
+# (.venv measured 3.6 GB with torch's CPU build, 2026-12-06; PyPI's Linux torch brings CUDA's libraries,
+# several GB more, and pip caches what it downloads).
+SETUP_PYTHON_MIN ?= 3.11
+SETUP_FREE_GIB ?= 10
+
 setup: $(STAMP)
 
 $(STAMP): requirements.txt requirements-dev.txt
+	$(PYTHON) scripts/check_setup.py --min-python $(SETUP_PYTHON_MIN) --min-free-gib $(SETUP_FREE_GIB) --venv $(VENV)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -r requirements-dev.txt
