@@ -13,6 +13,7 @@ import time
 
 import jsonschema
 import pytest
+from skip_summary import pytest_terminal_summary  # noqa: F401  (the skip reasons at the end)
 
 import config
 import corpus.pipeline

@@ -21,7 +21,9 @@ import train
 from chat import template
 from decode import engine
 
-transformers = pytest.importorskip("transformers")
+transformers = pytest.importorskip(
+    "transformers", reason="transformers is not installed (requirements-dev.txt pins it)"
+)
 quiet = lambda *a, **k: None  # noqa: E731
 
 # head_dim 16 and a 64-token context: room for a prompt and 32 generated tokens. 200 steps at a high
@@ -618,7 +620,10 @@ LLAMA_RUN = [*EXPORT_RUN, "model.d_model=128", "model.ffn_hidden=256"]
 
 @pytest.fixture(scope="module")
 def llama_run(tmp_path_factory, shard_data_dir):
-    pytest.importorskip("llama_cpp")
+    pytest.importorskip(
+        "llama_cpp",
+        reason="llama-cpp-python is not installed (make gguf-check builds it: requirements-gguf-check.txt)",
+    )
     runs = tmp_path_factory.mktemp("runs")
     train.train(tiny_config(runs, "shards", shard_data_dir, "run_name=llama", *LLAMA_RUN), log=quiet)
     return str(runs / "llama")
@@ -632,7 +637,10 @@ def llama_enlace(llama_run):
 
 @pytest.fixture(scope="module")
 def llama(llama_run, tmp_path_factory):
-    llama_cpp = pytest.importorskip("llama_cpp")
+    llama_cpp = pytest.importorskip(
+        "llama_cpp",
+        reason="llama-cpp-python is not installed (make gguf-check builds it: requirements-gguf-check.txt)",
+    )
     folder = tmp_path_factory.mktemp("llama")
     models = {}
     for dtype in ("f32", "q8_0"):
