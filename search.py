@@ -1,5 +1,6 @@
 """
-Web search for ENLACE: DuckDuckGo lite first (no key, no account), the Brave Search API as fallback.
+Web search for ENLACE: DuckDuckGo lite first (no key, no account), the Brave Search API as fallback once
+BRAVE_API_KEY is set (without it, auto is DuckDuckGo alone and says so).
 
     python search.py "que es home assistant"            # numbered results and which provider answered
     python search.py -n 5 --provider ddg "receta de lentejas"
@@ -11,7 +12,8 @@ How the chain behaves:
 - A provider that answers correctly with zero results IS the answer; only a real error (transport, a
   status other than 200, a challenge page, markup we cannot read) moves on to the next provider.
 - The response names the provider that answered and keeps every failed attempt with its error.
-- A fallback without its credential fails when the chain is built, not at the first query.
+- A Brave key that cannot be sent fails when the chain is built (the server builds it at start), not at
+  the first query; --provider brave without a key fails there too.
 - After DuckDuckGo rate-limits, blocks or challenges us, it is skipped for DDG_COOLDOWN_S.
 
 Environment: BRAVE_API_KEY, ENLACE_DDG_URL and ENLACE_BRAVE_URL (override the endpoints; the tests point
@@ -671,14 +673,18 @@ MISSING_KEY_HELP = (
     "Add a line BRAVE_API_KEY=<your key> to .env in the repository root (or export it; keys at "
     "https://brave.com/search/api/), or search keyless with --provider ddg."
 )
+# What an HTTP header can carry: a key pasted with a space, a newline or a curly quote would fail at the
+# first fallback instead of at start.
+API_KEY = re.compile(r"[\x21-\x7e]+")
 
 
 class SearchChain:
     """Providers tried in order over one connection pool; remembers DuckDuckGo's cooldown."""
 
-    def __init__(self, providers: list, clock=time.monotonic):
+    def __init__(self, providers: list, clock=time.monotonic, missing_fallback: str = ""):
         self.providers = providers
         self.clock = clock  # injectable so the cooldown can be tested without sleeping
+        self.missing_fallback = missing_fallback  # why auto has no fallback ("" when it has one)
         self.cooldown_until: dict[str, float] = {}
         self.cooldown_reason: dict[str, str] = {}
 
@@ -694,16 +700,21 @@ class SearchChain:
         http: urllib3.PoolManager | None = None,
         clock=time.monotonic,
     ) -> "SearchChain":
-        """Build the chain for --provider auto|ddg|brave; a missing credential fails here, not later."""
+        """Build the chain for --provider auto|ddg|brave; a credential that is missing or cannot be sent
+        fails here, not later. auto without BRAVE_API_KEY is DuckDuckGo alone (no account needed), and
+        says so in describe()."""
         env = os.environ if env is None else env
         if provider not in PROVIDER_CHOICES:
             raise ConfigError(f"provider {provider!r} is not one of {', '.join(PROVIDER_CHOICES)}")
         key = env.get("BRAVE_API_KEY", "").strip()
-        if provider != "ddg" and not key:
-            needed = (
-                "the auto chain needs it for its Brave fallback" if provider == "auto" else "brave needs it"
+        if provider == "brave" and not key:
+            raise ConfigError(f"BRAVE_API_KEY is not set: brave needs it. {MISSING_KEY_HELP}")
+        if provider != "ddg" and key and not API_KEY.fullmatch(key):
+            raise ConfigError(
+                "BRAVE_API_KEY holds a space or a character an HTTP header cannot carry (a key is printable "
+                f"ASCII without spaces): copy it again. {MISSING_KEY_HELP}"
             )
-            raise ConfigError(f"BRAVE_API_KEY is not set: {needed}. {MISSING_KEY_HELP}")
+        missing = "no BRAVE_API_KEY" if provider == "auto" and not key else ""
         ddg_url = check_endpoint("ENLACE_DDG_URL", env.get("ENLACE_DDG_URL") or DDG_URL, carries_key=False)
         brave_url = check_endpoint(
             "ENLACE_BRAVE_URL", env.get("ENLACE_BRAVE_URL") or BRAVE_URL, carries_key=True
@@ -712,9 +723,19 @@ class SearchChain:
         providers = []
         if provider in ("auto", "ddg"):
             providers.append(DuckDuckGoLite(http, ddg_url, limits))
-        if provider in ("auto", "brave"):
+        if provider == "brave" or (provider == "auto" and key):
             providers.append(BraveSearch(http, key, brave_url, limits))
-        return cls(providers, clock)
+        return cls(providers, clock, missing)
+
+    def describe(self) -> str:
+        """One line for a start-up log: the providers in order, and when auto has no fallback, why."""
+        order = " then ".join(provider.name for provider in self.providers)
+        if self.missing_fallback:
+            return (
+                f"{order} alone, no fallback when it fails ({self.missing_fallback}; add a line "
+                "BRAVE_API_KEY=<key> to .env for Brave, keys at https://brave.com/search/api/)"
+            )
+        return order
 
     def search(
         self,
@@ -840,7 +861,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-n", "--max-results", type=max_results_arg, default=10, help="1-20, default 10")
     parser.add_argument("--region", default=DEFAULT_REGION, help="DuckDuckGo kl code (default es-es)")
     parser.add_argument(
-        "--provider", choices=PROVIDER_CHOICES, default="auto", help="default auto: ddg → brave"
+        "--provider",
+        choices=PROVIDER_CHOICES,
+        default="auto",
+        help="default auto: ddg → brave (ddg alone without BRAVE_API_KEY)",
     )
     parser.add_argument("--time", choices=tuple(TIME_RANGES), default=None, help="only results this recent")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -851,6 +875,8 @@ def main(argv: list[str] | None = None) -> int:
         env_file = named or os.path.join(os.path.dirname(os.path.abspath(__file__)), ".env")
         env = {**read_env_file(env_file, required=bool(named)), **os.environ}  # the environment wins
         chain = SearchChain.from_env(args.provider, env=env)
+        if chain.missing_fallback:
+            print(f"note: {chain.describe()}", file=sys.stderr)
         response = chain.search(" ".join(args.query), args.max_results, args.region, args.time)
     except ConfigError as exc:
         print(f"search.py: error: {exc}", file=sys.stderr)

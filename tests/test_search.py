@@ -504,16 +504,32 @@ def test_every_failed_attempt_is_recorded_in_order(server):
     assert "ddg: Blocked" in str(raised.value) and "brave: RateLimited" in str(raised.value)
 
 
-def test_missing_key_fails_at_construction_not_at_the_first_query(server):
-    for provider in ("auto", "brave"):
-        with pytest.raises(search.ConfigError) as raised:
-            search.SearchChain.from_env(provider, env=env_for(server, key=None))
-        assert "BRAVE_API_KEY" in str(raised.value) and ".env" in str(raised.value)
-        assert "--provider ddg" in str(raised.value)
+def test_brave_without_a_key_fails_at_construction_not_at_the_first_query(server):
+    with pytest.raises(search.ConfigError) as raised:
+        search.SearchChain.from_env("brave", env=env_for(server, key=None))
+    assert "BRAVE_API_KEY" in str(raised.value) and ".env" in str(raised.value)
+    assert "--provider ddg" in str(raised.value)
     assert server.requests == []
     assert [p.name for p in search.SearchChain.from_env("ddg", env=env_for(server, key=None)).providers] == [
         "ddg"
     ]
+
+
+def test_auto_without_a_key_is_duckduckgo_alone_and_says_there_is_no_fallback(server):
+    server.route(DDG_PATH, 200, fixture("ddg_lite_results.html"))
+    keyless = search.SearchChain.from_env("auto", env=env_for(server, key=None), limits=FAST)
+    assert [p.name for p in keyless.providers] == ["ddg"]
+    assert keyless.describe().startswith("ddg alone, no fallback when it fails (no BRAVE_API_KEY; ")
+    assert [r.url for r in keyless.search("weather san francisco", region="us-en").results] == TEN_URLS
+    assert chain(server).describe() == "ddg then brave"
+
+
+@pytest.mark.parametrize("key", ["abc def", "abc\u201d", "abc\x7f"])
+def test_a_brave_key_that_no_header_can_carry_fails_at_construction(server, key):
+    for provider in ("auto", "brave"):
+        with pytest.raises(search.ConfigError, match="BRAVE_API_KEY holds a space or a character"):
+            search.SearchChain.from_env(provider, env=env_for(server, key=key))
+    assert server.requests == []
 
 
 def test_bad_usage_is_a_config_error(server):
@@ -594,7 +610,7 @@ def test_env_file_is_read_like_remote_sh_reads_it(tmp_path):
 
 def test_cli_json_prints_provider_results_and_attempts(server, tmp_path):
     server.route(DDG_PATH, 200, fixture("ddg_lite_results.html"))
-    (tmp_path / ".env").write_text(f"# key for the fallback\nBRAVE_API_KEY='{KEY}'\n")  # auto needs it
+    (tmp_path / ".env").write_text(f"# key for the fallback\nBRAVE_API_KEY='{KEY}'\n")
     done = run_cli(["--json", "-n", "3", "weather", "san francisco"], env_for(server, key=None), tmp_path)
     assert done.returncode == 0, done.stderr
     answer = json.loads(done.stdout)
@@ -606,7 +622,7 @@ def test_cli_json_prints_provider_results_and_attempts(server, tmp_path):
 
 def test_cli_exit_codes(server, tmp_path):
     no_key = env_for(server, key=None)
-    missing = run_cli(["x"], no_key, tmp_path)
+    missing = run_cli(["--provider", "brave", "x"], no_key, tmp_path)
     assert missing.returncode == 2
     assert (
         "BRAVE_API_KEY" in missing.stderr and ".env" in missing.stderr and "--provider ddg" in missing.stderr
@@ -623,3 +639,8 @@ def test_cli_exit_codes(server, tmp_path):
     server.route(DDG_PATH, 200, fixture("ddg_lite_empty.html"))
     empty = run_cli(["--provider", "ddg", "xqzv"], no_key, tmp_path)
     assert empty.returncode == 0 and "No results." in empty.stdout and "from ddg" in empty.stdout
+
+    server.route(DDG_PATH, 200, fixture("ddg_lite_results.html"))
+    keyless = run_cli(["weather"], no_key, tmp_path)  # a fresh install: auto, no key, no account
+    assert keyless.returncode == 0 and "[10 results from ddg]" in keyless.stdout
+    assert keyless.stderr.startswith("note: ddg alone, no fallback when it fails (no BRAVE_API_KEY;")
