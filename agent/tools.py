@@ -179,18 +179,46 @@ def buscar_web(arguments, context):
 _chains = {}  # one chain per provider for the process, so DuckDuckGo's cooldown outlives a turn
 
 
-def searcher_from_env(provider):
-    """search.py's chain, configured like `python search.py` (the environment, then .env)."""
-    if provider in _chains:
-        return _chains[provider]
-    named = os.environ.get("ENLACE_ENV_FILE")
-    env_file = named or os.path.join(ROOT, ".env")
-    env = {**search.read_env_file(env_file, required=bool(named)), **os.environ}
-    try:
+def build_searcher(provider):
+    """search.py's chain, configured like `python search.py` (the environment, then .env), built once
+    per provider for the process; search.ConfigError when it cannot be."""
+    if provider not in _chains:
+        named = os.environ.get("ENLACE_ENV_FILE")
+        env_file = named or os.path.join(ROOT, ".env")
+        env = {**search.read_env_file(env_file, required=bool(named)), **os.environ}
         _chains[provider] = search.SearchChain.from_env(provider, env=env)
-        return _chains[provider]
+    return _chains[provider]
+
+
+def searcher_from_env(provider):
+    try:
+        return build_searcher(provider)
     except search.ConfigError as exc:
         raise ToolFailure(f"la búsqueda no está configurada ({exc})") from None
+
+
+def readiness(settings, names=None):
+    """One line per tool on offer that needs more than its arguments, said when a server starts: what
+    buscar_web searches with (its chain built now, so a credential is checked now), or why a tool will
+    fail. The other tools need nothing outside the process."""
+    lines = []
+    for name in names or default_tools(member=True):
+        if name == "buscar_web":
+            try:
+                lines.append(
+                    f"buscar_web searches with {build_searcher(settings['search']['provider']).describe()}"
+                )
+            except search.ConfigError as exc:
+                lines.append(f"buscar_web will fail every call: {exc}")
+        elif name == "fecha_hora":
+            try:
+                zoneinfo.ZoneInfo(settings["timezone"])
+            except (zoneinfo.ZoneInfoNotFoundError, ValueError, OSError):
+                lines.append(
+                    f"fecha_hora will fail without a zone: agent.timezone {settings['timezone']!r} is not in "
+                    "this machine's time zone database (pip install tzdata)"
+                )
+    return lines
 
 
 def shorten(text, limit):

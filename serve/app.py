@@ -925,6 +925,9 @@ def serve_main(argv):
     except store.SnapshotError as e:
         raise ServeError(str(e)) from None
     log = lambda message: print(f"serve: {message}", file=sys.stderr)  # noqa: E731
+    if settings["tools"]:  # each tool works, or the log says now why not
+        for line in tools.readiness(server.agent_settings):
+            log(line)
     store.snapshot_every(settings["database"], server.memory_cfg, threading.Event(), log)
     app = build_app(server)
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
