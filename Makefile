@@ -22,7 +22,7 @@ TRAIN := $(if $(filter 1,$(NPROC)),$(PY),$(VENV)/bin/torchrun --standalone --npr
 	serve kernels bench search agent-data agent-data-16k agent-eval sft-agent agent-ladder agent-ladder-16k agent-ladder-c agent-ladder-digits agent-ladder-table sync \
 	remote-setup remote-smoke-2060 remote-pretrain logs fetch status chat-prepare sft sft-smoke \
 	plot export gguf-check snapshot restore install-service fuzz gpu-check eval-bench report preferences dpo dpo-smoke recipe
-.PHONY: run rehearsal
+.PHONY: run rehearsal remote-run
 
 # What a fresh install needs, checked before .venv is made (scripts/check_setup.py, one line per missing
 # thing): PYTHON at least SETUP_PYTHON_MIN (the code uses datetime.UTC), and SETUP_FREE_GIB of free disk
@@ -461,6 +461,12 @@ remote-smoke-2060: sync
 
 remote-pretrain: sync
 	scripts/remote.sh run $(CONFIG) $(ARGS) $(RESUME_FLAG)
+
+# make run on the GPU server (make remote-setup first): the chain in tmux there, so it outlives this
+# terminal and the SSH connection. make status lists it, make logs RUN_NAME=run-BOARD follows it,
+# scripts/remote.sh attach run-BOARD shows it (Ctrl-b d leaves it running); again to resume after a stop.
+remote-run: sync
+	scripts/remote.sh chain "$(BOARD)" $(if $(BUDGET_MIN),--budget-min $(BUDGET_MIN)) $(ARGS)
 
 logs:
 	scripts/remote.sh logs $(RUN_NAME)

@@ -5,6 +5,10 @@
 #   scripts/remote.sh run CONFIG [section.key=value ...] [--resume]
 #                                               start train.py in a detached tmux session named after the
 #                                               run; output also goes to runs/<run_name>/train.log there
+#   scripts/remote.sh chain BOARD [chain.key=value ...] [--budget-min MINUTES]
+#                                               the whole run (python -m chain run BOARD) the same way: a
+#                                               tmux session named after its folder runs/<name>, whose
+#                                               output also goes to runs/<name>/train.log there
 #   scripts/remote.sh logs [RUN]                last lines of the log, followed while the run lives
 #                                               (RUN defaults to the run whose log changed last)
 #   scripts/remote.sh status                    live runs with their last log line, GPU memory
@@ -40,7 +44,7 @@ SESSION_NAME_PATTERN='^[A-Za-z0-9][A-Za-z0-9_-]*$'
 
 die() { printf 'remote.sh: %s\n' "$1" >&2; exit "${2:-1}"; }
 usage_error() { printf 'remote.sh: %s\n' "$1" >&2; usage >&2; exit 2; }
-usage() { sed -n '4,14s/^# \{0,1\}/  /p' "${BASH_SOURCE[0]}"; }
+usage() { sed -n '4,17s/^# \{0,1\}/  /p' "${BASH_SOURCE[0]}"; }
 
 # ---------------------------------------------------------------------------------------------------------
 # Settings
@@ -216,6 +220,35 @@ cmd_run() {
     on_server run "$resume" "$config" "${overrides[@]}"
 }
 
+cmd_chain() {
+    local board='' args=() arg minutes=0
+    for arg in "$@"; do
+        if ((minutes)); then
+            [[ $arg =~ ^[0-9]+([.][0-9]+)?$ ]] || usage_error "chain: --budget-min takes minutes, got '$arg'"
+            args+=("$arg")
+            minutes=0
+            continue
+        fi
+        case $arg in
+            --budget-min) args+=("$arg") minutes=1 ;;
+            -*) usage_error "chain: unknown option $arg (the only option is --budget-min MINUTES)" ;;
+            *)
+                if [[ -z $board ]]; then
+                    board=$arg
+                elif [[ $arg == *=* ]]; then
+                    args+=("$arg")
+                else
+                    usage_error "chain: override '$arg' is not of the form chain.key=value"
+                fi
+                ;;
+        esac
+    done
+    ((minutes == 0)) || usage_error "chain: --budget-min needs MINUTES"
+    [[ -n $board ]] || usage_error "chain: which BOARD? (a file of configs/chain/: 2060, 5090, h200, cpu)"
+    [[ $board =~ $SESSION_NAME_PATTERN ]] || usage_error "chain: '$board' is not a board name (configs/chain/BOARD.yaml)"
+    on_server chain "$board" "${args[@]}"
+}
+
 cmd_logs() {
     (($# <= 1)) || usage_error "logs takes at most one RUN"
     [[ -n ${1:-} ]] && check_run_name "$1"
@@ -282,6 +315,7 @@ server_main() {
         server_die "REMOTE_DIR $SERVER_DIR does not exist: run 'scripts/remote.sh sync' first"
     case $command in
         run) server_run "$@" ;;
+        chain) server_chain "$@" ;;
         logs) server_logs "$@" ;;
         status) server_status ;;
         attach) server_attach "$@" ;;
@@ -358,25 +392,64 @@ stop it with 'scripts/remote.sh stop $run_name'"
     # With more than one argument tmux executes the command directly (tmux >= 3.0): no shell reparses it.
     server_tmux new-session -d -s "$run_name" -c "$PWD" \
         bash -c "$(declare -f server_train); server_train \"\$@\"" server_train \
-        "$run_dir" "$SERVER_PY" train.py "${train_args[@]}" ||
+        "$run_dir" train.py "$SERVER_PY" train.py "${train_args[@]}" ||
         server_die "tmux could not start session $run_name"
     echo "started run $run_name on $(hostname) in tmux session $run_name (socket $SERVER_TMUX_SOCKET)"
     echo "log: $run_dir/train.log"
     echo "follow: scripts/remote.sh logs $run_name | stop: scripts/remote.sh stop $run_name"
 }
 
-# Runs inside the tmux session: train.py with its output also appended to train.log.
+# Runs inside the tmux session: the command (train.py, or the chain) with its output also appended to
+# train.log, the run's log that logs, status and fetch read.
 server_train() {
-    local run_dir=$1 status
-    shift
+    local run_dir=$1 label=$2 status
+    shift 2
     export PYTHONUNBUFFERED=1
     # The sh writes its own pid and then becomes train.py, so `stop` signals exactly the trainer.
     # tee -i ignores SIGINT: Ctrl-C in an attached session stops train.py, never the log writer.
     sh -c 'echo "$$" >"$0" && exec "$@"' "$run_dir/train.pid" "$@" 2>&1 | tee -i -a "$run_dir/train.log"
     status=${PIPESTATUS[0]}
     rm -f -- "$run_dir/train.pid"
-    printf '[remote.sh] %s train.py exited with status %s\n' "$(date '+%F %T')" "$status" |
+    printf '[remote.sh] %s %s exited with status %s\n' "$(date '+%F %T')" "$label" "$status" |
         tee -a "$run_dir/train.log"
+}
+
+# The whole run: python -m chain run BOARD in a tmux session named after the chain's folder (runs/NAME),
+# so logs, status, attach, stop and fetch treat it as they treat a training run.
+server_chain() {
+    local board=$1
+    shift
+    server_find_python
+    command -v tmux >/dev/null || server_die "tmux is not installed (apt-get install tmux)"
+    [[ -f configs/chain/$board.yaml ]] ||
+        server_die "no chain file configs/chain/$board.yaml in $PWD (scripts/remote.sh sync copies configs/)"
+    local overrides=() arg folder run_name
+    for arg in "$@"; do [[ $arg == *=* ]] && overrides+=("$arg"); done
+    folder=$("$SERVER_PY" -c 'import sys
+from chain import runfile
+print(runfile.load(sys.argv[1], sys.argv[2:])[0]["folder"])' "$board" "${overrides[@]}") ||
+        server_die "chain $board with overrides [${overrides[*]}] is not valid (python says why, above)" 2
+    folder=${folder#./}
+    folder=${folder%/}
+    run_name=${folder#runs/}
+    [[ $folder == runs/* && $run_name =~ ^[A-Za-z0-9][A-Za-z0-9_-]*$ ]] || server_die "chain.folder is \
+'$folder'; a chain started by remote.sh keeps it at runs/NAME (letters, digits, '-', '_'): where logs, stop \
+and fetch look" 2
+    if server_tmux has-session -t "=$run_name" 2>/dev/null; then
+        server_die "run $run_name is already live: follow it with 'scripts/remote.sh logs $run_name', \
+stop it with 'scripts/remote.sh stop $run_name'"
+    fi
+    local run_dir=$PWD/runs/$run_name
+    mkdir -p -- "$run_dir" || server_die "cannot create $run_dir"
+    printf '[remote.sh] %s start: %s -m chain run%s\n' "$(date '+%F %T')" "$SERVER_PY" \
+        "$(printf ' %q' "$board" "$@")" >>"$run_dir/train.log"
+    server_tmux new-session -d -s "$run_name" -c "$PWD" \
+        bash -c "$(declare -f server_train); server_train \"\$@\"" server_train \
+        "$run_dir" "the chain" "$SERVER_PY" -m chain run "$board" "$@" ||
+        server_die "tmux could not start session $run_name"
+    echo "started the chain of $board on $(hostname) in tmux session $run_name (socket $SERVER_TMUX_SOCKET)"
+    echo "log: $run_dir/train.log"
+    echo "follow: scripts/remote.sh logs $run_name | status: scripts/remote.sh status | attach: scripts/remote.sh attach $run_name"
 }
 
 server_last_line() {
@@ -461,7 +534,7 @@ main() {
             exit 0
             ;;
         '') usage_error "which command?" ;;
-        sync | run | logs | status | attach | stop | fetch | exec) ;;
+        sync | run | chain | logs | status | attach | stop | fetch | exec) ;;
         *) usage_error "unknown command '$command'" ;;
     esac
     shift

@@ -468,6 +468,95 @@ def test_run_lives_in_tmux_survives_a_killed_ssh_client_and_logs_status_fetch_se
             assert a.read() == b.read(), name
 
 
+def attach_and_cut(env_file, session):
+    """The owner attached to the session over ssh, and the connection dying: the ssh client killed."""
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
+    attach = subprocess.Popen(
+        [REMOTE_SH, "attach", session],
+        stdin=slave,
+        stdout=slave,
+        stderr=slave,
+        env=remote_env(env_file, TERM="xterm"),
+        start_new_session=True,
+    )
+    os.close(slave)
+    try:
+        read_pty_until(master, f"[{session}]".encode(), timeout=30)  # tmux's status line: attached for real
+    finally:
+        os.killpg(attach.pid, signal.SIGKILL)
+        attach.wait()
+        os.close(master)
+
+
+def test_a_whole_run_started_over_ssh_survives_the_connection_and_status_and_logs_follow_it(
+    ssh_server, project_on_server
+):
+    remote_dir, env_file = project_on_server
+    run_dir = os.path.join(remote_dir, "runs", "whole")
+    result = remote(env_file, "chain", "rehearsal-tiny", "chain.folder=runs/whole")
+    assert result.returncode == 0, output_of(result)
+    assert "started the chain of rehearsal-tiny" in result.stdout and "tmux session whole" in result.stdout
+    pid = trainer_pid(run_dir)  # the chain's own process, held still while the connection dies
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        again = remote(env_file, "chain", "rehearsal-tiny", "chain.folder=runs/whole")
+        assert again.returncode != 0 and "run whole is already live" in again.stderr
+        attach_and_cut(env_file, "whole")
+        status = remote(env_file, "status")
+        assert f"whole (pid {pid})" in status.stdout, "the whole run died with the ssh connection"
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+    # logs follows the live run (test_run_lives_in_tmux... follows one to its end): the chain's plan is
+    # there; then the session is ended.
+    follow = subprocess.Popen(
+        [REMOTE_SH, "logs", "whole"],
+        env=remote_env(env_file),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        seen = read_until(follow.stdout, "plan of rehearsal-tiny", timeout=120)
+    finally:
+        os.killpg(follow.pid, signal.SIGKILL)
+        follow.wait()
+    assert seen.startswith("== whole: live") and "plan of rehearsal-tiny" in seen, seen
+    status = remote(env_file, "status")
+    assert f"whole (pid {pid}): " in status.stdout
+    socket_path = f"/tmp/tmux-{os.getuid()}/{ssh_server.tmux_socket}"
+    subprocess.run(["tmux", "-S", socket_path, "kill-session", "-t", "=whole"], check=True)
+    wait_for(
+        lambda: "no live runs" in remote(env_file, "status").stdout, timeout=30, what="the session to end"
+    )
+
+
+def read_until(stream, needle, timeout):
+    """What a pipe gave until needle appeared (or the time ran out: the test then fails on what it saw)."""
+    seen, deadline = b"", time.monotonic() + timeout
+    while needle.encode() not in seen and time.monotonic() < deadline:
+        ready, _, _ = select.select([stream], [], [], deadline - time.monotonic())
+        if not ready:
+            break
+        chunk = os.read(stream.fileno(), 65536)
+        if not chunk:
+            break
+        seen += chunk
+    return seen.decode(errors="replace")
+
+
+def test_a_chain_with_a_bad_board_or_folder_is_refused_before_anything_starts(ssh_server, project_on_server):
+    remote_dir, env_file = project_on_server
+    unknown = remote(env_file, "chain", "3090")
+    assert unknown.returncode != 0 and "no chain file configs/chain/3090.yaml" in unknown.stderr
+    outside = remote(env_file, "chain", "rehearsal-tiny", "chain.folder=elsewhere/x")
+    assert outside.returncode == 2 and "keeps it at runs/NAME" in outside.stderr
+    assert remote(env_file, "chain", "rehearsal-tiny", "--budget-min").returncode == 2
+    assert not os.path.exists(os.path.join(remote_dir, "elsewhere"))
+
+
 def test_stop_sends_sigint_so_the_trainer_checkpoints_and_exits_and_run_resume_continues(
     ssh_server, project_on_server
 ):
