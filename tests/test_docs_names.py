@@ -379,12 +379,13 @@ def test_a_page_copied_with_a_stale_module_a_wrong_config_key_and_a_broken_ancho
 def test_a_moved_file_a_missing_subcommand_and_an_unmade_run_folder_are_named(tmp_path):
     doc = planted(
         tmp_path,
-        "Ver `agent/grammar.py`, `agent/gramatica.py`, `serve/*.cpp`, `agent/dataset.py generate`,\n"
+        "Ver `agent/grammar.py`, `agent/gramatica.py`, `serve/engine.py`, `decode/*.cpp`, `agent/dataset.py generate`,\n"
         "`agent/dataset.py eval`, `runs/sft-2060`, `runs/sft`, `runs/NOMBRE` y `report.md`.\n",
     )
     problems = name_problems(doc, "page.md")
     assert [p.split(": ", 1)[1] for p in problems] == [
         "`agent/gramatica.py`: there is no agent/gramatica.py in the repository",
+        "`serve/engine.py`: there is no serve/engine.py in the repository",  # decode/engine.py since the move
         "`agent/dataset.py eval`: agent/dataset.py has no subcommand eval",
         "runs/sft: no run file or command makes it",
     ]
