@@ -18,6 +18,8 @@ import pytest
 import yaml
 from conftest import ROOT
 
+import config
+
 DOCS = ["README.md", *sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))]
 
 # Folders a command makes (never committed): a path under them is checked by its run or data name only.
@@ -267,7 +269,23 @@ def dotted_problem(text):
     return None
 
 
+def setting_problem(text):
+    """What the schema says against a `layer.key=value` setting a page writes (`serve.compile.cpu=aot`): a
+    tool layer's setting over its default file, a run's over configs/smoke-cpu.yaml."""
+    layer = text.split(".", 1)[0]
+    try:
+        if layer in ("agent", "serve", "memory"):
+            config.load_layer(layer, os.path.join(ROOT, "configs", layer, "default.yaml"), [text])
+        elif layer in ("model", "train", "data", "hardware"):
+            config.load(os.path.join(ROOT, "configs", "smoke-cpu.yaml"), [text])
+    except config.ConfigError as e:
+        return "; ".join(e.problems)
+    return None
+
+
 def span_problem(text):
+    if re.fullmatch(r"[a-z]+(\.\w+)+=[^\s…]+", text) and not PLACEHOLDER.search(text.split("=", 1)[1]):
+        return setting_problem(text)
     words = text.split()
     if len(words) == 2 and words[0].endswith(".py") and re.fullmatch(r"[a-z][\w-]*", words[1]):
         return script_subcommand_problem(*words)
