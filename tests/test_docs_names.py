@@ -424,3 +424,10 @@ def test_a_module_attribute_and_a_config_key_tail_resolve_but_a_renamed_attribut
     assert span_problem("grounding.day_words") is None  # the tail of agent.grounding.day_words
     assert span_problem("torch.compile") is None
     assert "neither a config key nor a module" in span_problem("chat.render_it")
+
+
+def test_a_setting_written_in_prose_is_checked_by_its_schema():
+    assert span_problem("serve.compile.cpu=aot") is None
+    assert "serve.compile.cpu: 'inductor' is not allowed" in span_problem("serve.compile.cpu=inductor")
+    assert "train.sede: unknown key" in span_problem("train.sede=3")
+    assert span_problem("serve.port=PUERTO") is None  # a placeholder stands where a value goes
