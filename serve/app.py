@@ -57,6 +57,7 @@ import json
 import math
 import os
 import secrets
+import shlex
 import socket
 import sqlite3
 import sys
@@ -942,11 +943,20 @@ def serve_main(argv):
         print(f"serve: WARNING: listening on {host}: every device on the network can reach this server, over "
               "plain HTTP (passwords and chats cross the network unencrypted)", file=sys.stderr)  # fmt: skip
     if not accounts_store.members():
-        print("serve: no members yet: python -m serve member add NAME --role admin", file=sys.stderr)
+        print(
+            f"serve: no members yet: {this_python()} -m serve member add NAME --role admin", file=sys.stderr
+        )
     print(f"serve: model {model_id!r} at http://{host}:{port}/ (database {settings['database']})", flush=True)
     served = uvicorn_config(app, settings, log_level="warning", access_log=False, timeout_graceful_shutdown=2)
     uvicorn.Server(served).run(sockets=[sock])
     return 0
+
+
+def this_python():
+    """The interpreter serving, as a person would type it here: a bare `python` in a fresh shell is not
+    .venv's (make serve runs .venv/bin/python), so a hint that says `python` would fail to import."""
+    here = os.path.relpath(sys.executable)
+    return shlex.quote(here if not here.startswith("..") else sys.executable)
 
 
 @fileio.reports_storage_errors

@@ -4,10 +4,11 @@ a real HTTP server on 127.0.0.1 answering with the recorded lite page (tests/fix
 choices are scripted, the server, the agent loop and the search chain are the real ones."""
 
 import os
+import sys
 
 import openai
 import pytest
-from conftest import ScriptedModel, live_server, start_server
+from conftest import ROOT, ScriptedModel, live_server, start_server
 from test_search import DDG_PATH, TEN_TITLES, TEN_URLS, LocalServer, fixture
 
 from agent import tools
@@ -95,3 +96,14 @@ def test_a_time_zone_this_machine_lacks_is_named_at_start(duckduckgo):
         "fecha_hora will fail without a zone: agent.timezone 'Europe/Atlantida' is not in this machine's time "
         "zone database (pip install tzdata)"
     ]
+
+
+def test_the_hint_for_a_first_member_names_the_interpreter_that_serves(chat_run, tmp_path, duckduckgo):
+    # a bare `python` in a fresh shell is not .venv's: the hint names the one that can import the server
+    log = tmp_path / "serve.log"
+    proc, url = start_server(chat_run, str(tmp_path / "db.sqlite"), NO_COMPILE, log_path=log)
+    proc.kill()
+    proc.wait()
+    here = os.path.relpath(sys.executable, ROOT)
+    python = here if not here.startswith("..") else sys.executable
+    assert f"serve: no members yet: {python} -m serve member add NAME --role admin" in log.read_text()
