@@ -236,10 +236,11 @@ def test_int8_with_kernels_hold_a_quarter_of_the_bytes_move_the_logits_by_about_
 PREPARE = """
 import sys
 import model, serve.app as serve
+from decode import load
 from tests.test_model import build, tiny
 net = build(tiny(seq_len=32))
 net.checkpoint_path = "x"
-served = serve.prepare_weights(net, serve.load_settings(serve.DEFAULT_CONFIG, sys.argv[1:]), "cpu")
+served = load.prepare_weights(net, serve.load_settings(serve.DEFAULT_CONFIG, sys.argv[1:]), "cpu")
 print(sorted({type(m).__name__ for m in served.modules() if "Linear" in type(m).__name__}))
 """
 
