@@ -134,7 +134,8 @@ def test_an_attention_kernel_the_board_lacks_is_one_line_before_any_download(tmp
         content = yaml.safe_load(f)
     pretrain = next(s for s in content["chain"]["stages"] if s["name"] == "pretrain")
     pretrain["args"] = ["hardware.attention_backend=flash"]  # FlashAttention-2 needs sm80; the 2060 is sm75
-    path = tmp_path / "2060-flash.yaml"
+    shutil.copytree(os.path.join(ROOT, "configs", "chain", "shared"), tmp_path / "chain" / "shared")
+    path = tmp_path / "chain" / "2060-flash.yaml"  # beside the layers it includes, as in configs/chain/
     path.write_text(yaml.safe_dump(content), encoding="utf-8")
     code, out, err = run_main(["run", str(path), "--plan"], capsys)
     assert code == 2 and out == ""  # no plan, no download
