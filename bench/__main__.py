@@ -12,6 +12,7 @@ from bench import decoding
 from bench import evaluation as bench_evaluation
 from bench import llama_cpp as bench_llama_cpp
 from bench import model as bench_model
+from bench import peak as bench_peak
 from bench import security as bench_security
 from bench import serve as bench_serve
 
@@ -29,6 +30,7 @@ SECTIONS = {
     "agent": bench_agent.bench_agent,
     "answers": bench_agent.bench_answers,
     "security": bench_security.bench_security,
+    "peak": bench_peak.bench_peak,
 }
 
 
