@@ -208,11 +208,9 @@ def test_the_tiny_chain_ends_by_asking_its_served_model_the_serve_layers_questio
 
 
 def test_a_boards_rehearsal_trains_every_stage_under_its_policy_and_ends_in_a_served_model(tmp_path):
-    # The cut-down rehearsal: the tiny chain with the 2060's policy, as make rehearsal BOARD=2060 runs the
-    # CPU chain with it (configs/chain/rehearsal-2060.yaml).
-    chain_file = tiny_file(tmp_path, "tiny-2060", lambda chain: chain.update(policy="hardware/cpu-2060.yaml"))
+    # make rehearsal BOARD=2060 (configs/chain/rehearsal-2060.yaml): the tiny chain with the 2060's policy
     folder = tmp_path / "run"
-    result = chain_command(chain_file, folder)
+    result = chain_command("rehearsal-2060", folder)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip().splitlines()[-1] == f"ready: make serve RUN={folder}/sft"
     assert "hardware profile 'cpu-2060' runs the dtype policy of turing-2060 on the CPU; not exercised" in (
@@ -226,8 +224,9 @@ def test_a_boards_rehearsal_trains_every_stage_under_its_policy_and_ends_in_a_se
             assert any("loss_scale" in json.loads(line) for line in f)
     with open(folder / "ask" / "answers.json", encoding="utf-8") as f:
         assert json.load(f)["answers"]  # the served model answered
-    chain, _ = runfile.load("rehearsal-2060")  # the shipped one: the CPU chain under the same policy
-    assert chain["policy"] == "hardware/cpu-2060.yaml" and chain["stages"] == runfile.load("cpu")[0]["stages"]
+    chain, _ = runfile.load("rehearsal-2060")
+    assert chain["policy"] == "hardware/cpu-2060.yaml"
+    assert chain["stages"] == runfile.load("rehearsal-tiny")[0]["stages"]
 
 
 def test_a_second_run_with_nothing_changed_skips_every_stage(tiny_run):
