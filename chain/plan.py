@@ -409,6 +409,7 @@ def format_plan(chain, plan):
         f"{peak / GB:.2f} GB at peak, {end / GB:.2f} GB at the end"
     )
     lines.extend(throughput_lines(hardware))
+    lines.extend(needs_lines(hardware))
     lines.extend(licence_lines(plan["stages"]))
     if not any(stage["command"] == "chat-download" for stage in chain["stages"]):
         lines.extend(f"{s['name']}: {s['note']}" for s in plan["stages"] if "note" in s)
@@ -435,6 +436,19 @@ def throughput_lines(hardware):
             f"  {name:16}{m['tokens_per_s']:>12,.0f} tokens/s  {m.get('date', '?')}  {m.get('machine', '?')}"
         )
     return lines
+
+
+def needs_lines(hardware):
+    """What the board's machine must have installed, from the profile (hardware.needs): the plan is read
+    before a 29 h run, so a driver too old for the CUDA that torch was built with shows here, not at step 1."""
+    needs = hardware.get("needs")
+    if not needs:
+        return []
+    return [
+        f"needs on the board: NVIDIA driver >= {needs['nvidia_driver']} and torch built for CUDA {needs['cuda']} "
+        f"({hardware['name']} hardware.needs; check there: .venv/bin/python -c "
+        "'import torch; print(torch.version.cuda, torch.cuda.is_available())')"
+    ]
 
 
 def refusal(chain, plan, done):

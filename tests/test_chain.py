@@ -437,3 +437,23 @@ def test_the_corpus_stage_is_planned_with_the_cost_per_mb_of_docs_corpus_md_on_t
     assert "2.0 h of CPU (regex words)" in chain_plan.stage_plan(regex, regex_stage, {})["basis"]
     row = corpus_row("chain.assume.cores=8")
     assert "1.2 h" in row and "docs/corpus.md's cost per MB" in row
+
+
+def test_the_plan_names_the_driver_and_the_cuda_torch_the_board_needs_from_its_profile(capsys):
+    chain, _ = runfile.load("2060")
+    needs = chain_plan.make_plan(chain)["hardware"]["needs"]
+    code, out, _ = run_main(["run", "2060", "--plan"], capsys)
+    assert code == 0
+    assert (
+        f"needs on the board: NVIDIA driver >= {needs['nvidia_driver']} and torch built for CUDA {needs['cuda']}"
+        in out
+    )
+    # The line is the profile's, not the code's: another profile value prints another line.
+    plan = chain_plan.make_plan(chain)
+    plan["hardware"] = dict(plan["hardware"], needs={"nvidia_driver": "999.1", "cuda": "14.2"})
+    assert "NVIDIA driver >= 999.1 and torch built for CUDA 14.2" in chain_plan.format_plan(chain, plan)
+    # The CPU chain needs no driver; a cuda profile that does not say what it needs is refused.
+    code, out, _ = run_main(["run", "cpu", "--plan"], capsys)
+    assert code == 0 and "NVIDIA driver" not in out
+    with pytest.raises(config.ConfigError, match="needs"):
+        config.load(os.path.join(ROOT, "configs", "pretrain-2060.yaml"), ["hardware.needs=null"])
