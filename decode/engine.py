@@ -131,6 +131,13 @@ def run_layers(parts, x, attend):
 
 
 # ---- the model's forward passes with a KV cache ----
+# Each takes a model or its layout (model.layout()): a Decoder reads its model's layout once, not at every
+# step (reading it walks every layer's modules).
+
+
+def layout_of(model):
+    """model.layout(), or model itself when it already is one (a Layout has no layout())."""
+    return model.layout() if hasattr(model, "layout") else model
 
 
 def forward_with_cache(model, idx, cache, slot=None):
@@ -145,7 +152,7 @@ def forward_with_cache(model, idx, cache, slot=None):
             f"{start} cached + {T} new tokens exceed model.seq_len={cache.max_len}; "
             "start a new cache from the most recent tokens"
         )
-    parts = model.layout()
+    parts = layout_of(model)
     x = parts.embed(idx)
     cos, sin = parts.cos[start : start + T], parts.sin[start : start + T]
     x = run_layers(
@@ -171,7 +178,7 @@ def decode_step(model, tokens, cache, rows):
     step = DecodeStep(rows, cache.lengths, tokens.device)
     positions = torch.zeros(cache.slots, dtype=torch.long, device=tokens.device)
     positions[step.index] = step.positions
-    parts = model.layout()
+    parts = layout_of(model)
     x = parts.embed(tokens[:, None])
     cos, sin = parts.cos[positions][:, None, :], parts.sin[positions][:, None, :]
     x = run_layers(parts, x, lambda index, attn, h: attend_step(attn, h, cos, sin, cache, index, step))
@@ -185,7 +192,7 @@ def decode_all(model, tokens, positions, cache):
     and positions (slots,) each slot's next token and the position it takes; writes every slot's keys
     and values there (a slot not in use writes past its filled length, where its next step or prefill
     writes again) and returns logits (slots, vocab_size). The caller advances the lengths."""
-    parts = model.layout()
+    parts = layout_of(model)
     x = parts.embed(tokens[:, None])
     cos, sin = parts.cos[positions][:, None, :], parts.sin[positions][:, None, :]
     visible = torch.arange(cache.max_len, device=tokens.device)[None, :] <= positions[:, None]
@@ -204,7 +211,7 @@ def prefill_block(model, tokens, slot, start, last, cache):
     length. A token's keys, values and logits do not depend on the padding after it (causal)."""
     T = tokens.shape[1]
     positions = start + torch.arange(T, device=tokens.device)
-    parts = model.layout()
+    parts = layout_of(model)
     x = parts.embed(tokens)
     cos, sin = parts.cos[positions], parts.sin[positions]
     visible = torch.arange(cache.max_len, device=tokens.device)[None, :] <= positions[:, None]
@@ -276,7 +283,7 @@ class Decoder:
                  compile_with=None):  # fmt: skip
         self.model, self.slots = model, slots
         self.cache = kvcache.new_kv_cache(model, slots)
-        parts = model.layout()
+        self.parts = parts = model.layout()  # read once: the model's modules stay what they are
         self.seq_len = parts.seq_len
         weight = parts.embed.weight
         self.device = weight.device
@@ -335,7 +342,7 @@ class Decoder:
         if self.prefix_cache is None:
             self.cache.lengths[row.slot] = 0
             ids = torch.tensor([row.window], device=self.device)
-            row.logits = forward_with_cache(self.model, ids, self.cache, row.slot)[0, -1]
+            row.logits = forward_with_cache(self.parts, ids, self.cache, row.slot)[0, -1]
             return
         # In chunks cut at multiples of the block, from the first position the cache did not restore.
         cache, block, window = self.prefix_cache, self.prefix_cache.block, row.window
@@ -361,7 +368,7 @@ class Decoder:
         block = self.prefix_cache.block
         if not self.compiled_prefill() or start + block > self.cache.max_len:
             ids = torch.tensor([chunk], device=self.device)
-            return forward_with_cache(self.model, ids, self.cache, slot)[0, -1]
+            return forward_with_cache(self.parts, ids, self.cache, slot)[0, -1]
         padded = torch.tensor([chunk + [0] * (block - len(chunk))], device=self.device)
         where = [torch.tensor(value, device=self.device) for value in (slot, start, len(chunk) - 1)]
         logits = self.compiled_step.prefill_block(padded, *where, self.cache).clone()
@@ -413,7 +420,7 @@ class Decoder:
                 ids[row.slot] = row.window[-1]
             if self.compiled_step is None:
                 logits = decode_step(
-                    self.model, ids.to(self.device), self.cache, [row.slot for row in batched]
+                    self.parts, ids.to(self.device), self.cache, [row.slot for row in batched]
                 )
             else:
                 logits = self.step_compiled(ids, batched)
