@@ -10,7 +10,6 @@ it was trained with (checkpoint.load_run), so nothing here depends on the traini
 Inference runs in float32 on the CPU, or on CUDA with --device cuda.
 """
 
-import argparse
 import json
 import sys
 
@@ -18,19 +17,18 @@ import torch
 
 import checkpoint
 import data
-import fileio
 from agent import grammar, tools
 from chat import template, visible
 from checkpoint import CheckpointError
-from decode import engine
+from decode import engine, load
 
 
-class SampleError(Exception):
-    """A problem the user can fix; printed without a traceback, exit status 2."""
+class SampleError(load.LoadError):
+    """A problem the user can fix; printed without a traceback, exit status 2 (decode/load.run_command)."""
 
 
 def load_run(path, device="cpu"):
-    """checkpoint.load_run with its errors as SampleError, which evaluation/bpb.py and evaluation/tool_use.py catch."""
+    """checkpoint.load_run with its errors as SampleError, which evaluation/tool_use.py catches."""
     try:
         return checkpoint.load_run(path, device)
     except CheckpointError as e:
@@ -355,8 +353,7 @@ def show_tool_event(out):
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(description="Generate or chat with a trained ENLACE run.")
-    parser.add_argument("run", help="run directory (newest checkpoint) or a checkpoint file")
+    parser = load.run_parser("Generate or chat with a trained ENLACE run.")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--prompt", default="", help="text to continue")
     mode.add_argument("--prompt-file", help="read the prompt from this UTF-8 file")
@@ -374,31 +371,22 @@ def parse_args(argv):
     )
     parser.add_argument("--system", default="", help="system prompt for --chat")
     parser.add_argument("--no-tools", action="store_true", help="--chat without agent/tools.py's tools")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda")
     args = parser.parse_args(argv)
-    if args.max_new_tokens < 1 or args.num_samples < 1:
-        parser.error("--max-new-tokens and --num-samples must be >= 1")
-    if args.batch is not None and args.batch < 1:
-        parser.error(f"--batch {args.batch}: must be >= 1")
+    if args.num_samples < 1:
+        parser.error("--num-samples must be >= 1")
+    load.check_batch(parser, args)
     return args
 
 
+def sample(model, cfg, tokenizer, args):
+    if args.chat:
+        run_chat(model, tokenizer, cfg, args)
+    else:
+        run_generation(model, tokenizer, args)
+
+
 def main(argv):
-    problem = fileio.undecodable_argument(argv)
-    if problem:
-        print(f"error: {problem}", file=sys.stderr)
-        return 2
-    args = parse_args(argv)
-    try:
-        model, cfg, tokenizer, ckpt_path = load_run(args.run, args.device)
-        if args.chat:
-            run_chat(model, tokenizer, cfg, args)
-        else:
-            run_generation(model, tokenizer, args)
-    except (SampleError, CheckpointError, template.ChatError, data.DataError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return load.run_command(argv, parse_args, sample)
 
 
 if __name__ == "__main__":

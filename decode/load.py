@@ -2,14 +2,62 @@
 A checkpoint turned into a ready decoder: the run's model and tokenizer, its weights in the format the
 serve layer asks for (ENLACE's kernels, int8, split products), the KV cache checked against the device's
 memory, and the Decoder's options (the decode step compiled, the prefix cache). The server, and whatever
-else decodes a run the way the server does, start here.
+else decodes a run the way the server does, start here; so do the command lines that read a run (sample.py,
+python -m evaluation.bpb: run_command).
 """
 
+import argparse
 import sys
 
 
 class LoadError(Exception):
     """A run that cannot be decoded as configured, in one line that says what to change."""
+
+
+# ---- the command line of a command that reads a run (sample.py, python -m evaluation.bpb) ----
+
+
+def run_parser(description):
+    """An argument parser with the run to read and the device to read it on."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("run", help="run directory (newest checkpoint) or a checkpoint file")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    return parser
+
+
+def check_batch(parser, args):
+    """--max-new-tokens and --batch of a command that decodes: at least 1 (parser.error otherwise)."""
+    if args.max_new_tokens < 1:
+        parser.error("--max-new-tokens must be >= 1")
+    if args.batch is not None and args.batch < 1:
+        parser.error(f"--batch {args.batch}: must be >= 1")
+
+
+def run_command(argv, parse_args, body):
+    """The main of a command that reads a run: an argument that is not text refused, parse_args(argv)
+    (args with .run and .device), the run loaded there (checkpoint.load_run: the model, its config and its
+    tokenizer), then body(model, cfg, tokenizer, args). A problem the person can fix (a LoadError, a
+    checkpoint's, a chat file's, a data file's, a value's) is one line `error: ...` and exit status 2."""
+    import checkpoint
+    import data
+    import fileio
+    from chat import template
+
+    problem = fileio.undecodable_argument(argv)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    args = parse_args(argv)
+    try:
+        model, cfg, tokenizer, _ = checkpoint.load_run(args.run, args.device)
+        body(model, cfg, tokenizer, args)
+    except (LoadError, checkpoint.CheckpointError, template.ChatError, data.DataError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+# ---- a run ready to serve ----
 
 
 def load_model(run, device):

@@ -6,10 +6,9 @@ conversations (the assistant's tokens only), with the share of greedy answers th
     python -m evaluation.bpb runs/smoke-cpu --eval texto.txt      # any UTF-8 text file
     python -m evaluation.bpb runs/sft-smoke-cpu --chat-eval val --max-new-tokens 400   # held-out conversations
 
-The run loads as sample.py loads it (sample.load_run): the checkpoint carries its config and tokenizer.
+The run loads as sample.py loads it (decode/load.run_command): the checkpoint carries its config and tokenizer.
 """
 
-import argparse
 import math
 import os
 import sys
@@ -18,11 +17,9 @@ import torch
 import torch.nn.functional as F
 
 import data
-import fileio
 from chat import template
-from checkpoint import CheckpointError
-from decode import engine
-from sample import SampleError, check_chat_tokenizer, generate_batch, load_run, prompt_ids_of
+from decode import engine, load
+from sample import SampleError, check_chat_tokenizer, generate_batch, prompt_ids_of
 
 # -----------------------------------------------------------------------------
 # Held-out conversations: assistant-only loss and bpb, and whether answers end with <|end|>
@@ -187,8 +184,7 @@ def run_eval(model, cfg, tokenizer, args):
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(description="Loss and bits per byte of a trained ENLACE run.")
-    parser.add_argument("run", help="run directory (newest checkpoint) or a checkpoint file")
+    parser = load.run_parser("Loss and bits per byte of a trained ENLACE run.")
     mode = parser.add_mutually_exclusive_group(required=True)
     mode.add_argument("--eval", metavar="FILE_OR_SPLIT", help="loss and bits per byte on a file or 'val'")
     mode.add_argument(
@@ -206,33 +202,22 @@ def parse_args(argv):
     )
     parser.add_argument("--stride", type=int, default=0, help="--eval window stride (default seq_len/2)")
     parser.add_argument("--max-tokens", type=int, default=0, help="--eval only the first N tokens")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--show", type=int, default=3, help="--chat-eval: print this many answers")
     parser.add_argument("--limit", type=int, default=0, help="--chat-eval only the first N conversations")
     args = parser.parse_args(argv)
-    if args.max_new_tokens < 1:
-        parser.error("--max-new-tokens must be >= 1")
-    if args.batch is not None and args.batch < 1:
-        parser.error(f"--batch {args.batch}: must be >= 1")
+    load.check_batch(parser, args)
     return args
 
 
+def measure(model, cfg, tokenizer, args):
+    if args.eval:
+        run_eval(model, cfg, tokenizer, args)
+    else:
+        run_chat_eval(model, cfg, tokenizer, args)
+
+
 def main(argv):
-    problem = fileio.undecodable_argument(argv)
-    if problem:
-        print(f"error: {problem}", file=sys.stderr)
-        return 2
-    args = parse_args(argv)
-    try:
-        model, cfg, tokenizer, _ = load_run(args.run, args.device)
-        if args.eval:
-            run_eval(model, cfg, tokenizer, args)
-        else:
-            run_chat_eval(model, cfg, tokenizer, args)
-    except (SampleError, CheckpointError, template.ChatError, data.DataError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return load.run_command(argv, parse_args, measure)
 
 
 if __name__ == "__main__":

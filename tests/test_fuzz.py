@@ -444,6 +444,7 @@ def test_every_command_line_that_takes_text_refuses_bytes_that_are_not_utf8_with
         "search": cli("search.py", cafe),
         "agent call": cli("-m", "agent", "call", "calculadora", b'{"expresion": "1\xe9"}'),
         "sample": cli("sample.py", "runs/none", "--prompt", cafe),
+        "bits per byte": cli("-m", "evaluation.bpb", "runs/none", "--eval", cafe),
     }
     for name, result in runs.items():
         err = result.stderr.decode("utf-8", "replace")
