@@ -645,7 +645,7 @@ def step_serve(check, cfg):
     added = subprocess.run([*serve_py, "member", "add", "gpu", "--role", "adult", db], cwd=ROOT, capture_output=True,
                            text=True, timeout=120)  # fmt: skip
     if added.returncode != 0:
-        raise CheckError(f"serve/app.py member add: {added.stderr.strip()}")
+        raise CheckError(f"python -m serve member add: {added.stderr.strip()}")
     key = added.stdout.strip().splitlines()[-1]
     log_path = os.path.join(args.work, "serve.log")
     with open(log_path, "w") as log:

@@ -20,13 +20,13 @@ from decode import kvcache
 
 
 def project(attn, x, cos, sin):
-    """attn.project(x, cos, sin), the three products in one call where serve put a qkv_kernel."""
+    """attn.project(x, cos, sin), the three products in one call where decode/weights.py put a qkv_kernel."""
     kernel = getattr(attn, "qkv_kernel", None)
     return attn.project(x, cos, sin) if kernel is None else attn.heads(*kernel(x), cos, sin)
 
 
 def feed_forward(mlp, x):
-    """mlp(x), gate and up in one call where serve put a gate_up_kernel."""
+    """mlp(x), gate and up in one call where decode/weights.py put a gate_up_kernel."""
     kernel = getattr(mlp, "gate_up_kernel", None)
     return mlp(x) if kernel is None else mlp.swiglu(*kernel(x))
 
