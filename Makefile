@@ -1,6 +1,11 @@
 # ENLACE: the verbs a person types. Every target bootstraps .venv on first use (and again only when a
 # requirements file changes), so a fresh clone needs no separate setup step.
 
+# A target that runs a kind of chain stage (pretrain, sft, dpo, chat-prepare, eval-bench, export, ...) takes
+# its command from chain/commands.mk, as the chain does (make run): $(call STAGE.train,$(CONFIG)) is
+# `train.py CONFIG`. A stage's option is written there once; the smoke targets spell their commands.
+include chain/commands.mk
+
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -14,8 +19,9 @@ RUN ?= runs/smoke-cpu
 DB ?=
 SNAPSHOT ?=
 ARGS ?=
-RESUME_FLAG := $(if $(filter 1 yes true,$(RESUME)),--resume,)
-TRAIN := $(if $(filter 1,$(NPROC)),$(PY),$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC)) train.py
+RESUME_FLAG := $(if $(filter 1 yes true,$(RESUME)),$(STAGE.resume),)
+# The interpreter of the training stages: torchrun with NPROC > 1 processes
+LAUNCH := $(if $(filter 1,$(NPROC)),$(PY),$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC))
 
 .PHONY: setup lint check-configs test test-other-cpu clean smoke smoke-2060 pretrain resume-check data-smoke \
 	corpus-download corpus tokenizer encode corpus-smoke corpus-report smoke-corpus sample sample-chat bpb chat eval \
@@ -130,7 +136,7 @@ data-smoke: $(STAMP)
 
 # The sources of CONFIG's data layer that name a Hugging Face dataset (HF_TOKEN for gated ones)
 corpus-download: $(STAMP)
-	$(PY) -m corpus download $(CONFIG)
+	$(PY) $(call STAGE.corpus-download,$(CONFIG)) $(ARGS)
 
 corpus: $(STAMP)
 	$(PY) -m corpus corpus $(CONFIG)
@@ -160,12 +166,12 @@ smoke-corpus: corpus-smoke
 	$(PY) train.py configs/smoke-corpus-cpu.yaml $(ARGS)
 
 pretrain: $(STAMP)
-	$(TRAIN) $(CONFIG) $(ARGS) $(RESUME_FLAG)
+	$(LAUNCH) $(call STAGE.train,$(CONFIG)) $(ARGS) $(RESUME_FLAG)
 
 # The data a check or an evaluation reads is built first (idempotent: a no-op when up to date), so both
 # work on a fresh clone as `make smoke` does.
 resume-check: $(STAMP)
-	$(PY) -m corpus all $(CONFIG) $(filter-out --%,$(ARGS))
+	$(PY) $(call STAGE.corpus,$(CONFIG)) $(filter-out --%,$(ARGS))
 	$(PY) train.py $(CONFIG) --resume-check $(ARGS)
 
 # The micro-batch that fits: CONFIG's estimated peak memory per step (microbatch.py, no torch);
@@ -179,13 +185,13 @@ microbatch: $(STAMP)
 # OASST2 and Aya for the SFT mixture (configs/data/sft.yaml), from the Hub into data/hub/ (resumable, checksummed)
 .PHONY: chat-download
 chat-download: $(STAMP)
-	$(PY) -m chat download $(SFT_CONFIG)
+	$(PY) $(call STAGE.chat-download,$(SFT_CONFIG))
 
 chat-prepare: $(STAMP)
-	$(PY) -m chat prepare $(SFT_CONFIG)
+	$(PY) $(call STAGE.chat-prepare,$(SFT_CONFIG))
 
 sft: chat-prepare
-	$(TRAIN) $(SFT_CONFIG) $(ARGS) $(RESUME_FLAG)
+	$(LAUNCH) $(call STAGE.train,$(SFT_CONFIG)) $(ARGS) $(RESUME_FLAG)
 
 # corpus-smoke tokenizer -> the smoke-corpus-cpu pretraining (kept when it already has a checkpoint)
 # -> SFT on the seed conversations (from scratch each time) -> held-out evaluation. The held-out first
@@ -227,8 +233,8 @@ preferences: $(STAMP)
 		--val var/preferences/val.jsonl --val-share 0.1
 
 dpo: $(STAMP)
-	$(PY) -m chat prepare $(DPO_CONFIG)
-	$(TRAIN) $(DPO_CONFIG) $(ARGS) $(RESUME_FLAG)
+	$(PY) $(call STAGE.chat-prepare,$(DPO_CONFIG))
+	$(LAUNCH) $(call STAGE.train,$(DPO_CONFIG)) $(ARGS) $(RESUME_FLAG)
 
 # sft-smoke-cpu (made by `make sft-smoke` when missing) -> preference pairs made from the seed
 # conversations (train) and the held-out ones (val): the seed answer chosen, a worse one rejected -> DPO
@@ -258,7 +264,7 @@ RUN_DIR = $(if $(filter %.pt,$(RUN)),$(patsubst %/,%,$(dir $(RUN))),$(RUN))
 # validate: then the data already there is used.
 bpb: $(STAMP)
 	if [ -f $(RUN_DIR)/config.yaml ] && ! grep -qE '^  format: (chat|preference)$$' $(RUN_DIR)/config.yaml; then \
-		$(PY) -m corpus all $(RUN_DIR)/config.yaml || echo "bpb: could not rebuild the run's data (above)"; fi
+		$(PY) $(call STAGE.corpus,$(RUN_DIR)/config.yaml) || echo "bpb: could not rebuild the run's data (above)"; fi
 	$(PY) -m evaluation.bpb $(RUN) --eval val $(ARGS)
 
 # The old names said less than what they ran (`make chat` is not chat/, `make eval` not evaluation/): they
@@ -281,19 +287,19 @@ plot: $(STAMP)
 TASKS ?= enlace-es
 eval-bench: $(STAMP)
 	@test -e $(RUN_DIR) || test "$(RUN_DIR)" != runs/smoke-corpus-cpu || $(MAKE) smoke-corpus ARGS=
-	$(PY) -m evaluation $(RUN) --tasks $(TASKS) $(ARGS)
+	$(PY) $(call STAGE.evaluate,$(RUN),$(TASKS)) $(ARGS)
 
 report: $(STAMP)
 	@test -e $(RUN_DIR) || test "$(RUN_DIR)" != runs/smoke-corpus-cpu || $(MAKE) smoke-corpus ARGS=
 	if [ -f $(RUN_DIR)/config.yaml ] && ! grep -q '^  format: chat$$' $(RUN_DIR)/config.yaml; then \
-		$(PY) -m corpus all $(RUN_DIR)/config.yaml || echo "report: could not rebuild the run's data (above)"; fi
-	$(PY) -m evaluation report $(RUN_DIR) $(ARGS)
+		$(PY) $(call STAGE.corpus,$(RUN_DIR)/config.yaml) || echo "report: could not rebuild the run's data (above)"; fi
+	$(PY) $(call STAGE.report,$(RUN_DIR)) $(ARGS)
 
 # make export RUN=runs/sft-2060 TO=gguf ARGS="--dtype q8_0"   (TO: hf, gguf or ollama; OUT defaults to out/)
 TO ?= hf
 OUT ?= out/$(notdir $(RUN_DIR))-$(TO)
 export: $(STAMP)
-	$(PY) export.py $(RUN) $(OUT) --to $(TO) $(ARGS)
+	$(PY) $(call STAGE.export,$(RUN),$(OUT),$(TO)) $(ARGS)
 
 # llama.cpp parity of the GGUF export (tests/test_export.py -k llama_cpp). The first run builds
 # llama-cpp-python from source for the CPU: about half an hour, which is why CI does not run it.
@@ -328,18 +334,18 @@ AGENT_DATA_SOURCES := $(STAMP) agent/tools.py agent/dataset.py agent/phrases.py 
 agent-data: $(AGENT_DATA)/eval.jsonl
 
 $(AGENT_DATA)/eval.jsonl: $(AGENT_DATA_SOURCES)
-	$(PY) -m agent.dataset generate $(AGENT_DATA)
+	$(PY) $(call STAGE.agent-data,$(AGENT_DATA))
 
 agent-eval: agent-data
-	$(PY) -m evaluation.tool_use $(RUN) --generated $(AGENT_DATA)/eval.jsonl $(ARGS)
+	$(PY) $(call STAGE.tool-eval,$(RUN)) --generated $(AGENT_DATA)/eval.jsonl $(ARGS)
 
 # corpus-smoke tokenizer -> the 16k generated tool-use conversations and the seed set, packed -> the tiny
 # agent model trained on them from scratch: the ladder's best rung, a16k (one epoch, ~21 min; a second run
 # replaces the first) -> the tool-use rates on every held-out conversation.
 sft-agent: corpus-smoke agent-data agent-data-16k
-	$(PY) -m chat prepare configs/sft-agent-tiny-16k-cpu.yaml
-	$(PY) train.py configs/sft-agent-tiny-16k-cpu.yaml $(ARGS)
-	$(PY) -m evaluation.tool_use runs/sft-agent-tiny-16k-cpu --generated $(AGENT_DATA)/eval.jsonl
+	$(PY) $(call STAGE.chat-prepare,configs/sft-agent-tiny-16k-cpu.yaml)
+	$(PY) $(call STAGE.train,configs/sft-agent-tiny-16k-cpu.yaml) $(ARGS)
+	$(PY) $(call STAGE.tool-eval,runs/sft-agent-tiny-16k-cpu) --generated $(AGENT_DATA)/eval.jsonl
 
 # The agent on a size ladder (evaluation/ladder.py): each rung trained on the same tool data with SFT
 # seeds LADDER_SEEDS, then one table of the mean and min-max over seeds on both sets. A seed already
@@ -365,7 +371,7 @@ LADDER_A16K := --rung a16k configs/sft-agent-tiny-16k-cpu.yaml
 agent-data-16k: $(AGENT_DATA_16K)/eval.jsonl
 
 $(AGENT_DATA_16K)/eval.jsonl: $(AGENT_DATA_SOURCES) configs/agent/ladder-16k.yaml
-	$(PY) -m agent.dataset generate $(AGENT_DATA_16K) --settings configs/agent/ladder-16k.yaml
+	$(PY) $(call STAGE.agent-data,$(AGENT_DATA_16K)) $(call STAGE.agent-settings,configs/agent/ladder-16k.yaml)
 
 agent-ladder-16k: corpus-smoke agent-data agent-data-16k
 	$(PY) -m chat prepare configs/sft-agent-tiny-16k-cpu.yaml

@@ -25,6 +25,7 @@ import yaml
 
 import config
 import hardware
+from chain import commands
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 CHAIN_DIR = os.path.join(CONFIGS, "chain")
@@ -176,41 +177,30 @@ def load_stage_config(chain, stage):
 
 
 def command_line(chain, stage, resume=False):
-    """The argv that runs the stage alone (sys.executable for python)."""
-    py, name, command = sys.executable, stage["name"], stage["command"]
-    run_file = os.path.join("configs", stage["config"]) if "config" in stage else None
-    extra = stage_args(chain, stage)
-    if command == "corpus-download":
-        return [py, "-m", "corpus", "download", run_file, *extra]
-    if command == "corpus":
-        return [py, "-m", "corpus", "all", run_file, *extra, *wiring(chain, stage)]
-    if command == "chat-download":
-        return [py, "-m", "chat", "download", run_file, *extra]
-    if command == "eval-download":
-        return [py, "-m", "evaluation", "download", stage["tasks"], *extra]
-    if command == "agent-data":
-        settings = ["--settings", os.path.join("configs", stage["settings"])] if "settings" in stage else []
-        return [py, "-m", "agent.dataset", "generate", folder_of(chain, name), *settings, *extra]
-    if command == "chat-prepare":
-        return [py, "-m", "chat", "prepare", run_file, *extra, *wiring(chain, stage)]
-    if command == "train":
-        return [py, "train.py", run_file, *extra, *wiring(chain, stage)] + (["--resume"] if resume else [])
-    run = folder_of(chain, stage["from"])
-    if command == "evaluate":
-        return [py, "-m", "evaluation", run, "--tasks", stage["tasks"], *extra]
-    if command == "report":
-        return [py, "-m", "evaluation", "report", run, *extra]
-    if command == "tool-eval":
-        return [py, "-m", "evaluation.tool_use", run, *extra]
-    if command == "ask":
-        return [py, "-m", "serve.ask", run, folder_of(chain, name), *extra]
-    return [
-        py,
-        "export.py",
-        run,
-        os.path.join(run, f"export-{stage['to']}"),
-        "--to",
-        stage["to"],
-        "--force",
-        *extra,
-    ]
+    """The argv that runs the stage alone (sys.executable for python): its command from chain/commands.mk
+    (the Makefile's targets run the same), the stage's own words, then the chain's wiring."""
+    command, extra = stage["command"], stage_args(chain, stage)
+    if "config" in stage:
+        words = commands.command(command, os.path.join("configs", stage["config"]))
+    elif command == "eval-download":
+        words = commands.command(command, stage["tasks"])
+    elif command == "agent-data":
+        words = commands.command(command, folder_of(chain, stage["name"]))
+        if "settings" in stage:
+            words += commands.command("agent-settings", os.path.join("configs", stage["settings"]))
+    else:
+        run = folder_of(chain, stage["from"])
+        if command == "evaluate":
+            words = commands.command(command, run, stage["tasks"])
+        elif command == "export":
+            words = commands.command(command, run, os.path.join(run, f"export-{stage['to']}"), stage["to"])
+        elif command == "ask":
+            words = commands.command(command, run, folder_of(chain, stage["name"]))
+        else:
+            words = commands.command(command, run)
+    ending = []
+    if command == "train" and resume:
+        ending = commands.command("resume")
+    elif command == "export":  # the chain's rerun of the stage writes its folder again
+        ending = ["--force"]
+    return [sys.executable, *words, *extra, *wiring(chain, stage), *ending]

@@ -3,6 +3,7 @@ first ones a new user types work on a fresh clone."""
 
 import os
 import re
+import shlex
 import shutil
 import subprocess
 
@@ -118,3 +119,105 @@ def test_make_eval_bench_and_make_report_work_on_a_fresh_clone(tmp_path):
     card = (clone / "runs" / "smoke-corpus-cpu" / "report.md").read_text()
     assert "| enlace_fixture_choice | 0 | 16 | acc,none |" in card and "per token over" in card
     assert (clone / "runs" / "smoke-corpus-cpu" / "plot.png").is_file()
+
+
+# -----------------------------------------------------------------------------
+# One table of the stages' commands (chain/commands.mk): a target that runs a kind of chain stage runs the
+# command line the chain runs for that stage.
+
+# The chain's commands no make target runs: the chain alone downloads a suite's tasks and asks its server.
+CHAIN_ONLY = {"eval-download", "ask"}
+
+
+def target_of(chain, stage, tail):
+    """(make target, its variables, which line of its dry run) that run the stage's command, given the
+    words the chain puts after it (`tail`: the stage's own words, its wiring, --resume or --force)."""
+    from chain import runfile
+
+    command = stage["command"]
+    run_file = os.path.join("configs", stage.get("config", ""))
+    run = runfile.folder_of(chain, stage["from"]) if "from" in stage else None
+    args = {"ARGS": shlex.join(tail)}
+    if command == "corpus-download":
+        return "corpus-download", {"CONFIG": run_file, **args}, -1
+    if command == "corpus":  # resume-check builds the data first, as the chain's corpus stage does
+        return "resume-check", {"CONFIG": run_file, **args}, 0
+    if command in ("chat-download", "chat-prepare"):  # no ARGS: sft passes its own to train.py alone
+        return command, {"SFT_CONFIG": run_file}, -1
+    if command == "train":
+        return "pretrain", {"CONFIG": run_file, "RESUME": "1", "ARGS": shlex.join(tail[:-1])}, -1
+    if command == "agent-data":  # make agent-data-16k is the stage with configs/agent/ladder-16k.yaml
+        folder = runfile.folder_of(chain, stage["name"])
+        if "settings" in stage:
+            assert stage["settings"] == "agent/ladder-16k.yaml"
+            return "agent-data-16k", {"AGENT_DATA_16K": folder}, -1
+        return "agent-data", {"AGENT_DATA": folder}, -1
+    if command == "evaluate":
+        return "eval-bench", {"RUN": run, "TASKS": stage["tasks"], **args}, -1
+    if command == "report":
+        return "report", {"RUN": run, **args}, -1
+    if command == "export":
+        return (
+            "export",
+            {"RUN": run, "OUT": os.path.join(run, f"export-{stage['to']}"), "TO": stage["to"], **args},
+            -1,
+        )
+    if command == "tool-eval":  # make agent-eval passes --generated $(AGENT_DATA)/eval.jsonl itself
+        at = tail.index("--generated")
+        generated = tail[at + 1]
+        assert generated.endswith("/eval.jsonl")
+        rest = tail[:at] + tail[at + 2 :]
+        return (
+            "agent-eval",
+            {"RUN": run, "AGENT_DATA": os.path.dirname(generated), "ARGS": shlex.join(rest)},
+            -1,
+        )
+    raise AssertionError(f"no make target runs the chain's {command} stage")
+
+
+@pytest.mark.parametrize("board", ["cpu", "2060", "h200"])
+def test_each_target_that_runs_a_chain_stage_runs_the_command_line_the_chain_runs(board):
+    from chain import commands, runfile
+
+    chain, _ = runfile.load(board)
+    for stage in chain["stages"]:
+        if stage["command"] in CHAIN_ONLY:
+            continue
+        argv = runfile.command_line(chain, stage, resume=True)[1:]
+        ending = ["--force"] if stage["command"] == "export" else []
+        tail = runfile.stage_args(chain, stage) + runfile.wiring(chain, stage) + ending
+        if stage["command"] == "train":
+            tail += commands.command("resume")
+        target, variables, line = target_of(chain, stage, tail)
+        dry = subprocess.run(
+            ["make", "-n", "-B", "-o", STAMP, target, *(f"{k}={v}" for k, v in variables.items())],
+            cwd=ROOT, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert dry.returncode == 0, dry.stderr
+        words = shlex.split(dry.stdout.strip().splitlines()[line])
+        assert words[0] == ".venv/bin/python", (target, words)
+        want = argv if "ARGS" in variables else argv[: len(argv) - len(tail)]
+        assert words[1:] == want, f"make {target} and the chain's stage {stage['name']} differ"
+
+
+def test_the_table_has_a_command_for_every_kind_of_stage_and_nothing_else():
+    from chain import commands, runfile
+
+    options = {"resume", "agent-settings"}  # words a command takes as an option, not a stage's kind
+    assert set(commands.table()) - options == set(runfile.NEEDS)
+
+
+def test_a_line_of_the_table_make_reads_but_the_chain_could_not_is_an_error_naming_it(tmp_path, monkeypatch):
+    from chain import commands
+
+    table = tmp_path / "commands.mk"
+    table.write_text("# a comment\nSTAGE.train = train.py $(1)\nSTAGE.corpus = -m corpus all $(1)/x\n")
+    monkeypatch.setattr(commands, "TABLE", str(table))
+    commands.table.cache_clear()
+    try:
+        with pytest.raises(
+            ValueError, match=r"commands.mk:3: not `STAGE.<name> = <words>` with each \$\(n\) a word"
+        ):
+            commands.table()
+    finally:
+        commands.table.cache_clear()
