@@ -491,3 +491,12 @@ def test_a_part_the_layout_does_not_name_fails_at_once_not_in_a_served_answer():
 
     with pytest.raises(AttributeError, match="input_layernorm"):
         list(engine.generate(Broken(tiny()).eval(), tokens(1, 4)[0], 2, temperature=0))
+
+
+def test_a_decoder_reads_its_models_layout_once_not_at_every_step():
+    net = build(tiny())
+    reads, layout = [], net.layout
+    net.layout = lambda: reads.append(1) or layout()  # walks every layer's modules: ~53 us a step
+    generated = list(engine.generate(net, tokens(1, 4)[0], 3 * net.seq_len, temperature=0))
+    assert len(generated) == 3 * net.seq_len  # past seq_len: the window's restarts prefill again
+    assert len(reads) <= 2  # the Decoder's own and its KV cache's
