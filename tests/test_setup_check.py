@@ -75,7 +75,14 @@ def test_the_check_parses_on_the_old_python3_of_a_debian_11():
 def test_make_setup_stops_before_making_the_venv_when_the_compiler_and_ninja_are_hidden(tmp_path):
     clone = tmp_path / "clone"
     (clone / "scripts").mkdir(parents=True)
-    for name in ("Makefile", "requirements.txt", "requirements-dev.txt", "scripts/check_setup.py"):
+    (clone / "chain").mkdir()
+    for name in (
+        "Makefile",
+        "chain/commands.mk",
+        "requirements.txt",
+        "requirements-dev.txt",
+        "scripts/check_setup.py",
+    ):
         shutil.copy2(os.path.join(ROOT, name), clone / name)
     path = hidden_path(tmp_path, "make", "sh")
     os.symlink(BASE_PYTHON, os.path.join(path, "python3"))
