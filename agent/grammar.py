@@ -312,9 +312,8 @@ def constraint_for(tokenizer, tools, settings, max_tokens=None, messages=None):
         grammar = grammar if grammar.callable else None
     elif tools:
         grammar = tool_grammar(tokenizer, tools, settings)
-    return ToolCallConstraint(
-        vocabulary(tokenizer), grammar, max_tokens, settings["call_reserve_tokens"], answer
-    )
+    return ToolCallConstraint(vocabulary(tokenizer), grammar, max_tokens, settings["call_reserve_tokens"], answer,
+                              settings["call_bias"]["value"])  # fmt: skip
 
 
 # -----------------------------------------------------------------------------
@@ -496,10 +495,13 @@ class ToolCallConstraint:
     tokens an open call is steered to its end: where the grammar allows tokens made only of closing
     characters (a quote, a brace, a bracket, the newline, </tool_call>), only those are allowed, and where
     it allows none (a tool's name, an enum value, a key to finish) only the longest allowed tokens, so that
-    the budget never cuts a call (ours close in a few tokens from anywhere)."""
+    the budget never cuts a call (ours close in a few tokens from anywhere). At the reply's first token,
+    where a call may open, `bias` is added to <tool_call>'s logit (agent/call_bias.py) and the margin it
+    had over the best other token, after the masks, is kept in .margin (None where no call may open)."""
 
-    def __init__(self, vocab, grammar, max_tokens=None, reserve=0, answer=None):
+    def __init__(self, vocab, grammar, max_tokens=None, reserve=0, answer=None, bias=0.0):
         self.vocab, self.grammar, self.answer = vocab, grammar, answer  # answer: an answers.AnswerGuard
+        self.bias, self.margin = bias, None
         self.state, self.tail, self.matcher = TEXT, b"", None
         self.bitmask = torch.zeros(1, (vocab.size + 31) // 32, dtype=torch.int32)
         self.calls, self.accepted = 0, 0
@@ -520,7 +522,9 @@ class ToolCallConstraint:
             if not opening:
                 banned.append(vocab.open_id)
             logits[banned] = float("-inf")
-            return logits if self.answer is None else self.answer.mask(logits)
+            if self.answer is not None:
+                logits = self.answer.mask(logits)
+            return self.decide(logits) if opening and self.accepted == 0 else logits
         if self.state in (AFTER, NEXT):
             allowed = vocab.end_ids + [vocab.newline_id] * opening if self.state == AFTER else [vocab.open_id]
             out = torch.full_like(logits, float("-inf"))
@@ -553,6 +557,16 @@ class ToolCallConstraint:
                 closing = allowed & (lengths == lengths.masked_fill(~allowed, -1).max())
             allowed = closing
         return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
+
+    def decide(self, logits):
+        """The first token's logits with the call bias on <tool_call>; its margin kept (agent/call_bias.py)."""
+        opener = self.vocab.open_id
+        top = logits.topk(2)
+        best_other = top.values[1] if int(top.indices[0]) == opener else top.values[0]
+        self.margin = float(logits[opener] - best_other)
+        if self.bias:
+            logits[opener] += self.bias
+        return logits
 
     def accept(self, token):
         vocab = self.vocab
