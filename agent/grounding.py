@@ -420,3 +420,35 @@ def candidates(messages, settings):
         pairs=tuple(paired_numbers(users[-1], grounding["operator_words"])[:bound]) if users else (),
         turn_ends=tuple(dict.fromkeys(ends)),
     )
+
+
+def is_spans(text, found, joining_words, max_spans):
+    """Whether a text (a search, a memory) is what agent/grammar.py's words_rules let a grounded call write:
+    at most max_spans contiguous spans of the user's words (found.words, none crossing a turn's end), each
+    later span further on, a joining word left out or one added inside a span, one before the first.
+    Measured on calls written freely (evaluation/tool_use.py); compared without case or accents."""
+    joining = {plain(word) for word in joining_words}
+    said = [plain(word) for word in found.words]
+    stops = set(found.turn_ends) | {len(said)}
+    wanted = [plain(word) for word in WORD.findall(text)]
+
+    def starts(k):  # the text positions a said word may be matched at: k, or after one joining word added
+        return [k] + ([k + 1] if k + 1 < len(wanted) and wanted[k] in joining else [])
+
+    @functools.cache
+    def rest(k, i, level):  # wanted[k] is said[i], in span number `level`: can the rest follow?
+        if k + 1 == len(wanted):
+            return True
+        steps, after = [], i + 1
+        while after not in stops:  # the next word, or one after joining words left out
+            steps.append((after, level))
+            if said[after] not in joining:
+                break
+            after += 1
+        if level < max_spans:
+            steps += [(j, level + 1) for j in range(i + 1, len(said))]  # the next span, further on
+        return any(wanted[n] == said[j] and rest(n, j, span) for n in starts(k + 1) for j, span in steps)
+
+    return bool(wanted) and any(
+        wanted[k] == word and rest(k, j, 1) for k in starts(0) for j, word in enumerate(said)
+    )

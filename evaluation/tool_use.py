@@ -4,9 +4,16 @@ side by side.
 
     python -m evaluation.tool_use runs/sft-agent-tiny-cpu [--generated data/agent/eval.jsonl]
                          [--handwritten conversations/agent/handwritten.jsonl] [--limit N]
-                         [--grounding constrained|hint|off]
+                         [--grounding constrained|hint|off] [--call-bias-file PATH]
         -> the table below, printed and written to <run>/agent_eval.json (<run>/agent_eval-<mode>.json
-           with --grounding, which sets agent.grounding.mode for this evaluation: agent/grounding.py)
+           with --grounding, which sets agent.grounding.mode for this evaluation, agent/grounding.py, and
+           for constrained and off agent.answers.grounding too, agent/answers.py)
+
+First the call bias (agent/call_bias.py): on the generated set alone, each prompt's two greedy replies (one
+opening a call at its first token, one not) and its margin; the candidates of agent.call_bias are swept and
+the best by call_bias.RULE is chosen, written to <run>/call_bias.json (the server, sample.py --chat and
+the report card read it) unless --grounding asks for another mode than the run's, then used for both sets.
+Right tool and no tool are reported without it (0) and with it.
 
 The generated set is agent/dataset.py's held-out split (its questions never in training). The hand-written
 set (conversations/agent/handwritten.jsonl, README in that folder) is 105 prompts written for the project,
@@ -31,6 +38,11 @@ On each prompt:
                 number, the date or time, a [n] citation, what was saved, found, forgotten, or that the
                 tool failed);
   value         per tool: calculadora's expression has the reference's value; the others, as arguments;
+  no tool       the prompt needs no tool and the reply makes no call (right tool over those prompts);
+  unsaid        given the reference call and its result, the answer states a number neither the
+                conversation nor the tool results hold (agent/answers.py told_numbers);
+  spans         the first call's text (recordar's texto, buscar_web's and buscar_recuerdos' consulta) is
+                at most grounding.max_spans spans of the user's words (agent/grounding.py is_spans);
   unavailable   the prompt needs a tool, but the conversation holds no value for a required argument
                 (agent/grounding.py: no number, no memory number), so a grounded call cannot be made;
                 "in words" counts those the model answered without a call, as the grammar lets it.
@@ -47,7 +59,7 @@ import unicodedata
 
 import fileio
 import search
-from agent import dataset, grounding, tools
+from agent import answers, call_bias, dataset, grounding, tools
 from chat import template
 from family import memories
 
@@ -55,8 +67,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HANDWRITTEN = os.path.join(ROOT, "conversations", "agent", "handwritten.jsonl")
 CLOCK = datetime.datetime(2026, 11, 30, 11, 0, tzinfo=datetime.UTC)  # a Monday, 12:00 in Madrid
 MEMBER = "familiar"
-RATES = (("right", "all", "right tool"), ("valid", "called", "valid call syntax"),
-         ("arguments", "needing", "arguments (exact / key values)"), ("uses", "answered", "uses the result"))  # fmt: skip
+RATES = (("right", "all", "right tool"), ("needed_right", "needing", "right tool, prompts needing one"),
+         ("no_tool", "none_needed", "no tool when none is needed"), ("valid", "called", "valid call syntax"),
+         ("arguments", "needing", "arguments (exact / key values)"), ("uses", "answered", "uses the result"),
+         ("unsaid", "answered", "answers stating an unsaid number"), ("spans", "texts", "text arguments that are spans"))  # fmt: skip
+TEXT_ARGUMENTS = {"recordar": "texto", "buscar_web": "consulta", "buscar_recuerdos": "consulta"}
 
 
 def plain(text):
@@ -206,14 +221,35 @@ def value_unavailable(case, settings):
     return case["tool"] is not None and not grounding.callable_tool(case["tool"], found)
 
 
-def evaluate(cases, reply, settings, log=print, examples=5):
+def unsaid_numbers(answer, messages, settings):
+    """The numbers an answer states that the conversation and its tool results do not hold (agent/answers.py's
+    told_numbers: what agent.answers.grounding "constrained" lets it write)."""
+    told = set(answers.told_numbers(messages, settings))
+    return [value for value in grounding.spoken_numbers(answer) if value not in told]
+
+
+def text_is_spans(call, messages, settings):
+    """None for a call without a text argument; else whether its text is spans of the user's words."""
+    key = TEXT_ARGUMENTS.get(call.name)
+    value = (
+        call.arguments.get(key) if key and call.error is None and isinstance(call.arguments, dict) else None
+    )
+    if not isinstance(value, str):
+        return None
+    found, grounded = grounding.candidates(messages, settings), settings["grounding"]
+    return grounding.is_spans(value, found, grounded["joining_words"], grounded["max_spans"])
+
+
+def evaluate(cases, reply, settings, log=print, examples=5, first=None):
     """Counts and rates over the cases; reply(conversation) -> (text, cut) with cut True when the budget
-    ended the reply inside a call. The report keeps the first `examples` questions and replies."""
-    counts = dict.fromkeys(("all", "right", "called", "valid", "cut", "needing", "arguments", "answered", "uses",
-                            "unavailable", "in_words"), 0)  # fmt: skip
+    ended the reply inside a call; first(index, case) -> (text, cut), when given, is the reply to a case's
+    prompt (the call bias's choice between its two replies). The report keeps the first `examples`
+    questions and replies."""
+    counts = dict.fromkeys(("all", "right", "needed_right", "none_needed", "no_tool", "called", "valid", "cut", "needing",
+                            "arguments", "answered", "uses", "unsaid", "texts", "spans", "unavailable", "in_words"), 0)  # fmt: skip
     by_tool, shown = {}, []
     for index, case in enumerate(cases):
-        text, cut = reply(case["prompt"])
+        text, cut = first(index, case) if first else reply(case["prompt"])
         if len(shown) < examples:
             shown.append({"question": case["question"], "reply": text})
         calls = tools.parse_reply(text).calls
@@ -226,12 +262,19 @@ def evaluate(cases, reply, settings, log=print, examples=5):
         counts["right"] += right
         row["prompts"] += 1
         row["right"] += right
+        if tool is None:
+            counts["none_needed"] += 1
+            counts["no_tool"] += right
         if calls or cut:
             counts["called"] += 1
             counts["valid"] += valid_calls(calls, case["tools"], settings) and not cut
             counts["cut"] += cut
+        if calls and (spans := text_is_spans(calls[0], case["prompt"]["messages"], settings)) is not None:
+            counts["texts"] += 1
+            counts["spans"] += spans
         if tool is not None:
             counts["needing"] += 1
+            counts["needed_right"] += right
             holds = right and calls[0].error is None and case["check"](calls[0].arguments)
             counts["arguments"] += holds
             row["arguments"] += holds
@@ -244,7 +287,9 @@ def evaluate(cases, reply, settings, log=print, examples=5):
         if "answer_prompt" in case:
             counts["answered"] += 1
             answer, _ = reply(case["answer_prompt"])
-            counts["uses"] += states(tools.parse_reply(answer).content, case["fact"])
+            content = tools.parse_reply(answer).content
+            counts["uses"] += states(content, case["fact"])
+            counts["unsaid"] += bool(unsaid_numbers(content, case["answer_prompt"]["messages"], settings))
         if (index + 1) % 25 == 0:
             log(f"  {index + 1} prompts")
     report = {"counts": counts, "by_tool": by_tool, "examples": shown}
@@ -253,13 +298,48 @@ def evaluate(cases, reply, settings, log=print, examples=5):
     return report
 
 
+def decisions(cases, policy, log=print):
+    """The call bias's sweep material (agent/call_bias.py): per case, its Decision and its two replies,
+    the one that opens a call at its first token and the one that does not. policy(conversation, bias) ->
+    (text, cut), with policy.margin the first token's margin of its latest reply."""
+    out = []
+    for index, case in enumerate(cases):
+        opened = policy(case["prompt"], call_bias.FORCE)
+        margin = policy.margin
+        words = policy(case["prompt"], -call_bias.FORCE)
+        first = [tools.parse_reply(text).calls for text, _ in (opened, words)]
+        decision = call_bias.Decision(
+            case["tool"], margin, *(calls[0].name if calls else None for calls in first)
+        )
+        out.append((decision, opened, words))
+        if (index + 1) % 25 == 0:
+            log(f"  {index + 1} prompts, both first replies")
+    return out
+
+
+def choose_bias(cases, decided, candidates):
+    """(the bias chosen on the generated set, the sweep's rows) from decisions(cases): never another set's."""
+    others = {case["set"] for case in cases} - {"generated"}
+    if others:
+        raise ValueError(f"the call bias is chosen on the generated set only, not on {sorted(others)}")
+    return call_bias.choose([decision for decision, _, _ in decided], candidates)
+
+
+def biased(decided, bias):
+    """first(index, case) for evaluate: of each case's two replies, the one a greedy reply under this bias is."""
+    return lambda index, case: (decided[index][1] if call_bias.opens(decided[index][0], bias)
+                                else decided[index][2])  # fmt: skip
+
+
 def model_reply(model, tokenizer, max_new_tokens, settings):
     """Greedy generation of the next assistant turn, up to <|end|>, its tool calls constrained to the
-    conversation's tools (agent/grammar.py) unless agent.constrained is off: the model as a policy, returning
-    (text, whether the budget ended it inside a call). The KV cache of the previous prompt is kept and
-    rewound to the prefix the next prompt shares with it (an answer's prompt extends its question's);
-    the logits are those of a full forward pass either way. Prompts longer than the context are cut from
-    the left, as engine.generate does."""
+    conversation's tools (agent/grammar.py) unless agent.constrained is off: the model as a policy,
+    reply(conversation, bias=None) -> (text, whether the budget ended it inside a call), the call bias
+    agent.call_bias.value unless given; reply.margin is the latest reply's first-token margin (None where
+    no call could open). The KV cache of the previous prompt is kept and rewound to the prefix the next
+    prompt shares with it (an answer's prompt extends its question's); the logits are those of a full
+    forward pass either way. Prompts longer than the context are cut from the left, as engine.generate
+    does."""
     import torch
 
     from agent import grammar
@@ -268,7 +348,7 @@ def model_reply(model, tokenizer, max_new_tokens, settings):
     end = tokenizer.special_ids["<|end|>"]
     state = {"ids": [], "cache": kvcache.new_kv_cache(model)}
 
-    def reply(conversation):
+    def reply(conversation, bias=None):
         ids, _ = template.render(conversation, tokenizer, for_generation=True)
         ids = ids[-(model.seq_len - max_new_tokens) :]
         cached, cache = state["ids"], state["cache"]
@@ -277,8 +357,9 @@ def model_reply(model, tokenizer, max_new_tokens, settings):
             shared += 1
         cache.length = shared  # later positions are overwritten
         out = []
+        chosen = settings if bias is None else call_bias.with_value(settings, bias)
         constraint = grammar.constraint_for(
-            tokenizer, conversation.get("tools"), settings, max_new_tokens, conversation["messages"]
+            tokenizer, conversation.get("tools"), chosen, max_new_tokens, conversation["messages"]
         )
         with torch.no_grad():
             logits = engine.forward_with_cache(model, torch.tensor([ids[shared:]]), cache)
@@ -292,10 +373,12 @@ def model_reply(model, tokenizer, max_new_tokens, settings):
                 out.append(token)
                 logits = engine.forward_with_cache(model, torch.tensor([[token]]), cache)
         state["ids"] = ids + out  # the tokens whose keys and values the cache holds
+        reply.margin = None if constraint is None else constraint.margin
         text = tokenizer.decode(out)
         cut = len(out) == max_new_tokens and (constraint.in_call if constraint else text.count("<tool_call>") > text.count("</tool_call>"))  # fmt: skip
         return text, cut
 
+    reply.margin = None
     return reply
 
 
@@ -343,6 +426,32 @@ def report_name(grounding_mode=None):
     return f"agent_eval-{grounding_mode}.json" if grounding_mode else "agent_eval.json"
 
 
+def settings_for(cfg, grounding_mode=None):
+    """The run's agent settings; with a grounding mode, the calls' (agent.grounding.mode) and, for
+    constrained or off, the answers' (agent.answers.grounding) set to it: hint has no answer mask."""
+    settings = tools.load_settings(cfg.get("agent"))
+    if grounding_mode:
+        settings = {**settings, "grounding": {**settings["grounding"], "mode": grounding_mode}}
+    if grounding_mode in ("constrained", "off"):
+        settings = {**settings, "answers": {**settings["answers"], "grounding": grounding_mode}}
+    return settings
+
+
+def bias_table(reports):
+    """right tool (prompts needing one) and no tool (prompts needing none) without the call bias and with the
+    chosen one, per set."""
+    lines = []
+    for name, report in reports.items():
+        bias = report["call_bias"]
+        cells = []
+        for label, row in (("without (0)", bias["without"]), (f"with ({bias['value']:g})", bias["with"])):
+            counts = row["counts"]
+            cells.append(f"{label}: right tool {counts['right']}/{counts['needing']}, "
+                         f"no tool {counts['no_tool']}/{counts['none']}")  # fmt: skip
+        lines.append(f"  call bias, {name}: " + " | ".join(cells))
+    return "\n".join(lines)
+
+
 @fileio.reports_storage_errors
 def main(argv):
     parser = argparse.ArgumentParser(
@@ -355,7 +464,10 @@ def main(argv):
     parser.add_argument("--report", help="where to write the JSON report (default <run>/agent_eval.json)")
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--grounding", choices=["constrained", "hint", "off"],
-                        help="agent.grounding.mode for this evaluation (default: the run's)")  # fmt: skip
+                        help="agent.grounding.mode for this evaluation, and agent.answers.grounding for "
+                             "constrained and off (default: the run's)")  # fmt: skip
+    parser.add_argument("--call-bias-file", help="where to write the chosen call bias (default "
+                        "<run>/call_bias.json, which serving the run uses, when no --grounding is given)")  # fmt: skip
     args = parser.parse_args(argv)
 
     from sample import SampleError, load_run
@@ -367,26 +479,40 @@ def main(argv):
     except (SampleError, OSError) as exc:
         print(f"evaluation/tool_use.py: {exc}", file=sys.stderr)
         return 2
-    settings = tools.load_settings(cfg.get("agent"))
-    if args.grounding:
-        settings = {**settings, "grounding": {**settings["grounding"], "mode": args.grounding}}
-    reply = model_reply(model, tokenizer, args.max_new_tokens, settings)
+    settings = settings_for(cfg, args.grounding)
+    policy = model_reply(model, tokenizer, args.max_new_tokens, settings)
     count_tokens = lambda text: len(tokenizer.encode(text))  # noqa: E731
+    folder = call_bias.folder_of(args.run)
+    # the call bias, chosen on the generated set before the hand-written one is read
+    print("generated: the call bias's sweep")
+    cases = {"generated": list(generated_cases(generated))}
+    decided = {"generated": decisions(cases["generated"], policy)}
+    chosen, sweep = choose_bias(cases["generated"], decided["generated"], settings["call_bias"]["candidates"])
+    bias_path = args.call_bias_file or (None if args.grounding else os.path.join(folder, call_bias.FILE))
+    if bias_path:
+        call_bias.write(bias_path, chosen, sweep, args.generated)
+    settings = call_bias.with_value(settings, chosen)
+    policy = model_reply(model, tokenizer, args.max_new_tokens, settings)
+    cases["hand-written"] = list(handwritten_cases(entries, settings, count_tokens, model.seq_len))
     reports = {}
-    for name, cases in (
-        ("generated", generated_cases(generated)),
-        ("hand-written", handwritten_cases(entries, settings, count_tokens, model.seq_len)),
-    ):
+    for name in ("generated", "hand-written"):
         print(f"{name}:")
-        reports[name] = evaluate(cases, reply, settings)
+        if name not in decided:
+            decided[name] = decisions(cases[name], policy)
+        reports[name] = evaluate(cases[name], policy, settings, first=biased(decided[name], chosen))
+        marks = [decision for decision, _, _ in decided[name]]
+        reports[name]["call_bias"] = {"value": chosen, "without": call_bias.rates(marks, 0.0),
+                                      "with": call_bias.rates(marks, chosen)}  # fmt: skip
     constrained = "constrained" if settings["constrained"] else "unconstrained"
-    mode = settings["grounding"]["mode"]
-    print(f"\nagent eval of {ckpt_path}: greedy, {constrained} calls, grounding {mode}, up to "
-          f"{args.max_new_tokens} new tokens")  # fmt: skip
+    mode, answering = settings["grounding"]["mode"], settings["answers"]["grounding"]
+    print(f"\nagent eval of {ckpt_path}: greedy, {constrained} calls, grounding {mode}, answers {answering}, "
+          f"call bias {chosen:g} (chosen on the generated set), up to {args.max_new_tokens} new tokens")  # fmt: skip
     print(table(reports))
-    report = {"checkpoint": ckpt_path, "constrained": settings["constrained"], "grounding": mode, "sets": reports,
-              "data": {"generated": args.generated, "hand-written": args.handwritten}}  # fmt: skip
-    folder = args.run if os.path.isdir(args.run) else os.path.dirname(args.run)
+    print(bias_table(reports))
+    report = {"checkpoint": ckpt_path, "constrained": settings["constrained"], "grounding": mode,
+              "answers": answering, "call_bias": {"value": chosen, "rule": call_bias.RULE, "sweep": sweep,
+                                                  "chosen_on": args.generated, "file": bias_path},
+              "sets": reports, "data": {"generated": args.generated, "hand-written": args.handwritten}}  # fmt: skip
     fileio.write_json(args.report or os.path.join(folder, report_name(args.grounding)), report)
     return 0
 
