@@ -17,7 +17,7 @@ import torch
 
 import checkpoint
 import data
-from agent import grammar, tools
+from agent import call_bias, grammar, tools
 from chat import template, visible
 from checkpoint import CheckpointError
 from decode import engine, load
@@ -210,7 +210,10 @@ def run_chat(model, tokenizer, cfg, args, stdin=sys.stdin, out=sys.stdout, polic
     generator = torch.Generator().manual_seed(args.seed)
     specs = None
     if not args.no_tools:
-        settings = tools.load_settings(cfg.get("agent"))
+        try:  # the run's own call bias, chosen by evaluation/tool_use.py
+            settings = call_bias.settings_for_run(tools.load_settings(cfg.get("agent")), args.run)
+        except (ValueError, OSError) as e:
+            raise SampleError(str(e)) from None
         count = lambda text: len(tokenizer.encode(text))
         specs = tools.Agent(settings, count_tokens=count, on_event=show_tool_event(out))
         needed = len(template.render(specs.conversation([{"role": "user", "content": "hola"}]), tokenizer)[0])

@@ -36,6 +36,7 @@ import checkpoint
 import config
 import data
 import fileio
+from agent import call_bias
 from chat import template
 from checkpoint import CheckpointError
 from decode import engine
@@ -281,7 +282,31 @@ def agent_rates(run):
         cells.append("–" if calc is None else f"{calc['value']}/{calc['prompts']}")
         rows.append(f"| {name} | " + " | ".join(cells) + " |")
     mode = report.get("grounding", "?")
-    return "\n".join(rows) + f"\n\n(from `{os.path.basename(path)}`, grounding {mode})\n"
+    return (
+        "\n".join(rows)
+        + f"\n\n(from `{os.path.basename(path)}`, grounding {mode})\n"
+        + bias_lines(run, report)
+    )
+
+
+def bias_lines(run, report):
+    """The run's call bias (RUN/call_bias.json, agent/call_bias.py): the value served, the rule and the set it
+    was chosen on, the sweep, and right tool / no tool per set without it and with it."""
+    chosen = call_bias.chosen(run)
+    if chosen is None:
+        return ""
+    sweep = ", ".join(f"{row['bias']:g}: {harness.fmt(row['right_tool'], 3)} / {harness.fmt(row['no_tool'], 3)}"
+                      for row in chosen["sweep"])  # fmt: skip
+    lines = ["", f"Call bias **{chosen['value']:g}** (`{call_bias.FILE}`, used when the run is served, sampled "
+             f"and evaluated), chosen on `{chosen['chosen_on']}`: {chosen['rule']}. Sweep, bias: right tool / "
+             f"no tool: {sweep}.", ""]  # fmt: skip
+    for name, figures in report.get("sets", {}).items():
+        bias = figures.get("call_bias")
+        if bias:
+            cells = [f"{label} {100 * (row['right_tool'] or 0):.1f}% right tool, {100 * (row['no_tool'] or 0):.1f}% no tool"
+                     for label, row in (("without:", bias["without"]), (f"with {bias['value']:g}:", bias["with"]))]  # fmt: skip
+            lines += [f"- {name}: " + "; ".join(cells)]
+    return "\n".join(lines) + "\n"
 
 
 def samples(model, tokenizer, chat_run, settings):

@@ -78,7 +78,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 import config
 import fileio
-from agent import grammar, tools
+from agent import call_bias, grammar, tools
 from chat import template
 from decode import load
 from family import accounts, memories, store
@@ -855,6 +855,23 @@ def one_thread_here():
     return threads
 
 
+def agent_settings_for(run):
+    """(the agent settings a run is served with: configs/agent/default.yaml with the run's chosen call bias,
+    RUN/call_bias.json, where it has one; the log line that says which bias serves)."""
+    agent_settings = tools.load_settings()
+    try:
+        chosen = call_bias.chosen(run)
+    except (ValueError, OSError) as e:
+        raise ServeError(str(e)) from None
+    if chosen is None:
+        value = agent_settings["call_bias"]["value"]
+        return agent_settings, f"call bias {value:g} (agent.call_bias.value: the run has no {call_bias.FILE})"
+    line = (
+        f"call bias {chosen['value']:g}, chosen for this run on {chosen.get('chosen_on')} ({call_bias.FILE})"
+    )
+    return call_bias.with_value(agent_settings, chosen["value"]), line
+
+
 def serve_main(argv):
     parser = argparse.ArgumentParser(
         description="Serve a run: OpenAI-compatible API and the family's web page."
@@ -916,7 +933,8 @@ def serve_main(argv):
     if "compile_s" in model_worker.stats:
         how = settings["compile"]["cuda" if args.device.startswith("cuda") else "cpu"]
         print(f"serve: decode step compiled ({how}) in {model_worker.stats['compile_s']} s", file=sys.stderr)
-    server = Server(settings, accounts_store, model_worker, model_id, context, memory_cfg=memory_cfg)
+    agent_settings, bias_line = agent_settings_for(args.run)
+    server = Server(settings, accounts_store, model_worker, model_id, context, agent_settings, memory_cfg)
     # family/store.py: the database's lock, held until this process ends (restore refuses to run meanwhile, and
     # so does a second server on the same file), and the snapshot schedule on a daemon thread.
     try:
@@ -926,6 +944,7 @@ def serve_main(argv):
     except store.SnapshotError as e:
         raise ServeError(str(e)) from None
     log = lambda message: print(f"serve: {message}", file=sys.stderr)  # noqa: E731
+    log(bias_line)
     if settings["tools"]:  # each tool works, or the log says now why not
         for line in tools.readiness(server.agent_settings):
             log(line)

@@ -161,6 +161,8 @@ def test_agent_eval_prints_both_sets_side_by_side_and_writes_the_report(chat_run
         "3",
         "--max-new-tokens",
         "6",
+        "--call-bias-file",
+        str(tmp_path / "call_bias.json"),
         "--report",
         str(report),
     ]
