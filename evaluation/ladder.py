@@ -9,11 +9,14 @@ both sets (evaluation/tool_use.py), and one table of the mean and the min–max 
 A rung is a name, its SFT run file and, optionally, the pretraining run file it starts from. The
 pretraining runs once per rung (kept when it already has a checkpoint); each seed is an SFT run
 <runs_dir>/ladder-<name>-s<seed> (train.seed=<seed>, init_from the pretraining) followed by the agent
-evaluation into its agent_eval.json. A seed whose agent_eval.json exists is not trained again, and one
+evaluation into its agent_eval.json (which also chooses the run's call bias on the generated set:
+RUN/call_bias.json, agent/call_bias.py). A seed whose agent_eval.json exists is not trained again, and one
 with checkpoints but no evaluation resumes from its newest checkpoint (train.py --resume), so a ladder
 stopped half-way goes on where it stopped; --table only prints the table of what is there. With
---grounding, each seed is evaluated (and tabled) with agent.grounding.mode set to it, into
-agent_eval-<mode>.json beside the run's own agent_eval.json: the three modes of one ladder side by side.
+--grounding, each seed is evaluated (and tabled) with agent.grounding.mode set to it (and, for constrained
+and off, agent.answers.grounding), into agent_eval-<mode>.json beside the run's own agent_eval.json: the
+modes of one ladder side by side. The table has a column per seed, then the mean (min–max) and the worst
+seed's value (the lowest rate; the highest share of answers stating an unsaid number).
 The CPU time of every training run (user + system, of the child processes) goes to train_time.json
 in its folder.
 """
@@ -31,8 +34,13 @@ import config
 import fileio
 
 SETS = (("generated", "generated"), ("hand-written", "hand-written"))
-RATES = (("right", "all", "right tool"), ("valid", "called", "valid syntax"),
-         ("arguments", "needing", "key values in the arguments"), ("uses", "answered", "result used"))  # fmt: skip
+RATES = (("right", "all", "right tool"), ("needed_right", "needing", "right tool, needing one"),
+         ("no_tool", "none_needed", "no tool when none is needed"), ("valid", "called", "valid syntax"),
+         ("arguments", "needing", "key values in the arguments"), ("uses", "answered", "result used"),
+         ("unsaid", "answered", "answers stating an unsaid number"),
+         ("spans", "texts", "text arguments that are spans"))  # fmt: skip
+# rows where more is worse: the worst seed is the highest
+WORSE_HIGH = ("unsaid number", "value unavailable", "CPU time")
 TOOLS = ("calculadora", "fecha_hora", "buscar_web", "recordar", "buscar_recuerdos", "olvidar", "ninguna")
 
 
@@ -139,60 +147,68 @@ def cpu_minutes(folder):
 
 
 def rung_figures(name, sft_path, pretrain_path, seeds, overrides=(), grounding_mode=None):
-    """{row label: [value per evaluated seed]} for one rung."""
+    """({row label: [value per evaluated seed, None where it has none]}, the evaluated seeds) for one rung."""
     rows, evaluated = {}, []
     for seed in seeds:
         cfg = config.load(sft_path, [f"run_name=ladder-{name}-s{seed}", f"train.seed={seed}", *overrides])
         report = read_json(report_path(run_dir(cfg), grounding_mode))
         if report is not None:
-            evaluated.append((cfg, report))
+            evaluated.append((seed, cfg, report))
     if not evaluated:
-        return rows, 0
+        return rows, []
     pretrain = config.load(pretrain_path) if pretrain_path else None
-    rows["parameters (M)"] = [parameters(evaluated[0][0]) / 1e6]
-    rows["pretraining tokens (M)"] = [tokens_of(pretrain) / 1e6 if pretrain else 0.0]
-    rows["SFT tokens (M)"] = [tokens_of(cfg) / 1e6 for cfg, _ in evaluated]
+    rows["parameters (M)"] = [parameters(evaluated[0][1]) / 1e6] * len(evaluated)
+    rows["pretraining tokens (M)"] = [tokens_of(pretrain) / 1e6 if pretrain else 0.0] * len(evaluated)
+    rows["SFT tokens (M)"] = [tokens_of(cfg) / 1e6 for _, cfg, _ in evaluated]
     if pretrain and cpu_minutes(run_dir(pretrain)) is not None:
-        rows["pretraining CPU time (min)"] = [cpu_minutes(run_dir(pretrain))]
-    rows["SFT CPU time (min)"] = [
-        m for m in (cpu_minutes(run_dir(cfg)) for cfg, _ in evaluated) if m is not None
-    ]
+        rows["pretraining CPU time (min)"] = [cpu_minutes(run_dir(pretrain))] * len(evaluated)
+    rows["SFT CPU time (min)"] = [cpu_minutes(run_dir(cfg)) for _, cfg, _ in evaluated]
+    bias = [report.get("call_bias", {}).get("value") for _, _, report in evaluated]
+    if any(value is not None for value in bias):
+        rows["call bias chosen on the generated set"] = bias
     for label, key in SETS:
+        sets = [report["sets"][key] for _, _, report in evaluated]
         for part, whole, title in RATES:
-            values = []
-            for _, report in evaluated:
-                counts = report["sets"][key]["counts"]
-                if counts[whole]:
-                    values.append(100 * counts[part] / counts[whole])
-            rows[f"{label}: {title} (%)"] = values
+            rows[f"{label}: {title} (%)"] = [
+                100 * figures["counts"][part] / figures["counts"][whole]
+                if figures["counts"].get(whole) and part in figures["counts"] else None
+                for figures in sets
+            ]  # fmt: skip
+        for title, part in (
+            ("right tool, needing one", "right_tool"),
+            ("no tool when none is needed", "no_tool"),
+        ):
+            for when in ("without", "with"):
+                rows[f"{label}: {title}, {when} the call bias (%)"] = [
+                    None if "call_bias" not in figures or figures["call_bias"][when][part] is None
+                    else 100 * figures["call_bias"][when][part] for figures in sets
+                ]  # fmt: skip
         rows[f"{label}: value unavailable (%)"] = [
-            100
-            * report["sets"][key]["counts"].get("unavailable", 0)
-            / report["sets"][key]["counts"]["needing"]
-            for _, report in evaluated
-            if report["sets"][key]["counts"]["needing"]
-        ]
+            100 * figures["counts"].get("unavailable", 0) / figures["counts"]["needing"]
+            if figures["counts"]["needing"] else None for figures in sets
+        ]  # fmt: skip
         for tool in TOOLS:
-            right, arguments = [], []
-            for _, report in evaluated:
-                row = report["sets"][key]["by_tool"].get(tool)
-                if row and row["prompts"]:
-                    right.append(100 * row["right"] / row["prompts"])
-                    arguments.append(100 * row["arguments"] / row["prompts"])
-            rows[f"{label}: {tool} right tool (%)"] = right
+            tool_rows = [figures["by_tool"].get(tool) for figures in sets]
+            counted = [row if row and row["prompts"] else None for row in tool_rows]
+            rows[f"{label}: {tool} right tool (%)"] = [
+                None if row is None else 100 * row["right"] / row["prompts"] for row in counted
+            ]
             if tool != "ninguna":
-                rows[f"{label}: {tool} key values (%)"] = arguments
+                rows[f"{label}: {tool} key values (%)"] = [
+                    None if row is None else 100 * row["arguments"] / row["prompts"] for row in counted
+                ]
             if tool == "calculadora":
                 rows[f"{label}: calculadora value right (%)"] = [
-                    100 * row["value"] / row["prompts"]
-                    for row in (report["sets"][key]["by_tool"].get(tool) for _, report in evaluated)
-                    if row and row["prompts"] and "value" in row
+                    None if row is None or "value" not in row else 100 * row["value"] / row["prompts"]
+                    for row in counted
                 ]
-    return rows, len(evaluated)
+    rows = {label: values for label, values in rows.items() if any(v is not None for v in values)}
+    return rows, [seed for seed, _, _ in evaluated]
 
 
 def cell(values, digits=1):
-    """'mean (min–max)' of the values; a single value (or all alike) alone; '-' for none."""
+    """'mean (min–max)' of the values (None left out); a single value (or all alike) alone; '-' for none."""
+    values = [value for value in values if value is not None]
     if not values:
         return "-"
     mean, low, high = (
@@ -201,17 +217,35 @@ def cell(values, digits=1):
     return mean if low == high else f"{mean} ({low}–{high})"
 
 
+def worst(label, values, digits=1):
+    """The worst seed's value of a row: the lowest rate, the highest where more is worse."""
+    values = [value for value in values if value is not None]
+    if not values or label.endswith("(M)"):
+        return "-"
+    return f"{(max if any(word in label for word in WORSE_HIGH) else min)(values):.{digits}f}"
+
+
 def table(rungs, seeds, overrides=(), grounding_mode=None):
+    """Per rung, a column per evaluated seed, then the mean (min–max) and the worst seed's value."""
     figures = {name: rung_figures(name, sft, pretrain, seeds, overrides, grounding_mode)
                for name, sft, pretrain in rungs}  # fmt: skip
     labels = list(dict.fromkeys(label for rows, _ in figures.values() for label in rows))
-    titles = [f"{name} ({n} seeds)" for name, (_, n) in figures.items()]
-    width = max(24, *(len(title) + 2 for title in titles))  # a long rung name keeps its columns apart
-    lines = [f"{'':48s}" + "".join(f"{title:>{width}s}" for title in titles)]
+    columns = []  # (title, width): a seed's value and the worst are short, the mean and range less so
+    for name, (_, evaluated) in figures.items():
+        title = f"{name} ({len(evaluated)} seeds)"
+        columns += [(f"s{seed}", 8) for seed in evaluated] + [(title, max(24, len(title) + 2)), ("worst", 8)]
+    lines = [f"{'':56s}" + "".join(f"{title:>{width}s}" for title, width in columns)]
     for label in labels:
         digits = 2 if label.endswith("(M)") else 1  # a model's millions of parameters and tokens
-        cells = (cell(rows.get(label, []), digits) for rows, _ in figures.values())
-        lines.append(f"{label:48s}" + "".join(f"{text:>{width}s}" for text in cells))
+        cells = []
+        for rows, evaluated in figures.values():
+            values = rows.get(label, [None] * len(evaluated))
+            cells += [cell([value], digits) for value in values]
+            cells += [cell(values, digits), worst(label, values, digits)]
+        widths = [width for _, width in columns]
+        lines.append(
+            f"{label:56s}" + "".join(f"{text:>{width}s}" for text, width in zip(cells, widths, strict=True))
+        )
     return "\n".join(lines)
 
 
