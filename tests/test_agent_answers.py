@@ -116,3 +116,24 @@ def test_noise_after_a_result_writes_no_number_nobody_said(tokenizer, settings):
         text = tokenizer.decode(out).rstrip("0123456789.,")  # the budget may cut the last number
         written = set(expression.NUMBER.findall(text))
         assert {number.rstrip(".,") for number in written} <= told, text
+
+
+@pytest.mark.parametrize(
+    "run", ["", "6", "69", "691", "6910", "69104", "69104.", "69.", "69.1", "1234", "5", "56,"]
+)
+def test_the_masks_for_every_token_at_once_are_the_rule_token_by_token(tokenizer, settings, run):
+    vocab = grammar.vocabulary(tokenizer)
+    guard = answers.AnswerGuard(
+        vocab, answers.told_numbers(after_result("¿Cuánto es 1234 por 56?", "69104"), settings)
+    )
+    guard.run = run
+    kind, ids = guard.choice()
+    texts = [raw.decode("utf-8", "replace") for raw in vocab.bytes]
+    fits = {index for index, text in enumerate(texts) if text and guard.after(run, text) is not None}
+    if run and not guard.whole(run):  # only the tokens that keep the number told
+        assert kind == "only" and set(ids.tolist()) == fits
+    else:
+        writing = {
+            index for index, text in enumerate(texts) if any(ch.isdigit() or ch in ".," for ch in text)
+        }
+        assert kind == "ban" and set(ids.tolist()) == (writing - fits) | set(guard.banned_words.tolist())
