@@ -20,6 +20,7 @@ import urllib.request
 
 import config
 import fileio
+from agent import call_bias
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_CONFIG = os.path.join(ROOT, "configs", "serve", "default.yaml")
@@ -79,13 +80,44 @@ def ask(url, key, model, question, max_tokens):
 
 
 def write_answers(out, run, answers):
-    fileio.write_json(os.path.join(out, "answers.json"), {"run": run, "answers": answers})
-    lines = [f"# The served model, asked ({run})", ""]
+    """OUT/answers.json and OUT/answers.md: each question, its answer and whether it holds the expected text,
+    and the call bias the run was served with (agent/call_bias.py)."""
+    bias = call_bias.chosen(run)
+    served = "agent.call_bias.value (the run has no call_bias.json)" if bias is None else f"{bias['value']:g}"
+    fileio.write_json(
+        os.path.join(out, "answers.json"), {"run": run, "call_bias": served, "answers": answers}
+    )
+    lines = [f"# The served model, asked ({run})", "", f"Call bias: {served}.", ""]
     for item in answers:
         lines += [f"**{item['question']}**", "", "> " + item["answer"].replace("\n", "\n> "), ""]
         if item["expect"] is not None:
             lines += [f"expected `{item['expect']}`: {'found' if item['found'] else 'not found'}", ""]
     fileio.write_atomic(os.path.join(out, "answers.md"), lambda f: f.write("\n".join(lines).encode()))
+
+
+def ask_all(url, key, questions, max_tokens):
+    """Each question asked of the server at url: [{question, expect, answer, found}], printed as it comes."""
+    model = call(url, key, "/v1/models")["data"][0]["id"]
+    answers = []
+    for item in questions:
+        answer = ask(url, key, model, item["question"], max_tokens)
+        expect = item.get("expect")
+        found = None if expect is None else expect in answer
+        answers.append({"question": item["question"], "expect": expect, "answer": answer, "found": found})
+        mark = "" if found is None else f"  [{expect}: {'found' if found else 'not found'}]"
+        print(f"ask: {item['question']}\n  -> {answer!r}{mark}", flush=True)
+    return answers
+
+
+def report(out, run, answers):
+    """Write the answers and print how many expected texts were found, naming each one missed."""
+    write_answers(out, run, answers)
+    expected = [a for a in answers if a["found"] is not None]
+    missed = "".join(
+        f"; missed: {a['question']} (expected {a['expect']})" for a in expected if not a["found"]
+    )
+    print(f"ask: {sum(a['found'] for a in expected)} of {len(expected)} expected answers found{missed}; "
+          f"{os.path.join(out, 'answers.md')}")  # fmt: skip
 
 
 def run_questions(run, out, questions, max_tokens, overrides=()):
@@ -96,23 +128,12 @@ def run_questions(run, out, questions, max_tokens, overrides=()):
             os.remove(stale)
     key = add_member(database, log_path)
     proc, url = start_server(run, database, log_path, overrides)
-    answers = []
     try:
-        model = call(url, key, "/v1/models")["data"][0]["id"]
-        for item in questions:
-            answer = ask(url, key, model, item["question"], max_tokens)
-            expect = item.get("expect")
-            found = None if expect is None else expect in answer
-            answers.append({"question": item["question"], "expect": expect, "answer": answer, "found": found})
-            mark = "" if found is None else f"  [{expect}: {'found' if found else 'not found'}]"
-            print(f"ask: {item['question']}\n  -> {answer!r}{mark}", flush=True)
+        answers = ask_all(url, key, questions, max_tokens)
     finally:
         proc.terminate()
         proc.wait(timeout=30)
-    write_answers(out, run, answers)
-    expected = [a for a in answers if a["found"] is not None]
-    print(f"ask: {sum(a['found'] for a in expected)} of {len(expected)} expected answers found; "
-          f"{os.path.join(out, 'answers.md')}")  # fmt: skip
+    report(out, run, answers)
     return answers
 
 
