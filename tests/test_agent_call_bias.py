@@ -3,13 +3,17 @@ applied by the constraint every caller builds (agent/grammar.py constraint_for),
 evaluation set alone (evaluation/tool_use.py), written to RUN/call_bias.json and its report card, and used
 where the run is served, sampled and evaluated."""
 
+import io
 import json
 import shutil
+from types import SimpleNamespace
 
 import pytest
 import torch
+from test_agent_grammar import NoisyModel
 
 import data
+import sample
 from agent import call_bias, dataset, grammar, tools
 from evaluation import runs, tool_use
 from serve import app
@@ -123,3 +127,16 @@ def test_the_chosen_bias_lands_in_the_card_and_is_used_where_the_run_is_served_s
     assert call_bias.settings_for_run(settings, str(run))["call_bias"]["value"] == 3.5  # sample.py --chat's
     (run / call_bias.FILE).unlink()
     assert app.agent_settings_for(str(run))[0]["call_bias"]["value"] == settings["call_bias"]["value"]
+
+
+def test_the_chat_repl_decides_with_the_runs_own_call_bias(tokenizer, settings, tmp_path, monkeypatch):
+    monkeypatch.setattr(tools, "searcher_from_env", lambda provider: dataset.CannedSearch([]))
+    (tmp_path / call_bias.FILE).write_text(json.dumps({"value": 7.0, "chosen_on": "eval.jsonl", "sweep": []}))
+    seen, build = [], grammar.constraint_for
+    monkeypatch.setattr(grammar, "constraint_for", lambda *a, **k: seen.append(build(*a, **k)) or seen[-1])
+    args = SimpleNamespace(run=str(tmp_path), max_new_tokens=60, temperature=1.0, top_k=None, top_p=None, seed=0,
+                           system="", no_tools=False)  # fmt: skip
+    model = NoisyModel(tokenizer, adversarial=False, ends=True).eval()
+    sample.run_chat(model, tokenizer, {"model": model.cfg, "agent": settings}, args,
+                    io.StringIO("¿Cuánto es 17 por 23?\n/exit\n"), io.StringIO())  # fmt: skip
+    assert seen and all(constraint.bias == 7.0 for constraint in seen)
