@@ -55,6 +55,7 @@ import os
 import sys
 import tempfile
 import threading
+import time
 import unicodedata
 
 import fileio
@@ -485,8 +486,10 @@ def main(argv):
     folder = call_bias.folder_of(args.run)
     # the call bias, chosen on the generated set before the hand-written one is read
     print("generated: the call bias's sweep")
+    started = time.perf_counter()
     cases = {"generated": list(generated_cases(generated))}
     decided = {"generated": decisions(cases["generated"], policy)}
+    seconds = {"sweep": time.perf_counter() - started}
     chosen, sweep = choose_bias(cases["generated"], decided["generated"], settings["call_bias"]["candidates"])
     bias_path = args.call_bias_file or (None if args.grounding else os.path.join(folder, call_bias.FILE))
     if bias_path:
@@ -497,9 +500,11 @@ def main(argv):
     reports = {}
     for name in ("generated", "hand-written"):
         print(f"{name}:")
+        started = time.perf_counter()
         if name not in decided:
             decided[name] = decisions(cases[name], policy)
         reports[name] = evaluate(cases[name], policy, settings, first=biased(decided[name], chosen))
+        seconds[name] = time.perf_counter() - started
         marks = [decision for decision, _, _ in decided[name]]
         reports[name]["call_bias"] = {"value": chosen, "without": call_bias.rates(marks, 0.0),
                                       "with": call_bias.rates(marks, chosen)}  # fmt: skip
@@ -509,10 +514,12 @@ def main(argv):
           f"call bias {chosen:g} (chosen on the generated set), up to {args.max_new_tokens} new tokens")  # fmt: skip
     print(table(reports))
     print(bias_table(reports))
+    print("wall time: " + ", ".join(f"{name} {value:.0f} s" for name, value in seconds.items()))
     report = {"checkpoint": ckpt_path, "constrained": settings["constrained"], "grounding": mode,
               "answers": answering, "call_bias": {"value": chosen, "rule": call_bias.RULE, "sweep": sweep,
                                                   "chosen_on": args.generated, "file": bias_path},
-              "sets": reports, "data": {"generated": args.generated, "hand-written": args.handwritten}}  # fmt: skip
+              "sets": reports, "data": {"generated": args.generated, "hand-written": args.handwritten},
+              "seconds": {name: round(value, 1) for name, value in seconds.items()}}  # fmt: skip
     fileio.write_json(args.report or os.path.join(folder, report_name(args.grounding)), report)
     return 0
 
