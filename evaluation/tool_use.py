@@ -299,22 +299,28 @@ def evaluate(cases, reply, settings, log=print, examples=5, first=None):
     return report
 
 
-def decisions(cases, policy, log=print):
-    """The call bias's sweep material (agent/call_bias.py): per case, its Decision and its two replies,
-    the one that opens a call at its first token and the one that does not. policy(conversation, bias) ->
-    (text, cut), with policy.margin the first token's margin of its latest reply."""
+def decisions(cases, policy, biases, log=print):
+    """The call bias's material (agent/call_bias.py) for these biases: per case, its Decision and its two
+    replies, the one that opens a call at its first token and the one that does not; the model's own reply
+    (bias 0) first, and the other only where one of the biases would flip its first token (a confident model
+    needs one reply a prompt). policy(conversation, bias) -> (text, cut), with policy.margin the first
+    token's margin of its latest reply."""
     out = []
     for index, case in enumerate(cases):
-        opened = policy(case["prompt"], call_bias.FORCE)
+        own = policy(case["prompt"], 0.0)
         margin = policy.margin
-        words = policy(case["prompt"], -call_bias.FORCE)
-        first = [tools.parse_reply(text).calls for text, _ in (opened, words)]
+        opened, words = (own, None) if margin is not None and margin > 0 else (None, own)
+        if margin is not None and opened is None and margin + max(biases) > 0:
+            opened = policy(case["prompt"], call_bias.FORCE)
+        if opened is not None and words is None and margin + min(biases) <= 0:
+            words = policy(case["prompt"], -call_bias.FORCE)
+        first = [tools.parse_reply(reply[0]).calls if reply else [] for reply in (opened, words)]
         decision = call_bias.Decision(
             case["tool"], margin, *(calls[0].name if calls else None for calls in first)
         )
         out.append((decision, opened, words))
         if (index + 1) % 25 == 0:
-            log(f"  {index + 1} prompts, both first replies")
+            log(f"  {index + 1} prompts")
     return out
 
 
@@ -488,9 +494,10 @@ def main(argv):
     print("generated: the call bias's sweep")
     started = time.perf_counter()
     cases = {"generated": list(generated_cases(generated))}
-    decided = {"generated": decisions(cases["generated"], policy)}
+    candidates = settings["call_bias"]["candidates"]
+    decided = {"generated": decisions(cases["generated"], policy, [0.0, *candidates])}
     seconds = {"sweep": time.perf_counter() - started}
-    chosen, sweep = choose_bias(cases["generated"], decided["generated"], settings["call_bias"]["candidates"])
+    chosen, sweep = choose_bias(cases["generated"], decided["generated"], candidates)
     bias_path = args.call_bias_file or (None if args.grounding else os.path.join(folder, call_bias.FILE))
     if bias_path:
         call_bias.write(bias_path, chosen, sweep, args.generated)
@@ -502,7 +509,7 @@ def main(argv):
         print(f"{name}:")
         started = time.perf_counter()
         if name not in decided:
-            decided[name] = decisions(cases[name], policy)
+            decided[name] = decisions(cases[name], policy, [0.0, chosen])
         reports[name] = evaluate(cases[name], policy, settings, first=biased(decided[name], chosen))
         seconds[name] = time.perf_counter() - started
         marks = [decision for decision, _, _ in decided[name]]

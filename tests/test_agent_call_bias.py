@@ -140,3 +140,27 @@ def test_the_chat_repl_decides_with_the_runs_own_call_bias(tokenizer, settings, 
     sample.run_chat(model, tokenizer, {"model": model.cfg, "agent": settings}, args,
                     io.StringIO("¿Cuánto es 17 por 23?\n/exit\n"), io.StringIO())  # fmt: skip
     assert seen and all(constraint.bias == 7.0 for constraint in seen)
+
+
+def test_the_sweep_generates_the_other_reply_only_where_a_candidate_would_flip_the_first_token():
+    margins = {"seguro": 10.0, "dudoso": 1.0, "nunca": -9.0}
+    calls = []
+
+    def policy(conversation, bias):  # a stand-in model: its first-token margin, and what each path writes
+        question = conversation["messages"][-1]["content"]
+        calls.append((question, bias))
+        policy.margin = margins[question]
+        opens = policy.margin + bias > 0
+        return ('<tool_call>\n{"name": "calculadora", "arguments": {"expresion": "2+2"}}\n</tool_call>' if opens
+                else "Son cuatro.", False)  # fmt: skip
+
+    cases = [
+        {"prompt": {"messages": [{"role": "user", "content": q}]}, "tool": "calculadora"} for q in margins
+    ]
+    decided = tool_use.decisions(cases, policy, [0.0, -4, -1, 1, 4], log=lambda *a: None)
+    assert [sum(q == question for q, _ in calls) for question in margins] == [1, 2, 1]
+    for (decision, opened, words), margin in zip(decided, margins.values(), strict=True):
+        assert decision.margin == margin
+        for bias in (-4, -1, 0.0, 1, 4):  # each bias finds the reply it would give
+            chosen = opened if call_bias.opens(decision, bias) else words
+            assert chosen is not None and ("<tool_call>" in chosen[0]) == (margin + bias > 0)
