@@ -12,7 +12,7 @@ side by side.
 First the call bias (agent/call_bias.py): on the generated set alone, each prompt's two greedy replies (one
 opening a call at its first token, one not) and its margin; the candidates of agent.call_bias are swept and
 the best by call_bias.RULE is chosen, written to <run>/call_bias.json (the server, sample.py --chat and
-the report card read it) unless --grounding asks for another mode than the run's, then used for both sets.
+the report card read it) unless --grounding asks for other modes than the run's, then used for both sets.
 Right tool and no tool are reported without it (0) and with it.
 
 The generated set is agent/dataset.py's held-out split (its questions never in training). The hand-written
@@ -474,7 +474,7 @@ def main(argv):
                         help="agent.grounding.mode for this evaluation, and agent.answers.grounding for "
                              "constrained and off (default: the run's)")  # fmt: skip
     parser.add_argument("--call-bias-file", help="where to write the chosen call bias (default "
-                        "<run>/call_bias.json, which serving the run uses, when no --grounding is given)")  # fmt: skip
+                        "<run>/call_bias.json, which serving the run uses, when the modes are the run's own)")  # fmt: skip
     args = parser.parse_args(argv)
 
     from sample import SampleError, load_run
@@ -498,7 +498,8 @@ def main(argv):
     decided = {"generated": decisions(cases["generated"], policy, [0.0, *candidates])}
     seconds = {"sweep": time.perf_counter() - started}
     chosen, sweep = choose_bias(cases["generated"], decided["generated"], candidates)
-    bias_path = args.call_bias_file or (None if args.grounding else os.path.join(folder, call_bias.FILE))
+    served = settings == settings_for(cfg)  # the run as the server runs it: its chosen bias is the run's
+    bias_path = args.call_bias_file or (os.path.join(folder, call_bias.FILE) if served else None)
     if bias_path:
         call_bias.write(bias_path, chosen, sweep, args.generated)
     settings = call_bias.with_value(settings, chosen)

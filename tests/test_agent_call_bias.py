@@ -127,6 +127,10 @@ def test_the_chosen_bias_lands_in_the_card_and_is_used_where_the_run_is_served_s
     assert call_bias.settings_for_run(settings, str(run))["call_bias"]["value"] == 3.5  # sample.py --chat's
     (run / call_bias.FILE).unlink()
     assert app.agent_settings_for(str(run))[0]["call_bias"]["value"] == settings["call_bias"]["value"]
+    # evaluated in other modes than it is served with, the run's own bias is left alone
+    assert tool_use.main([*argv, "--grounding", "off", "--report", str(tmp_path / "off.json")]) == 0
+    assert not (run / call_bias.FILE).exists()
+    assert json.loads((tmp_path / "off.json").read_text())["call_bias"]["file"] is None
 
 
 def test_the_chat_repl_decides_with_the_runs_own_call_bias(tokenizer, settings, tmp_path, monkeypatch):
