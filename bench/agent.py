@@ -25,7 +25,7 @@ import model
 from agent import dataset, grammar, tools
 from bench.common import ROOT, layer
 from corpus import encode
-from decode import engine
+from decode import engine, kvcache
 from evaluation import tool_use
 
 ROUNDS = 5  # alternate rounds over the calls; the median is kept
@@ -302,10 +302,42 @@ def answer_pass(tokenizer, settings, messages, text, vocab_size):
     return (time.perf_counter() - start) / len(text)
 
 
+def decode_rates(shape, tokenizer, settings, off, messages, text, rounds=ROUNDS):
+    """{"off": [tokens/s], "constrained": [tokens/s]}: greedy decoding teacher-forced along the answer (a KV
+    cache step, the free-text constraint's mask, argmax, accept), the model at this shape with the 32,000-token
+    vocabulary, random weights; the two in alternate rounds."""
+    backend = layer("hardware", "cpu")["attention_backend"]
+    torch.manual_seed(0)
+    cfg = {**layer("model", shape), "vocab_size": tokenizer.vocab_size}
+    net = model.Transformer(cfg, backend).eval()
+    context = min(512, cfg["seq_len"] - len(text) - 1)
+    prompt = torch.randint(0, cfg["vocab_size"], (1, context))
+    cache = kvcache.new_kv_cache(net)
+
+    def rate(chosen):
+        cache.length = 0
+        constraint = grammar.constraint_for(tokenizer, None, chosen, None, messages)
+        with torch.no_grad():
+            logits = engine.forward_with_cache(net, prompt, cache)
+            start = time.perf_counter()
+            for token in text:
+                int(constraint.mask(logits[0, -1]).argmax())
+                constraint.accept(token)
+                logits = engine.forward_with_cache(net, torch.tensor([[token]]), cache)
+            return len(text) / (time.perf_counter() - start)
+
+    rates = {"off": [], "constrained": []}
+    for _ in range(rounds):
+        rates["off"].append(rate(off))
+        rates["constrained"].append(rate(settings))
+    return rates
+
+
 def bench_answers():
     """`make bench ARGS=answers`: what grounding an answer's numbers costs per token (agent/answers.py,
     agent.answers.grounding constrained against off), against a decode step at the smoke and tiny-50m
-    shapes; the 32,000-token BPE of bench_agent, logits of 32,000 (an upper bound for smoke's 256)."""
+    shapes, and decoding's tokens/s along the answer with and without the guard; the 32,000-token BPE of
+    bench_agent, logits of 32,000 (an upper bound for smoke's 256)."""
     settings = tools.load_settings()
     off = {**settings, "answers": {**settings["answers"], "grounding": "off"}}
     messages = [
@@ -325,6 +357,10 @@ def bench_answers():
         times["constrained"].append(answer_pass(tokenizer, settings, messages, text, vocab_size))
     extra = [on - plain for on, plain in zip(times["constrained"], times["off"], strict=True)]
     steps = {shape: [decode_step_seconds(shape=shape) for _ in range(3)] for shape in ("smoke", "tiny-50m")}
+    rates = {
+        shape: decode_rates(shape, tokenizer, settings, off, messages, text)
+        for shape in ("smoke", "tiny-50m")
+    }
     print(
         f"answers: {tokenizer.vocab_size:,}-token BPE, an answer of {len(text)} tokens after two tool results, "
         f"{ROUNDS} alternate rounds; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs "
@@ -341,4 +377,15 @@ def bench_answers():
             + ", ".join(f"{1e3 * s:.2f}" for s in seconds)
             + f"); grounding's extra per token {1e6 * statistics.median(extra):.1f} µs median = "
             f"{100 * statistics.median(extra) / step:.2f}% of a step (rounds: {shares}; target <= 5%)"
+        )
+    for shape, rate in rates.items():
+        ratios = [on / plain for on, plain in zip(rate["constrained"], rate["off"], strict=True)]
+        low, high = min(ratios), max(ratios)
+        print(
+            f"answers: {shape} decoding along the answer (vocabulary 32,000), tokens/s median [min–max]: without the "
+            f"guard {statistics.median(rate['off']):.1f} [{min(rate['off']):.1f}–{max(rate['off']):.1f}], with it "
+            f"{statistics.median(rate['constrained']):.1f} [{min(rate['constrained']):.1f}–{max(rate['constrained']):.1f}]; "
+            f"with / without per round "
+            + ", ".join(f"{r:.3f}" for r in ratios)
+            + f", median {statistics.median(ratios):.3f} [{low:.3f}–{high:.3f}] (target >= 0.95)"
         )
