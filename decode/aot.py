@@ -21,6 +21,13 @@ import fileio
 from decode import engine, kernel
 from decode.weights import rows_independent
 
+# The package keeps no weight: every constant is bound at load (user-managed, in place). Without
+# always_keep_tensor_constants inductor writes a 1-D constant of up to 8 values (head_dim 8's q_norm and
+# k_norm) into the generated code, and a package cached for one model of these shapes would decode another
+# with the first one's norms: a row then drifted from its eager logits by ~1e-4 at the widths loaded
+# from the cache, enough to change a seeded draw (serve's solo and batched answers differed).
+INDUCTOR_CONFIGS = {"aot_inductor.package_constants_in_so": False, "always_keep_tensor_constants": True}
+
 
 class Bound(nn.Module):
     """One of the model's static-shape functions over one decoder's KV cache (decode_all: (tokens, positions)
@@ -45,9 +52,10 @@ class Bound(nn.Module):
 def package_key(program, bound):
     """A digest of what shapes the package: torch's version, the instruction set inductor compiled for (a
     cache folder shared with another CPU must not hand it this one's code), the exported graph and its
-    signature, and every constant's name, shape and dtype (the values are bound at load, so they are not
-    part of it)."""
+    signature, the build's inductor settings, and every constant's name, shape and dtype (the values are
+    bound at load, so they are not part of it: INDUCTOR_CONFIGS keeps every one of them out of the code)."""
     digest = hashlib.sha256(f"{torch.__version__} {torch.backends.cpu.get_cpu_capability()}".encode())
+    digest.update(repr(sorted(INDUCTOR_CONFIGS.items())).encode())
     digest.update(program.graph_module.code.encode())
     digest.update(str(program.graph_signature).encode())
     for name, tensor in constants(bound).items():
@@ -59,6 +67,15 @@ def constants(bound):
     return dict(bound.named_parameters(remove_duplicate=False)) | dict(
         bound.named_buffers(remove_duplicate=False)
     )
+
+
+def read_constants(program):
+    """The names of the parameters and buffers the exported graph reads (export lifts every one of the
+    module's: a layer's own int8 scales, which KernelProjections holds concatenated, are read by nothing)."""
+    signature = program.graph_signature
+    lifted = signature.inputs_to_parameters | signature.inputs_to_buffers
+    return [lifted[node.name] for node in program.graph.nodes
+            if node.op == "placeholder" and node.name in lifted and node.users]  # fmt: skip
 
 
 class AotProgram:
@@ -79,10 +96,8 @@ class AotProgram:
             with fileio.reporting_storage(path, what=self.what):
                 os.makedirs(self.folder, exist_ok=True)
                 try:
-                    torch._inductor.aoti_compile_and_package(
-                        program, package_path=temp,
-                        inductor_configs={"aot_inductor.package_constants_in_so": False},
-                    )  # fmt: skip
+                    torch._inductor.aoti_compile_and_package(program, package_path=temp,
+                                                             inductor_configs=INDUCTOR_CONFIGS)  # fmt: skip
                     os.replace(temp, path)
                 finally:
                     if os.path.exists(temp):
@@ -90,8 +105,14 @@ class AotProgram:
         runner = torch._inductor.aoti_load_package(path)
         self.builds += 1
         tensors = constants(self.bound)
-        runner.load_constants({name: tensors[name] for name in runner.get_constant_fqns()},
-                              check_full_update=True, user_managed=True)  # fmt: skip
+        bound = runner.get_constant_fqns()
+        held = {tensors[name].data_ptr() for name in bound}  # a tied weight is bound once, by one name
+        baked = [name for name in read_constants(program) if tensors[name].data_ptr() not in held]
+        if baked:
+            raise ValueError(f"{path}: {self.what} holds {', '.join(baked)} in its code, not bound at load; "
+                             "delete the file to rebuild it")  # fmt: skip
+        runner.load_constants({name: tensors[name] for name in bound}, check_full_update=True,
+                              user_managed=True)  # fmt: skip
         return runner
 
     def __call__(self, *inputs):

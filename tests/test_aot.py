@@ -149,3 +149,23 @@ def test_a_second_decoder_of_the_same_shapes_loads_the_cached_package_and_writes
             second.compiled_step(
                 torch.zeros(2, dtype=torch.long), torch.zeros(2, dtype=torch.long), first.cache
             )
+
+
+def test_a_package_cached_for_one_model_decodes_another_of_the_same_shapes_with_that_models_weights(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    # head_dim 8: inductor writes a weight of up to 8 values (q_norm's, k_norm's) into the code it generates,
+    # where a package cached for another model of the same shapes would keep that model's values.
+    cfg = tiny(seq_len=32, n_heads=8)
+    first, second = build(cfg, seed=0), build(cfg, seed=1)
+    with torch.no_grad():
+        for layer in second.layers:
+            for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                norm.weight.uniform_(0.5, 1.5)
+        run_rows(first, 2, PLANS[:2], 12, compile_with=aot.AotStep)  # builds the package, cached
+        eager = run_rows(second, 2, PLANS[:2], 12)
+        ahead = run_rows(second, 2, PLANS[:2], 12, compile_with=aot.AotStep)
+    assert [tokens for tokens, _ in ahead] == [tokens for tokens, _ in eager]
+    for (_, got), (_, want) in zip(ahead, eager, strict=True):
+        torch.testing.assert_close(torch.stack(got), torch.stack(want), rtol=0, atol=1e-5)
