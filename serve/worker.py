@@ -224,9 +224,10 @@ class Worker:
         while self.waiting and free > 0:
             job = self.waiting.popleft()
             free -= 1
-            if job.turn is None:  # the client's own request (its tools' constraint, if any), not banned yet
+            if job.turn is None:  # the client's own request: its tools' constraint, if any, under the ban
+                banned = visible.ProtocolBan(data.TOKEN_TABLE, job.constraint, job.calls_allowed)
                 starting.append(Generation(job, job.prompt_ids, lambda piece, job=job: job.send("text", piece),
-                                           self.answer_ended, job.constraint))  # fmt: skip
+                                           self.answer_ended, banned))  # fmt: skip
             elif job.cancelled.is_set():
                 free += 1
                 self.stats["cancelled"] += 1
