@@ -14,7 +14,9 @@ Who sees what (every function here takes the calling member's name and role and 
   - the admin role manages accounts and does not read or write memories at all.
 A memory the caller may not see is reported as not existing, so ids do not leak what others keep.
 Deleting really deletes: secure_delete overwrites the freed bytes, the FTS index is rebuilt so the deleted
-terms leave it, and the WAL is checkpointed and truncated.
+terms leave it, and the WAL is checkpointed and truncated. A memory forgotten through the server
+(forget_later: the page, the API, the olvidar tool) leaves every list, search and turn at once and can be
+brought back (take_back) for memory.forget_undo_s seconds; then Eraser erases it the same way.
 
 Their command line is family/__main__.py's (python -m family). This module never imports torch.
 """
@@ -24,6 +26,8 @@ import datetime
 import os
 import re
 import sqlite3
+import threading
+import time
 
 import config
 
@@ -49,6 +53,21 @@ CREATE TABLE IF NOT EXISTS memories (
 );
 CREATE INDEX IF NOT EXISTS memories_by_member ON memories (member, scope);
 CREATE INDEX IF NOT EXISTS memories_pinned ON memories (pinned) WHERE pinned = 1;
+-- Memories forgotten through the server (forget_later): out of every list, search and turn at once, their
+-- text kept here until erase_after (Unix seconds, memory.forget_undo_s later), when erase_due erases it.
+CREATE TABLE IF NOT EXISTS forgotten_memories (
+    forgotten_id INTEGER PRIMARY KEY,
+    memory_id INTEGER NOT NULL,
+    member TEXT NOT NULL COLLATE NOCASE,
+    scope TEXT NOT NULL,
+    text TEXT NOT NULL,
+    pinned INTEGER NOT NULL,
+    source TEXT NOT NULL,
+    created TEXT NOT NULL,
+    updated TEXT NOT NULL,
+    forgotten_by TEXT NOT NULL COLLATE NOCASE,
+    erase_after REAL NOT NULL
+);
 """
 INDEX_SQL = """
 CREATE VIRTUAL TABLE IF NOT EXISTS memories_fts USING fts5 (
@@ -289,22 +308,115 @@ def forget(conn, member, role, memory_id):
     return as_dict(row)
 
 
+def forget_later(conn, member, role, memory_id, undo_s, now=None):
+    """Forget a memory the caller may change so that take_back can undo it for undo_s seconds: it leaves
+    every list, search and turn at once, and its text waits in forgotten_memories until erase_due erases it
+    for good. undo_s 0 erases it now (forget). Returns the memory, with erase_after (Unix seconds, or None)."""
+    if undo_s <= 0:
+        return forget(conn, member, role, memory_id) | {"erase_after": None}
+    row = writable_row(conn, member, role, memory_id)
+    erase_after = (time.time() if now is None else now) + undo_s
+    with conn:
+        conn.execute(
+            "INSERT INTO forgotten_memories (memory_id, member, scope, text, pinned, source, created, updated, "
+            "forgotten_by, erase_after) SELECT id, member, scope, text, pinned, source, created, updated, ?, ? "
+            "FROM memories WHERE id = ?",
+            (member, erase_after, memory_id),
+        )
+        conn.execute("DELETE FROM memories WHERE id = ?", (memory_id,))
+    return as_dict(row) | {"erase_after": erase_after}
+
+
+def take_back(conn, member, role, memory_id, now=None):
+    """Undo forget_later while its time lasts: the memory `member` forgot is kept again, under its old id
+    unless a new memory took it meanwhile. Returns it; MemoryNotFound when there is none to bring back."""
+    check_reader(role)
+    now = time.time() if now is None else now
+    row = conn.execute(
+        "SELECT * FROM forgotten_memories WHERE memory_id = ? AND forgotten_by = ? AND erase_after > ? "
+        "ORDER BY forgotten_id DESC LIMIT 1",
+        (memory_id, member, now),
+    ).fetchone()
+    if row is None:
+        raise MemoryNotFound(f"no memory {memory_id} forgotten by {member} that can still be brought back")
+    taken = conn.execute("SELECT 1 FROM memories WHERE id = ?", (memory_id,)).fetchone()
+    with conn:
+        cursor = conn.execute(
+            "INSERT INTO memories (id, member, scope, text, pinned, source, created, updated) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            (None if taken else memory_id, *(row[key] for key in ("member", "scope", "text", "pinned",
+                                                                 "source", "created", "updated"))),
+        )  # fmt: skip
+        conn.execute("DELETE FROM forgotten_memories WHERE forgotten_id = ?", (row["forgotten_id"],))
+    return as_dict(conn.execute("SELECT * FROM memories WHERE id = ?", (cursor.lastrowid,)).fetchone())
+
+
+def erase_due(conn, now=None):
+    """Erase for good the forgotten memories whose undo time is over (purge: no byte of them left in the
+    files or the index); returns how many."""
+    conn.execute("PRAGMA secure_delete = ON")
+    with conn:
+        count = conn.execute(
+            "DELETE FROM forgotten_memories WHERE erase_after <= ?", (time.time() if now is None else now,)
+        ).rowcount
+    if count:
+        purge(conn)
+    return count
+
+
+def next_erasure(conn):
+    """When erase_due has something to erase next (Unix seconds), or None."""
+    return conn.execute("SELECT min(erase_after) FROM forgotten_memories").fetchone()[0]
+
+
+class Eraser:
+    """Erases forgotten memories when their undo time ends, on a daemon thread, through the connection and
+    lock the server shares: wake() it after forget_later. A database another program holds locked is
+    tried again retry_s later; a closed connection (the server gone) ends the thread."""
+
+    def __init__(self, conn, lock, log, retry_s=5.0):
+        self.conn, self.lock, self.log, self.retry_s = conn, lock, log, retry_s
+        self.woken = threading.Event()
+        threading.Thread(target=self.run, name="memory-eraser", daemon=True).start()
+
+    def wake(self):
+        self.woken.set()
+
+    def run(self):
+        while True:
+            self.woken.clear()
+            with self.lock:
+                try:
+                    erase_due(self.conn)
+                    due = next_erasure(self.conn)
+                except sqlite3.ProgrammingError:  # the connection was closed
+                    return
+                except sqlite3.Error as e:
+                    self.log(f"forgotten memories not erased yet ({e}); trying again in {self.retry_s:g} s")
+                    due = time.time() + self.retry_s
+            self.woken.wait(None if due is None else max(0.0, due - time.time()))
+
+
 def forget_all(conn, member, role):
-    """Delete every memory `member` wrote (private and family); returns how many."""
+    """Delete every memory `member` wrote (private and family), those waiting to be erased too; returns how
+    many were kept."""
     check_reader(role)
     conn.execute("PRAGMA secure_delete = ON")
     with conn:
         count = conn.execute("DELETE FROM memories WHERE member = ?", (member,)).rowcount
+        conn.execute("DELETE FROM forgotten_memories WHERE member = ?", (member,))
     purge(conn)
     return count
 
 
 def member_removed(conn, member):
-    """Delete every memory of a member whose account is gone (serve/app.py calls it), so that a new member
-    given the same name later starts with none; returns how many."""
+    """Delete every memory of a member whose account is gone (serve/app.py calls it), and those they forgot,
+    so that a new member given the same name later starts with none and can bring none back; returns how
+    many were kept."""
     conn.execute("PRAGMA secure_delete = ON")
     with conn:
         count = conn.execute("DELETE FROM memories WHERE member = ?", (member,)).rowcount
+        conn.execute("DELETE FROM forgotten_memories WHERE member = ? OR forgotten_by = ?", (member, member))
     purge(conn)
     return count
 
@@ -429,10 +541,14 @@ class Caller:
     conn: object
     lock: object
     cfg: dict
+    forgot: object = None  # called after olvidar (the server's Eraser.wake)
 
     def run(self, tool_function, **arguments):
         with self.lock:
-            return tool_function(self.conn, self.name, self.role, self.cfg, **arguments)
+            result = tool_function(self.conn, self.name, self.role, self.cfg, **arguments)
+        if tool_function is olvidar and self.forgot is not None:
+            self.forgot()
+        return result
 
 
 def recordar(conn, member, role, cfg, texto, ambito="privado"):
@@ -466,7 +582,7 @@ def olvidar(conn, member, role, cfg, id):  # noqa: A002 - the tool's argument na
     if role == "admin":
         raise Refusal("la cuenta de administración no tiene recuerdos")
     try:
-        memory = forget(conn, member, role, int(id))
+        memory = forget_later(conn, member, role, int(id), cfg["forget_undo_s"])
     except (MemoryStoreError, ValueError):
         raise Refusal(f"no hay ningún recuerdo {id} que puedas borrar") from None
     return f"Recuerdo {memory['id']} borrado: «{memory['text']}»."

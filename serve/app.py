@@ -29,6 +29,7 @@ serve/web.py's; other features add theirs with build_app(..., extra_routes)):
     GET  /api/server                       worker counters: slots in use, queued jobs, tokens/s, and a write
                                            the disk refused (storage); admin only
     GET|POST|DELETE /api/memories; GET /api/memories/export; PATCH|DELETE /api/memories/{id}
+    POST /api/memories/{id}/restore        a memory the member forgot, back while memory.forget_undo_s lasts
                                            the member's memories (family/memories.py), never the admin's business
     POST|DELETE /api/conversations/{id}/messages/{n}/feedback   the member's 👍/👎 of answer n (counted
                                            from 0 in the conversation's messages) and the answer they wanted
@@ -117,6 +118,10 @@ class Server:
         self.pending = {}  # member id -> requests queued or running
         self.throttle = accounts.LoginThrottle(settings)
         self.memory_cfg = memory_cfg or memories.load_config()
+        # Forgotten memories erased when their undo time ends (memory.forget_undo_s).
+        self.eraser = memories.Eraser(
+            store.db, store.lock, lambda line: print(f"serve: {line}", file=sys.stderr)
+        )
         self.storage_logged = None  # the storage problem already in the log (one line per episode)
 
     # --- who is asking
@@ -308,7 +313,9 @@ class Server:
             result = function(self.store.db, member["name"], member["role"], *args, **kwargs)
             if self.store.db.total_changes != changes:  # a write went through: the disk has room again
                 self.store.storage_problem = None
-            return result
+        if function is memories.forget_later:
+            self.eraser.wake()
+        return result
 
     def memory_context(self, member, turns):
         """The member's pinned memories and those matching their last message, for the system turn."""
@@ -323,7 +330,7 @@ class Server:
     def memory_caller(self, member):
         """The member as agent/tools.py's memory tools take them: agent.Agent(..., member=this)."""
         return memories.Caller(
-            member["name"], member["role"], self.store.db, self.store.lock, self.memory_cfg
+            member["name"], member["role"], self.store.db, self.store.lock, self.memory_cfg, self.eraser.wake
         )
 
     # --- generation
@@ -783,6 +790,7 @@ def routes():
         Route("/api/memories/export", web.export_memories),
         Route("/api/memories/{id:int}", web.edit_memory, methods=["PATCH"]),
         Route("/api/memories/{id:int}", web.delete_memory, methods=["DELETE"]),
+        Route("/api/memories/{id:int}/restore", web.restore_memory, methods=["POST"]),
         Route("/api/conversations/{id}/messages/{n:int}/feedback", web.rate_answer, methods=["POST"]),
         Route("/api/conversations/{id}/messages/{n:int}/feedback", web.unrate_answer, methods=["DELETE"]),
         Route("/api/feedback", web.list_feedback),

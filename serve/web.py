@@ -322,15 +322,20 @@ async def edit_memory(request):
 
 
 async def delete_memory(request):
+    """Forget a memory: gone from every list and turn at once, back with restore_memory until erase_after
+    (Unix seconds; null: erased already, memory.forget_undo_s 0)."""
     server = request.app.state.server
     member = memory_member(server, request)
-    return JSONResponse(
-        {
-            "deleted": memory_call(
-                server, member, memories.forget, row_id(request, "memory", "memory_not_found")
-            )["id"]
-        }
-    )
+    memory_id, undo_s = row_id(request, "memory", "memory_not_found"), server.memory_cfg["forget_undo_s"]
+    forgotten = memory_call(server, member, memories.forget_later, memory_id, undo_s)
+    return JSONResponse({"deleted": forgotten["id"], "erase_after": forgotten["erase_after"]})
+
+
+async def restore_memory(request):
+    server = request.app.state.server
+    member = memory_member(server, request)
+    restored = memory_call(server, member, memories.take_back, row_id(request, "memory", "memory_not_found"))
+    return JSONResponse(restored)
 
 
 async def delete_all_memories(request):

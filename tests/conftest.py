@@ -360,14 +360,17 @@ class ScriptedDecoder:
 @contextlib.contextmanager
 def live_server(chat_model, tmp_path, *overrides, model=None, context=None):
     """uvicorn serving build_app() on a free port of 127.0.0.1 in a thread; yields (url, Server). A scripted
-    model may claim a longer context than the tiny run's."""
+    model may claim a longer context than the tiny run's. Overrides are serve.key=value, or memory.key=value
+    for the memory layer."""
     import uvicorn
 
     from decode import load
-    from family import accounts
+    from family import accounts, memories
     from serve import app, worker
 
     database = str(tmp_path / f"serve-{time.monotonic_ns()}.sqlite")
+    memory_overrides = [item for item in overrides if item.startswith("memory.")]
+    overrides = [item for item in overrides if item not in memory_overrides]
     settings = app.load_settings(
         app.DEFAULT_CONFIG, [f"serve.database={database}", FAST_SCRYPT, ANY_HOUR, *overrides]
     )
@@ -377,7 +380,8 @@ def live_server(chat_model, tmp_path, *overrides, model=None, context=None):
     model = model or load.prepare_weights(real_model, settings, "cpu")  # as serve_main prepares it
     model_worker = worker.Worker(model, tokenizer, settings["queue_size"], settings["max_batch"], **decoding)
     store = accounts.Store(database, settings["busy_timeout_ms"])
-    server = app.Server(settings, store, model_worker, model_id, context)
+    server = app.Server(settings, store, model_worker, model_id, context,
+                        memory_cfg=memories.load_config(overrides=memory_overrides))  # fmt: skip
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     uv = uvicorn.Server(app.uvicorn_config(app.build_app(server), settings, log_level="warning"))

@@ -188,6 +188,54 @@ def test_the_servers_tool_loop_runs_the_memory_tools_as_the_asking_member(chat_m
         ] == [SECRET]
 
 
+def test_a_forgotten_memory_comes_back_until_its_undo_time_ends_then_no_byte_of_it_is_left(
+    chat_model, tmp_path
+):
+    tokenizer = chat_model[1]
+    end = tokenizer.special_ids["<|end|>"]
+    word = "zanahoriazul"
+    with live_server(chat_model, tmp_path, "memory.forget_undo_s=3", model=ScriptedModel([end]),
+                     context=4096) as (url, server):  # fmt: skip
+        keys = family_of(server)
+        ana = bearer(keys["ana"])
+
+        def texts():
+            return [m["text"] for m in httpx.get(url + "/api/memories", headers=ana).json()["data"]]
+
+        def restore(memory_id, key=keys["ana"]):
+            return httpx.post(url + f"/api/memories/{memory_id}/restore", headers=bearer(key))
+
+        memory_id = httpx.post(url + "/api/memories", json={"text": f"la clave del wifi es {word}"},
+                               headers=ana).json()["id"]  # fmt: skip
+        # The olvidar tool, as the member asks: gone from every list at once, back with the page's undo.
+        server.worker.model = ScriptedModel(call_ids(tokenizer, "olvidar", {"id": memory_id}),
+                                            tokenizer.encode("Hecho.") + [end])  # fmt: skip
+        body = {"model": server.model_id, "messages": [{"role": "user", "content": "Olvida lo del wifi"}]}
+        assert httpx.post(url + "/v1/chat/completions", json=body, headers=ana).status_code == 200
+        assert texts() == []
+        assert restore(memory_id, keys["luis"]).status_code == 404  # only who forgot it brings it back
+        assert restore(memory_id).json()["id"] == memory_id and texts() == [f"la clave del wifi es {word}"]
+        # Forgotten again (the page's delete): once the 3 s are over it is erased, files and index.
+        forgotten = httpx.delete(url + f"/api/memories/{memory_id}", headers=ana).json()
+        assert forgotten["deleted"] == memory_id and forgotten["erase_after"] > time.time() + 1
+        assert (
+            texts() == [] and server.store.query("SELECT count(*) AS n FROM forgotten_memories")[0]["n"] == 1
+        )
+        wait_until(
+            lambda: server.store.query("SELECT count(*) AS n FROM forgotten_memories")[0]["n"] == 0, 15
+        )
+        assert restore(memory_id).status_code == 404 and texts() == []
+        [hits] = server.store.query(
+            "SELECT count(*) AS n FROM memories_fts WHERE memories_fts MATCH ?", (word,)
+        )
+        assert hits["n"] == 0
+        database = server.store.path
+    for path in (database, database + "-wal"):
+        if os.path.exists(path):
+            with open(path, "rb") as f:
+                assert word.encode() not in f.read(), path
+
+
 def test_removing_a_member_removes_their_memories(chat_model, tmp_path):
     with live_server(chat_model, tmp_path) as (url, server):
         keys = family_of(server)

@@ -13,14 +13,15 @@ const ACTION_WORDS = {
   olvidar: "Olvidado",
 };
 const SAVED = /^Recuerdo (\d+) guardado/;
-const FORGOTTEN = /^Recuerdo \d+ borrado: «([\s\S]*)»\.$/;
+const FORGOTTEN = /^Recuerdo (\d+) borrado: «[\s\S]*»\.$/;
 
 // undo(): the request that takes the action back (null: nothing to undo).
 function undoOf(name, result) {
   const saved = name === "recordar" && SAVED.exec(result);
   if (saved) return () => api("DELETE", `/api/memories/${saved[1]}`);
   const forgotten = name === "olvidar" && FORGOTTEN.exec(result);
-  if (forgotten) return () => api("POST", "/api/memories", { text: forgotten[1] });
+  // Brought back while memory.forget_undo_s lasts; after it the server has erased it and answers 404.
+  if (forgotten) return () => api("POST", `/api/memories/${forgotten[1]}/restore`);
   return null;
 }
 
