@@ -13,6 +13,7 @@ pages are overwritten (secure_delete).
 import contextlib
 import hashlib
 import hmac
+import json
 import os
 import re
 import secrets
@@ -112,8 +113,16 @@ class Store:
             "CASCADE, digest TEXT NOT NULL, created REAL NOT NULL, PRIMARY KEY (member_id, digest)) WITHOUT ROWID"
         )
 
+    def tool_work_of_answers(self):
+        """Step 3: messages.tool_messages, an answer's tool calls and results (OpenAI messages, JSON) kept on
+        the answer's own row, so a follow-up reads them and the answers keep their numbers (feedback's
+        message_index)."""
+        columns = [row["name"] for row in self.db.execute("PRAGMA table_info(messages)")]
+        if "tool_messages" not in columns:
+            self.db.execute("ALTER TABLE messages ADD COLUMN tool_messages TEXT")
+
     # MIGRATIONS[n] takes a file from user_version n to n + 1. Add steps at the end; never edit one.
-    MIGRATIONS = (tables_of_release_2026_12_02, answers_given_to_children)
+    MIGRATIONS = (tables_of_release_2026_12_02, answers_given_to_children, tool_work_of_answers)
 
     def migrate(self):
         """Take the file forward step by step to len(MIGRATIONS), all in one write transaction (two processes
@@ -303,8 +312,15 @@ class Store:
         )
         if not rows:
             return None
-        sql = "SELECT role, content, created FROM messages WHERE conversation_id = ? ORDER BY id"
-        return rows[0] | {"messages": self.query(sql, (conversation_id,))}
+        sql = (
+            "SELECT role, content, created, tool_messages FROM messages WHERE conversation_id = ? ORDER BY id"
+        )
+        messages = self.query(sql, (conversation_id,))
+        for message in messages:  # an answer's tool calls and results, where it had some
+            work = message.pop("tool_messages")
+            if work:
+                message["tool_messages"] = json.loads(work)
+        return rows[0] | {"messages": messages}
 
     def new_conversation(self, member_id, title):
         conversation_id = uuid.uuid4().hex
@@ -317,13 +333,15 @@ class Store:
         sql = "DELETE FROM conversations WHERE id = ? AND member_id = ?"
         return self.write((sql, (conversation_id, member_id))) > 0
 
-    def add_message(self, member_id, conversation_id, role, content, title=None):
-        """Append one message (and retitle) in one transaction; False if the conversation is not theirs."""
+    def add_message(self, member_id, conversation_id, role, content, title=None, tool_messages=None):
+        """Append one message (and retitle) in one transaction; False if the conversation is not theirs. An
+        answer keeps the calls and results of its tools (OpenAI messages) on its row."""
         now = time.time()
         owned = "SELECT 1 FROM conversations WHERE id = ? AND member_id = ?"
+        work = json.dumps(tool_messages, ensure_ascii=False) if tool_messages else None
         statements = [
-            (f"INSERT INTO messages (conversation_id, role, content, created) SELECT ?, ?, ?, ? WHERE EXISTS ({owned})",
-             (conversation_id, role, content, now, conversation_id, member_id)),
+            ("INSERT INTO messages (conversation_id, role, content, created, tool_messages) SELECT ?, ?, ?, ?, ? "
+             f"WHERE EXISTS ({owned})", (conversation_id, role, content, now, work, conversation_id, member_id)),
         ]  # fmt: skip
         sql = (
             "UPDATE conversations SET updated = ?, title = COALESCE(?, title) WHERE id = ? AND member_id = ?"

@@ -243,9 +243,9 @@ class Server:
         """(token ids of the conversation with the <|assistant|> opener, tokens left to generate, its
         messages, the helper). The system turn is the request's system text or the configured prompt, the
         member's memories, and for a child the child instruction last, after anything a member wrote; an agent turn (helper) adds the date and the server's tools,
-        unless they do not fit the context (a small model): then the helper is dropped. trim drops the
-        oldest turns that do not fit (web conversations); otherwise a prompt too long is a 400 as in
-        OpenAI's API."""
+        unless they do not fit the context (a small model): then the helper is dropped. trim drops what
+        does not fit (web conversations): the oldest answers' tool calls and results first (before the
+        helper), then the oldest turns; otherwise a prompt too long is a 400 as in OpenAI's API."""
         parts = [*(system or [self.settings["system_prompt"]]), self.memory_context(member, turns)]
         parts += [self.settings["child"]["system_prompt"]] if member["role"] == "child" else []
         head = [{"role": "system", "content": "\n\n".join(p for p in parts if p)}]
@@ -259,10 +259,14 @@ class Server:
             except template.ChatError as e:
                 raise ApiError(400, f"messages: {e}", param="messages", code="invalid_conversation") from None
             room = self.context - len(ids)
-            if helper and room < min(max_tokens, 16):
+            short = room < min(max_tokens, 16)
+            if short and trim and any(turn["role"] == "tool" for turn in turns):  # old tool work goes first
+                turns = without_oldest_tool_work(turns)
+                continue
+            if helper and short:
                 helper = None
                 continue
-            if room >= min(max_tokens, 16) or not trim or len(turns) <= 1:
+            if not short or not trim or len(turns) <= 1:
                 break
             turns = turns[1:]
             while len(turns) > 1 and turns[0]["role"] != "user":
@@ -570,6 +574,30 @@ async def chat_completions(request):
     return JSONResponse(base | {"object": "chat.completion", "choices": [choice], "usage": usage} | done)
 
 
+def history_of(stored):
+    """A stored conversation's messages as turns of the next prompt: each answer preceded by the calls and
+    results of its tools (so "¿y para 9 personas?" can use them)."""
+    turns = []
+    for message in stored:
+        for work in message.get("tool_messages", ()):
+            turns.append({key: work[key] for key in ("role", "tool_calls", "tool_call_id", "name") if key in work}
+                         | {"content": work.get("content") or ""})  # fmt: skip
+        turns.append({"role": message["role"], "content": message["content"]})
+    return turns
+
+
+def without_oldest_tool_work(turns):
+    """turns without the tool calls and results of the oldest answer that has any (its text stays), said
+    in the log."""
+    first = next(i for i, turn in enumerate(turns) if turn["role"] == "tool" or turn.get("tool_calls"))
+    end = first
+    while turns[end]["role"] == "tool" or turns[end].get("tool_calls"):
+        end += 1
+    print(f"serve: a conversation's oldest tool results ({end - first} messages) left out of the prompt to fit "
+          "the model's context", file=sys.stderr)  # fmt: skip
+    return turns[:first] + turns[end:]
+
+
 async def post_message(request):
     """A turn of a stored conversation: the member's message is stored once the model has taken the
     request, the answer once it is complete (or stopped), before the client is told it is done."""
@@ -584,8 +612,9 @@ async def post_message(request):
     stream = expect(body.get("stream", True), bool, "stream", "true or false")
     max_tokens, temperature, top_p, seed, stop = sampling_of(body, settings, member)
     server.check_hours(member)
-    history = [{"role": m["role"], "content": m["content"]} for m in conversation["messages"]]
-    turns = history[-settings["max_messages"] :] + [{"role": "user", "content": content}]
+    turns = history_of(conversation["messages"][-settings["max_messages"] :]) + [
+        {"role": "user", "content": content}
+    ]
     helper = server.agent_for(member, None, None)
     prompt_ids, max_tokens, messages, helper = await asyncio.to_thread(
         server.prompt_of, member, [], turns, None, max_tokens, True, helper
@@ -596,8 +625,8 @@ async def post_message(request):
     title = " ".join(content.split())[:60] if not conversation["messages"] else None
     store.add_message(member["id"], conversation_id, "user", content, title)
 
-    def on_end(text):
-        store.add_message(member["id"], conversation_id, "assistant", text)
+    def on_end(text):  # with what its tools did, for the next turns to read
+        store.add_message(member["id"], conversation_id, "assistant", text, tool_messages=reply.tool_messages)
 
     reply = Reply(stop, None)
     # message_index: where the answer is stored (after the member's message), for rating it.

@@ -475,3 +475,78 @@ def test_the_page_shows_what_was_remembered_under_the_answer_and_undoes_it(
         all_of(browser, ".tool-actions button.undo")[0].click()
         wait_for(browser, lambda d: all_of(d, ".tool-actions button.undo")[0].text == "Deshecho")
         assert server.store.db.execute("SELECT count(*) FROM memories").fetchone()[0] == 0
+
+
+def stored_turn(http, cid, text):
+    answer = http.post(f"/api/conversations/{cid}/messages", json={"content": text, "stream": False})
+    assert answer.status_code == 200, answer.text
+    return answer.json()
+
+
+def test_a_follow_up_reads_the_earlier_tool_call_and_result_and_feedback_still_rates_the_right_answer(
+    chat_model, tmp_path
+):
+    tokenizer = chat_model[1]
+    end = tokenizer.special_ids["<|end|>"]
+    model = ScriptedModel(call_ids(tokenizer, "calculadora", {"expresion": "4*3"}),
+                          tokenizer.encode("Son 12 raciones.") + [end], tokenizer.encode("Para 9, 27.") + [end])  # fmt: skip
+    with live_server(chat_model, tmp_path, model=model, context=4096) as (url, server):
+        ana = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {member(server, 'ana')}"})
+        cid = ana.post("/api/conversations").json()["id"]
+        first = stored_turn(ana, cid, "Cada persona come 3 raciones: ¿cuántas para 4 personas?")
+        follow_up_at = len(model.prompts)
+        second = stored_turn(ana, cid, "¿y para 9 personas?")
+        follow_up = tokenizer.decode(model.prompts[follow_up_at])
+        assert '"calculadora"' in follow_up and '"4*3"' in follow_up  # the earlier call
+        assert (
+            follow_up.split("<tool_response>")[1].split("</tool_response>")[0].strip() == "12"
+        )  # its result
+        assert (first["message_index"], second["message_index"]) == (1, 3)
+        route = f"/api/conversations/{cid}/messages"
+        assert ana.post(f"{route}/1/feedback", json={"rating": -1, "better": "Son 12."}).status_code == 200
+        stored = ana.get(f"/api/conversations/{cid}").json()["messages"]
+        assert [m["role"] for m in stored] == ["user", "assistant", "user", "assistant"]
+        assert stored[1]["content"] == first["message"]["content"] and stored[1]["feedback"]["rating"] == -1
+        assert stored[1]["tool_messages"][0]["tool_calls"][0]["function"]["name"] == "calculadora"
+        [rated] = ana.get("/api/feedback").json()["data"]
+        assert rated["answer"] == first["message"]["content"] and rated["message_index"] == 1
+
+
+def tool_work(call_id, name, arguments, result):
+    call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}
+    return [{"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "content": result, "tool_call_id": call_id, "name": name}]  # fmt: skip
+
+
+def test_the_oldest_tool_results_leave_the_prompt_first_when_a_conversation_outgrows_the_context(
+    chat_model, tmp_path, capfd
+):
+    from serve import app
+
+    stored = [
+        {"role": "user", "content": "¿Qué farmacia está de guardia?"},
+        {"role": "assistant", "content": "La del centro.",
+         "tool_messages": tool_work("call_1", "buscar_web", {"consulta": "farmacia de guardia"},
+                                    "Farmacia del centro, abierta hoy. " * 30)},
+        {"role": "user", "content": "¿Cuánto es 4*3?"},
+        {"role": "assistant", "content": "Son 12.", "tool_messages": tool_work("call_2", "calculadora",
+                                                                            {"expresion": "4*3"}, "12")},
+    ]  # fmt: skip
+    end = chat_model[1].special_ids["<|end|>"]
+    with live_server(chat_model, tmp_path, model=ScriptedModel([end]), context=4096) as (_, server):
+        member(server, "ana")
+        ana = server.store.member("ana")
+        turns = app.history_of(stored) + [{"role": "user", "content": "¿y para 9 personas?"}]
+        helper = server.agent_for(ana, None, None)
+        whole = server.prompt_of(ana, [], turns, None, 64, True, helper)[0]
+        fits = server.prompt_of(ana, [], app.without_oldest_tool_work(turns), None, 64, True, helper)[0]
+        capfd.readouterr()
+        server.context = len(fits) + 64  # room for the prompt without the search's result, not with it
+        ids, _, messages, kept_helper = server.prompt_of(ana, [], turns, None, 64, True, helper)
+    assert len(whole) > server.context - 16 and kept_helper is helper
+    assert ids == fits and [m["content"] for m in messages if m["role"] == "tool"] == ["12"]
+    assert [m["content"] for m in messages if m["role"] == "assistant" and m["content"]] == [
+        "La del centro.",
+        "Son 12.",
+    ]
+    assert "oldest tool results (2 messages) left out of the prompt" in capfd.readouterr().err

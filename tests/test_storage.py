@@ -681,3 +681,26 @@ def test_a_disk_that_fills_mid_run_stops_training_with_74_naming_the_last_good_c
     disk.empty()
     assert train.main([*argv, "--resume"]) == 0
     assert checkpoint.load_checkpoint(checkpoint.list_checkpoints(run_dir)[0])["step"] == 8
+
+
+def test_a_database_of_the_previous_schema_keeps_its_conversations_and_their_answers_numbers(tmp_path):
+    path = str(tmp_path / "family.sqlite")
+    with contextlib.closing(sqlite3.connect(path)) as db:  # as schema version 2 left a file
+        db.executescript(accounts.SCHEMA_SQL)
+        db.execute("INSERT INTO members (name, role, key_hash, created) VALUES ('ana', 'adult', 'k', 0)")
+        db.execute("INSERT INTO conversations VALUES ('c1', 1, 'Raciones', 0, 0)")
+        db.executemany("INSERT INTO messages (conversation_id, role, content, created) VALUES ('c1', ?, ?, 0)",
+                       [("user", "¿Cuántas raciones?"), ("assistant", "Doce.")])  # fmt: skip
+        db.execute("PRAGMA user_version = 2")
+        db.commit()
+    store = accounts.Store(path)
+    assert user_version(path) == len(accounts.Store.MIGRATIONS) == 3
+    work = [{"role": "tool", "content": "27", "tool_call_id": "call_1", "name": "calculadora"}]
+    assert store.add_message(1, "c1", "user", "¿y para 9?") and store.add_message(
+        1, "c1", "assistant", "27.", None, work
+    )
+    messages = store.conversation(1, "c1")["messages"]
+    assert [(m["role"], m["content"]) for m in messages] == [
+        ("user", "¿Cuántas raciones?"), ("assistant", "Doce."), ("user", "¿y para 9?"), ("assistant", "27.")
+    ]  # fmt: skip
+    assert "tool_messages" not in messages[1] and messages[3]["tool_messages"] == work
