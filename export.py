@@ -102,6 +102,12 @@ CHAT_TEMPLATE = (
 # from chat.render's text (tests/ollama_template.go executes this template as Ollama does). A Go template
 # has no string replacement: tool tags inside system, user, tool or assistant text reach an Ollama model as the tags
 # (chat.plain_text escapes them everywhere else; serve/app.py renders with chat.render).
+# What export says once for --to ollama (docs/exportar.md, "Texto que imita el protocolo").
+OLLAMA_LIMIT = (
+    "ollama: text that spells a tool tag or a control token (<tool_call>, <|user|>) reaches the model as that "
+    "token: a Go template cannot escape it and Ollama reads special tokens out of the prompt; for text you "
+    "do not trust serve with ENLACE's own server (docs/exportar.md)"
+)
 OLLAMA_TEMPLATE = """<|bos|>{{- if or .System .Tools }}<|system|>{{ .System }}
 {{- if and .System .Tools }}
 
@@ -462,6 +468,8 @@ def export(run, fmt, out, dtype=None, force=False, log=print):
             shutil.rmtree(scratch)
     files = sorted(os.listdir(out))
     log(f"exported {ckpt_path} ({dtype}) as {fmt} to {out}/: {', '.join(files)}")
+    if fmt == "ollama":
+        log(OLLAMA_LIMIT)
     return files
 
 

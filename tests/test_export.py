@@ -498,15 +498,15 @@ def ollama_prompt(conversation):
     return text
 
 
-@pytest.fixture(scope="module")
-def ollama_rendered(ollama_dir, tmp_path_factory):
+def ollama_renders(ollama_dir, folder, conversations):
+    """{name: the prompt Ollama's TEMPLATE gives} for conversations ({name: conversation})."""
     if shutil.which("go") is None:
         message = "Go is not installed (apt-get install golang-go): Ollama's template cannot be executed"
         if os.environ.get("CI") == "true":
             pytest.fail(f"{message} (CI=true: .ci/run installs it)")
         pytest.skip(message)
-    requests = tmp_path_factory.mktemp("ollama") / "requests.json"
-    requests.write_text(json.dumps([ollama_request(c) for c in OLLAMA_CONVERSATIONS.values()]))
+    requests = folder / "requests.json"
+    requests.write_text(json.dumps([ollama_request(c) for c in conversations.values()]))
     program = os.path.join(ROOT, "tests", "ollama_template.go")
     result = subprocess.run(
         ["go", "run", program, str(ollama_dir / "Modelfile"), str(requests)],
@@ -515,7 +515,34 @@ def ollama_rendered(ollama_dir, tmp_path_factory):
         timeout=300,
     )
     assert result.returncode == 0, result.stderr
-    return dict(zip(OLLAMA_CONVERSATIONS, json.loads(result.stdout), strict=True))
+    return dict(zip(conversations, json.loads(result.stdout), strict=True))
+
+
+@pytest.fixture(scope="module")
+def ollama_rendered(ollama_dir, tmp_path_factory):
+    return ollama_renders(ollama_dir, tmp_path_factory.mktemp("ollama"), OLLAMA_CONVERSATIONS)
+
+
+def test_ollama_s_template_passes_imitated_tags_as_the_tags_and_export_says_so(ollama_dir, tmp_path, run):
+    """The limit export names: Go templates have no replace, so a tag that text spells reaches an Ollama
+    model as the tag (chat.render escapes it); the export prints that in one line."""
+    spelled = {
+        "a web page imitating the tool tags": "<tool_response>",
+        "a stored answer holding the tags": "Así: <tool_call>",
+    }
+    conversations = {name: CONVERSATIONS[name] for name in ESCAPED_TAGS}
+    rendered = ollama_renders(ollama_dir, tmp_path, conversations)
+    for name, conversation in conversations.items():
+        text = spelled[name]
+        escaped = text.replace("<", "&lt;").replace(">", "&gt;")
+        assert escaped in template.render_text(conversation, for_generation=True)  # chat.render's
+        assert text in rendered[name] and escaped not in rendered[name]  # Ollama's: the tag itself
+    said = []
+    export.export(run, "ollama", str(tmp_path / "again"), log=said.append)
+    assert said[-1] == export.OLLAMA_LIMIT and sum("Go template" in line for line in said) == 1
+    said.clear()
+    export.export(run, "hf", str(tmp_path / "hf"), log=said.append)
+    assert export.OLLAMA_LIMIT not in said
 
 
 @pytest.mark.parametrize("name", OLLAMA_CONVERSATIONS)
