@@ -477,6 +477,38 @@ def test_the_page_shows_what_was_remembered_under_the_answer_and_undoes_it(
         assert server.store.db.execute("SELECT count(*) FROM memories").fetchone()[0] == 0
 
 
+def test_the_page_undoes_a_forget_while_its_time_lasts_and_the_memory_keeps_its_number(
+    browser,  # noqa: F811 (test_web's fixture)
+    chat_model,
+    tmp_path,
+):
+    from family import memories
+
+    tokenizer = chat_model[1]
+    end = tokenizer.special_ids["<|end|>"]
+    model = ScriptedModel(call_ids(tokenizer, "olvidar", {"id": 1}, before="Lo borro."),
+                          tokenizer.encode("Hecho, lo he olvidado.") + [end])  # fmt: skip
+    with live_server(chat_model, tmp_path, model=model, context=4096) as (url, server):
+        member(server, "ana", password="clave-ana")
+        for text in ("la vacuna del perro es el 12 de junio", "el cumpleaños de Eva es el 3 de mayo"):
+            memories.add(server.store.db, "ana", "adult", text, server.memory_cfg)
+        browser.delete_all_cookies()
+        log_in(browser, url, "ana", "clave-ana")
+        by_id(browser, "input").send_keys("Olvida lo de la vacuna del perro")
+        by_id(browser, "send").click()
+        wait_for(browser, lambda d: all_of(d, ".message.assistant[data-done='true']"))
+        [line] = all_of(browser, ".tool-actions li")
+        assert line.text.startswith("Olvidado: 1")
+        screenshot(browser, "12-forget-with-undo.png")
+        assert server.store.db.execute("SELECT count(*) FROM memories").fetchone()[0] == 1
+        all_of(browser, ".tool-actions button.undo")[0].click()
+        wait_for(browser, lambda d: all_of(d, ".tool-actions button.undo")[0].text == "Deshecho")
+        rows = server.store.db.execute("SELECT id, text FROM memories ORDER BY id").fetchall()
+        assert [tuple(row) for row in rows] == [
+            (1, "la vacuna del perro es el 12 de junio"), (2, "el cumpleaños de Eva es el 3 de mayo")
+        ]  # fmt: skip
+
+
 def stored_turn(http, cid, text):
     answer = http.post(f"/api/conversations/{cid}/messages", json={"content": text, "stream": False})
     assert answer.status_code == 200, answer.text
