@@ -23,6 +23,7 @@ from unittest import mock
 
 import pytest
 from conftest import ROOT
+from users_shell import users_env
 
 import config
 
@@ -295,7 +296,7 @@ def make_dry_run(words):
     """The command lines `make` would run for these targets and settings (`VAR=…` keeps the default)."""
     settings = [w for w in words[1:] if ASSIGNMENT.match(w) and w.split("=", 1)[1] not in ELLIPSES]
     targets = [w for w in words[1:] if not ASSIGNMENT.match(w) and not w.startswith("-")]
-    env = {k: v for k, v in os.environ.items() if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS")}
+    env = users_env()
     dry = subprocess.run(
         ["make", "-n", "-B", *targets, *settings],
         cwd=ROOT,

@@ -11,6 +11,7 @@ import sys
 
 import pytest
 from conftest import ROOT
+from users_shell import users_env
 
 import config
 from bench import gpu_check
@@ -21,7 +22,7 @@ STAMP = ".venv/.requirements.stamp"  # `make -o STAMP`: the shared .venv as it i
 
 def test_make_gpu_check_on_the_cpu_runs_every_step_and_writes_the_report(tmp_path):
     report = tmp_path / "gpu-report.md"
-    env = {k: v for k, v in os.environ.items() if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS")}
+    env = users_env()
     done = subprocess.run(
         ["make", "-o", STAMP, "gpu-check", "DEVICE=cpu", f"ARGS=--cpu-ranks 2 --work {tmp_path / 'work'} --report {report}"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
@@ -173,7 +174,7 @@ def wheelhouse_dir(tmp_path_factory):
 def no_network_env(tmp_path):
     """No index, no proxy that answers, no Hub: any attempt to reach one fails at once."""
     dead = "http://127.0.0.1:9"
-    env = {k: v for k, v in os.environ.items() if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS", "PYTHONPATH")}
+    env = users_env(drop=("PYTHONPATH",))
     return env | {"PIP_INDEX_URL": f"{dead}/simple", "PIP_NO_INDEX": "1", "http_proxy": dead, "https_proxy": dead,
                   "HTTP_PROXY": dead, "HTTPS_PROXY": dead, "no_proxy": "127.0.0.1,localhost",
                   "HF_ENDPOINT": dead, "HOME": str(tmp_path)}  # fmt: skip

@@ -19,6 +19,7 @@ import pytest
 import yaml
 from conftest import ROOT, TINY
 from hub_standin import COMMIT, FakeHub
+from users_shell import users_env
 
 import config
 import corpus.hub
@@ -547,9 +548,7 @@ def test_make_run_offline_runs_the_download_stage_on_the_recorded_files_without_
     chain_file = tmp_path / "offline.yaml"
     chain_file.write_text(yaml.safe_dump({"chain": chain}), encoding="utf-8")
     online.requests.clear()
-    env = {
-        k: v for k, v in hub_env(online, tmp_path).items() if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS")
-    }
+    env = users_env(hub_env(online, tmp_path))
     done = subprocess.run(
         ["make", "-o", ".venv/.requirements.stamp", "run", f"BOARD={chain_file}", "OFFLINE=1"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,

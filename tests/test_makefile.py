@@ -9,6 +9,7 @@ import subprocess
 
 import pytest
 from conftest import ROOT, TINY
+from users_shell import users_env
 
 
 def phony_targets():
@@ -21,7 +22,9 @@ def phony_targets():
 @pytest.mark.parametrize("target", phony_targets())
 def test_every_declared_make_target_has_commands(target):
     # -B: as if nothing were built yet (an up-to-date `setup` has nothing to do, yet has commands).
-    dry = subprocess.run(["make", "-n", "-B", target], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    dry = subprocess.run(
+        ["make", "-n", "-B", target], cwd=ROOT, env=users_env(), capture_output=True, text=True, timeout=60
+    )
     assert dry.returncode == 0, dry.stderr
     assert "Nothing to be done" not in dry.stdout + dry.stderr, f"make {target} has no recipe"
     assert dry.stdout.strip(), f"make {target} runs nothing"
@@ -63,9 +66,7 @@ def fresh_clone(tmp_path):
 
 
 def make(clone, *args):
-    # As a user's shell runs it: under `make test` the inherited MAKELEVEL/MAKEFLAGS would make the inner
-    # make print "Entering/Leaving directory" lines around the output.
-    env = {k: v for k, v in os.environ.items() if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS")}
+    env = users_env()
     return subprocess.run(
         ["make", "-o", STAMP, *args], cwd=clone, env=env, capture_output=True, text=True, timeout=600
     )
@@ -191,7 +192,7 @@ def test_each_target_that_runs_a_chain_stage_runs_the_command_line_the_chain_run
         target, variables, line = target_of(chain, stage, tail)
         dry = subprocess.run(
             ["make", "-n", "-B", "-o", STAMP, target, *(f"{k}={v}" for k, v in variables.items())],
-            cwd=ROOT, capture_output=True, text=True, timeout=60,
+            cwd=ROOT, env=users_env(), capture_output=True, text=True, timeout=60,
         )  # fmt: skip
         assert dry.returncode == 0, dry.stderr
         words = shlex.split(dry.stdout.strip().splitlines()[line])

@@ -13,6 +13,7 @@ import pytest
 from conftest import ROOT
 from test_docs import check_python
 from test_makefile import STAMP, fresh_clone
+from users_shell import users_env
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 and os.environ.get("CI") != "true", reason="installing a service needs root (CI has it)"
@@ -21,7 +22,7 @@ pytestmark = pytest.mark.skipif(
 
 def install(clone, units, *settings):
     """`make install-service` in the clone, as root on the server, with the unit going to `units`."""
-    env = {k: v for k, v in os.environ.items() if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS")}
+    env = users_env()
     return subprocess.run(
         ["make", "-o", STAMP, "install-service", f"UNIT_DIR={units}", "SYSTEMCTL=echo systemctl", *settings],
         cwd=clone,
@@ -146,7 +147,7 @@ def test_port_address_and_device_are_settings_of_the_install_and_a_missing_run_i
 
 
 def test_by_default_the_service_runs_as_the_system_user_enlace_created_when_missing():
-    env = {k: v for k, v in os.environ.items() if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS")}
+    env = users_env()
     dry = subprocess.run(
         ["make", "-n", "-B", "install-service", "RUN=runs/x"],
         cwd=ROOT,
