@@ -16,7 +16,8 @@ A number is a run of digits with "." or "," between them. The guard follows the 
 a token may extend it only to a prefix of an allowed form, and may end it (any other character, the end of
 the answer) only where it is a whole allowed number; a run ending in a mark ("Son 42.") is that number and
 its punctuation. Number words ("quince", "mil") are whole tokens of the vocabulary: one whose value is not
-allowed is masked ("un", "una", "uno" stay: articles). A word split over several tokens is not seen.
+allowed is masked; the words grounding.spoken_numbers does not count alone ("una", "media") stay. A word
+split over several tokens is not seen.
 Ordinals ("primero", "2.º") are not cardinals and stay free.
 
 No loop over the vocabulary runs while decoding. Once per vocabulary (number_tokens), the tokens that write
@@ -36,7 +37,6 @@ import torch
 
 from agent import expression, grounding
 
-ARTICLES = {"un", "una", "uno"}
 NUMBER_HEAD = re.compile(r"[\d.,]*")
 SCALES = {"cien": 100, "ciento": 100, "mil": 1000, "millon": 1000000, "millones": 1000000}
 
@@ -88,7 +88,7 @@ class NumberTokens:
             if lead or any(ch.isdigit() for ch in rest):
                 relevant.append(index)
             word = grounding.plain(text.strip())
-            if word and word not in ARTICLES:
+            if word and word not in grounding.LONE_WORDS:  # what spoken_numbers does not count
                 value = word_value(word)
                 if value is not None:
                     self.words.append((index, word, value))

@@ -63,6 +63,10 @@ for _word, _value in (("dos", 2), ("tres", 3), ("cuatro", 4), ("seis", 6), ("och
     HUNDREDS[_word + "cientos"] = HUNDREDS[_word + "cientas"] = 100 * _value
 HALF = ("medio", "media")
 ARTICLES = ("un", "una", "uno")
+# Words that are a number only beside another: alone, "un"/"una"/"uno" is an article or a pronoun ("una cena",
+# "cada uno") and "medio"/"media"/"mitad" a noun ("la media es 5", "a medias", "la mitad") far more often
+# than 1 or 0.5. "media docena", "dos y media" and "medio millón" stay numbers.
+LONE_WORDS = ARTICLES + HALF + ("mitad",)
 
 
 SPELLED_UNITS = "cero uno dos tres cuatro cinco seis siete ocho nueve".split()
@@ -154,9 +158,9 @@ def read_words(words, start):
 
 
 def said(text):
-    """(values, next word, whether it is a lone "un"/"una"/"uno") of each number a text says, with digits
-    or in Spanish words, in the order said (see said_in)."""
-    return [(values, after, article) for values, after, article, _, _ in said_in(plain_words(text))]
+    """(values, next word, whether it is a lone word: LONE_WORDS) of each number a text says, with digits or
+    in Spanish words, in the order said (see said_in)."""
+    return [(values, after, lone) for values, after, lone, _, _ in said_in(plain_words(text))]
 
 
 def plain_words(text):
@@ -164,8 +168,9 @@ def plain_words(text):
 
 
 def said_in(words):
-    """(values, next word, lone article, first word's index, index after it) of each number in these
-    plain words: a number written with digits has the value the calculator reads (digit_values)."""
+    """(values, next word, lone, first word's index, index after it) of each number in these plain words: a
+    number written with digits has the value the calculator reads (digit_values); lone is a LONE_WORDS word
+    said alone, which spoken_numbers and paired_numbers do not count."""
     found, index = [], 0
     while index < len(words):
         word = words[index]
@@ -180,10 +185,12 @@ def said_in(words):
         else:
             value, used = read_words(words, index)
             values, used = ([value], used) if used else ([], 1)
-        article = used == 1 and word in ARTICLES  # "una cena", "cada uno": no 1 to compute with
+        lone = (
+            used == 1 and word in LONE_WORDS
+        )  # "una cena", "cada uno", "la media": no number to compute with
         index += used
         if values:
-            found.append((values, words[index] if index < len(words) else "", article, index - used, index))
+            found.append((values, words[index] if index < len(words) else "", lone, index - used, index))
     return found
 
 
@@ -248,7 +255,7 @@ def paired_numbers(text, operator_words):
     pairs 12 with 12 (at most three words between them, one an operator phrase)."""
     table = operator_table(operator_words)
     words = plain_words(text)
-    numbers = [(values, start, end) for values, _, article, start, end in said_in(words) if not article]
+    numbers = [(values, start, end) for values, _, lone, start, end in said_in(words) if not lone]
     phrases = [(start, end) for start, end, operators in operator_phrases(words, table) if operators]
     pairs = []
     for (first, _, end), (second, start, _) in zip(numbers, numbers[1:], strict=False):
@@ -258,9 +265,11 @@ def paired_numbers(text, operator_words):
 
 
 def spoken_numbers(text):
-    """Every value of the numbers a text says (see said), but a lone "un", "una" or "uno": an article or
-    a pronoun far more often than a number (1 is among grounding.numbers anyway)."""
-    return [value for values, _, article in said(text) if not article for value in values]
+    """Every value of the numbers a text says (see said), but a lone word of LONE_WORDS: an article, a
+    pronoun or a noun far more often than a number (1 and 2 are among grounding.numbers anyway). The one rule
+    for what a text states: the calculator's candidates, the answer's guard (agent/answers.py) and the
+    evaluation's unsaid numbers (evaluation/tool_use.py) all read it here."""
+    return [value for values, _, lone in said(text) if not lone for value in values]
 
 
 def asked_days(text, units, day_words):

@@ -8,6 +8,7 @@ from test_agent_grammar import NoisyModel, noisy_forward_passes
 import data
 from agent import answers, expression, grammar, tools
 from decode import engine
+from evaluation import tool_use
 
 
 @pytest.fixture(scope="module")
@@ -96,6 +97,19 @@ def test_number_words_not_told_are_masked_but_articles_stay():
         after_result("¿Cuánto es doce por mil?", "12000"), tools.load_settings()))  # fmt: skip
     allowed = torch.isfinite(guard.mask(torch.zeros(vocab.size)))
     assert allowed.tolist() == [True, False, True, True, True, True, True]
+
+
+@pytest.mark.parametrize(
+    ("text", "allowed"),
+    [("La media es 6.", True), ("Sale a medias: 6 cada uno.", True), ("La media es 7.", False)],
+)
+def test_the_guard_and_the_evaluation_agree_on_the_numbers_an_answer_states(
+    tokenizer, settings, text, allowed
+):
+    # one rule (grounding.spoken_numbers): "media" alone is the average, not 0.5, for the mask and the count
+    messages = after_result("¿Cuál es el promedio de 4 y 8?", "6")
+    assert writes(tokenizer, settings, messages, text) is allowed
+    assert (tool_use.unsaid_numbers(text, messages, settings) == []) is allowed
 
 
 def test_noise_after_a_result_writes_no_number_nobody_said(tokenizer, settings):

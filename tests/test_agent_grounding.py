@@ -31,7 +31,7 @@ def numbers(text):
         ("dos y medio", ["2.5"]),
         ("tres coma catorce", ["3.14"]),
         ("un millón", ["1000000"]),
-        ("la mitad", ["0.5"]),
+        ("la mitad de media docena", ["6"]),
         ("2 mil", ["2000"]),
         ("quinientas sillas", ["500"]),
         ("dos tres", ["2", "3"]),  # two numbers, not 23
@@ -39,6 +39,13 @@ def numbers(text):
 )
 def test_spanish_number_words_are_read_as_numbers(text, said):
     assert numbers(text) == said
+
+
+@pytest.mark.parametrize(
+    "text", ["La media es 5.", "Pagamos a medias.", "la mitad", "Está a medio hacer.", "una cena", "cada uno"]
+)
+def test_a_lone_article_or_half_word_is_not_a_number_said(text):
+    assert numbers(text) == (["5"] if "5" in text else [])
 
 
 @pytest.mark.parametrize(
