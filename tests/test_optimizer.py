@@ -120,17 +120,36 @@ def newton_schulz_error(grad, dtype):
     return ((optim.newton_schulz(grad, 5, dtype).double() - exact).norm() / exact.norm()).item()
 
 
-@pytest.mark.parametrize("dtype, bound", [(torch.float16, 0.01), (torch.bfloat16, 0.015)])
-def test_newton_schulz_keeps_its_accuracy_at_every_gradient_norm(dtype, bound):
-    """At tiny-50m's MLP shape, from Frobenius norm 1e-2 to 1e-6: a cast before the normalisation left a
-    float16 gradient of norm 1e-5 mostly zeros (121% off). float16 stays within 1%; bfloat16 (8 mantissa
-    bits) within its own floor, ~1.1%, the same at every norm."""
+NORMS = (1e-2, 1e-3, 1e-4, 1e-5, 1e-6)
+
+
+def unit_gradient():
     torch.manual_seed(0)
-    direction = torch.randn(1408, 512)
-    direction /= direction.norm()
-    errors = [newton_schulz_error(direction * norm, dtype) for norm in (1e-2, 1e-3, 1e-4, 1e-5, 1e-6)]
+    direction = torch.randn(1408, 512)  # tiny-50m's MLP shape
+    return direction / direction.norm()
+
+
+@pytest.mark.parametrize("dtype, bound", [(torch.float16, 0.01), (torch.bfloat16, 0.012)])
+def test_newton_schulz_keeps_its_accuracy_at_every_gradient_norm(dtype, bound):
+    """From Frobenius norm 1e-2 to 1e-6: a cast before the normalisation left a float16 gradient of norm
+    1e-5 mostly zeros (121% off). float16 (the 2060's) stays within 1%; bfloat16 (8 mantissa bits) within
+    its own floor, ~1.1% (see the next test), the same at every norm."""
+    errors = [newton_schulz_error(unit_gradient() * norm, dtype) for norm in NORMS]
     assert max(errors) <= bound, errors
     assert max(errors) < 1.1 * min(errors), errors  # no norm is worse than another
+
+
+def test_bfloat16_newton_schulz_is_as_close_to_float64_as_torch_muons_own():
+    # bfloat16's floor is its arithmetic, not our code: torch.optim.Muon's own iteration (bfloat16 always,
+    # Keller Jordan's) is as far from float64 at every norm, so 1% would need float32 steps on every bf16 board
+    from torch.optim._muon import _zeropower_via_newtonschulz as torch_iteration  # a test only: private
+
+    for norm in NORMS:
+        grad = unit_gradient() * norm
+        exact = optim.newton_schulz(grad.double(), 5, torch.float64)
+        theirs = torch_iteration(grad, optim.NS_COEFFICIENTS, 5, optim.NS_EPS).double()
+        ours = newton_schulz_error(grad, torch.bfloat16)
+        assert ours <= ((theirs - exact).norm() / exact.norm()).item(), norm
 
 
 def test_newton_schulz_never_writes_into_its_input():
