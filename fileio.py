@@ -14,6 +14,7 @@ config-level code (family/memories.py) can use them as well as the training side
     code_version()              the git commit of this code (-dirty when tracked files differ)
     text_problem(value)         (path, why) of the first string of a JSON-like value that is not text
     undecodable_argument(argv)  why a command-line argument is not text in the locale's encoding, or None
+    takes_text_arguments(prog)  a command's main(argv) that first refuses such an argument: one line, exit 2
 
 A reader never sees half a file at `path`: it sees the old one or the new one. A folder is written the
 same way by its owner: into a temp folder beside it, then one rename, then fsync_path of the parent.
@@ -27,7 +28,7 @@ surrogateescape decoding of bytes that are not UTF-8 both give lone surrogates: 
 text, and every UTF-8 writer (SQLite, sentencepiece, a JSON answer, the terminal) fails on them. The one
 rule of what text is acceptable (LONE_SURROGATE) lives here, below everything that reads text from outside:
 serve/openai_api.py's check of a request's text, chat/template.py's check of a conversation, and every
-command line that takes text (undecodable_argument).
+command line that takes text (takes_text_arguments).
 """
 
 import contextlib
@@ -278,3 +279,22 @@ def undecodable_argument(argv):
                 "and type it again"
             )
     return None
+
+
+def takes_text_arguments(prog=None):
+    """A command's main(argv), wrapped so that an argument undecodable_argument refuses ends the command
+    with its one line ("prog: error: ...", or "error: ...") and exit 2, argparse's code for a bad command
+    line, before main reads anything. argv None is sys.argv[1:]."""
+
+    def wrap(main):
+        @functools.wraps(main)
+        def main_with_text_arguments(argv=None, *args, **kwargs):
+            problem = undecodable_argument(sys.argv[1:] if argv is None else argv)
+            if problem:
+                print(f"{prog}: error: {problem}" if prog else f"error: {problem}", file=sys.stderr)
+                return 2
+            return main(argv, *args, **kwargs)
+
+        return main_with_text_arguments
+
+    return wrap

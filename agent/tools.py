@@ -808,11 +808,8 @@ def cite_sources(answer, sources):
 # -----------------------------------------------------------------------------
 
 
+@fileio.takes_text_arguments("agent/tools.py")
 def main(argv):
-    problem = fileio.undecodable_argument(argv)
-    if problem:
-        print(f"agent/tools.py: error: {problem}", file=sys.stderr)
-        return 2
     parser = argparse.ArgumentParser(description="The assistant's tools: list them or run one.")
     parser.add_argument("--settings", default=DEFAULT_SETTINGS, help="an agent layer file")
     commands = parser.add_subparsers(dest="command", required=True)

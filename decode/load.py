@@ -9,6 +9,8 @@ python -m evaluation.bpb: run_command).
 import argparse
 import sys
 
+import fileio
+
 
 class LoadError(Exception):
     """A run that cannot be decoded as configured, in one line that says what to change."""
@@ -33,6 +35,7 @@ def check_batch(parser, args):
         parser.error(f"--batch {args.batch}: must be >= 1")
 
 
+@fileio.takes_text_arguments()
 def run_command(argv, parse_args, body):
     """The main of a command that reads a run: an argument that is not text refused, parse_args(argv)
     (args with .run and .device), the run loaded there (checkpoint.load_run: the model, its config and its
@@ -40,13 +43,8 @@ def run_command(argv, parse_args, body):
     checkpoint's, a chat file's, a data file's, a value's) is one line `error: ...` and exit status 2."""
     import checkpoint
     import data
-    import fileio
     from chat import template
 
-    problem = fileio.undecodable_argument(argv)
-    if problem:
-        print(f"error: {problem}", file=sys.stderr)
-        return 2
     args = parse_args(argv)
     try:
         model, cfg, tokenizer, _ = checkpoint.load_run(args.run, args.device)

@@ -73,12 +73,9 @@ def parse_args(argv):
 
 
 @fileio.reports_storage_errors
+@fileio.takes_text_arguments()
 def main(argv):
     os.umask(store.PRIVATE_UMASK)  # snapshots and the database are private, as the server's own
-    problem = fileio.undecodable_argument(argv)
-    if problem:
-        print(f"error: {problem}", file=sys.stderr)
-        return 2
     args = parse_args(argv)
     try:
         cfg = memories.load_config(args.config)

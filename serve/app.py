@@ -1016,12 +1016,9 @@ def this_python():
 
 
 @fileio.reports_storage_errors
+@fileio.takes_text_arguments()
 def main(argv):
     os.umask(store.PRIVATE_UMASK)  # the database, its WAL, snapshots: this user's alone
-    problem = fileio.undecodable_argument(argv)
-    if problem:
-        print(f"error: {problem}", file=sys.stderr)
-        return 2
     try:
         if argv and argv[0] == "member":
             return member_command.main(argv[1:], load_settings, DEFAULT_CONFIG)

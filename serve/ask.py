@@ -148,12 +148,9 @@ def parse_args(argv):
     return parser.parse_args([a for a in argv if a not in overrides]), overrides
 
 
+@fileio.takes_text_arguments()
 @fileio.reports_storage_errors
 def main(argv):
-    problem = fileio.undecodable_argument(argv)
-    if problem:
-        print(f"error: {problem}", file=sys.stderr)
-        return 2
     args, overrides = parse_args(argv)
     if not os.path.isdir(args.run):
         print(f"error: {args.run}: no such run folder", file=sys.stderr)

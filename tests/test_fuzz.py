@@ -445,6 +445,8 @@ def test_every_command_line_that_takes_text_refuses_bytes_that_are_not_utf8_with
         "agent call": cli("-m", "agent", "call", "calculadora", b'{"expresion": "1\xe9"}'),
         "sample": cli("sample.py", "runs/none", "--prompt", cafe),
         "bits per byte": cli("-m", "evaluation.bpb", "runs/none", "--eval", cafe),
+        "ask": cli("-m", "serve.ask", "runs/none", cafe),
+        "serve": cli("-m", "serve", "--config", cafe),
     }
     for name, result in runs.items():
         err = result.stderr.decode("utf-8", "replace")
