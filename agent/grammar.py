@@ -382,17 +382,28 @@ def calculation_rules(depth, operators, paired=False):
     por 56" with constants ("2**1*1", then "1234*2", then "1234*1234")."""
     between = [("%" if operator == "mod" else operator) for operator in operators if operator != "%"]
     percent = ' ("%" | " %")?' if "%" in operators else ""
-    rules = ['c_sp ::= " " | ""', f"c_o ::= {alternatives(between)}", f"c_p ::= {percent or chr(34) * 2}"]
+    rules = ['c_sp ::= " " | ""', f"c_o ::= {alternatives(between)}", f"c_p ::= {percent or chr(34) * 2}",
+             'c_pct ::= "%" | " %"']  # fmt: skip
     for level in range(depth + 1):
         inner = f' | "(" c_sp c_e{level + 1} c_sp ")"' if level < depth else ""
         first = "c_pair" if paired and level == 0 else f"c_f{level}"
         rules.append(f"c_e{level} ::= {first} (c_sp c_o c_sp c_t{level})*")
         for term, number in ((f"c_f{level}", "c_s"), (f"c_t{level}", "c_n")):
-            rules.append(f'{term} ::= ("-" | "+")? ({number} c_p{inner})')
+            rules.append(f'{term} ::= ("-" | "+")? ({number}{inner})')
     return rules
 
 
-def pair_rules(numbers, forms, pairs=()):
+def numbers_ebnf(numbers, forms, percents):
+    """EBNF of one of `numbers` in each form `forms` gives, maybe a percentage (c_p); one of `percents`
+    (said only as a percentage: grounding.percent_numbers) always with its "%" (c_pct)."""
+    plain = [n for n in numbers if n not in percents]
+    shares = [n for n in numbers if n in percents]
+    parts = [f"({alternatives(forms(plain))}) c_p"] if plain else []
+    parts += [f"({alternatives(forms(shares))}) c_pct"] if shares else []
+    return " | ".join(parts)
+
+
+def pair_rules(numbers, forms, pairs=(), percents=()):
     """EBNF `c_pair`: one of `numbers`, an operator, another of them or one the question pairs it with
     ("12 por 12": grounding.paired_numbers), that second one maybe in parentheses after a constant and an
     operator ("100*(1-10%)"); each signed, each maybe a percentage (c_p). Quadratic in the numbers: the
@@ -402,10 +413,10 @@ def pair_rules(numbers, forms, pairs=()):
     for index, number in enumerate(numbers):
         partners = [n for n in numbers if n != number] + [b for a, b in pairs if a == number]
         partners += [a for a, b in pairs if b == number]
-        others = f"{signed} ({alternatives(forms(list(dict.fromkeys(partners))))}) c_p"
-        first = alternatives(forms([number]))
+        others = f"{signed} ({numbers_ebnf(list(dict.fromkeys(partners)), forms, percents)})"
+        first = numbers_ebnf([number], forms, percents)
         rules.append(
-            f'c_q{index} ::= {signed} ({first}) c_p c_sp c_o c_sp ({others} | "(" c_sp c_n c_sp c_o c_sp '
+            f'c_q{index} ::= {signed} ({first}) c_sp c_o c_sp ({others} | "(" c_sp c_n c_sp c_o c_sp '
             f'{others} c_sp ")")'
         )
     rules.append("c_pair ::= " + " | ".join(f"c_q{index}" for index in range(len(numbers))))
@@ -452,9 +463,10 @@ def grounded_ebnf(names, found, settings):
         forms = lambda numbers: [f for n in numbers for f in expression.number_forms(Decimal(n))]  # noqa: E731
         paired = settings["grounding"]["said_first"] > 1 and len(found.latest) > 1
         rules += calculation_rules(settings["grounding"]["max_parentheses"], found.operators, paired)
-        rules += pair_rules(found.latest, forms, found.pairs) if paired else []
-        rules.append(f"c_n ::= {alternatives(forms(found.numbers))}")
-        rules.append(f"c_s ::= {alternatives(forms(found.said or found.numbers))}")
+        percents = found.percents if "%" in found.operators else ()
+        rules += pair_rules(found.latest, forms, found.pairs, percents) if paired else []
+        rules.append(f"c_n ::= {numbers_ebnf(found.numbers, forms, percents)}")
+        rules.append(f"c_s ::= {numbers_ebnf(found.said or found.numbers, forms, percents)}")
         call("calculadora", f'{key("expresion")} "\\"" c_e0 "\\""')
     if "fecha_hora" in names:
         call("fecha_hora", date_arguments(found, key))

@@ -9,6 +9,8 @@ the same numbers.
     found.said      the numbers said, without the constants: what a calculation starts with
     found.latest    the numbers the latest user turn says: with two or more (and grounding.said_first 2), a
                     calculation starts with two different ones ("1250 y gasté 487" computes with both)
+    found.percents  the numbers the latest user turn says only as a percentage ("el 15% de 2400", "quince por
+                    ciento"): a calculation writes them with their "%" ("2400*15%"), never bare ("15*2400")
     found.days      fecha_hora's dias: whole numbers said ("dos semanas" is 14 with grounding.units), the
                     day words said ("mañana" is 1 with grounding.day_words), then grounding.days; either
                     sign may be written
@@ -272,6 +274,20 @@ def spoken_numbers(text):
     return [value for values, _, lone in said(text) if not lone for value in values]
 
 
+PERCENT = re.compile(r"(\d+(?:[.,]\d+)*)\s*%")
+
+
+def percent_numbers(text):
+    """The numbers a text says only as a percentage ("15%", "15 %", "quince por ciento"), as calculator
+    literals: a number also said otherwise ("el 12% de 12") is not among them."""
+    words = plain_words(text)
+    shares = [number_text(v) for match in PERCENT.finditer(text) for v in digit_values(match.group(1))]
+    shares += [number_text(v) for values, _, lone, _, end in said_in(words) if not lone
+               and words[end : end + 2] == ["por", "ciento"] for v in values]  # fmt: skip
+    said = [number_text(value) for value in spoken_numbers(text)]
+    return tuple(n for n in dict.fromkeys(shares) if said.count(n) <= shares.count(n))
+
+
 def asked_days(text, units, day_words):
     """The day offsets a text asks about in so many words: a whole number before a unit ("45 días", "tres
     semanas": units) or a word that is one on its own ("mañana", "anteayer": day_words). "a las 10" is
@@ -368,6 +384,7 @@ class Candidates:
     operators: tuple = FREE_OPERATORS
     pairs: tuple = ()
     turn_ends: tuple = ()
+    percents: tuple = ()
 
 
 def recent_first(values, bound):
@@ -428,6 +445,7 @@ def candidates(messages, settings):
         operators=said_operators(users[-1], grounding["operator_words"]) if users else FREE_OPERATORS,
         pairs=tuple(paired_numbers(users[-1], grounding["operator_words"])[:bound]) if users else (),
         turn_ends=tuple(dict.fromkeys(ends)),
+        percents=percent_numbers(users[-1]) if users else (),
     )
 
 

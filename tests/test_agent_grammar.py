@@ -532,6 +532,25 @@ def test_a_calculation_takes_the_operators_its_question_says(tokenizer, settings
     assert accepts(tokenizer, settings, asked, "calculadora", {"expresion": expression}) is allowed
 
 
+PERCENT = "Oye, calcula el 15% de 2400 porfa"
+
+
+@pytest.mark.parametrize(
+    ("asked", "expression", "allowed"),
+    [(PERCENT, "2400*15%", True), (PERCENT, "15%*2400", True), (PERCENT, "15 %*2400", True),
+     (PERCENT, "15*2400", False), (PERCENT, "2400*15", False), (PERCENT, "2400*15/100", False),
+     ("Calcula el quince por ciento de 2400", "2400*15%", True),
+     ("Calcula el quince por ciento de 2400", "2400*15", False),
+     (DISCOUNT, "100-10", False), ("el 12% de 12", "12*12%", True)],
+)  # fmt: skip
+def test_a_number_said_as_a_percentage_is_written_with_its_percent_sign(
+    tokenizer, settings, asked, expression, allowed
+):
+    # "15*2400" or "2400*15" (36000 for 360) was every rung-a seed's call for "el 15% de 2400"
+    asked = [{"role": "user", "content": asked}]
+    assert accepts(tokenizer, settings, asked, "calculadora", {"expresion": expression}) is allowed
+
+
 @pytest.mark.parametrize(
     ("asked", "expression", "allowed"),
     [("cuanto es 2 elevado a 16", "2**16", True), ("¿Cuánto son doce por quince?", "12**15", False),
