@@ -403,23 +403,29 @@ def numbers_ebnf(numbers, forms, percents):
     return " | ".join(parts)
 
 
-def pair_rules(numbers, forms, pairs=(), percents=()):
+def pair_rules(numbers, forms, pairs=(), percents=(), ordered=()):
     """EBNF `c_pair`: one of `numbers`, an operator, another of them or one the question pairs it with
     ("12 por 12": grounding.paired_numbers), that second one maybe in parentheses after a constant and an
-    operator ("100*(1-10%)"); each signed, each maybe a percentage (c_p). Quadratic in the numbers: the
-    latest turn's, at most grounding.max_candidates."""
+    operator ("100*(1-10%)"); each signed, each maybe a percentage (c_p). A pair joined by words of an
+    operator whose order matters (`ordered`: grounding.ordered_pairs) keeps its order. Quadratic in the
+    numbers: the latest turn's, at most grounding.max_candidates."""
     signed = '("-" | "+")?'
     rules = []
     for index, number in enumerate(numbers):
         partners = [n for n in numbers if n != number] + [b for a, b in pairs if a == number]
         partners += [a for a, b in pairs if b == number]
+        partners = [n for n in partners if (n, number) not in ordered]  # "9.75 entre 3": never 3/9.75
+        if not partners:
+            continue
         others = f"{signed} ({numbers_ebnf(list(dict.fromkeys(partners)), forms, percents)})"
         first = numbers_ebnf([number], forms, percents)
         rules.append(
             f'c_q{index} ::= {signed} ({first}) c_sp c_o c_sp ({others} | "(" c_sp c_n c_sp c_o c_sp '
             f'{others} c_sp ")")'
         )
-    rules.append("c_pair ::= " + " | ".join(f"c_q{index}" for index in range(len(numbers))))
+    if not rules:  # pairs said both ways round ("3 entre 9 entre 3"): no order kept
+        return pair_rules(numbers, forms, pairs, percents)
+    rules.append("c_pair ::= " + " | ".join(rule.split(" ::= ")[0] for rule in rules))
     return rules
 
 
@@ -464,7 +470,7 @@ def grounded_ebnf(names, found, settings):
         paired = settings["grounding"]["said_first"] > 1 and len(found.latest) > 1
         rules += calculation_rules(settings["grounding"]["max_parentheses"], found.operators, paired)
         percents = found.percents if "%" in found.operators else ()
-        rules += pair_rules(found.latest, forms, found.pairs, percents) if paired else []
+        rules += pair_rules(found.latest, forms, found.pairs, percents, found.ordered) if paired else []
         rules.append(f"c_n ::= {numbers_ebnf(found.numbers, forms, percents)}")
         rules.append(f"c_s ::= {numbers_ebnf(found.said or found.numbers, forms, percents)}")
         call("calculadora", f'{key("expresion")} "\\"" c_e0 "\\""')

@@ -9,6 +9,11 @@ the same numbers.
     found.said      the numbers said, without the constants: what a calculation starts with
     found.latest    the numbers the latest user turn says: with two or more (and grounding.said_first 2), a
                     calculation starts with two different ones ("1250 y gasté 487" computes with both)
+    found.pairs, found.ordered
+                    the numbers the latest turn joins with an operator word ("12 por 12": paired even when
+                    others are said), and those joined by words of an operator whose order matters ("9.75
+                    entre 3", "2 elevado a 16"): a calculation starting with the pair's second number
+                    cannot take its first as its partner ("3/9.75", "16**2")
     found.percents  the numbers the latest user turn says only as a percentage ("el 15% de 2400", "quince por
                     ciento"): a calculation writes them with their "%" ("2400*15%"), never bare ("15*2400")
     found.days      fecha_hora's dias: whole numbers said ("dos semanas" is 14 with grounding.units), the
@@ -252,18 +257,36 @@ def said_operators(text, operator_words):
     return tuple(operator for operator in (*FREE_OPERATORS, "mod", "**", "//") if operator in allowed)
 
 
-def paired_numbers(text, operator_words):
-    """The pairs of numbers the text joins with an operator word, as calculator literals: "12 por 12"
-    pairs 12 with 12 (at most three words between them, one an operator phrase)."""
+ORDERED_OPERATORS = {"-", "/", "**", "//", "mod"}  # "9.75 entre 3" is 9.75/3, never 3/9.75
+
+
+def joined_numbers(text, operator_words):
+    """(first, second, operators) of the numbers the text joins with an operator word, as calculator
+    literals: "12 por 12" joins 12 with 12 (at most three words between them, one an operator phrase)."""
     table = operator_table(operator_words)
     words = plain_words(text)
     numbers = [(values, start, end) for values, _, lone, start, end in said_in(words) if not lone]
-    phrases = [(start, end) for start, end, operators in operator_phrases(words, table) if operators]
-    pairs = []
+    phrases = [
+        (start, end, operators) for start, end, operators in operator_phrases(words, table) if operators
+    ]
+    joined = []
     for (first, _, end), (second, start, _) in zip(numbers, numbers[1:], strict=False):
-        if 0 < start - end <= 3 and any(end <= a and b <= start for a, b in phrases):
-            pairs.append((number_text(first[0]), number_text(second[0])))
-    return pairs
+        between = [operators for a, b, operators in phrases if end <= a and b <= start]
+        if 0 < start - end <= 3 and between:
+            joined.append((number_text(first[0]), number_text(second[0]), frozenset().union(*between)))
+    return joined
+
+
+def paired_numbers(text, operator_words):
+    """The pairs of numbers the text joins with an operator word (joined_numbers)."""
+    return [(first, second) for first, second, _ in joined_numbers(text, operator_words)]
+
+
+def ordered_pairs(text, operator_words):
+    """The pairs joined only by words of operators whose order matters ("9.75 entre 3", "2 elevado a 16",
+    "17 menos 5"): a calculation starting with the second number may not take the first as its partner."""
+    return [(first, second) for first, second, operators in joined_numbers(text, operator_words)
+            if operators <= ORDERED_OPERATORS and first != second]  # fmt: skip
 
 
 def spoken_numbers(text):
@@ -385,6 +408,7 @@ class Candidates:
     pairs: tuple = ()
     turn_ends: tuple = ()
     percents: tuple = ()
+    ordered: tuple = ()
 
 
 def recent_first(values, bound):
@@ -444,6 +468,7 @@ def candidates(messages, settings):
         ids=tuple(recent_first(ids, bound)),
         operators=said_operators(users[-1], grounding["operator_words"]) if users else FREE_OPERATORS,
         pairs=tuple(paired_numbers(users[-1], grounding["operator_words"])[:bound]) if users else (),
+        ordered=tuple(ordered_pairs(users[-1], grounding["operator_words"])[:bound]) if users else (),
         turn_ends=tuple(dict.fromkeys(ends)),
         percents=percent_numbers(users[-1]) if users else (),
     )

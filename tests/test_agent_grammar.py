@@ -532,6 +532,23 @@ def test_a_calculation_takes_the_operators_its_question_says(tokenizer, settings
     assert accepts(tokenizer, settings, asked, "calculadora", {"expresion": expression}) is allowed
 
 
+@pytest.mark.parametrize(
+    ("asked", "expression", "allowed"),
+    [("Necesito dividir 9.75 entre 3, ¿cuánto sale?", "9.75/3", True),
+     ("Necesito dividir 9.75 entre 3, ¿cuánto sale?", "3/9,75", False),
+     ("cuanto es 2 elevado a 16", "2**16", True), ("cuanto es 2 elevado a 16", "16**2", False),
+     ("¿Cuál es el resto de 17 entre 5?", "5 % 17", False), ("¿Cuánto es 20 menos 8?", "8-20", False),
+     ("¿Cuánto es 20 menos 8?", "20-8", True), ("¿Cuánto es 347 por 28?", "28*347", True),
+     ("Tenía 1250 pesos y gasté 487", "487-1250", True)],  # "gasté" may also be "*": no order kept
+)  # fmt: skip
+def test_numbers_joined_by_an_operator_whose_order_matters_keep_the_order_said(
+    tokenizer, settings, asked, expression, allowed
+):
+    # rung a's seeds wrote "3/9,75" and "16**2" for these questions
+    asked = [{"role": "user", "content": asked}]
+    assert accepts(tokenizer, settings, asked, "calculadora", {"expresion": expression}) is allowed
+
+
 PERCENT = "Oye, calcula el 15% de 2400 porfa"
 
 
