@@ -284,12 +284,13 @@ def undecodable_argument(argv):
 def takes_text_arguments(prog=None):
     """A command's main(argv), wrapped so that an argument undecodable_argument refuses ends the command
     with its one line ("prog: error: ...", or "error: ...") and exit 2, argparse's code for a bad command
-    line, before main reads anything. argv None is sys.argv[1:]."""
+    line, before main reads anything. argv None is sys.argv[1:], and main gets that list."""
 
     def wrap(main):
         @functools.wraps(main)
         def main_with_text_arguments(argv=None, *args, **kwargs):
-            problem = undecodable_argument(sys.argv[1:] if argv is None else argv)
+            argv = sys.argv[1:] if argv is None else argv
+            problem = undecodable_argument(argv)
             if problem:
                 print(f"{prog}: error: {problem}" if prog else f"error: {problem}", file=sys.stderr)
                 return 2

@@ -852,7 +852,6 @@ def print_response(response: SearchResponse) -> None:
 
 @fileio.takes_text_arguments("search.py")
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description="Search the web: DuckDuckGo lite, then Brave as fallback.")
     parser.add_argument("query", nargs="+", help="the search terms (quote them or not)")
     parser.add_argument("-n", "--max-results", type=max_results_arg, default=10, help="1-20, default 10")

@@ -405,7 +405,7 @@ def numbers_ebnf(numbers, forms, percents):
 
 def pair_rules(numbers, forms, pairs=(), percents=(), ordered=()):
     """EBNF `c_pair`: one of `numbers`, an operator, another of them or one the question pairs it with
-    ("12 por 12": grounding.paired_numbers), that second one maybe in parentheses after a constant and an
+    ("12 por 12": grounding.joined_numbers), that second one maybe in parentheses after a constant and an
     operator ("100*(1-10%)"); each signed, each maybe a percentage (c_p). A pair joined by words of an
     operator whose order matters (`ordered`: grounding.ordered_pairs) keeps its order. Quadratic in the
     numbers: the latest turn's, at most grounding.max_candidates."""

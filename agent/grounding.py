@@ -177,7 +177,7 @@ def plain_words(text):
 def said_in(words):
     """(values, next word, lone, first word's index, index after it) of each number in these plain words: a
     number written with digits has the value the calculator reads (digit_values); lone is a LONE_WORDS word
-    said alone, which spoken_numbers and paired_numbers do not count."""
+    said alone, which spoken_numbers and joined_numbers do not count."""
     found, index = [], 0
     while index < len(words):
         word = words[index]
@@ -192,9 +192,8 @@ def said_in(words):
         else:
             value, used = read_words(words, index)
             values, used = ([value], used) if used else ([], 1)
-        lone = (
-            used == 1 and word in LONE_WORDS
-        )  # "una cena", "cada uno", "la media": no number to compute with
+        # "una cena", "cada uno", "la media": no number to compute with
+        lone = used == 1 and word in LONE_WORDS
         index += used
         if values:
             found.append((values, words[index] if index < len(words) else "", lone, index - used, index))
@@ -277,15 +276,11 @@ def joined_numbers(text, operator_words):
     return joined
 
 
-def paired_numbers(text, operator_words):
-    """The pairs of numbers the text joins with an operator word (joined_numbers)."""
-    return [(first, second) for first, second, _ in joined_numbers(text, operator_words)]
-
-
-def ordered_pairs(text, operator_words):
-    """The pairs joined only by words of operators whose order matters ("9.75 entre 3", "2 elevado a 16",
-    "17 menos 5"): a calculation starting with the second number may not take the first as its partner."""
-    return [(first, second) for first, second, operators in joined_numbers(text, operator_words)
+def ordered_pairs(joined):
+    """Of joined_numbers' pairs, those joined only by words of operators whose order matters ("9.75 entre
+    3", "2 elevado a 16", "17 menos 5"): a calculation starting with the second number may not take the
+    first as its partner."""
+    return [(first, second) for first, second, operators in joined
             if operators <= ORDERED_OPERATORS and first != second]  # fmt: skip
 
 
@@ -450,6 +445,7 @@ def candidates(messages, settings):
     ids += reversed(named_ids(users[-1], grounding["id_words"])) if users else []  # the first named leads
     asked = asked_days(users[-1], grounding["units"], grounding["day_words"]) if users else []
     asked_zones = named_zones(users[-1], grounding["places"]) if users else []
+    joined = joined_numbers(users[-1], grounding["operator_words"]) if users else []
     numbers = said + [number_text(Decimal(str(n))) for n in grounding["numbers"]]
     days = [day for day in recent_first(days, bound) if abs(day) <= limit] + list(grounding["days"])
     words, ends = [], []
@@ -467,8 +463,8 @@ def candidates(messages, settings):
         words=tuple(words),
         ids=tuple(recent_first(ids, bound)),
         operators=said_operators(users[-1], grounding["operator_words"]) if users else FREE_OPERATORS,
-        pairs=tuple(paired_numbers(users[-1], grounding["operator_words"])[:bound]) if users else (),
-        ordered=tuple(ordered_pairs(users[-1], grounding["operator_words"])[:bound]) if users else (),
+        pairs=tuple((first, second) for first, second, _ in joined[:bound]),
+        ordered=tuple(ordered_pairs(joined)[:bound]),
         turn_ends=tuple(dict.fromkeys(ends)),
         percents=percent_numbers(users[-1]) if users else (),
     )
