@@ -549,6 +549,12 @@ def test_numbers_joined_by_an_operator_whose_order_matters_keep_the_order_said(
     assert accepts(tokenizer, settings, asked, "calculadora", {"expresion": expression}) is allowed
 
 
+def test_a_pair_said_both_ways_round_keeps_no_order_and_still_makes_a_grammar(tokenizer, settings):
+    asked = [{"role": "user", "content": "¿Cuánto es 3 entre 9 entre 3?"}]
+    assert accepts(tokenizer, settings, asked, "calculadora", {"expresion": "9/3"})
+    assert accepts(tokenizer, settings, asked, "calculadora", {"expresion": "3/9"})
+
+
 PERCENT = "Oye, calcula el 15% de 2400 porfa"
 
 
